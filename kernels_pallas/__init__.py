@@ -1,0 +1,1 @@
+"""Pallas GPU kernels for grouped expert matmuls. Independent of `moejax`."""

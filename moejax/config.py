@@ -1,0 +1,143 @@
+"""`MoEConfig`: every static choice of an MoE layer, validated on construction."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+import jax.numpy as jnp
+
+Activation = Literal["silu", "gelu"]
+Scoring = Literal["softmax", "sigmoid"]
+ExpertBackend = Literal["xla", "pallas", "auto"]
+
+_ACTIVATIONS = ("silu", "gelu")
+_SCORINGS = ("softmax", "sigmoid")
+_BACKENDS = ("xla", "pallas", "auto")
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+  """Static configuration of an `MoELayer`.
+
+  Frozen and hashable, so it can be a static argument of `jax.jit`. Every field is checked in
+  `__post_init__`; a bad value raises `ValueError` naming the field.
+
+  Attributes:
+    num_experts: E, routed experts in the layer.
+    top_k: K, experts chosen per token.
+    hidden_size: D, the model width.
+    intermediate_size: F, each routed expert's hidden width (gate and up both have F columns).
+    chunk_size: C, tokens per chunk per device (vLLM's VLLM_MOE_DP_CHUNK_SIZE). Bounds the
+      collective buffers: each chunk all-gathers at most C rows per expert-axis device.
+    activation: "silu" or "gelu" (exact erf); experts compute `act(gate) * up`.
+    scoring: "softmax" or "sigmoid" of the router logits.
+    renormalize: rescale the K chosen weights of a token to sum to 1.
+    num_expert_groups: G, groups of experts for grouped (DeepSeek) top-k; 1 = plain top-k.
+    topk_groups: groups kept per token before the top-k; at most `num_expert_groups`.
+    use_routing_bias: add the learned `routing_bias` [E] to the scores for selection only
+      (DeepSeek-V3's e_score_correction_bias); the bias never enters the weights.
+    routed_scaling_factor: multiplies the final routing weights.
+    num_shared_experts: dense experts every token passes through (0 = none). They are stored
+      fused as one MLP of width `shared_intermediate_size`.
+    shared_intermediate_size: Fs, total hidden width of the shared experts.
+    dtype: compute dtype of the expert matmuls (the router always runs in float32).
+    param_dtype: storage dtype of the parameters.
+    data_axis: mesh axis over which tokens are split (data parallelism).
+    expert_axis: mesh axis over which experts (and tokens) are split.
+    expert_backend: "xla" (sorted, tiled matmuls), "pallas" (`kernels_pallas` kernels) or
+      "auto" (the XLA path; see `moejax.experts`).
+
+  >>> MoEConfig(num_experts=8, top_k=2, hidden_size=64, intermediate_size=128).chunk_size
+  256
+  >>> MoEConfig(num_experts=8, top_k=9, hidden_size=64, intermediate_size=128)
+  Traceback (most recent call last):
+  ...
+  ValueError: top_k=9 must be in [1, num_experts=8]
+  """
+
+  num_experts: int
+  top_k: int
+  hidden_size: int
+  intermediate_size: int
+  chunk_size: int = 256
+  activation: Activation = "silu"
+  scoring: Scoring = "softmax"
+  renormalize: bool = False
+  num_expert_groups: int = 1
+  topk_groups: int = 1
+  use_routing_bias: bool = False
+  routed_scaling_factor: float = 1.0
+  num_shared_experts: int = 0
+  shared_intermediate_size: int = 0
+  dtype: jnp.dtype = jnp.float32
+  param_dtype: jnp.dtype = jnp.float32
+  data_axis: str = "data"
+  expert_axis: str = "expert"
+  expert_backend: ExpertBackend = "auto"
+
+  def __post_init__(self) -> None:
+    self._check_sizes()
+    self._check_choices()
+    self._check_groups()
+    self._check_shared()
+    # Normalise dtypes so that equal configs hash equally (jnp.float32 vs np.dtype("float32")).
+    object.__setattr__(self, "dtype", jnp.dtype(self.dtype))
+    object.__setattr__(self, "param_dtype", jnp.dtype(self.param_dtype))
+    if not jnp.issubdtype(self.dtype, jnp.floating):
+      raise ValueError(f"dtype must be a floating dtype, got {self.dtype}")
+    if not jnp.issubdtype(self.param_dtype, jnp.floating):
+      raise ValueError(f"param_dtype must be a floating dtype, got {self.param_dtype}")
+    if self.data_axis == self.expert_axis:
+      raise ValueError(f"data_axis and expert_axis must differ, both are {self.data_axis!r}")
+
+  def _check_sizes(self) -> None:
+    for name in ("num_experts", "hidden_size", "intermediate_size", "chunk_size"):
+      value = getattr(self, name)
+      if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if not isinstance(self.top_k, int) or not 1 <= self.top_k <= self.num_experts:
+      raise ValueError(f"top_k={self.top_k} must be in [1, num_experts={self.num_experts}]")
+    if not self.routed_scaling_factor > 0:
+      raise ValueError(f"routed_scaling_factor must be > 0, got {self.routed_scaling_factor}")
+
+  def _check_choices(self) -> None:
+    for name, allowed in (
+      ("activation", _ACTIVATIONS),
+      ("scoring", _SCORINGS),
+      ("expert_backend", _BACKENDS),
+    ):
+      if getattr(self, name) not in allowed:
+        raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+
+  def _check_groups(self) -> None:
+    groups, kept = self.num_expert_groups, self.topk_groups
+    if groups < 1 or self.num_experts % groups:
+      raise ValueError(
+        f"num_expert_groups={groups} must be >= 1 and divide num_experts={self.num_experts}"
+      )
+    if not 1 <= kept <= groups:
+      raise ValueError(f"topk_groups={kept} must be in [1, num_expert_groups={groups}]")
+    if self.top_k > kept * (self.num_experts // groups):
+      raise ValueError(
+        f"top_k={self.top_k} exceeds the {kept * (self.num_experts // groups)} experts in "
+        f"topk_groups={kept} groups of {self.num_experts // groups}"
+      )
+    if self.use_routing_bias and groups > 1 and self.num_experts // groups < 2:
+      raise ValueError("a biased group score sums the top 2 experts of a group: groups need >= 2")
+
+  def _check_shared(self) -> None:
+    if self.num_shared_experts < 0:
+      raise ValueError(f"num_shared_experts must be >= 0, got {self.num_shared_experts}")
+    if self.num_shared_experts and self.shared_intermediate_size < 1:
+      raise ValueError(
+        f"shared_intermediate_size must be >= 1 when num_shared_experts="
+        f"{self.num_shared_experts}, got {self.shared_intermediate_size}"
+      )
+    if not self.num_shared_experts and self.shared_intermediate_size:
+      raise ValueError("shared_intermediate_size is set but num_shared_experts is 0")
+
+  @property
+  def has_shared_experts(self) -> bool:
+    """Whether the layer holds shared-expert weights."""
+    return self.num_shared_experts > 0

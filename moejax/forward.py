@@ -1,0 +1,229 @@
+"""`moe_apply`: the functional MoE forward pass, on one device or a (data, expert) mesh.
+
+Flow: check inputs (trace time) -> flatten and pad tokens -> `shard_map` over the mesh ->
+on each device `local_forward`: router once on the local tokens -> top-k -> chunk loop of
+all-gather / local experts / reduce-scatter -> shared experts -> masked output and router stats.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+
+from moejax import routing, sharding
+from moejax.chunking import chunk_scan, plan_chunks
+from moejax.config import MoEConfig
+from moejax.dispatch import exchange_and_compute, sum_over, vary_over
+from moejax.experts import check_backend, gated_mlp
+from moejax.params import MoEParams, check_params
+
+
+class MoEAux(NamedTuple):
+  """Auxiliary outputs of one layer call.
+
+  Attributes:
+    expert_counts: [E] int32 valid tokens routed to each expert (a token counts K times).
+    load_balancing_loss: [] float32 Switch Transformer loss, 1.0 when perfectly balanced.
+    router_z_loss: [] float32 mean squared logsumexp of the router logits.
+    chunks_run: [devices] int32 chunks each device ran (the rest were skipped as all-padding),
+      devices in mesh order (data-major); [1] without a mesh.
+  """
+
+  expert_counts: jax.Array
+  load_balancing_loss: jax.Array
+  router_z_loss: jax.Array
+  chunks_run: jax.Array
+
+
+def moe_apply(
+  params: MoEParams,
+  x: jax.Array,
+  *,
+  config: MoEConfig,
+  mesh: Mesh | None = None,
+  token_mask: jax.Array | None = None,
+  router_logits: jax.Array | None = None,
+) -> tuple[jax.Array, MoEAux]:
+  """Runs the MoE layer: y = shared(x) + sum_k w_k * expert_{e_k}(x), per token.
+
+  Args:
+    params: the layer's `MoEParams`.
+    x: [..., D] float tokens (any leading dims; T = their product need not divide the mesh).
+    config: the layer's `MoEConfig`.
+    mesh: a mesh with `config.data_axis` and `config.expert_axis`, or None for one device. With
+      an explicit-axes mesh (`jax.make_mesh`'s default), call inside `jax.set_mesh(mesh)`.
+    token_mask: [...] bool, True for real tokens; None means all real.
+    router_logits: [..., E] precomputed router logits; then the router is not run again.
+
+  Returns:
+    (y, aux): y has x's shape and dtype, exactly 0 where the mask is False; aux is `MoEAux`.
+  """
+  _check_inputs(params, x, token_mask, router_logits, config, mesh)
+  return _moe_apply_jit(params, x, token_mask, router_logits, config=config, mesh=mesh)
+
+
+def compiled_executables() -> int:
+  """How many executables `moe_apply` has compiled in this process (one per static signature:
+  config, mesh, shapes and dtypes; token masks and values never add one)."""
+  return _moe_apply_jit._cache_size()
+
+
+def _check_inputs(params, x, token_mask, router_logits, config, mesh) -> None:
+  """Trace-time checks, so that bad input fails with a clear message before any XLA error."""
+  if not isinstance(config, MoEConfig):
+    raise TypeError(f"config must be a MoEConfig, got {type(config).__name__}")
+  check_backend(config)
+  if mesh is not None:
+    sharding.check_mesh(mesh, config)
+  check_params(params, config)
+  if not jnp.issubdtype(jnp.result_type(x), jnp.floating):
+    raise TypeError(f"x must be a floating array, got dtype {jnp.result_type(x)}")
+  if x.ndim < 1 or x.shape[-1] != config.hidden_size:
+    raise ValueError(f"x has shape {x.shape}; expected [..., hidden_size={config.hidden_size}]")
+  if token_mask is not None:
+    if token_mask.shape != x.shape[:-1]:
+      raise ValueError(
+        f"token_mask has shape {token_mask.shape}; expected x.shape[:-1]={x.shape[:-1]}"
+      )
+    if jnp.result_type(token_mask) != jnp.bool_:
+      raise TypeError(f"token_mask must be bool, got dtype {jnp.result_type(token_mask)}")
+  if router_logits is not None:
+    expected = (*x.shape[:-1], config.num_experts)
+    if router_logits.shape != expected:
+      raise ValueError(f"router_logits has shape {router_logits.shape}; expected {expected}")
+    if not jnp.issubdtype(jnp.result_type(router_logits), jnp.floating):
+      raise TypeError(f"router_logits must be floating, got dtype {jnp.result_type(router_logits)}")
+
+
+@functools.partial(jax.jit, static_argnames=("config", "mesh"))
+def _moe_apply_jit(params, x, token_mask, router_logits, *, config, mesh):
+  lead = x.shape[:-1]
+  num_tokens = math.prod(lead)
+  devices = 1 if mesh is None else mesh.shape[config.data_axis] * mesh.shape[config.expert_axis]
+  chunk, local = plan_chunks(num_tokens, devices, config.chunk_size)
+  pad = local * devices - num_tokens
+
+  def flat(a, fill):
+    a = a.reshape(num_tokens, *a.shape[len(lead) :])
+    return jnp.pad(a, [(0, pad)] + [(0, 0)] * (a.ndim - 1), constant_values=fill)
+
+  mask = jnp.ones(lead, bool) if token_mask is None else token_mask
+  inputs = (
+    flat(x, 0),
+    flat(mask, False),
+    None if router_logits is None else flat(router_logits, 0),
+  )
+  body = functools.partial(
+    local_forward,
+    config=config,
+    chunk_size=chunk,
+    expert_axis=None if mesh is None else config.expert_axis,
+    all_axes=() if mesh is None else (config.data_axis, config.expert_axis),
+  )
+  if mesh is None:
+    y, stats, chunks_run = body(params, *inputs)
+  else:
+    y, stats, chunks_run = _shard(body, mesh, config, params, inputs)
+  y = y[:num_tokens].reshape(x.shape).astype(x.dtype)
+  aux = MoEAux(
+    expert_counts=stats.expert_counts,
+    load_balancing_loss=routing.load_balancing_loss(stats, config.top_k),
+    router_z_loss=routing.router_z_loss(stats),
+    chunks_run=chunks_run,
+  )
+  return y, aux
+
+
+def _shard(body, mesh: Mesh, config: MoEConfig, params: MoEParams, inputs):
+  """Runs `body` under `shard_map`: tokens over (data, expert), experts over expert."""
+  specs = sharding.LayerSpecs.from_config(config)
+  expert_weights = ("w_gate_up", "w_down")
+  param_specs = MoEParams(
+    *(
+      None if value is None else specs.experts_e if name in expert_weights else specs.replicated
+      for name, value in zip(MoEParams._fields, params, strict=True)
+    )
+  )
+  params = jax.tree.map(lambda a, s: sharding.constrain(a, mesh, s), params, param_specs)
+  inputs = jax.tree.map(lambda a: sharding.constrain(a, mesh, specs.tokens_t), inputs)
+  stats_specs = routing.RouterStats(*[specs.replicated] * len(routing.RouterStats._fields))
+  return jax.shard_map(
+    body,
+    mesh=mesh,
+    in_specs=(param_specs, specs.tokens_t, specs.tokens_t, specs.tokens_t),
+    out_specs=(specs.tokens_t, stats_specs, specs.tokens_t),
+  )(params, *inputs)
+
+
+def _zero_padding(x: jax.Array, token_mask: jax.Array) -> jax.Array:
+  """`x` with padding rows set to 0: whatever padding holds (NaN, Inf) goes no further."""
+  return jnp.where(token_mask.reshape(-1, *[1] * (x.ndim - 1)), x, jnp.zeros((), x.dtype))
+
+
+def local_forward(
+  params: MoEParams,
+  x: jax.Array,
+  token_mask: jax.Array,
+  router_logits: jax.Array | None,
+  *,
+  config: MoEConfig,
+  chunk_size: int,
+  expert_axis: str | None,
+  all_axes: tuple[str, ...],
+) -> tuple[jax.Array, routing.RouterStats, jax.Array]:
+  """One device's part of the layer (the `shard_map` body).
+
+  Args:
+    params: replicated router and shared weights; this device's El experts.
+    x: [L, D] this device's tokens, L a multiple of `chunk_size`.
+    token_mask: [L] bool.
+    router_logits: [L, E] precomputed logits, or None to run the router here.
+    config: the layer's config.
+    chunk_size: C, rows per chunk.
+    expert_axis: the mesh's expert axis, or None without a mesh.
+    all_axes: every mesh axis the tokens are split over (to sum router stats).
+
+  Returns:
+    (y [L, D] in the compute dtype, RouterStats summed over all devices, chunks_run [1]).
+  """
+  x = _zero_padding(x, token_mask)
+  if router_logits is None:
+    router_logits = jnp.dot(
+      x.astype(jnp.float32), params.router_kernel.astype(jnp.float32)
+    )  # [L, E], the router's only run
+  router_logits = _zero_padding(router_logits, token_mask)
+  route = routing.route(router_logits, token_mask, config, params.routing_bias)
+  stats = jax.tree.map(
+    lambda a: sum_over(a, all_axes), routing.router_stats(router_logits, route, token_mask)
+  )
+  dtype = config.dtype
+  # Expert weights already vary over the expert axis; they are the same on every data rank.
+  data_axes = tuple(a for a in all_axes if a != expert_axis)
+  w_gate_up, w_down = (
+    vary_over(w.astype(dtype), data_axes) for w in (params.w_gate_up, params.w_down)
+  )
+  if config.has_shared_experts:
+    shared_w_gate_up, shared_w_down = (
+      vary_over(w.astype(dtype), all_axes) for w in (params.shared_w_gate_up, params.shared_w_down)
+    )
+
+  def run_chunk(chunk):
+    rows, expert_ids, weights = chunk
+    out = exchange_and_compute(
+      rows, expert_ids, weights, w_gate_up, w_down, config=config, expert_axis=expert_axis
+    )
+    if config.has_shared_experts:
+      shared = gated_mlp(rows, shared_w_gate_up, shared_w_down, config.activation)
+      out = (out.astype(jnp.float32) + shared).astype(dtype)
+    return out
+
+  chunk_inputs = (x.astype(dtype), route.expert_ids, route.weights)
+  y, chunks_run = chunk_scan(
+    run_chunk, chunk_inputs, token_mask, chunk_size=chunk_size, lockstep_axis=expert_axis
+  )
+  return _zero_padding(y, token_mask), stats, chunks_run[None]

@@ -1,0 +1,116 @@
+"""`MoELayer`: the Flax NNX module that holds the weights and calls `moe_apply`."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh
+
+from moejax.config import MoEConfig
+from moejax.forward import MoEAux, moe_apply
+from moejax.params import MoEParams, param_shapes
+from moejax.sharding import check_mesh, param_sharding
+
+Initializer = Callable[[jax.Array, tuple[int, ...], jnp.dtype], jax.Array]
+
+
+def fan_in_init(key: jax.Array, shape: tuple[int, ...], dtype: jnp.dtype) -> jax.Array:
+  """Truncated normal with std 1/sqrt(fan_in), fan_in = shape[-2] (per expert for [E, in, out])."""
+  std = shape[-2] ** -0.5 / 0.87962566  # undo the truncation at ±2 std
+  return (jax.random.truncated_normal(key, -2.0, 2.0, shape) * std).astype(dtype)
+
+
+class MoELayer(nnx.Module):
+  """A Mixture-of-Experts FFN block, optionally spread over a (data, expert) mesh.
+
+  Parameters (the checkpoint format): `router_kernel` [D, E], `routing_bias` [E] (with
+  `use_routing_bias`), `w_gate_up` [E, D, 2F], `w_down` [E, F, D], and with shared experts
+  `shared_w_gate_up` [D, 2Fs], `shared_w_down` [Fs, D]. Each carries `out_sharding` metadata
+  (E over the expert axis); with a mesh they are created sharded on it.
+
+  Under `nnx.capture(..., nnx.Intermediate)` each call sows its aux outputs: `expert_counts`
+  [E], `load_balancing_loss` [], `router_z_loss` [] (a tuple of values per name, one per
+  call). `moejax.moe_apply` returns the same values directly.
+
+  Args:
+    config: the layer's `MoEConfig`.
+    mesh: a mesh with the config's data and expert axes, or None for one device.
+    rngs: `nnx.Rngs` with a `params` stream.
+    kernel_init: initializer of the router, expert and shared-expert matrices.
+    bias_init: initializer of `routing_bias`.
+
+  >>> config = MoEConfig(num_experts=4, top_k=2, hidden_size=8, intermediate_size=16)
+  >>> layer = MoELayer(config, rngs=nnx.Rngs(0))
+  >>> x = jnp.ones((2, 3, 8))
+  >>> layer(x, token_mask=jnp.array([[True, True, False]] * 2)).shape
+  (2, 3, 8)
+  >>> _, aux = nnx.capture(layer, nnx.Intermediate)(x)
+  >>> aux["expert_counts"][0].sum()  # 6 tokens, 2 experts each
+  Array(12, dtype=int32)
+  """
+
+  def __init__(
+    self,
+    config: MoEConfig,
+    *,
+    mesh: Mesh | None = None,
+    rngs: nnx.Rngs,
+    kernel_init: Initializer = fan_in_init,
+    bias_init: Initializer = nnx.initializers.zeros,
+  ):
+    if mesh is not None:
+      check_mesh(mesh, config)
+    self.config = config
+    self.mesh = mesh
+    # With a mesh, flax places each parameter by its metadata; without one there is nowhere
+    # to place it, and the metadata is kept for later use (nnx.get_partition_spec).
+    placement = {"mesh": mesh} if mesh is not None else {"eager_sharding": False}
+    names = param_sharding(config)
+    for name, shape in param_shapes(config).items():
+      init = bias_init if name == "routing_bias" else kernel_init
+      value = init(rngs.params(), shape, config.param_dtype)
+      setattr(self, name, nnx.Param(value, out_sharding=names[name], **placement))
+
+  def moe_params(self) -> MoEParams:
+    """The current weights as an `MoEParams` pytree (for `moejax.moe_apply`)."""
+    return MoEParams(**{name: getattr(self, name)[...] for name in param_shapes(self.config)})
+
+  def __call__(
+    self,
+    x: jax.Array,
+    token_mask: jax.Array | None = None,
+    *,
+    router_logits: jax.Array | None = None,
+  ) -> jax.Array:
+    """Applies the layer.
+
+    Args:
+      x: [..., D] tokens.
+      token_mask: [...] bool, True for real tokens; None means all real.
+      router_logits: [..., E] logits from an external router; the layer's router then does
+        not run.
+
+    Returns:
+      [..., D] with x's dtype; rows whose mask is False are exactly 0.
+    """
+    y, aux = moe_apply(
+      self.moe_params(),
+      x,
+      config=self.config,
+      mesh=self.mesh,
+      token_mask=token_mask,
+      router_logits=router_logits,
+    )
+    self._sow_aux(aux)
+    return y
+
+  def _sow_aux(self, aux: MoEAux) -> None:
+    # Flax deprecates sow() outside nnx.capture(), and only capture reads the values: sow
+    # there only (flax itself tells the two apart by this attribute).
+    if not hasattr(self, "__captures__"):
+      return
+    for name in ("expert_counts", "load_balancing_loss", "router_z_loss"):
+      self.sow(nnx.Intermediate, name, getattr(aux, name))

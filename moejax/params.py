@@ -1,0 +1,57 @@
+"""`MoEParams`: the layer's weights as a pytree, their shapes (the checkpoint format) and checks."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+
+from moejax.config import MoEConfig
+
+
+class MoEParams(NamedTuple):
+  """Weights of one MoE layer. Names and shapes are the checkpoint format.
+
+  Attributes:
+    router_kernel: [D, E].
+    w_gate_up: [E, D, 2F]; gate = `[..., :F]`, up = `[..., F:]`.
+    w_down: [E, F, D].
+    routing_bias: [E] selection bias, or None unless `config.use_routing_bias`.
+    shared_w_gate_up: [D, 2Fs], or None without shared experts.
+    shared_w_down: [Fs, D], or None without shared experts.
+  """
+
+  router_kernel: jax.Array
+  w_gate_up: jax.Array
+  w_down: jax.Array
+  routing_bias: jax.Array | None = None
+  shared_w_gate_up: jax.Array | None = None
+  shared_w_down: jax.Array | None = None
+
+
+def param_shapes(config: MoEConfig) -> dict[str, tuple[int, ...]]:
+  """Shape of every parameter the config needs, keyed by `MoEParams` field name."""
+  d, e, f = config.hidden_size, config.num_experts, config.intermediate_size
+  shapes = {"router_kernel": (d, e), "w_gate_up": (e, d, 2 * f), "w_down": (e, f, d)}
+  if config.use_routing_bias:
+    shapes["routing_bias"] = (e,)
+  if config.has_shared_experts:
+    fs = config.shared_intermediate_size
+    shapes["shared_w_gate_up"] = (d, 2 * fs)
+    shapes["shared_w_down"] = (fs, d)
+  return shapes
+
+
+def check_params(params: MoEParams, config: MoEConfig) -> None:
+  """Raises ValueError if a parameter is missing, unexpected, or of the wrong shape."""
+  expected = param_shapes(config)
+  for name in MoEParams._fields:
+    value = getattr(params, name)
+    if name not in expected:
+      if value is not None:
+        raise ValueError(f"params.{name} is given but the config does not use it")
+      continue
+    if value is None:
+      raise ValueError(f"params.{name} is missing; expected shape {expected[name]}")
+    if tuple(value.shape) != expected[name]:
+      raise ValueError(f"params.{name} has shape {tuple(value.shape)}, expected {expected[name]}")

@@ -1,0 +1,163 @@
+"""Routing: router logits -> scores -> top-k expert ids and weights, and the router's aux losses.
+
+Everything here runs in float32, whatever the layer's compute dtype (Switch Transformer's
+selective precision, Fedus et al. 2021, section 2.4): top-k is decided by small score gaps.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from moejax.config import MoEConfig
+
+
+class Routing(NamedTuple):
+  """Where each token goes.
+
+  Attributes:
+    expert_ids: [T, K] int32 chosen experts; padding tokens hold E, an id no expert owns.
+    weights: [T, K] float32 combine weights; 0 for padding tokens.
+    scores: [T, E] float32 softmax or sigmoid of the logits; 0 for padding tokens.
+  """
+
+  expert_ids: jax.Array
+  weights: jax.Array
+  scores: jax.Array
+
+
+class RouterStats(NamedTuple):
+  """Sums over a set of tokens, to be added across devices before they become losses.
+
+  Attributes:
+    expert_counts: [E] int32 tokens routed to each expert (each of a token's K choices counts).
+    score_sums: [E] float32 sum of each expert's score over the valid tokens.
+    z_sum: [] float32 sum over valid tokens of logsumexp(logits)**2.
+    num_tokens: [] int32 valid tokens.
+  """
+
+  expert_counts: jax.Array
+  score_sums: jax.Array
+  z_sum: jax.Array
+  num_tokens: jax.Array
+
+
+def route(
+  logits: jax.Array, token_mask: jax.Array, config: MoEConfig, routing_bias: jax.Array | None
+) -> Routing:
+  """Chooses K experts per token, as vLLM's `FusedMoE` select_experts does.
+
+  Args:
+    logits: [T, E] router logits (cast to float32).
+    token_mask: [T] bool, True for real tokens.
+    config: the layer's config (scoring, groups, renormalize, scaling).
+    routing_bias: [E] selection bias, or None when `config.use_routing_bias` is off.
+
+  Returns:
+    The `Routing` of the T tokens. Padding tokens route to no expert with weight 0, whatever
+    their logits hold (NaN included).
+  """
+  logits = jnp.where(token_mask[:, None], logits.astype(jnp.float32), 0.0)
+  if config.scoring == "softmax":
+    scores = jax.nn.softmax(logits, axis=-1)
+  else:
+    scores = jax.nn.sigmoid(logits)
+  choice = scores if routing_bias is None else scores + routing_bias.astype(jnp.float32)
+  if config.num_expert_groups > 1:
+    choice = _keep_best_groups(choice, config, biased=routing_bias is not None)
+  _, expert_ids = jax.lax.top_k(choice, config.top_k)  # [T, K]
+  weights = jnp.take_along_axis(scores, expert_ids, axis=-1)  # unbiased scores, [T, K]
+  if config.renormalize:
+    weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+  weights = weights * config.routed_scaling_factor
+  mask = token_mask[:, None]
+  return Routing(
+    expert_ids=jnp.where(mask, expert_ids, config.num_experts).astype(jnp.int32),
+    weights=jnp.where(mask, weights, 0.0),
+    scores=jnp.where(mask, scores, 0.0),
+  )
+
+
+def _keep_best_groups(choice: jax.Array, config: MoEConfig, *, biased: bool) -> jax.Array:
+  """Masks to -inf the experts outside each token's `topk_groups` best groups.
+
+  A group scores as its best expert, or, with the routing bias, as the sum of its best two
+  (DeepSeek-V3's grouped top-k).
+
+  Args:
+    choice: [T, E] selection scores.
+    config: gives G = num_expert_groups and the kept count topk_groups.
+    biased: whether `choice` includes the routing bias.
+
+  Returns:
+    [T, E] selection scores with the dropped groups' experts at -inf.
+  """
+  tokens, experts = choice.shape
+  grouped = choice.reshape(tokens, config.num_expert_groups, -1)  # [T, G, E/G]
+  if biased:
+    group_scores = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)  # [T, G]
+  else:
+    group_scores = jnp.max(grouped, axis=-1)  # [T, G]
+  _, kept = jax.lax.top_k(group_scores, config.topk_groups)  # [T, topk_groups]
+  group_kept = jnp.zeros(group_scores.shape, bool).at[jnp.arange(tokens)[:, None], kept].set(True)
+  expert_kept = jnp.repeat(group_kept, experts // config.num_expert_groups, axis=-1)  # [T, E]
+  return jnp.where(expert_kept, choice, -jnp.inf)
+
+
+def router_stats(logits: jax.Array, routing: Routing, token_mask: jax.Array) -> RouterStats:
+  """Per-expert loads and the sums behind the aux losses, over the valid tokens.
+
+  Args:
+    logits: [T, E] router logits.
+    routing: the tokens' `Routing` (padding already routed nowhere).
+    token_mask: [T] bool.
+
+  Returns:
+    `RouterStats` of these tokens; add them over devices with `jax.lax.psum`.
+  """
+  num_experts = logits.shape[-1]
+  # Padding holds id E: one-hot over E classes drops it.
+  one_hot = jax.nn.one_hot(routing.expert_ids, num_experts, dtype=jnp.int32)  # [T, K, E]
+  # Mask before logsumexp, not after: where() after it would leak NaN into the gradient.
+  logits = jnp.where(token_mask[:, None], logits.astype(jnp.float32), 0.0)
+  log_z = jax.nn.logsumexp(logits, axis=-1)  # [T]
+  return RouterStats(
+    expert_counts=jnp.sum(one_hot, axis=(0, 1)),
+    score_sums=jnp.sum(routing.scores, axis=0),
+    z_sum=jnp.sum(jnp.where(token_mask, log_z, 0.0) ** 2),
+    num_tokens=jnp.sum(token_mask, dtype=jnp.int32),
+  )
+
+
+def load_balancing_loss(stats: RouterStats, top_k: int) -> jax.Array:
+  """Switch Transformer's auxiliary loss, E * sum_e f_e * P_e (1.0 when perfectly balanced).
+
+  f_e is the fraction of the T·K routing choices that went to expert e, P_e the mean score of
+  expert e over the valid tokens. Only P_e carries gradient.
+
+  Args:
+    stats: `RouterStats` summed over all devices.
+    top_k: K.
+
+  Returns:
+    [] float32; 0 when there are no valid tokens.
+  """
+  num_experts = stats.expert_counts.shape[0]
+  tokens = jnp.maximum(stats.num_tokens, 1).astype(jnp.float32)
+  fraction = stats.expert_counts.astype(jnp.float32) / (tokens * top_k)  # [E]
+  mean_score = stats.score_sums / tokens  # [E]
+  return num_experts * jnp.sum(fraction * mean_score)
+
+
+def router_z_loss(stats: RouterStats) -> jax.Array:
+  """ST-MoE's router z-loss, mean over valid tokens of logsumexp(logits)**2 (Zoph et al. 2022).
+
+  Args:
+    stats: `RouterStats` summed over all devices.
+
+  Returns:
+    [] float32; 0 when there are no valid tokens.
+  """
+  return stats.z_sum / jnp.maximum(stats.num_tokens, 1).astype(jnp.float32)

@@ -1,0 +1,83 @@
+"""Mesh checks and every PartitionSpec of the layer, in one place.
+
+Tokens are split over the data and expert axes jointly, expert weights over the expert axis,
+everything else is replicated. The axis names come from `MoEConfig.data_axis` / `.expert_axis`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from moejax.config import MoEConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerSpecs:
+  """PartitionSpecs of the layer's arrays on a (data, expert) mesh.
+
+  Attributes:
+    tokens_t: token-major arrays [T, ...]: T over (data, expert).
+    experts_e: expert weights [E, ...]: E over expert.
+    replicated: router, bias, shared experts, aux losses.
+  """
+
+  tokens_t: P
+  experts_e: P
+  replicated: P
+
+  @classmethod
+  def from_config(cls, config: MoEConfig) -> LayerSpecs:
+    return cls(
+      tokens_t=P((config.data_axis, config.expert_axis)),
+      experts_e=P(config.expert_axis),
+      replicated=P(),
+    )
+
+
+def param_sharding(config: MoEConfig) -> dict[str, tuple[str | None, ...]]:
+  """Per-parameter sharding names (nnx `out_sharding` metadata), keyed by parameter name."""
+  expert = config.expert_axis
+  return {
+    "router_kernel": (None, None),
+    "routing_bias": (None,),
+    "w_gate_up": (expert, None, None),
+    "w_down": (expert, None, None),
+    "shared_w_gate_up": (None, None),
+    "shared_w_down": (None, None),
+  }
+
+
+def check_mesh(mesh: Mesh, config: MoEConfig) -> None:
+  """Raises ValueError unless `mesh` has the config's axes and its expert axis divides E."""
+  if not isinstance(mesh, Mesh):
+    raise TypeError(f"mesh must be a jax.sharding.Mesh or None, got {type(mesh).__name__}")
+  for field in ("data_axis", "expert_axis"):
+    name = getattr(config, field)
+    if name not in mesh.axis_names:
+      raise ValueError(
+        f"mesh has axes {mesh.axis_names} but config.{field}={name!r}: build the mesh with both "
+        f"axes, e.g. jax.make_mesh((dp, ep), ({config.data_axis!r}, {config.expert_axis!r}))"
+      )
+  experts = mesh.shape[config.expert_axis]
+  if config.num_experts % experts:
+    raise ValueError(
+      f"num_experts={config.num_experts} must be divisible by the size of mesh axis "
+      f"{config.expert_axis!r}, {experts}"
+    )
+
+
+def is_explicit(mesh: Mesh) -> bool:
+  """Whether any mesh axis uses explicit sharding (the default of `jax.make_mesh`)."""
+  return any(axis_type == AxisType.Explicit for axis_type in mesh.axis_types)
+
+
+def constrain(x: jax.Array, mesh: Mesh, spec: P) -> jax.Array:
+  """Lays `x` out as `spec` on `mesh`, for explicit and automatic meshes alike."""
+  sharding = NamedSharding(mesh, spec)
+  if is_explicit(mesh):
+    return jax.reshard(x, sharding)
+  return jax.lax.with_sharding_constraint(x, sharding)
