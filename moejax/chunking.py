@@ -9,6 +9,7 @@ group stays in lockstep and the cost follows the busiest device's real tokens.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -18,26 +19,47 @@ import jax.numpy as jnp
 from moejax.dispatch import any_over
 
 
-def plan_chunks(num_tokens: int, num_devices: int, chunk_size: int) -> tuple[int, int]:
-  """Static chunk geometry for T tokens split over `num_devices`.
+@dataclasses.dataclass(frozen=True)
+class TokenLayout:
+  """Static geometry of T tokens split evenly over devices and padded to whole chunks.
 
-  Args:
-    num_tokens: T, tokens in the whole (global) batch.
-    num_devices: devices the tokens are split over.
-    chunk_size: the configured C.
+  Device i holds tokens [i*S, (i+1)*S) (S = ceil(T / devices), the share) followed by padding
+  up to L rows, a multiple of the chunk C' = min(C, S). Padding each device's share in place,
+  rather than the end of the batch, keeps tokens on the device that already holds them.
 
-  Returns:
-    (chunk, local): the chunk actually used, C' = min(C, ceil(T / devices)) (no chunk is
-    larger than a device's share), and the padded tokens per device, a multiple of C'.
-
-  >>> plan_chunks(num_tokens=1000, num_devices=8, chunk_size=32)
-  (32, 128)
-  >>> plan_chunks(num_tokens=10, num_devices=8, chunk_size=256)
-  (2, 2)
+  >>> layout = TokenLayout.plan(num_tokens=10, devices=4, chunk_size=2)
+  >>> layout.share, layout.chunk, layout.local
+  (3, 2, 4)
+  >>> layout.pad(jnp.arange(10), fill=-1).tolist()
+  [0, 1, 2, -1, 3, 4, 5, -1, 6, 7, 8, -1, 9, -1, -1, -1]
+  >>> layout.unpad(layout.pad(jnp.arange(10), fill=-1)).tolist()
+  [0, 1, 2, 3, 4, 5, 6, 7, 8, 9]
   """
-  share = max(-(-num_tokens // num_devices), 1)
-  chunk = min(chunk_size, share)
-  return chunk, -(-share // chunk) * chunk
+
+  num_tokens: int
+  devices: int
+  share: int
+  chunk: int
+  local: int
+
+  @classmethod
+  def plan(cls, num_tokens: int, devices: int, chunk_size: int) -> TokenLayout:
+    share = max(-(-num_tokens // devices), 1)
+    chunk = min(chunk_size, share)
+    return cls(num_tokens, devices, share, chunk, -(-share // chunk) * chunk)
+
+  def pad(self, a: jax.Array, fill) -> jax.Array:
+    """[T, ...] -> [devices * L, ...], padding filled with `fill`."""
+    tail = [(0, 0)] * (a.ndim - 1)
+    a = jnp.pad(a, [(0, self.devices * self.share - self.num_tokens), *tail], constant_values=fill)
+    a = a.reshape(self.devices, self.share, *a.shape[1:])
+    a = jnp.pad(a, [(0, 0), (0, self.local - self.share), *tail], constant_values=fill)
+    return a.reshape(self.devices * self.local, *a.shape[2:])
+
+  def unpad(self, a: jax.Array) -> jax.Array:
+    """[devices * L, ...] -> [T, ...], the inverse of `pad`."""
+    a = a.reshape(self.devices, self.local, *a.shape[1:])[:, : self.share]
+    return a.reshape(self.devices * self.share, *a.shape[2:])[: self.num_tokens]
 
 
 def chunk_scan(

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from moejax import routing, sharding
-from moejax.chunking import chunk_scan, plan_chunks
+from moejax.chunking import TokenLayout, chunk_scan
 from moejax.config import MoEConfig
 from moejax.dispatch import exchange_and_compute, sum_over, vary_over
 from moejax.experts import check_backend, gated_mlp
@@ -103,15 +103,9 @@ def _check_inputs(params, x, token_mask, router_logits, config, mesh) -> None:
 @functools.partial(jax.jit, static_argnames=("config", "mesh"))
 def _moe_apply_jit(params, x, token_mask, router_logits, *, config, mesh):
   lead = x.shape[:-1]
-  num_tokens = math.prod(lead)
   devices = 1 if mesh is None else mesh.shape[config.data_axis] * mesh.shape[config.expert_axis]
-  chunk, local = plan_chunks(num_tokens, devices, config.chunk_size)
-  pad = local * devices - num_tokens
-
-  def flat(a, fill):
-    a = a.reshape(num_tokens, *a.shape[len(lead) :])
-    return jnp.pad(a, [(0, pad)] + [(0, 0)] * (a.ndim - 1), constant_values=fill)
-
+  layout = TokenLayout.plan(math.prod(lead), devices, config.chunk_size)
+  flat = lambda a, fill: layout.pad(a.reshape(layout.num_tokens, *a.shape[len(lead) :]), fill)
   mask = jnp.ones(lead, bool) if token_mask is None else token_mask
   inputs = (
     flat(x, 0),
@@ -121,7 +115,7 @@ def _moe_apply_jit(params, x, token_mask, router_logits, *, config, mesh):
   body = functools.partial(
     local_forward,
     config=config,
-    chunk_size=chunk,
+    chunk_size=layout.chunk,
     expert_axis=None if mesh is None else config.expert_axis,
     all_axes=() if mesh is None else (config.data_axis, config.expert_axis),
   )
@@ -129,7 +123,7 @@ def _moe_apply_jit(params, x, token_mask, router_logits, *, config, mesh):
     y, stats, chunks_run = body(params, *inputs)
   else:
     y, stats, chunks_run = _shard(body, mesh, config, params, inputs)
-  y = y[:num_tokens].reshape(x.shape).astype(x.dtype)
+  y = layout.unpad(y).reshape(x.shape).astype(x.dtype)
   aux = MoEAux(
     expert_counts=stats.expert_counts,
     load_balancing_loss=routing.load_balancing_loss(stats, config.top_k),

@@ -36,7 +36,7 @@ def reference_routing(
     scores = scores / scores.sum(-1, keepdims=True)
   else:
     scores = 1.0 / (1.0 + jnp.exp(-logits))
-  choice = scores if routing_bias is None else scores + routing_bias
+  choice = scores if routing_bias is None else scores + routing_bias[None, :]
   groups = config.num_expert_groups
   if groups > 1:
     size = config.num_experts // groups

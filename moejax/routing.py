@@ -64,7 +64,7 @@ def route(
     scores = jax.nn.softmax(logits, axis=-1)
   else:
     scores = jax.nn.sigmoid(logits)
-  choice = scores if routing_bias is None else scores + routing_bias.astype(jnp.float32)
+  choice = scores if routing_bias is None else scores + routing_bias.astype(jnp.float32)[None, :]
   if config.num_expert_groups > 1:
     choice = _keep_best_groups(choice, config, biased=routing_bias is not None)
   _, expert_ids = jax.lax.top_k(choice, config.top_k)  # [T, K]

@@ -1,0 +1,46 @@
+"""MoEConfig validation: every bad field raises ValueError naming it."""
+
+import jax.numpy as jnp
+import pytest
+
+from moejax import MoEConfig
+
+BASE = dict(num_experts=8, top_k=2, hidden_size=16, intermediate_size=32)
+
+
+@pytest.mark.parametrize(
+  "overrides, message",
+  [
+    (dict(num_experts=0), "num_experts"),
+    (dict(hidden_size=-1), "hidden_size"),
+    (dict(intermediate_size=0), "intermediate_size"),
+    (dict(chunk_size=0), "chunk_size"),
+    (dict(top_k=9), "top_k=9"),
+    (dict(top_k=0), "top_k=0"),
+    (dict(activation="relu"), "activation"),
+    (dict(scoring="tanh"), "scoring"),
+    (dict(expert_backend="cuda"), "expert_backend"),
+    (dict(num_expert_groups=3), "num_expert_groups=3"),
+    (dict(num_expert_groups=4, topk_groups=5), "topk_groups=5"),
+    (dict(num_expert_groups=4, topk_groups=0), "topk_groups=0"),
+    (dict(num_expert_groups=4, topk_groups=1, top_k=3), "top_k=3"),
+    (dict(num_expert_groups=8, topk_groups=2, use_routing_bias=True), "groups need >= 2"),
+    (dict(num_shared_experts=1), "shared_intermediate_size"),
+    (dict(shared_intermediate_size=8), "num_shared_experts"),
+    (dict(num_shared_experts=-1), "num_shared_experts"),
+    (dict(routed_scaling_factor=0.0), "routed_scaling_factor"),
+    (dict(dtype=jnp.int32), "dtype"),
+    (dict(param_dtype=jnp.int8), "param_dtype"),
+    (dict(data_axis="x", expert_axis="x"), "must differ"),
+  ],
+)
+def test_bad_field_raises_naming_it(overrides, message):
+  with pytest.raises(ValueError, match=message):
+    MoEConfig(**{**BASE, **overrides})
+
+
+def test_config_is_hashable_and_dtypes_normalised():
+  a = MoEConfig(**BASE, dtype=jnp.bfloat16)
+  b = MoEConfig(**BASE, dtype=jnp.dtype("bfloat16"))
+  assert a == b and hash(a) == hash(b)
+  assert a.dtype == jnp.dtype(jnp.bfloat16)

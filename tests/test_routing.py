@@ -1,0 +1,113 @@
+"""Routing against the reference's independent implementation, for every option."""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from moejax import MoEConfig
+from moejax.reference import reference_routing
+from moejax.routing import load_balancing_loss, route, router_stats, router_z_loss
+from tests.helpers import assert_close, seed_of
+
+OPTIONS = [
+  dict(scoring=scoring, renormalize=renorm, routed_scaling_factor=scale, **groups)
+  for scoring, renorm, scale, groups in itertools.product(
+    ("softmax", "sigmoid"),
+    (False, True),
+    (1.0, 2.5),
+    (
+      dict(),
+      dict(use_routing_bias=True),
+      dict(num_expert_groups=4, topk_groups=2),
+      dict(num_expert_groups=4, topk_groups=2, use_routing_bias=True),
+    ),
+  )
+]
+
+
+@pytest.mark.parametrize(
+  "options", OPTIONS, ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items())
+)
+def test_route_matches_reference(options, request):
+  config = MoEConfig(num_experts=16, top_k=3, hidden_size=8, intermediate_size=8, **options)
+  k1, k2, k3 = jax.random.split(jax.random.key(seed_of(request.node.name)), 3)
+  logits = jax.random.normal(k1, (64, 16)) * 2.0
+  bias = jax.random.normal(k2, (16,)) if config.use_routing_bias else None
+  mask = jax.random.bernoulli(k3, 0.7, (64,))
+  got = route(logits, mask, config, bias)
+  ids, weights = reference_routing(logits, config, bias)
+  valid = np.asarray(mask)
+  # Compare as sets: top-k order among the chosen is not part of the contract.
+  got_order = np.argsort(np.asarray(got.expert_ids), axis=-1)
+  ref_order = np.argsort(np.asarray(ids), axis=-1)
+  got_ids = np.take_along_axis(np.asarray(got.expert_ids), got_order, -1)
+  ref_ids = np.take_along_axis(np.asarray(ids), ref_order, -1)
+  np.testing.assert_array_equal(got_ids[valid], ref_ids[valid])
+  assert_close(
+    np.take_along_axis(np.asarray(got.weights), got_order, -1)[valid],
+    np.take_along_axis(np.asarray(weights), ref_order, -1)[valid],
+    what="weights",
+  )
+
+
+def test_grouped_topk_stays_in_kept_groups(request):
+  config = MoEConfig(
+    num_experts=16, top_k=4, hidden_size=8, intermediate_size=8, num_expert_groups=8, topk_groups=2
+  )
+  logits = jax.random.normal(jax.random.key(seed_of(request.node.name)), (128, 16))
+  ids = np.asarray(route(logits, jnp.ones(128, bool), config, None).expert_ids)
+  groups_used = {len(set(row // 2)) for row in ids}
+  assert groups_used <= {1, 2}, groups_used
+
+
+def test_bias_selects_but_does_not_weight(request):
+  config = MoEConfig(
+    num_experts=8, top_k=1, hidden_size=8, intermediate_size=8, use_routing_bias=True
+  )
+  logits = jax.random.normal(jax.random.key(seed_of(request.node.name)), (32, 8))
+  bias = jnp.zeros(8).at[5].set(100.0)  # forces expert 5
+  got = route(logits, jnp.ones(32, bool), config, bias)
+  assert np.all(np.asarray(got.expert_ids) == 5)
+  assert_close(got.weights[:, 0], jax.nn.softmax(logits)[:, 5], what="unbiased weights")
+
+
+def test_padding_routes_nowhere_even_if_nan(request):
+  config = MoEConfig(num_experts=8, top_k=2, hidden_size=8, intermediate_size=8)
+  logits = jax.random.normal(jax.random.key(seed_of(request.node.name)), (16, 8))
+  mask = jnp.arange(16) % 3 != 0
+  logits = jnp.where(mask[:, None], logits, jnp.nan)
+  got = route(logits, mask, config, None)
+  pad = ~np.asarray(mask)
+  assert np.all(np.asarray(got.expert_ids)[pad] == 8)
+  assert np.all(np.asarray(got.weights)[pad] == 0)
+  assert np.all(np.isfinite(np.asarray(got.weights)))
+
+
+def test_aux_losses_match_formulas(request):
+  config = MoEConfig(num_experts=4, top_k=2, hidden_size=8, intermediate_size=8)
+  k1, k2 = jax.random.split(jax.random.key(seed_of(request.node.name)))
+  logits = jax.random.normal(k1, (40, 4))
+  mask = jax.random.bernoulli(k2, 0.6, (40,))
+  routing = route(logits, mask, config, None)
+  stats = router_stats(logits, routing, mask)
+  valid = np.asarray(mask)
+  ids = np.asarray(routing.expert_ids)[valid]
+  counts = np.bincount(ids.reshape(-1), minlength=4)
+  np.testing.assert_array_equal(np.asarray(stats.expert_counts), counts)
+  probs = np.asarray(jax.nn.softmax(logits))[valid]
+  expected_lb = 4 * np.sum(counts / (valid.sum() * 2) * probs.mean(0))
+  assert_close(load_balancing_loss(stats, 2), expected_lb, what="load balancing loss")
+  log_z = np.log(np.exp(np.asarray(logits)[valid]).sum(-1))
+  assert_close(router_z_loss(stats), np.mean(log_z**2), what="z-loss")
+
+
+def test_aux_losses_are_zero_without_tokens():
+  config = MoEConfig(num_experts=4, top_k=2, hidden_size=8, intermediate_size=8)
+  logits = jnp.full((8, 4), jnp.nan)
+  mask = jnp.zeros(8, bool)
+  stats = router_stats(logits, route(logits, mask, config, None), mask)
+  assert float(load_balancing_loss(stats, 2)) == 0.0
+  assert float(router_z_loss(stats)) == 0.0
