@@ -1,0 +1,183 @@
+"""The public contract: the NNX module, one compile per shape, one router run, clear errors."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from moejax import MoEConfig, MoELayer, moe_apply, param_shapes, reference_moe
+from tests.helpers import (
+  assert_close,
+  count_compiles,
+  mesh_of,
+  poison,
+  random_params,
+  rank_mask,
+  seed_of,
+)
+
+CONFIG = MoEConfig(
+  num_experts=8,
+  top_k=2,
+  hidden_size=16,
+  intermediate_size=32,
+  chunk_size=4,
+  use_routing_bias=True,
+  num_shared_experts=1,
+  shared_intermediate_size=8,
+)
+
+
+def masks(seed: int, count: int, shape) -> list[jax.Array]:
+  keys = jax.random.split(jax.random.key(seed), count)
+  return [
+    jax.random.bernoulli(k, p, shape) for k, p in zip(keys, np.linspace(0, 1, count), strict=True)
+  ]
+
+
+def test_layer_parameters_are_the_checkpoint_format():
+  layer = MoELayer(CONFIG, mesh=mesh_of(2, 4), rngs=nnx.Rngs(0))
+  state = nnx.state(layer, nnx.Param)
+  shapes = {name: tuple(v.shape) for name, v in state.items()}
+  assert (
+    shapes
+    == param_shapes(CONFIG)
+    == {
+      "router_kernel": (16, 8),
+      "routing_bias": (8,),
+      "w_gate_up": (8, 16, 64),
+      "w_down": (8, 32, 16),
+      "shared_w_gate_up": (16, 16),
+      "shared_w_down": (8, 16),
+    }
+  )
+  specs = nnx.get_partition_spec(state)
+  assert specs["w_gate_up"].get_value() == P("expert", None, None)
+  assert specs["router_kernel"].get_value() == P(None, None)
+  assert layer.w_down[...].sharding.spec == P("expert", None, None)
+
+
+def test_layer_without_mesh_matches_reference_and_sows_aux(request):
+  layer = MoELayer(CONFIG, rngs=nnx.Rngs(seed_of(request.node.name)))
+  x = jax.random.normal(jax.random.key(1), (2, 9, 16))
+  mask = jax.random.bernoulli(jax.random.key(2), 0.6, (2, 9))
+  y, aux = nnx.capture(layer, nnx.Intermediate)(poison(x, mask), mask)
+  assert_close(y, reference_moe(layer.moe_params(), x, CONFIG, mask), what="y")
+  assert int(aux["expert_counts"][0].sum()) == 2 * int(mask.sum())
+  assert set(aux) == {"expert_counts", "load_balancing_loss", "router_z_loss"}
+  layer(x, mask)  # outside capture: no sow, no warning (warnings are errors here)
+
+
+def test_no_new_compilation_when_only_the_mask_changes(request):
+  mesh = mesh_of(2, 4)
+  layer = MoELayer(CONFIG, mesh=mesh, rngs=nnx.Rngs(0))
+  x = jax.random.normal(jax.random.key(seed_of(request.node.name)), (48, 16))
+  patterns = [*masks(1, 4, (48,)), rank_mask([0, 6, 0, 6, 0, 0, 0, 0], 6)]
+
+  @nnx.jit
+  def jitted(layer, x, mask):
+    return layer(x, mask)
+
+  for call in (layer, lambda x, mask: jitted(layer, x, mask)):
+    call(x, patterns[0])  # compile once
+    with count_compiles() as compiles:
+      for mask in patterns[1:]:
+        jax.block_until_ready(call(x, mask))
+    assert compiles == [], f"{len(compiles)} compilations for new masks"
+
+
+def sub_jaxprs(value):
+  """Jaxprs nested in an equation parameter (jit, shard_map, scan, cond branches...)."""
+  values = value if isinstance(value, tuple | list) else (value,)
+  for item in values:
+    inner = getattr(item, "jaxpr", item)
+    if hasattr(inner, "eqns"):
+      yield inner
+
+
+def count_router_matmuls(fn, *args) -> int:
+  """dot_generals anywhere in fn's jaxpr with the router kernel [D=16, E=8] as an operand."""
+
+  def walk(jaxpr):
+    for eqn in jaxpr.eqns:
+      if eqn.primitive.name == "dot_general":
+        yield any(tuple(v.aval.shape) == (16, 8) for v in eqn.invars)
+      for param in eqn.params.values():
+        for inner in sub_jaxprs(param):
+          yield from walk(inner)
+
+  return sum(walk(jax.make_jaxpr(fn)(*args).jaxpr))
+
+
+def test_router_runs_once_and_not_with_external_logits(request):
+  key = jax.random.key(seed_of(request.node.name))
+  params = random_params(CONFIG, key)
+  x = jax.random.normal(jax.random.fold_in(key, 1), (40, 16))
+  mesh = mesh_of(2, 4)
+  forward = lambda p, x: moe_apply(p, x, config=CONFIG, mesh=mesh)[0]
+  assert count_router_matmuls(forward, params, x) == 1
+  logits = jax.random.normal(jax.random.fold_in(key, 2), (40, 8))
+  external = lambda p, x, lg: moe_apply(p, x, config=CONFIG, mesh=mesh, router_logits=lg)[0]
+  assert count_router_matmuls(external, params, x, logits) == 0
+  y = external(params, x, logits)
+  assert_close(y, reference_moe(params, x, CONFIG, router_logits=logits), what="y, ext. logits")
+  # The router kernel takes no gradient when the logits come from outside.
+  grad = jax.grad(lambda p: jnp.sum(external(p, x, logits)))(params)
+  assert float(jnp.abs(grad.router_kernel).max()) == 0.0
+
+
+def test_trains_with_optax(request):
+  config = MoEConfig(num_experts=4, top_k=2, hidden_size=8, intermediate_size=16, chunk_size=8)
+  model = MoELayer(config, mesh=mesh_of(2, 4), rngs=nnx.Rngs(seed_of(request.node.name)))
+  optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+  x = jax.random.normal(jax.random.key(0), (64, 8))
+  target = jnp.tanh(x[:, ::-1])
+
+  @nnx.jit
+  def step(model, optimizer):
+    loss, grads = nnx.value_and_grad(lambda m: jnp.mean((m(x) - target) ** 2))(model)
+    optimizer.update(model, grads)
+    return loss
+
+  losses = [float(step(model, optimizer)) for _ in range(30)]
+  assert losses[-1] < 0.7 * losses[0], losses
+
+
+BAD_CALLS = {
+  "hidden size": (dict(x=jnp.ones((4, 15))), ValueError, "hidden_size=16"),
+  "mask shape": (dict(token_mask=jnp.ones((5,), bool)), ValueError, "token_mask has shape"),
+  "mask dtype": (dict(token_mask=jnp.ones((4,), jnp.int32)), TypeError, "token_mask must be bool"),
+  "int x": (dict(x=jnp.ones((4, 16), jnp.int32)), TypeError, "x must be a floating"),
+  "logits shape": (dict(router_logits=jnp.ones((4, 7))), ValueError, "router_logits has shape"),
+  "missing axis": (dict(mesh=mesh_of(2, 4, ("data", "model"))), ValueError, "config.expert_axis"),
+  "expert axis": (dict(mesh=mesh_of(1, 3)), ValueError, "divisible by the size of mesh axis"),
+  "mesh type": (dict(mesh="2x4"), TypeError, "mesh must be a jax.sharding.Mesh"),
+  "params": (dict(params="drop_bias"), ValueError, "params.routing_bias is missing"),
+  "pallas": (dict(config="pallas"), NotImplementedError, "expert_backend='pallas'"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_CALLS.values(), ids=BAD_CALLS.keys())
+def test_bad_input_raises_before_xla(case):
+  overrides, error, message = case
+  params = random_params(CONFIG, jax.random.key(0))
+  args = dict(x=jnp.ones((4, 16)), config=CONFIG, mesh=None, token_mask=None, router_logits=None)
+  args.update(overrides)
+  if args.pop("params", None) == "drop_bias":
+    params = params._replace(routing_bias=None)
+  if args["config"] == "pallas":
+    args["config"] = MoEConfig(
+      num_experts=8, top_k=2, hidden_size=16, intermediate_size=8, expert_backend="pallas"
+    )
+    params = random_params(args["config"], jax.random.key(0))
+  x = args.pop("x")
+  with pytest.raises(error, match=message):
+    moe_apply(params, x, **args)
+
+
+def test_layer_rejects_a_mesh_that_does_not_fit():
+  with pytest.raises(ValueError, match="divisible"):
+    MoELayer(CONFIG, mesh=mesh_of(1, 3), rngs=nnx.Rngs(0))
