@@ -1,0 +1,193 @@
+"""Public entry points: `gmm` (a drop-in for `jax.lax.ragged_dot`) and `moe_mlp`.
+
+`implementation` picks the backend: "xla" (`jax.lax.ragged_dot`, the reference), "mosaic"
+(Pallas Mosaic GPU, Hopper), "triton" (Pallas Triton, older GPUs), or None for the best one
+on the default device. A case a kernel does not support raises `NotImplementedError` naming
+the reason; with `implementation=None` it falls back to "xla" instead.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from kernels_pallas import gmm_mosaic, gmm_triton
+from kernels_pallas.gmm_triton import activate
+from kernels_pallas.ops import KernelSettings, gmm_vjp, moe_mlp_vjp
+
+IMPLEMENTATIONS = ("xla", "triton", "mosaic")
+ACTIVATIONS = ("silu", "gelu")
+
+
+def default_implementation() -> str:
+  """The best backend for the default device: mosaic on Hopper, triton on other GPUs."""
+  device = jax.devices()[0]
+  if device.platform != "gpu":
+    return "xla"
+  capability = getattr(device, "compute_capability", "0")
+  return "mosaic" if str(capability).startswith("9") else "triton"
+
+
+def _unsupported(implementation: str, lhs: jax.Array, rhs: jax.Array, activation) -> str | None:
+  """Why `implementation` cannot run this case, or None when it can."""
+  if lhs.dtype != rhs.dtype:
+    return f"{implementation} needs lhs and rhs of one dtype, got {lhs.dtype} and {rhs.dtype}"
+  if implementation == "mosaic":
+    return gmm_mosaic.unsupported_reason(lhs.dtype, activation)
+  return None
+
+
+def _settings(implementation, lhs, rhs, config, precision, out_dtype, interpret) -> KernelSettings:
+  num_rows, k = lhs.shape
+  n = rhs.shape[-1]
+  if implementation == "triton":
+    blocks = config or gmm_triton.default_blocks(num_rows, k, n)
+  else:
+    blocks = config or gmm_mosaic.default_blocks(num_rows, k, n)
+  return KernelSettings(
+    implementation=implementation,
+    blocks=blocks,
+    tgmm_blocks=gmm_triton.default_blocks(num_rows, k, n),
+    precision=precision,
+    out_dtype=out_dtype,
+    interpret=interpret,
+  )
+
+
+def _resolve(implementation: str | None, lhs, rhs, activation=None) -> str:
+  if implementation is not None and implementation not in IMPLEMENTATIONS:
+    raise ValueError(
+      f"implementation must be one of {IMPLEMENTATIONS} or None, got {implementation!r}"
+    )
+  chosen = implementation or default_implementation()
+  if chosen == "xla":
+    return chosen
+  reason = _unsupported(chosen, lhs, rhs, activation)
+  if reason is None:
+    return chosen
+  if implementation is None:
+    return "xla"
+  raise NotImplementedError(reason)
+
+
+def _check_gmm_shapes(lhs, rhs, group_sizes) -> None:
+  if lhs.ndim != 2 or rhs.ndim != 3:
+    raise ValueError(f"gmm needs lhs [M, K] and rhs [G, K, N], got {lhs.shape} and {rhs.shape}")
+  if lhs.shape[1] != rhs.shape[1]:
+    raise ValueError(f"lhs K={lhs.shape[1]} must equal rhs K={rhs.shape[1]}")
+  if group_sizes.shape != (rhs.shape[0],):
+    raise ValueError(f"group_sizes has shape {group_sizes.shape}, expected ({rhs.shape[0]},)")
+  if not jnp.issubdtype(group_sizes.dtype, jnp.integer):
+    raise TypeError(f"group_sizes must be integer, got {group_sizes.dtype}")
+
+
+def gmm(
+  lhs: jax.Array,
+  rhs: jax.Array,
+  group_sizes: jax.Array,
+  *,
+  precision=None,
+  preferred_element_type=None,
+  implementation: str | None = None,
+  config=None,
+  interpret: bool = False,
+) -> jax.Array:
+  """Grouped matmul with `jax.lax.ragged_dot`'s semantics.
+
+  Rows of lhs are grouped in order by `group_sizes`; group g's rows are multiplied by rhs[g].
+  Rows past sum(group_sizes) give 0; zero-size groups are allowed. Differentiable.
+
+  Args:
+    lhs: [M, K].
+    rhs: [G, K, N].
+    group_sizes: [G] int, sum <= M.
+    precision: `jax.lax.Precision` of the products.
+    preferred_element_type: output dtype (default lhs's).
+    implementation: "xla", "mosaic", "triton", or None (best for the device, XLA fallback).
+    config: block sizes (`TritonBlocks` / `MosaicBlocks`), or None for the heuristic.
+    interpret: run Pallas kernels in the interpreter (CPU testing).
+
+  Returns:
+    [M, N].
+
+  >>> lhs, rhs = jnp.ones((5, 2)), jnp.ones((2, 2, 3))
+  >>> gmm(lhs, rhs, jnp.array([1, 3]), implementation="xla")[:, 0].tolist()
+  [2.0, 2.0, 2.0, 2.0, 0.0]
+  """
+  _check_gmm_shapes(lhs, rhs, group_sizes)
+  implementation = _resolve(implementation, lhs, rhs)
+  if implementation == "xla":
+    return jax.lax.ragged_dot(
+      lhs, rhs, group_sizes, precision=precision, preferred_element_type=preferred_element_type
+    )
+  settings = _settings(
+    implementation, lhs, rhs, config, precision, preferred_element_type, interpret
+  )
+  return gmm_vjp(lhs, rhs, group_sizes, settings)
+
+
+def moe_mlp(
+  x_sorted: jax.Array,
+  w_gate_up: jax.Array,
+  w_down: jax.Array,
+  group_sizes: jax.Array,
+  *,
+  row_weights: jax.Array | None = None,
+  activation: str = "silu",
+  precision=None,
+  implementation: str | None = None,
+  config=None,
+  interpret: bool = False,
+) -> jax.Array:
+  """The fused expert MLP on rows sorted by expert: w * (act(x @ Wg) * (x @ Wu)) @ Wd.
+
+  The first kernel computes `act(gate) * up` in its epilogue, so the [M, 2F] pre-activation
+  never goes to memory; the second scales each row by its routing weight in its epilogue.
+  Differentiable in x, both weights and row_weights.
+
+  Args:
+    x_sorted: [M, D] rows grouped by expert in order.
+    w_gate_up: [G, D, 2F]; gate = `[..., :F]`, up = `[..., F:]`.
+    w_down: [G, F, D].
+    group_sizes: [G] int, sum <= M; rows past the sum give 0.
+    row_weights: [M] routing weight of each row, or None for 1.
+    activation: "silu" or "gelu" (exact erf).
+    precision: `jax.lax.Precision` of the products.
+    implementation: as for `gmm`.
+    config: block sizes for the forward kernels, or None.
+    interpret: run Pallas kernels in the interpreter.
+
+  Returns:
+    [M, D] in x's dtype.
+  """
+  if activation not in ACTIVATIONS:
+    raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+  _check_gmm_shapes(x_sorted, w_gate_up, group_sizes)
+  f = w_gate_up.shape[-1] // 2
+  if w_gate_up.shape[-1] % 2 or w_down.shape != (w_gate_up.shape[0], f, x_sorted.shape[1]):
+    raise ValueError(
+      f"w_gate_up {w_gate_up.shape} and w_down {w_down.shape} must be [G, D, 2F] and [G, F, D]"
+    )
+  if row_weights is not None and row_weights.shape != x_sorted.shape[:1]:
+    raise ValueError(f"row_weights has shape {row_weights.shape}, expected ({x_sorted.shape[0]},)")
+  weights = jnp.ones(x_sorted.shape[:1], x_sorted.dtype) if row_weights is None else row_weights
+  implementation = _resolve(implementation, x_sorted, w_gate_up, activation)
+  if implementation == "xla":
+    return moe_mlp_reference(
+      x_sorted, w_gate_up, w_down, group_sizes, weights, activation, precision
+    )
+  settings = _settings(implementation, x_sorted, w_gate_up, config, precision, None, interpret)
+  return moe_mlp_vjp(x_sorted, w_gate_up, w_down, group_sizes, weights, activation, settings)
+
+
+def moe_mlp_reference(x, w_gate_up, w_down, group_sizes, row_weights, activation, precision=None):
+  """`moe_mlp` in plain XLA: two `ragged_dot`s around the gated activation, in float32."""
+  pre = jax.lax.ragged_dot(
+    x, w_gate_up, group_sizes, precision=precision, preferred_element_type=jnp.float32
+  )
+  gate, up = jnp.split(pre, 2, axis=-1)
+  hidden = (activate(gate, activation) * up).astype(x.dtype)
+  out = jax.lax.ragged_dot(
+    hidden, w_down, group_sizes, precision=precision, preferred_element_type=jnp.float32
+  )
+  return (out * row_weights[:, None].astype(jnp.float32)).astype(x.dtype)

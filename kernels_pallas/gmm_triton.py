@@ -1,0 +1,285 @@
+"""Grouped matmul (ragged rows) in Pallas Triton, with fused MoE epilogues.
+
+out[rows of group g] = epilogue(lhs[rows of g] @ rhs[g]), rows grouped in order by
+`group_sizes`, rows past their sum left 0. The grid is static: (visits, N / bn), with
+`metadata.max_visits` row-tile visits, the ones past `num_active` exiting at once. A visit
+loads its row tile with the rows outside its group masked to 0 and stores only its group's
+rows, so a tile shared by two groups is written in two visits without overlap.
+
+Epilogues (all in float32, before the single store):
+- `activation="silu"|"gelu"`: rhs holds [gate | up] columns ([G, K, 2N']); the kernel
+  accumulates both halves for its N' block and stores act(gate) * up, so the [M, 2N']
+  pre-activation never reaches memory.
+- `row_weights`: scales each output row (vLLM's MUL_ROUTED_WEIGHT).
+
+This backend is for pre-Hopper GPUs; upstream JAX deprecates Pallas Triton, so Hopper uses
+`gmm_mosaic`. Dimensions must be multiples of the blocks; `api.py` pads odd shapes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from kernels_pallas.metadata import GroupTiles, group_tiles, max_visits
+
+
+@dataclasses.dataclass(frozen=True)
+class TritonBlocks:
+  """Block sizes of the Triton kernels (each a power of two >= 16, Triton's dot minimum)."""
+
+  block_m: int = 64
+  block_n: int = 64
+  block_k: int = 32
+  num_warps: int = 4
+  num_stages: int = 2
+
+  def __post_init__(self) -> None:
+    for name in ("block_m", "block_n", "block_k"):
+      value = getattr(self, name)
+      if value < 16 or value & (value - 1):
+        raise ValueError(f"{name}={value} must be a power of two >= 16")
+
+
+def default_blocks(num_rows: int, k: int, n: int) -> TritonBlocks:
+  """A heuristic per shape class: small M (decode) takes thin row tiles."""
+  block_m = 16 if num_rows <= 256 else 64 if num_rows <= 4096 else 128
+  return TritonBlocks(block_m=block_m, block_n=64 if n <= 1024 else 128, block_k=32)
+
+
+def activate(x: jax.Array, activation: str, erf=jax.lax.erf) -> jax.Array:
+  """silu, or gelu in its exact form 0.5 x (1 + erf(x / sqrt 2)), with `erf` swappable."""
+  if activation == "silu":
+    return x / (1.0 + jnp.exp(-x))
+  return 0.5 * x * (1.0 + erf(x * 0.7071067811865476))
+
+
+def erf_in_kernel(x: jax.Array) -> jax.Array:
+  """erf from exp and arithmetic, for Triton, whose Pallas lowering has no erf.
+
+  Abramowitz & Stegun 7.1.26: absolute error below 1.5e-7, i.e. float32 rounding level.
+  """
+  t = 1.0 / (1.0 + 0.3275911 * jnp.abs(x))
+  poly = t * (
+    0.254829592 + t * (-0.284496736 + t * (1.421413741 + t * (-1.453152027 + t * 1.061405429)))
+  )
+  magnitude = 1.0 - poly * jnp.exp(-x * x)
+  return jnp.where(x < 0, -magnitude, magnitude)
+
+
+def _gmm_kernel(
+  tile_group_ref,
+  tile_block_ref,
+  starts_ref,
+  ends_ref,
+  num_active_ref,
+  lhs_ref,
+  rhs_ref,
+  *refs,
+  blocks: TritonBlocks,
+  num_k_blocks: int,
+  gate_up_offset: int | None,
+  activation: str | None,
+  weighted: bool,
+  transpose_rhs: bool,
+  precision,
+):
+  """One (row-tile visit, column block) of out = epilogue(lhs @ rhs[g]).
+
+  Refs: metadata (`GroupTiles`), lhs [Mp, K], rhs [G, K, N] (or [G, N, K] transposed),
+  optional row_weights [Mp], the zero-filled output it aliases, then out [Mp, N'].
+  """
+  row_weights_ref = refs[0] if weighted else None
+  out_ref = refs[-1]
+  bm, bn, bk = blocks.block_m, blocks.block_n, blocks.block_k
+  visit, col_block = pl.program_id(0), pl.program_id(1)
+
+  @pl.when(visit < num_active_ref[0])
+  def _():
+    group, tile = tile_group_ref[visit], tile_block_ref[visit]
+    rows = pl.ds(tile * bm, bm)
+    row_ids = tile * bm + jnp.arange(bm)
+    in_group = (row_ids >= starts_ref[group]) & (row_ids < ends_ref[group])  # [bm]
+    col_starts = [col_block * bn]
+    if gate_up_offset is not None:
+      col_starts.append(gate_up_offset + col_block * bn)  # the up half of [gate | up]
+
+    def k_step(k_block, accs):
+      ks = pl.ds(k_block * bk, bk)
+      lhs = plgpu.load(
+        lhs_ref.at[rows, ks], mask=jnp.broadcast_to(in_group[:, None], (bm, bk)), other=0
+      )  # [bm, bk]
+      new_accs = []
+      for acc, col in zip(accs, col_starts, strict=True):
+        if transpose_rhs:
+          rhs = plgpu.load(rhs_ref.at[group, pl.ds(col, bn), ks])  # [bn, bk]
+          acc += plgpu.dot(lhs, rhs, trans_b=True, precision=precision)
+        else:
+          rhs = plgpu.load(rhs_ref.at[group, ks, pl.ds(col, bn)])  # [bk, bn]
+          acc += plgpu.dot(lhs, rhs, precision=precision)
+        new_accs.append(acc)
+      return tuple(new_accs)
+
+    zero = jnp.zeros((bm, bn), jnp.float32)
+    accs = jax.lax.fori_loop(0, num_k_blocks, k_step, (zero,) * len(col_starts))
+    out = accs[0] if activation is None else activate(accs[0], activation, erf_in_kernel) * accs[1]
+    if weighted:
+      weights = plgpu.load(row_weights_ref.at[rows], mask=in_group, other=0)  # [bm]
+      out = out * weights[:, None].astype(jnp.float32)
+    mask = jnp.broadcast_to(in_group[:, None], (bm, bn))
+    plgpu.store(out_ref.at[rows, pl.ds(col_block * bn, bn)], out.astype(out_ref.dtype), mask=mask)
+
+
+@functools.partial(
+  jax.jit,
+  static_argnames=("blocks", "activation", "transpose_rhs", "out_dtype", "precision", "interpret"),
+)
+def gmm_triton(
+  lhs: jax.Array,
+  rhs: jax.Array,
+  group_sizes: jax.Array,
+  row_weights: jax.Array | None = None,
+  *,
+  blocks: TritonBlocks,
+  activation: str | None = None,
+  transpose_rhs: bool = False,
+  out_dtype=None,
+  precision=None,
+  interpret: bool = False,
+) -> jax.Array:
+  """Grouped matmul with optional gated-activation and row-weight epilogues.
+
+  Args:
+    lhs: [M, K], M a multiple of block_m, K of block_k.
+    rhs: [G, K, N] ([G, N, K] with `transpose_rhs`); N a multiple of block_n. With
+      `activation`, the columns are [gate | up] and the output has N/2 columns.
+    group_sizes: [G] int32, sum <= M.
+    row_weights: [M] or None; multiplies each output row.
+    blocks: `TritonBlocks`.
+    activation: None, "silu" or "gelu" (the gated epilogue).
+    transpose_rhs: read rhs as [G, N, K] (the backward pass's d(lhs) = dout @ rhs[g]^T).
+    out_dtype: output dtype (default lhs.dtype).
+    precision: `jax.lax.Precision` of the block dots.
+    interpret: run with the Pallas interpreter (CPU testing).
+
+  Returns:
+    [M, N] (or [M, N/2] with `activation`); rows outside every group are 0.
+  """
+  num_rows, k = lhs.shape
+  groups = rhs.shape[0]
+  n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+  out_cols = n // 2 if activation is not None else n
+  _check_divisible(num_rows=num_rows, k=k, out_cols=out_cols, blocks=blocks)
+  tiles: GroupTiles = group_tiles(group_sizes, num_rows, blocks.block_m)
+  visits = max_visits(num_rows, groups, blocks.block_m)
+  out_dtype = jnp.dtype(out_dtype or lhs.dtype)
+  operands = [*tiles, lhs, rhs]
+  if row_weights is not None:
+    operands.append(row_weights)
+  operands.append(jnp.zeros((num_rows, out_cols), out_dtype))
+  kernel = functools.partial(
+    _gmm_kernel,
+    blocks=blocks,
+    num_k_blocks=k // blocks.block_k,
+    gate_up_offset=out_cols if activation is not None else None,
+    activation=activation,
+    weighted=row_weights is not None,
+    transpose_rhs=transpose_rhs,
+    precision=precision,
+  )
+  return pl.pallas_call(
+    kernel,
+    out_shape=jax.ShapeDtypeStruct((num_rows, out_cols), out_dtype),
+    grid=(visits, out_cols // blocks.block_n),
+    input_output_aliases={len(operands) - 1: 0},
+    compiler_params=plgpu.CompilerParams(num_warps=blocks.num_warps, num_stages=blocks.num_stages),
+    interpret=interpret,
+    name="gmm_triton",
+  )(*operands)
+
+
+def _tgmm_kernel(
+  starts_ref, ends_ref, lhs_ref, rhs_ref, out_ref, *, blocks: TritonBlocks, precision
+):
+  """One (group, K block, N block) of out[g] = lhs[rows of g]^T @ rhs[rows of g]."""
+  bm, bn, bk = blocks.block_m, blocks.block_n, blocks.block_k
+  group, k_block, n_block = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  start, end = starts_ref[group], ends_ref[group]
+  first_tile = start // bm
+  num_tiles = jnp.where(end > start, (end - 1) // bm - first_tile + 1, 0)  # 0 for empty groups
+
+  def m_step(i, acc):
+    tile = first_tile + i
+    row_ids = tile * bm + jnp.arange(bm)
+    in_group = (row_ids >= start) & (row_ids < end)
+    rows = pl.ds(tile * bm, bm)
+    lhs = plgpu.load(
+      lhs_ref.at[rows, pl.ds(k_block * bk, bk)],
+      mask=jnp.broadcast_to(in_group[:, None], (bm, bk)),
+      other=0,
+    )  # [bm, bk]
+    rhs = plgpu.load(
+      rhs_ref.at[rows, pl.ds(n_block * bn, bn)],
+      mask=jnp.broadcast_to(in_group[:, None], (bm, bn)),
+      other=0,
+    )  # [bm, bn]
+    return acc + plgpu.dot(lhs, rhs, trans_a=True, precision=precision)
+
+  acc = jax.lax.fori_loop(0, num_tiles, m_step, jnp.zeros((bk, bn), jnp.float32))
+  out_block = out_ref.at[group, pl.ds(k_block * bk, bk), pl.ds(n_block * bn, bn)]
+  plgpu.store(out_block, acc.astype(out_ref.dtype))
+
+
+@functools.partial(jax.jit, static_argnames=("blocks", "out_dtype", "precision", "interpret"))
+def tgmm_triton(
+  lhs: jax.Array,
+  rhs: jax.Array,
+  group_sizes: jax.Array,
+  *,
+  blocks: TritonBlocks,
+  out_dtype=None,
+  precision=None,
+  interpret: bool = False,
+) -> jax.Array:
+  """Transposed grouped matmul: out[g] = lhs[rows of g]^T @ rhs[rows of g] (d(rhs) of gmm).
+
+  Args:
+    lhs: [M, K], M a multiple of block_m, K of block_k.
+    rhs: [M, N], N a multiple of block_n.
+    group_sizes: [G] int32, sum <= M.
+    blocks: `TritonBlocks`.
+    out_dtype: output dtype (default lhs.dtype).
+    precision: `jax.lax.Precision` of the block dots.
+    interpret: run with the Pallas interpreter.
+
+  Returns:
+    [G, K, N]; zero for empty groups.
+  """
+  num_rows, k = lhs.shape
+  n = rhs.shape[1]
+  _check_divisible(num_rows=num_rows, k=k, out_cols=n, blocks=blocks)
+  tiles = group_tiles(group_sizes, num_rows, blocks.block_m)
+  groups = group_sizes.shape[0]
+  return pl.pallas_call(
+    functools.partial(_tgmm_kernel, blocks=blocks, precision=precision),
+    out_shape=jax.ShapeDtypeStruct((groups, k, n), jnp.dtype(out_dtype or lhs.dtype)),
+    grid=(groups, k // blocks.block_k, n // blocks.block_n),
+    compiler_params=plgpu.CompilerParams(num_warps=blocks.num_warps, num_stages=blocks.num_stages),
+    interpret=interpret,
+    name="tgmm_triton",
+  )(tiles.starts, tiles.ends, lhs, rhs)
+
+
+def _check_divisible(*, num_rows: int, k: int, out_cols: int, blocks: TritonBlocks) -> None:
+  for name, size, block in (
+    ("M", num_rows, blocks.block_m),
+    ("K", k, blocks.block_k),
+    ("N", out_cols, blocks.block_n),
+  ):
+    if size % block:
+      raise ValueError(f"{name}={size} must be a multiple of its block {block}")

@@ -1,0 +1,186 @@
+"""Autodiff wiring of the Pallas kernels: `jax.custom_vjp` for gmm and the fused expert MLP.
+
+Backward passes reuse the forward kernels: d(lhs) = dout @ rhs[g]^T is the grouped matmul
+reading rhs transposed, and d(rhs)[g] = lhs[rows of g]^T @ dout[rows of g] is the transposed
+grouped matmul `tgmm`. The fused MLP does not store its [M, 2F] pre-activation; the backward
+pass recomputes it with one grouped matmul.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from kernels_pallas import gmm_mosaic, gmm_triton
+from kernels_pallas.gmm_triton import activate
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelSettings:
+  """Static choices of one kernel call (hashable: a `custom_vjp` non-differentiable input).
+
+  Attributes:
+    implementation: "triton" or "mosaic" (the forward kernel; `tgmm` is Triton's).
+    blocks: `TritonBlocks` or `MosaicBlocks` for the forward kernel.
+    tgmm_blocks: `TritonBlocks` for the transposed kernel.
+    precision: `jax.lax.Precision` of the block dots, or None.
+    out_dtype: output dtype, or None for lhs's.
+    interpret: run the kernels with the Pallas interpreter.
+  """
+
+  implementation: str
+  blocks: object
+  tgmm_blocks: gmm_triton.TritonBlocks
+  precision: object = None
+  out_dtype: object = None
+  interpret: bool = False
+
+
+def _pad(x: jax.Array, axis: int, multiple: int) -> jax.Array:
+  """Zero-pads `axis` of x up to a multiple of `multiple` (no copy when it already is one)."""
+  extra = -x.shape[axis] % multiple
+  if not extra:
+    return x
+  widths = [(0, 0)] * x.ndim
+  widths[axis] = (0, extra)
+  return jnp.pad(x, widths)
+
+
+def _pad_gate_up(rhs: jax.Array, axis: int, multiple: int) -> jax.Array:
+  """Pads each half of a [gate | up] axis separately, so the halves stay aligned."""
+  gate, up = jnp.split(rhs, 2, axis=axis)
+  return jnp.concatenate([_pad(gate, axis, multiple), _pad(up, axis, multiple)], axis=axis)
+
+
+def grouped_matmul(
+  lhs: jax.Array,
+  rhs: jax.Array,
+  group_sizes: jax.Array,
+  settings: KernelSettings,
+  *,
+  transpose_rhs: bool = False,
+  activation: str | None = None,
+  row_weights: jax.Array | None = None,
+) -> jax.Array:
+  """The forward kernel on any shape: pads M, K, N to whole blocks, runs, slices back.
+
+  Args:
+    lhs: [M, K].
+    rhs: [G, K, N] ([G, N, K] with `transpose_rhs`); with `activation`, N = 2N' ([gate | up]).
+    group_sizes: [G] int32.
+    settings: the kernel choice.
+    transpose_rhs: read rhs as [G, N, K].
+    activation: None, or the gated epilogue's activation.
+    row_weights: [M] or None.
+
+  Returns:
+    [M, N] ([M, N'] with `activation`).
+  """
+  blocks = settings.blocks
+  num_rows = lhs.shape[0]
+  n_axis, k_axis = (1, 2) if transpose_rhs else (2, 1)
+  out_cols = rhs.shape[n_axis] // (2 if activation else 1)
+  lhs = _pad(_pad(lhs, 0, blocks.block_m), 1, blocks.block_k)
+  rhs = _pad(rhs, k_axis, blocks.block_k)
+  rhs = (
+    _pad_gate_up(rhs, n_axis, blocks.block_n) if activation else _pad(rhs, n_axis, blocks.block_n)
+  )
+  if row_weights is not None:
+    row_weights = _pad(row_weights, 0, blocks.block_m)
+  kernel = gmm_triton.gmm_triton if settings.implementation == "triton" else gmm_mosaic.gmm_mosaic
+  out = kernel(
+    lhs,
+    rhs,
+    group_sizes.astype(jnp.int32),
+    row_weights,
+    blocks=blocks,
+    activation=activation,
+    transpose_rhs=transpose_rhs,
+    out_dtype=settings.out_dtype,
+    precision=settings.precision,
+    interpret=settings.interpret,
+  )
+  return out[:num_rows, :out_cols]
+
+
+def transposed_grouped_matmul(
+  lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, settings: KernelSettings
+) -> jax.Array:
+  """`tgmm` on any shape: out[g] = lhs[rows of g]^T @ rhs[rows of g], [G, K, N]."""
+  blocks = settings.tgmm_blocks
+  k, n = lhs.shape[1], rhs.shape[1]
+  out = gmm_triton.tgmm_triton(
+    _pad(_pad(lhs, 0, blocks.block_m), 1, blocks.block_k),
+    _pad(_pad(rhs, 0, blocks.block_m), 1, blocks.block_n),
+    group_sizes.astype(jnp.int32),
+    blocks=blocks,
+    out_dtype=jnp.float32,
+    precision=settings.precision,
+    interpret=settings.interpret,
+  )
+  return out[:, :k, :n]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def gmm_vjp(lhs, rhs, group_sizes, settings: KernelSettings):
+  """Differentiable grouped matmul: [M, K] x [G, K, N] -> [M, N]."""
+  return grouped_matmul(lhs, rhs, group_sizes, settings)
+
+
+def _gmm_fwd(lhs, rhs, group_sizes, settings):
+  return grouped_matmul(lhs, rhs, group_sizes, settings), (lhs, rhs, group_sizes)
+
+
+def _gmm_bwd(settings, residuals, dout):
+  lhs, rhs, group_sizes = residuals
+  d_lhs = grouped_matmul(dout, rhs, group_sizes, settings, transpose_rhs=True)
+  d_rhs = transposed_grouped_matmul(lhs, dout, group_sizes, settings)
+  return d_lhs.astype(lhs.dtype), d_rhs.astype(rhs.dtype), None
+
+
+gmm_vjp.defvjp(_gmm_fwd, _gmm_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def moe_mlp_vjp(x, w_gate_up, w_down, group_sizes, row_weights, activation: str, settings):
+  """Differentiable fused expert MLP: row_weights * (act(x @ Wg) * (x @ Wu)) @ Wd, per group."""
+  return _moe_mlp_fwd(x, w_gate_up, w_down, group_sizes, row_weights, activation, settings)[0]
+
+
+def _moe_mlp_fwd(x, w_gate_up, w_down, group_sizes, row_weights, activation, settings):
+  hidden = grouped_matmul(x, w_gate_up, group_sizes, settings, activation=activation)  # [M, F]
+  out = grouped_matmul(hidden, w_down, group_sizes, settings, row_weights=row_weights)  # [M, D]
+  return out, (x, w_gate_up, w_down, group_sizes, row_weights)
+
+
+def _moe_mlp_bwd(activation, settings, residuals, d_out):
+  x, w_gate_up, w_down, group_sizes, row_weights = residuals
+  f32 = dataclasses.replace(settings, out_dtype=jnp.float32)
+  # 1. Recompute the pre-activation (the forward pass never stored it).
+  gate, up = jnp.split(grouped_matmul(x, w_gate_up, group_sizes, f32), 2, axis=-1)  # [M, F] x2
+  act, act_vjp = jax.vjp(lambda g: activate(g, activation), gate)
+  hidden = act * up  # [M, F]
+  # 2. Through the down projection and the row weights: q = d_out @ Wd^T.
+  q = grouped_matmul(d_out, w_down, group_sizes, f32, transpose_rhs=True)  # [M, F]
+  d_row_weights = jnp.sum(hidden * q, axis=-1)  # [M]
+  d_hidden = q * row_weights[:, None].astype(jnp.float32)
+  d_scaled = (d_out * row_weights[:, None]).astype(x.dtype)
+  d_w_down = transposed_grouped_matmul(hidden.astype(x.dtype), d_scaled, group_sizes, settings)
+  # 3. Through the gated activation and the gate/up projection.
+  d_gate_up = jnp.concatenate([act_vjp(d_hidden * up)[0], d_hidden * act], axis=-1)  # [M, 2F]
+  d_gate_up = d_gate_up.astype(x.dtype)
+  d_x = grouped_matmul(d_gate_up, w_gate_up, group_sizes, f32, transpose_rhs=True)
+  d_w_gate_up = transposed_grouped_matmul(x, d_gate_up, group_sizes, settings)
+  return (
+    d_x.astype(x.dtype),
+    d_w_gate_up.astype(w_gate_up.dtype),
+    d_w_down.astype(w_down.dtype),
+    None,
+    d_row_weights.astype(row_weights.dtype),
+  )
+
+
+moe_mlp_vjp.defvjp(_moe_mlp_fwd, _moe_mlp_bwd)
