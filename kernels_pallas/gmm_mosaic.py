@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from kernels_pallas.compat import out_struct
 from kernels_pallas.metadata import aligned_rows, max_visits
 
 _WGMMA_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -201,7 +202,7 @@ def gmm_mosaic(
     functools.partial(
       _gmm_aligned_kernel, blocks=blocks, num_tiles=num_tiles, gated=activation is not None
     ),
-    out_type=jax.ShapeDtypeStruct((num_tiles * blocks.block_m, out_cols), out_dtype),
+    out_type=out_struct((num_tiles * blocks.block_m, out_cols), out_dtype, like=lhs_aligned),
     grid=(_NUM_SMS,),
     grid_names=("sm",),
     compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),

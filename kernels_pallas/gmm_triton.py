@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from kernels_pallas.compat import out_struct
 from kernels_pallas.metadata import GroupTiles, group_tiles, max_visits
 
 
@@ -182,7 +183,9 @@ def gmm_triton(
   operands = [*tiles, lhs, rhs]
   if row_weights is not None:
     operands.append(row_weights)
-  operands.append(jnp.zeros((num_rows, out_cols), out_dtype))
+  # The zero-filled buffer the output aliases; built from lhs so that inside shard_map it
+  # varies over the same mesh axes as the result.
+  operands.append(jnp.broadcast_to(jnp.zeros_like(lhs[:, :1], out_dtype), (num_rows, out_cols)))
   kernel = functools.partial(
     _gmm_kernel,
     blocks=blocks,
@@ -195,7 +198,7 @@ def gmm_triton(
   )
   return pl.pallas_call(
     kernel,
-    out_shape=jax.ShapeDtypeStruct((num_rows, out_cols), out_dtype),
+    out_shape=out_struct((num_rows, out_cols), out_dtype, like=lhs),
     grid=(visits, out_cols // blocks.block_n),
     input_output_aliases={len(operands) - 1: 0},
     compiler_params=plgpu.CompilerParams(num_warps=blocks.num_warps, num_stages=blocks.num_stages),
@@ -268,7 +271,7 @@ def tgmm_triton(
   groups = group_sizes.shape[0]
   return pl.pallas_call(
     functools.partial(_tgmm_kernel, blocks=blocks, precision=precision),
-    out_shape=jax.ShapeDtypeStruct((groups, k, n), jnp.dtype(out_dtype or lhs.dtype)),
+    out_shape=out_struct((groups, k, n), jnp.dtype(out_dtype or lhs.dtype), like=lhs),
     grid=(groups, k // blocks.block_k, n // blocks.block_n),
     compiler_params=plgpu.CompilerParams(num_warps=blocks.num_warps, num_stages=blocks.num_stages),
     interpret=interpret,

@@ -45,8 +45,9 @@ class MoEConfig:
     param_dtype: storage dtype of the parameters.
     data_axis: mesh axis over which tokens are split (data parallelism).
     expert_axis: mesh axis over which experts (and tokens) are split.
-    expert_backend: "xla" (sorted, tiled matmuls), "pallas" (`kernels_pallas` kernels) or
-      "auto" (the XLA path; see `moejax.experts`).
+    expert_backend: "xla" (sorted, tiled matmuls), "pallas" (the fused `kernels_pallas`
+      kernels; in the interpreter on a CPU, for testing) or "auto" (Pallas on a GPU, XLA
+      elsewhere).
 
   >>> MoEConfig(num_experts=8, top_k=2, hidden_size=64, intermediate_size=128).chunk_size
   256

@@ -1,17 +1,22 @@
 """Expert compute: the gated MLP of each local expert on the rows routed to it.
 
-The XLA backend sorts the (row, choice) assignments by expert, pads each expert's rows to whole
-tiles (`moejax.grouping`) and runs one dense [B, D] x [D, 2F] x [F, D] MLP per tile in a
-`lax.scan`. Tiles past the used ones are skipped with `lax.cond`, so the cost follows the rows
-actually routed here, not the static worst case. On a CPU this runs near the dense-matmul rate,
-where `jax.lax.ragged_dot` is an order of magnitude slower (see docs/performance.md).
+The XLA backend (`grouped_mlp`) sorts the (row, choice) assignments by expert, pads each
+expert's rows to whole tiles (`moejax.grouping`) and runs one dense [B, D] x [D, 2F] x [F, D]
+MLP per tile in a `lax.scan`. Tiles past the used ones are skipped with `lax.cond`, so the
+cost follows the rows actually routed here, not the static worst case. On a CPU this runs
+near the dense-matmul rate, where `jax.lax.ragged_dot` is an order of magnitude slower (see
+docs/performance.md). The Pallas backend (`sorted_pallas_mlp`) runs the fused kernels of
+`kernels_pallas`.
 """
 
 from __future__ import annotations
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 
+import kernels_pallas
 from moejax.config import MoEConfig
 from moejax.grouping import tile_layout
 
@@ -105,10 +110,57 @@ def grouped_mlp(
   return jnp.einsum("nk,nkd->nd", weights, per_choice)
 
 
-def check_backend(config: MoEConfig) -> None:
-  """Raises if the configured expert backend cannot run in this installation."""
-  if config.expert_backend == "pallas":
-    raise NotImplementedError(
-      "expert_backend='pallas' is not available yet: the kernels_pallas package has no fused "
-      "expert MLP. Use expert_backend='xla' or 'auto'."
+def sorted_pallas_mlp(
+  x: jax.Array,
+  expert_ids: jax.Array,
+  weights: jax.Array,
+  w_gate_up: jax.Array,
+  w_down: jax.Array,
+  *,
+  activation: str,
+) -> jax.Array:
+  """`grouped_mlp`'s contract on the `kernels_pallas.moe_mlp` fused kernels.
+
+  Sorts the N*K assignments by local expert (the others last, past the groups' sum, where the
+  kernels write 0), runs the fused MLP with the routing weights in its epilogue, and sums each
+  row's K results. On a CPU the kernels run in the Pallas interpreter: for testing only.
+
+  Args and returns: as `grouped_mlp` (without `tile_rows`).
+  """
+  rows, top_k = expert_ids.shape
+  local_experts = w_gate_up.shape[0]
+  flat = expert_ids.reshape(-1)
+  key = jnp.where((flat >= 0) & (flat < local_experts), flat, local_experts)
+  order = jnp.argsort(key, stable=True)  # [N*K]
+  group_sizes = jnp.zeros(local_experts + 1, jnp.int32).at[key].add(1)[:local_experts]
+  interpret = on_cpu()
+  if interpret:
+    warnings.warn(
+      "expert_backend='pallas' on a CPU runs the Pallas kernels in the interpreter: slow, for "
+      "testing only",
+      stacklevel=2,
     )
+  out_sorted = kernels_pallas.moe_mlp(
+    x[order // top_k],
+    w_gate_up,
+    w_down,
+    group_sizes,
+    row_weights=weights.reshape(-1)[order].astype(x.dtype),
+    activation=activation,
+    implementation="triton" if interpret else None,
+    interpret=interpret,
+  )  # [N*K, D]
+  out = jnp.zeros_like(out_sorted).at[order].set(out_sorted)  # back to assignment order
+  return jnp.sum(out.reshape(rows, top_k, -1).astype(jnp.float32), axis=1)
+
+
+def on_cpu() -> bool:
+  """Whether the default device is a CPU (where Pallas kernels can only be interpreted)."""
+  return jax.devices()[0].platform == "cpu"
+
+
+def use_pallas(config: MoEConfig) -> bool:
+  """Whether the expert compute runs on the Pallas kernels: "pallas", or "auto" on a GPU."""
+  if config.expert_backend == "auto":
+    return jax.devices()[0].platform == "gpu"
+  return config.expert_backend == "pallas"

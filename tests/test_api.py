@@ -156,7 +156,6 @@ BAD_CALLS = {
   "expert axis": (dict(mesh=mesh_of(1, 3)), ValueError, "divisible by the size of mesh axis"),
   "mesh type": (dict(mesh="2x4"), TypeError, "mesh must be a jax.sharding.Mesh"),
   "params": (dict(params="drop_bias"), ValueError, "params.routing_bias is missing"),
-  "pallas": (dict(config="pallas"), NotImplementedError, "expert_backend='pallas'"),
 }
 
 
@@ -168,11 +167,6 @@ def test_bad_input_raises_before_xla(case):
   args.update(overrides)
   if args.pop("params", None) == "drop_bias":
     params = params._replace(routing_bias=None)
-  if args["config"] == "pallas":
-    args["config"] = MoEConfig(
-      num_experts=8, top_k=2, hidden_size=16, intermediate_size=8, expert_backend="pallas"
-    )
-    params = random_params(args["config"], jax.random.key(0))
   x = args.pop("x")
   with pytest.raises(error, match=message):
     moe_apply(params, x, **args)

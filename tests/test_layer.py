@@ -148,3 +148,31 @@ def test_custom_axis_names(request):
     params, x, config=config, mesh=mesh_of(4, 2, axis_names=("dp", "ep")), token_mask=mask
   )
   assert_close(y, reference_moe(params, x, config, mask), what="y")
+
+
+@pytest.mark.parametrize("activation", ["silu", "gelu"])
+def test_pallas_expert_backend_on_mesh(activation, request):
+  config = small_config(expert_backend="pallas", activation=activation, chunk_size=5)
+  params, x, rng = inputs(config, 8, request.node.name)
+  mask = rank_mask(patterns(8, rng)["uneven"], ROWS_PER_RANK)
+  with pytest.warns(UserWarning, match="interpreter"):
+    y, _ = moe_apply(params, poison(x, mask), config=config, mesh=mesh_of(2, 4), token_mask=mask)
+  assert_close(y, reference_moe(params, x, config, mask), what="y, pallas backend")
+
+
+@pytest.mark.filterwarnings("ignore:expert_backend='pallas' on a CPU:UserWarning")
+def test_pallas_expert_backend_gradients(request):
+  config = small_config(expert_backend="pallas", chunk_size=6)
+  params, x, rng = inputs(config, 8, request.node.name)
+  mask = rank_mask(patterns(8, rng)["uneven"], ROWS_PER_RANK)
+  mesh = mesh_of(2, 4)
+
+  def loss(p, fn):
+    return jnp.sum(jnp.sin(fn(p)))
+
+  got = jax.grad(loss)(
+    params, lambda p: moe_apply(p, x, config=config, mesh=mesh, token_mask=mask)[0]
+  )
+  want = jax.grad(loss)(params, lambda p: reference_moe(p, x, config, mask))
+  for name in ("w_gate_up", "w_down", "router_kernel"):
+    assert_close(getattr(got, name), getattr(want, name), what=f"d {name}")
