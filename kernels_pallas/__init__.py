@@ -6,8 +6,9 @@
 - `TritonBlocks`, `MosaicBlocks`: block sizes; `autotune` picks and caches them per device.
 """
 
+from kernels_pallas import autotune
 from kernels_pallas.api import gmm, moe_mlp
 from kernels_pallas.gmm_mosaic import MosaicBlocks
 from kernels_pallas.gmm_triton import TritonBlocks
 
-__all__ = ["MosaicBlocks", "TritonBlocks", "gmm", "moe_mlp"]
+__all__ = ["MosaicBlocks", "TritonBlocks", "autotune", "gmm", "moe_mlp"]

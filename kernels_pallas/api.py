@@ -11,7 +11,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from kernels_pallas import gmm_mosaic, gmm_triton
+from kernels_pallas import autotune, gmm_mosaic, gmm_triton
 from kernels_pallas.gmm_triton import activate
 from kernels_pallas.ops import KernelSettings, gmm_vjp, moe_mlp_vjp
 
@@ -28,22 +28,31 @@ def default_implementation() -> str:
   return "mosaic" if str(capability).startswith("9") else "triton"
 
 
-def _unsupported(implementation: str, lhs: jax.Array, rhs: jax.Array, activation) -> str | None:
-  """Why `implementation` cannot run this case, or None when it can."""
-  if lhs.dtype != rhs.dtype:
-    return f"{implementation} needs lhs and rhs of one dtype, got {lhs.dtype} and {rhs.dtype}"
+def unsupported_reason(implementation: str, lhs_dtype, rhs_dtype, activation=None) -> str | None:
+  """Why `implementation` cannot run a case with these dtypes and epilogue, or None."""
+  if jnp.dtype(lhs_dtype) != jnp.dtype(rhs_dtype):
+    return f"{implementation} needs lhs and rhs of one dtype, got {lhs_dtype} and {rhs_dtype}"
   if implementation == "mosaic":
-    return gmm_mosaic.unsupported_reason(lhs.dtype, activation)
+    return gmm_mosaic.unsupported_reason(lhs_dtype, activation)
   return None
 
 
-def _settings(implementation, lhs, rhs, config, precision, out_dtype, interpret) -> KernelSettings:
+def best_implementation(dtype, activation=None) -> str:
+  """The backend `implementation=None` runs for this dtype and activation on this device."""
+  chosen = default_implementation()
+  if chosen != "xla" and unsupported_reason(chosen, dtype, dtype, activation) is None:
+    return chosen
+  return "xla"
+
+
+def _settings(op, implementation, lhs, rhs, config, precision, out_dtype, interpret):
+  """Kernel settings: the given blocks, else the tuned ones cached for this device and shape
+  (`autotune`), else the per-shape-class heuristic."""
   num_rows, k = lhs.shape
-  n = rhs.shape[-1]
-  if implementation == "triton":
-    blocks = config or gmm_triton.default_blocks(num_rows, k, n)
-  else:
-    blocks = config or gmm_mosaic.default_blocks(num_rows, k, n)
+  groups, _, n = rhs.shape
+  key = autotune.cache_key(op, implementation, (num_rows, k, n, groups), lhs.dtype)
+  backend = gmm_triton if implementation == "triton" else gmm_mosaic
+  blocks = config or autotune.lookup(key) or backend.default_blocks(num_rows, k, n)
   return KernelSettings(
     implementation=implementation,
     blocks=blocks,
@@ -62,7 +71,7 @@ def _resolve(implementation: str | None, lhs, rhs, activation=None) -> str:
   chosen = implementation or default_implementation()
   if chosen == "xla":
     return chosen
-  reason = _unsupported(chosen, lhs, rhs, activation)
+  reason = unsupported_reason(chosen, lhs.dtype, rhs.dtype, activation)
   if reason is None:
     return chosen
   if implementation is None:
@@ -121,7 +130,7 @@ def gmm(
       lhs, rhs, group_sizes, precision=precision, preferred_element_type=preferred_element_type
     )
   settings = _settings(
-    implementation, lhs, rhs, config, precision, preferred_element_type, interpret
+    "gmm", implementation, lhs, rhs, config, precision, preferred_element_type, interpret
   )
   return gmm_vjp(lhs, rhs, group_sizes, settings)
 
@@ -176,7 +185,9 @@ def moe_mlp(
     return moe_mlp_reference(
       x_sorted, w_gate_up, w_down, group_sizes, weights, activation, precision
     )
-  settings = _settings(implementation, x_sorted, w_gate_up, config, precision, None, interpret)
+  settings = _settings(
+    "moe_mlp", implementation, x_sorted, w_gate_up, config, precision, None, interpret
+  )
   return moe_mlp_vjp(x_sorted, w_gate_up, w_down, group_sizes, weights, activation, settings)
 
 

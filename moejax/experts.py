@@ -160,7 +160,9 @@ def on_cpu() -> bool:
 
 
 def use_pallas(config: MoEConfig) -> bool:
-  """Whether the expert compute runs on the Pallas kernels: "pallas", or "auto" on a GPU."""
+  """Whether the expert compute runs on the Pallas kernels: "pallas", or "auto" on a GPU where
+  a kernel supports the compute dtype and activation (else the tiled XLA path is faster than
+  the kernels' `ragged_dot` fallback)."""
   if config.expert_backend == "auto":
-    return jax.devices()[0].platform == "gpu"
+    return kernels_pallas.api.best_implementation(config.dtype, config.activation) != "xla"
   return config.expert_backend == "pallas"

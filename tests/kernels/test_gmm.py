@@ -144,6 +144,11 @@ def test_backend_choice_and_fallback():
   lhs, rhs = jnp.ones((8, 4)), jnp.ones((2, 4, 4))
   sizes = jnp.array([3, 4], jnp.int32)
   # On this CPU the best backend is XLA; an explicit unsupported case raises with the reason.
+  from kernels_pallas.api import best_implementation, unsupported_reason
+
+  assert best_implementation(jnp.bfloat16, "silu") == "xla"
+  assert unsupported_reason("mosaic", jnp.bfloat16, jnp.bfloat16, "silu") is None
+  assert "one dtype" in unsupported_reason("triton", jnp.float32, jnp.bfloat16)
   assert_close(gmm(lhs, rhs, sizes), jax.lax.ragged_dot(lhs, rhs, sizes), what="default")
   with pytest.raises(NotImplementedError, match="bf16/f16"):
     gmm(lhs, rhs, sizes, implementation="mosaic")

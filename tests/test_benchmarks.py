@@ -1,0 +1,49 @@
+"""The benchmark scripts stay runnable: each runs on tiny shapes and prints its table."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).parent.parent
+
+
+def run_script(*args: str, tmp_path: Path) -> str:
+  result = subprocess.run(
+    [sys.executable, *args, "--out", str(tmp_path / "out.json")],
+    capture_output=True,
+    text=True,
+    timeout=600,
+    cwd=ROOT,
+    env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"},
+  )
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert (tmp_path / "out.json").exists()
+  return result.stdout
+
+
+def test_gpu_kernel_benchmark_smoke_checks_every_backend(tmp_path):
+  out = run_script("benchmarks/gpu_kernels.py", "--smoke", tmp_path=tmp_path)
+  for backend in ("xla", "triton", "mosaic"):
+    assert f"check {backend:8} moe_mlp" in out
+  assert "WRONG" not in out and "dense (ceiling)" in out
+
+
+def test_layer_benchmark_prints_ratios(tmp_path):
+  out = run_script(
+    "benchmarks/layer_vs_dense.py",
+    "--tokens",
+    "256",
+    "--experts",
+    "8",
+    "--hidden",
+    "32",
+    "--intermediate",
+    "64",
+    "--chunk-sizes",
+    "64,256",
+    "--repeats",
+    "1",
+    tmp_path=tmp_path,
+  )
+  assert "moejax layer, chunk_size=64" in out and "x ceiling" in out
