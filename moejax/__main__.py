@@ -1,4 +1,4 @@
-"""Command line: `python -m moejax demo [flags]`.
+"""Command line: `python -m moejax demo [flags]` and `python -m moejax bench [--full]`.
 
 The simulated CPU device count must be set before JAX is imported, so this module parses the
 flags first and imports the JAX-using commands afterwards.
@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import runpy
+import sys
+from pathlib import Path
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -26,6 +29,9 @@ def _parser() -> argparse.ArgumentParser:
   demo.add_argument(
     "--platform", default="cpu", help="'cpu' simulates the mesh's devices (default); else as is"
   )
+  commands.add_parser(
+    "bench", help="the benchmark suite (benchmarks/suite.py); its flags: bench --help"
+  )
   return parser
 
 
@@ -40,15 +46,36 @@ def parse_mesh(text: str) -> tuple[int, int]:
   return data, expert
 
 
+def simulate_cpu_devices(count: int) -> None:
+  """Makes JAX see `count` CPU devices; only effective before JAX is imported."""
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")
+  os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={count}"
+  ).strip()
+
+
+def run_bench(bench_args: list[str]) -> None:
+  """Runs benchmarks/suite.py from the source tree (benchmarks are not installed)."""
+  suite = Path(__file__).resolve().parent.parent / "benchmarks" / "suite.py"
+  if not suite.exists():
+    raise SystemExit(f"{suite} not found: run from a source checkout (pip install -e .)")
+  simulate_cpu_devices(8)
+  sys.argv = [str(suite), *bench_args]
+  runpy.run_path(str(suite), run_name="__main__")
+
+
 def main(argv: list[str] | None = None) -> None:
-  args = _parser().parse_args(argv)
+  parser = _parser()
+  args, rest = parser.parse_known_args(argv)
+  if args.command == "bench":
+    run_bench(rest)  # the suite parses its own flags
+    return
+  if rest:
+    parser.error(f"unrecognized arguments: {' '.join(rest)}")
   data, expert = parse_mesh(args.mesh)
   if args.platform == "cpu":
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    os.environ["XLA_FLAGS"] = (
-      os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={data * expert}"
-    ).strip()
-  from moejax import demo
+    simulate_cpu_devices(data * expert)
+  from moejax import demo  # imported here: JAX must load after XLA_FLAGS is set
 
   demo.run(args, mesh_shape=(data, expert))
 

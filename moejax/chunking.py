@@ -70,7 +70,7 @@ def chunk_scan(
   chunk_size: int,
   lockstep_axis: str | None,
 ) -> tuple[jax.Array, jax.Array]:
-  """Applies `chunk_fn` to consecutive chunks of C rows, skipping chunks with no valid row.
+  """Applies `chunk_fn` to chunks of C rows, valid rows first, skipping all-padding chunks.
 
   Args:
     chunk_fn: maps a pytree of [C, ...] arrays (one chunk of `inputs`) to a [C, ...] array. It
@@ -86,19 +86,23 @@ def chunk_scan(
     for the skipped ones; chunks_run [] int32 counts the chunks that ran.
   """
   num_chunks = token_mask.shape[0] // chunk_size
-  chunked = jax.tree.map(lambda a: a.reshape(num_chunks, chunk_size, *a.shape[1:]), inputs)
-  chunk_mask = token_mask.reshape(num_chunks, chunk_size)
-  out_type = jax.eval_shape(chunk_fn, jax.tree.map(lambda a: a[0], chunked))
+  # Chunks take the valid rows first (a stable local order), so the chunks past this device's
+  # valid count are all padding and the cost follows the busiest device's tokens even when
+  # padding is scattered. Only the [L] order is permuted: each chunk gathers its C rows and
+  # writes its output rows in place, so no permuted copy of the [L, D] buffer is made.
+  order = jnp.argsort(~token_mask, stable=True).reshape(num_chunks, chunk_size)  # [chunks, C]
+  out_type = jax.eval_shape(chunk_fn, jax.tree.map(lambda a: a[order[0]], inputs))
+  # Zeros built from the mask, not jnp.zeros: inside shard_map they keep the per-device
+  # (varying-axes) type of chunk_fn's output, which lax.cond requires.
+  mask_zeros = jnp.zeros_like(token_mask, out_type.dtype).reshape(-1, *[1] * (out_type.ndim - 1))
 
-  def step(_, chunk):
-    chunk_inputs, mask = chunk
+  def step(out, rows):
+    mask = token_mask[rows]  # [C]
     live = any_over(jnp.any(mask), lockstep_axis)
-    # Zeros built from the mask, not jnp.zeros: inside shard_map they keep the per-device
-    # (varying-axes) type of chunk_fn's output, which lax.cond requires.
-    mask_zeros = jnp.zeros_like(mask, out_type.dtype).reshape(-1, *[1] * (out_type.ndim - 1))
-    skip = lambda _: jnp.broadcast_to(mask_zeros, out_type.shape)
-    out = jax.lax.cond(live, chunk_fn, skip, chunk_inputs)
-    return None, (out, live)
+    skip = lambda _: jnp.broadcast_to(mask_zeros[:chunk_size], out_type.shape)
+    chunk_out = jax.lax.cond(live, chunk_fn, skip, jax.tree.map(lambda a: a[rows], inputs))
+    return out.at[rows].set(chunk_out, unique_indices=True), live
 
-  _, (out, live) = jax.lax.scan(step, None, (chunked, chunk_mask))
-  return out.reshape(num_chunks * chunk_size, *out.shape[2:]), jnp.sum(live, dtype=jnp.int32)
+  init = jnp.broadcast_to(mask_zeros, (token_mask.shape[0], *out_type.shape[1:]))
+  out, live = jax.lax.scan(step, init, order)
+  return out, jnp.sum(live, dtype=jnp.int32)

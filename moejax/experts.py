@@ -19,34 +19,10 @@ import jax.numpy as jnp
 import kernels_pallas
 from moejax.config import MoEConfig
 from moejax.grouping import tile_layout
+from moejax.tiles import tile_mlp
 
 _MIN_TILE_ROWS = 8
 _MAX_TILE_ROWS = 128
-
-
-def activation_fn(name: str):
-  """The gate activation by name: "silu" or "gelu" (exact erf form)."""
-  if name == "silu":
-    return jax.nn.silu
-  return lambda x: jax.nn.gelu(x, approximate=False)
-
-
-def gated_mlp(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, activation: str) -> jax.Array:
-  """`act(x @ W_gate) * (x @ W_up) @ W_down`, accumulated in float32.
-
-  Args:
-    x: [M, D] rows, in the compute dtype.
-    w_gate_up: [D, 2F]; gate is `[:, :F]`, up is `[:, F:]`.
-    w_down: [F, D].
-    activation: "silu" or "gelu".
-
-  Returns:
-    [M, D] float32.
-  """
-  gate_up = jnp.dot(x, w_gate_up, preferred_element_type=jnp.float32)  # [M, 2F]
-  gate, up = jnp.split(gate_up, 2, axis=-1)
-  hidden = (activation_fn(activation)(gate) * up).astype(x.dtype)  # [M, F]
-  return jnp.dot(hidden, w_down, preferred_element_type=jnp.float32)
 
 
 def default_tile_rows(num_rows: int, num_experts: int) -> int:
@@ -90,21 +66,9 @@ def grouped_mlp(
   x_padded = jnp.concatenate([x, jnp.zeros((1, dim), x.dtype)])  # row N is the empty row
   tile_tokens = jnp.minimum(layout.row_item // top_k, rows).reshape(-1, tile_rows)  # [tiles, B]
 
-  def run_tile(_, tile):
-    index, tokens, expert = tile
-
-    def compute():
-      return gated_mlp(x_padded[tokens], w_gate_up[expert], w_down[expert], activation)
-
-    def skip():
-      # zeros_like of the rows, not jnp.zeros: inside shard_map it keeps the rows' varying-axes
-      # type, which lax.cond requires to match compute()'s.
-      return jnp.broadcast_to(jnp.zeros_like(x_padded[:1], jnp.float32), (tile_rows, dim))
-
-    return None, jax.lax.cond(index < layout.num_used_tiles, compute, skip)
-
-  tiles = (jnp.arange(tile_tokens.shape[0]), tile_tokens, layout.tile_group)
-  _, tiled_out = jax.lax.scan(run_tile, None, tiles)  # [tiles, B, D]
+  tiled_out = tile_mlp(
+    x_padded, w_gate_up, w_down, tile_tokens, layout.tile_group, layout.num_used_tiles, activation
+  )  # [tiles, B, D]
   tiled_out = jnp.concatenate([tiled_out.reshape(-1, dim), jnp.zeros((1, dim), jnp.float32)])
   per_choice = tiled_out[layout.item_row].reshape(rows, top_k, dim)  # [N, K, D]
   return jnp.einsum("nk,nkd->nd", weights, per_choice)

@@ -19,8 +19,9 @@ from moejax import routing, sharding
 from moejax.chunking import TokenLayout, chunk_scan
 from moejax.config import MoEConfig
 from moejax.dispatch import exchange_and_compute, sum_over, vary_over
-from moejax.experts import gated_mlp, on_cpu, use_pallas
+from moejax.experts import on_cpu, use_pallas
 from moejax.params import MoEParams, check_params
+from moejax.tiles import gated_mlp
 
 
 class MoEAux(NamedTuple):

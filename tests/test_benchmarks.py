@@ -1,5 +1,6 @@
 """The benchmark scripts stay runnable: each runs on tiny shapes and prints its table."""
 
+import json
 import os
 import subprocess
 import sys
@@ -47,3 +48,30 @@ def test_layer_benchmark_prints_ratios(tmp_path):
     tmp_path=tmp_path,
   )
   assert "moejax layer, chunk_size=64" in out and "x ceiling" in out
+
+
+def test_bench_suite_compile_count_and_collective_bytes(tmp_path):
+  result = subprocess.run(
+    [
+      sys.executable,
+      "-m",
+      "moejax",
+      "bench",
+      "--sections",
+      "compiles,collectives",
+      "--out",
+      str(tmp_path),
+    ],
+    capture_output=True,
+    text=True,
+    timeout=600,
+    cwd=ROOT,
+    env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"},
+  )
+  assert result.returncode == 0, result.stderr[-3000:]
+  bench = json.loads((tmp_path / "bench.json").read_text())
+  rows = {r.get("op", "compiles"): r for r in bench}
+  assert rows["compiles"]["executables"] == 1
+  assert (
+    rows["total buffers per chunk (HLO)"]["bytes"] == rows["minimum buffers per chunk"]["bytes"]
+  )

@@ -1,0 +1,386 @@
+"""`python -m moejax bench`: the benchmark suite, one process, measured side by side.
+
+Sections (each prints a table; all rows go to `results/bench.json`, the chunk sweep to a PNG):
+  layer       forward and forward+backward vs a dense matmul of the same active FLOPs (the
+              ceiling), every expert on every token, GShard one-hot einsums (capacity 1.25)
+              and sort + jax.lax.ragged_dot
+  chunks      time and compiled peak temporary memory vs total tokens, per chunk size, on one
+              device and on the 2x4 mesh
+  padding     100 / 50 / 10 / 0 % valid tokens, and one busy rank among idle ones
+  compiles    executables compiled across 20 token-count patterns (must be 1)
+  collectives bytes moved by the chunk loop's collectives, read off the compiled HLO, vs the
+              all-gather / reduce-scatter minimum
+
+float32 on simulated CPU devices (the caller sets 8 of them). `--full` runs more shapes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import math
+import re
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+
+from moejax import MoEConfig, MoEParams, moe_apply, param_shapes
+from moejax.forward import compiled_executables
+
+D, F = 256, 512
+
+
+def best_time(fn, *args, repeats: int) -> float:
+  """Minimum wall time of `repeats` calls after a warm-up (compile) call."""
+  jax.block_until_ready(fn(*args))
+  best = math.inf
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    best = min(best, time.perf_counter() - start)
+  return best
+
+
+def make_params(config: MoEConfig, seed: int = 0) -> MoEParams:
+  shapes = param_shapes(config)
+  keys = jax.random.split(jax.random.key(seed), len(shapes))
+  return MoEParams(
+    **{
+      name: jax.random.normal(k, shape) * shape[-2] ** -0.5
+      for k, (name, shape) in zip(keys, shapes.items(), strict=True)
+    }
+  )
+
+
+def config_of(experts: int, top_k: int, chunk: int) -> MoEConfig:
+  return MoEConfig(
+    num_experts=experts, top_k=top_k, hidden_size=D, intermediate_size=F, chunk_size=chunk
+  )
+
+
+def mesh_2x4() -> Mesh:
+  return Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "expert"))
+
+
+# ---- baselines: the same layer computed other ways ---------------------------------------
+
+
+def _mlp(x, w_gate_up, w_down):
+  gate, up = jnp.split(x @ w_gate_up, 2, axis=-1)
+  return (jax.nn.silu(gate) * up) @ w_down
+
+
+def _route(params: MoEParams, x, top_k):
+  weights, ids = jax.lax.top_k(jax.nn.softmax(x @ params.router_kernel), top_k)
+  return ids, weights
+
+
+def dense_ceiling(params: MoEParams, x, top_k):
+  """The active FLOPs as plain matmuls: [T*K, D] through one expert's weights."""
+  return _mlp(jnp.repeat(x, top_k, axis=0), params.w_gate_up[0], params.w_down[0])
+
+
+def every_expert(params: MoEParams, x, top_k):
+  """Every expert on every token, then gather the chosen ones (E/K times the FLOPs)."""
+  ids, weights = _route(params, x, top_k)
+  outs = jax.vmap(_mlp, in_axes=(None, 0, 0))(x, params.w_gate_up, params.w_down)  # [E, T, D]
+  chosen = outs[ids, jnp.arange(x.shape[0])[:, None]]  # [T, K, D]
+  return jnp.einsum("tk,tkd->td", weights, chosen)
+
+
+def gshard_einsum(params: MoEParams, x, top_k, capacity_factor=1.25):
+  """GShard / T5X dispatch: one-hot [T, E, C] dispatch and combine tensors, capacity 1.25."""
+  tokens, experts = x.shape[0], params.router_kernel.shape[1]
+  capacity = math.ceil(capacity_factor * tokens * top_k / experts)
+  ids, weights = _route(params, x, top_k)
+  one_hot = jax.nn.one_hot(ids, experts)  # [T, K, E]
+  position = jnp.cumsum(one_hot.reshape(-1, experts), axis=0).reshape(one_hot.shape) - 1
+  keep = one_hot * (position < capacity)
+  slot = jax.nn.one_hot(jnp.sum(position * keep, axis=-1).astype(jnp.int32), capacity)
+  dispatch = jnp.einsum("tke,tkc->tec", keep, slot)  # [T, E, C]
+  combine = jnp.einsum("tke,tkc,tk->tec", keep, slot, weights)
+  expert_in = jnp.einsum("tec,td->ecd", dispatch, x)
+  expert_out = jax.vmap(_mlp)(expert_in, params.w_gate_up, params.w_down)  # [E, C, D]
+  return jnp.einsum("tec,ecd->td", combine, expert_out)
+
+
+def sort_ragged_dot(params: MoEParams, x, top_k):
+  """Sort the T*K assignments by expert and run jax.lax.ragged_dot twice."""
+  ids, weights = _route(params, x, top_k)
+  flat = ids.reshape(-1)
+  order = jnp.argsort(flat)
+  sizes = jnp.zeros(params.w_gate_up.shape[0], jnp.int32).at[flat].add(1)
+  rows = x[order // top_k]
+  gate, up = jnp.split(jax.lax.ragged_dot(rows, params.w_gate_up, sizes), 2, axis=-1)
+  out = jax.lax.ragged_dot(jax.nn.silu(gate) * up, params.w_down, sizes)
+  per_choice = jnp.zeros_like(out).at[order].set(out).reshape(x.shape[0], top_k, -1)
+  return jnp.einsum("tk,tkd->td", weights, per_choice)
+
+
+# ---- sections ---------------------------------------------------------------------------
+
+
+def moejax_forward(config: MoEConfig, mesh: Mesh | None = None):
+  """(params, x) -> y through `moe_apply`."""
+  return lambda params, x: moe_apply(params, x, config=config, mesh=mesh)[0]
+
+
+def layer_section(full: bool, repeats: int) -> list[dict]:
+  shapes = [(32, 2, 4096)]
+  if full:
+    shapes += [(8, 2, 4096), (64, 2, 4096), (32, 8, 2048), (64, 8, 1024), (32, 2, 16384)]
+  rows = []
+  for experts, top_k, tokens in shapes:
+    flops = 2 * tokens * top_k * 3 * D * F
+    config = config_of(experts, top_k, chunk=256)
+    params = make_params(config)
+    x = jax.random.normal(jax.random.key(1), (tokens, D))
+    impls = {
+      "dense matmul (ceiling)": functools.partial(dense_ceiling, top_k=top_k),
+      "moejax chunk=256": moejax_forward(config),
+      f"moejax chunk={tokens}": moejax_forward(config_of(experts, top_k, tokens)),
+      "every expert, dense": functools.partial(every_expert, top_k=top_k),
+      "GShard einsum, cf=1.25": functools.partial(gshard_einsum, top_k=top_k),
+      "sort + ragged_dot": functools.partial(sort_ragged_dot, top_k=top_k),
+    }
+    for name, fn in impls.items():
+      forward = jax.jit(fn)
+      grad = jax.jit(jax.grad(lambda p, x, f=forward: jnp.sum(f(p, x) ** 2), argnums=(0, 1)))
+      slow = "ragged" in name or "every" in name
+      fwd_s = best_time(forward, params, x, repeats=1 if slow else repeats)
+      bwd_s = best_time(grad, params, x, repeats=1 if slow else repeats)
+      rows.append(
+        dict(
+          section="layer",
+          E=experts,
+          K=top_k,
+          T=tokens,
+          name=name,
+          fwd_ms=fwd_s * 1e3,
+          fwd_bwd_ms=bwd_s * 1e3,
+          fwd_gflops=flops / fwd_s / 1e9,
+          fwd_bwd_gflops=3 * flops / bwd_s / 1e9,
+        )
+      )
+  for row in rows:
+    ceiling = next(
+      r
+      for r in rows
+      if r["name"].startswith("dense matmul")
+      and r["E"] == row["E"]
+      and r["K"] == row["K"]
+      and r["T"] == row["T"]
+    )
+    row["fwd_of_ceiling"] = row["fwd_gflops"] / ceiling["fwd_gflops"]
+    row["fwd_bwd_of_ceiling"] = row["fwd_bwd_gflops"] / ceiling["fwd_bwd_gflops"]
+  _table(
+    "layer: forward and forward+backward (float32, one device; backward counted as 2x FLOPs)",
+    rows,
+    ["E", "K", "T", "name", "fwd_ms", "fwd_of_ceiling", "fwd_bwd_ms", "fwd_bwd_of_ceiling"],
+  )
+  return rows
+
+
+def peak_temp_bytes(fn, *args) -> int:
+  """XLA's compiled temporary buffer size: the peak beyond arguments and outputs."""
+  return fn.lower(*args).compile().memory_analysis().temp_size_in_bytes
+
+
+def chunk_section(full: bool, repeats: int) -> list[dict]:
+  token_counts = (512, 2048, 8192) + ((32768,) if full else ())
+  rows = []
+  for mesh_name, mesh in (("1 device", None), ("2x4 mesh", mesh_2x4())):
+    for chunk in (64, 256, 1024):
+      config = config_of(32, 2, chunk)
+      params = make_params(config)
+      fn = jax.jit(moejax_forward(config, mesh))
+      for tokens in token_counts:
+        x = jax.random.normal(jax.random.key(2), (tokens, D))
+        rows.append(
+          dict(
+            section="chunks",
+            mesh=mesh_name,
+            chunk=chunk,
+            T=tokens,
+            ms=best_time(fn, params, x, repeats=repeats) * 1e3,
+            temp_mib=peak_temp_bytes(fn, params, x) / 2**20,
+          )
+        )
+  _table(
+    "chunks: time and compiled peak temporary memory (E=32, K=2)",
+    rows,
+    ["mesh", "chunk", "T", "ms", "temp_mib"],
+  )
+  return rows
+
+
+def padding_section(repeats: int) -> list[dict]:
+  tokens = 8192
+  config = config_of(32, 2, 256)
+  params = make_params(config)
+  x = jax.random.normal(jax.random.key(3), (tokens, D))
+  rows = []
+  for mesh_name, mesh in (("1 device", None), ("2x4 mesh", mesh_2x4())):
+    fn = jax.jit(
+      lambda p, x, m, c=config, mesh=mesh: moe_apply(p, x, config=c, mesh=mesh, token_mask=m)[0]
+    )
+    patterns = {
+      f"{int(f * 100)}% valid (random)": jax.random.bernoulli(jax.random.key(4), f, (tokens,))
+      for f in (1.0, 0.5, 0.1, 0.0)
+    }
+    if mesh is not None:
+      busy = np.zeros((8, tokens // 8), bool)
+      busy[5] = True  # one full rank among idle ones
+      patterns["one busy rank of 8"] = jnp.asarray(busy.reshape(-1))
+    full_ms = None
+    for name, mask in patterns.items():
+      ms = best_time(fn, params, x, mask, repeats=repeats) * 1e3
+      full_ms = full_ms or ms
+      rows.append(
+        dict(section="padding", mesh=mesh_name, pattern=name, ms=ms, of_full=ms / full_ms)
+      )
+  _table(
+    "padding: time vs the share of valid tokens (T=8192, E=32, K=2, C=256)",
+    rows,
+    ["mesh", "pattern", "ms", "of_full"],
+  )
+  return rows
+
+
+def compile_section() -> list[dict]:
+  config = config_of(8, 2, 64)
+  params = make_params(config)
+  x = jax.random.normal(jax.random.key(5), (1024, D))
+  mesh = mesh_2x4()
+  before = compiled_executables()
+  for i in range(20):
+    counts = np.random.default_rng(i).integers(0, 129, size=8)
+    mask = jnp.asarray((np.arange(128)[None, :] < counts[:, None]).reshape(-1))
+    jax.block_until_ready(moe_apply(params, x, config=config, mesh=mesh, token_mask=mask))
+  rows = [dict(section="compiles", patterns=20, executables=compiled_executables() - before)]
+  _table("compiles: 20 token-count patterns, 2x4 mesh", rows, ["patterns", "executables"])
+  return rows
+
+
+_COLLECTIVE = re.compile(r"= (\w+)\[([\d,]*)\][^=]*? (all-gather|reduce-scatter)(?:-start)?\(")
+
+
+def collective_section() -> list[dict]:
+  """Per-chunk collective sizes from the compiled HLO, vs the scheme's minimum."""
+  chunk, tokens, experts_axis = 256, 8192, 4
+  config = config_of(32, 2, chunk)
+  params = make_params(config)
+  x = jax.random.normal(jax.random.key(6), (tokens, D))
+  fn = jax.jit(moejax_forward(config, mesh_2x4()))
+  hlo = fn.lower(params, x).compile().as_text()
+  itemsize = {"f32": 4, "s32": 4, "bf16": 2, "pred": 1}
+  rows = []
+  for dtype, dims, kind in _COLLECTIVE.findall(hlo):
+    size = math.prod(int(d) for d in dims.split(",") if d) * itemsize.get(dtype, 4)
+    rows.append(dict(section="collectives", op=kind, shape=f"{dtype}[{dims}]", bytes=size))
+  # The scheme's minimum per chunk and device (S = expert-axis size): all-gather S*C rows of D
+  # floats plus K ids and K weights; reduce-scatter to C rows of D. Bytes sent per device
+  # (ring algorithms): (S-1)/S of each all-gather output, (S-1) x the scatter output.
+  gathered = experts_axis * chunk * (D + 2 * 2) * 4
+  scattered = chunk * D * 4
+  measured = sum(r["bytes"] for r in rows)
+  sent = sum(
+    r["bytes"]
+    * ((experts_axis - 1) / experts_axis if r["op"] == "all-gather" else experts_axis - 1)
+    for r in rows
+  )
+  for name, value in (
+    ("total buffers per chunk (HLO)", measured),
+    ("minimum buffers per chunk", gathered + scattered),
+    ("sent per device per chunk", int(sent)),
+  ):
+    rows.append(dict(section="collectives", op=name, shape="", bytes=value))
+  _table(
+    "collectives: buffers of the chunk loop's collectives (C=256, 2x4 mesh)",
+    rows,
+    ["op", "shape", "bytes"],
+  )
+  return rows
+
+
+# ---- output ----------------------------------------------------------------------------
+
+
+def _table(title: str, rows: list[dict], columns: list[str]) -> None:
+  print(f"\n{title}")
+  widths = {c: max(len(c), *(len(_fmt(r[c])) for r in rows)) for c in columns}
+  print("  ".join(c.rjust(widths[c]) for c in columns))
+  for r in rows:
+    print("  ".join(_fmt(r[c]).rjust(widths[c]) for c in columns))
+
+
+def _fmt(value) -> str:
+  return f"{value:.3g}" if isinstance(value, float) else str(value)
+
+
+def plot_chunks(rows: list[dict], path: Path) -> None:
+  import matplotlib  # imported here: only the plot needs it
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  fig, (ax_time, ax_mem) = plt.subplots(1, 2, figsize=(10, 4))
+  for mesh_name, style in (("1 device", "-o"), ("2x4 mesh", "--s")):
+    for chunk in sorted({r["chunk"] for r in rows}):
+      sel = [r for r in rows if r["mesh"] == mesh_name and r["chunk"] == chunk]
+      tokens = [r["T"] for r in sel]
+      ax_time.plot(tokens, [r["ms"] for r in sel], style, label=f"{mesh_name}, C={chunk}")
+      ax_mem.plot(tokens, [r["temp_mib"] for r in sel], style, label=f"{mesh_name}, C={chunk}")
+  for ax, label in ((ax_time, "time (ms)"), (ax_mem, "compiled peak temp memory (MiB)")):
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("total tokens T")
+    ax.set_ylabel(label)
+    ax.grid(alpha=0.3)
+  ax_mem.legend(fontsize=7)
+  fig.suptitle("moejax chunk sweep (E=32, K=2, D=256, F=512, float32, CPU)")
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> None:
+  parser = argparse.ArgumentParser(prog="python -m moejax bench", description=__doc__)
+  parser.add_argument("--full", action="store_true", help="more shapes and token counts")
+  parser.add_argument("--repeats", type=int, default=3)
+  parser.add_argument("--out", default="results", help="folder for bench.json and the plot")
+  parser.add_argument(
+    "--sections", default="layer,chunks,padding,compiles,collectives", help="comma-separated"
+  )
+  args = parser.parse_args(argv)
+  sections = args.sections.split(",")
+  start = time.perf_counter()
+  print(
+    f"moejax bench: {jax.devices()[0].device_kind}, {len(jax.devices())} devices, "
+    f"JAX {jax.__version__}, D={D}, F={F}, float32"
+  )
+  rows = []
+  out = Path(args.out)
+  out.mkdir(parents=True, exist_ok=True)
+  if "layer" in sections:
+    rows += layer_section(args.full, args.repeats)
+  if "chunks" in sections:
+    chunk_rows = chunk_section(args.full, args.repeats)
+    rows += chunk_rows
+    plot_chunks(chunk_rows, out / "chunk_sweep.png")
+  if "padding" in sections:
+    rows += padding_section(args.repeats)
+  if "compiles" in sections:
+    rows += compile_section()
+  if "collectives" in sections:
+    rows += collective_section()
+  (out / "bench.json").write_text(json.dumps(rows, indent=1))
+  print(f"\nwrote {out / 'bench.json'} in {time.perf_counter() - start:.0f} s")
+
+
+if __name__ == "__main__":
+  main()
