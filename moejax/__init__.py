@@ -8,9 +8,10 @@ Dimension letters, used in names, docstrings and shape comments throughout:
   Fs shared-expert intermediate size      G  expert groups (grouped top-k)
 """
 
+from moejax import checkpoint
 from moejax.config import MoEConfig
 from moejax.forward import MoEAux, moe_apply
-from moejax.layer import MoELayer
+from moejax.layer import MoELayer, collect_aux
 from moejax.params import MoEParams, param_shapes
 from moejax.reference import reference_moe
 
@@ -19,6 +20,8 @@ __all__ = [
   "MoEConfig",
   "MoELayer",
   "MoEParams",
+  "checkpoint",
+  "collect_aux",
   "moe_apply",
   "param_shapes",
   "reference_moe",

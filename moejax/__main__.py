@@ -1,4 +1,4 @@
-"""Command line: `python -m moejax demo [flags]` and `python -m moejax bench [--full]`.
+"""Command line: `python -m moejax demo|train|bench [flags]`.
 
 The simulated CPU device count must be set before JAX is imported, so this module parses the
 flags first and imports the JAX-using commands afterwards.
@@ -17,7 +17,6 @@ def _parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(prog="python -m moejax", description=__doc__)
   commands = parser.add_subparsers(dest="command", required=True)
   demo = commands.add_parser("demo", help="run the layer on uneven per-rank token counts")
-  demo.add_argument("--mesh", default="2x4", help="DATAxEXPERT mesh shape (default 2x4)")
   demo.add_argument("--experts", type=int, default=16, help="E (default 16)")
   demo.add_argument("--top-k", type=int, default=2, help="K (default 2)")
   demo.add_argument("--hidden", type=int, default=128, help="D (default 128)")
@@ -25,10 +24,29 @@ def _parser() -> argparse.ArgumentParser:
   demo.add_argument("--tokens-per-rank", type=int, default=96, help="buffer rows per device")
   demo.add_argument("--chunk-size", type=int, default=32, help="C (default 32)")
   demo.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-  demo.add_argument("--seed", type=int, default=0)
-  demo.add_argument(
-    "--platform", default="cpu", help="'cpu' simulates the mesh's devices (default); else as is"
-  )
+  train = commands.add_parser("train", help="train a small MoE transformer, checkpoint it")
+  train.add_argument("--steps", type=int, default=60)
+  train.add_argument("--batch-size", type=int, default=32)
+  train.add_argument("--seq-len", type=int, default=16)
+  train.add_argument("--vocab", type=int, default=64)
+  train.add_argument("--layers", type=int, default=2)
+  train.add_argument("--heads", type=int, default=2)
+  train.add_argument("--moe-every", type=int, default=1, choices=[1, 2])
+  train.add_argument("--experts", type=int, default=8)
+  train.add_argument("--top-k", type=int, default=2)
+  train.add_argument("--hidden", type=int, default=32)
+  train.add_argument("--intermediate", type=int, default=64)
+  train.add_argument("--chunk-size", type=int, default=32)
+  train.add_argument("--backend", default="auto", choices=["auto", "xla", "pallas"])
+  train.add_argument("--learning-rate", type=float, default=3e-3)
+  train.add_argument("--checkpoint", default="checkpoints/moe_transformer")
+  train.add_argument("--resume", action="store_true", help="continue from --checkpoint")
+  for command in (demo, train):
+    command.add_argument("--mesh", default="2x4", help="DATAxEXPERT mesh shape (default 2x4)")
+    command.add_argument("--seed", type=int, default=0)
+    command.add_argument(
+      "--platform", default="cpu", help="'cpu' simulates the mesh's devices (default); else as is"
+    )
   commands.add_parser(
     "bench", help="the benchmark suite (benchmarks/suite.py); its flags: bench --help"
   )
@@ -75,9 +93,15 @@ def main(argv: list[str] | None = None) -> None:
   data, expert = parse_mesh(args.mesh)
   if args.platform == "cpu":
     simulate_cpu_devices(data * expert)
-  from moejax import demo  # imported here: JAX must load after XLA_FLAGS is set
+  # Imported here: JAX must load after XLA_FLAGS is set.
+  if args.command == "train":
+    from moejax import train
 
-  demo.run(args, mesh_shape=(data, expert))
+    train.run(args, mesh_shape=(data, expert))
+  else:
+    from moejax import demo
+
+    demo.run(args, mesh_shape=(data, expert))
 
 
 if __name__ == "__main__":

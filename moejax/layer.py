@@ -14,6 +14,8 @@ from moejax.forward import MoEAux, moe_apply
 from moejax.params import MoEParams, param_shapes
 from moejax.sharding import check_mesh, param_sharding
 
+_AUX_NAMES = ("expert_counts", "load_balancing_loss", "router_z_loss")
+
 Initializer = Callable[[jax.Array, tuple[int, ...], jnp.dtype], jax.Array]
 
 
@@ -112,5 +114,22 @@ class MoELayer(nnx.Module):
     # there only (flax itself tells the two apart by this attribute).
     if not hasattr(self, "__captures__"):
       return
-    for name in ("expert_counts", "load_balancing_loss", "router_z_loss"):
+    for name in _AUX_NAMES:
       self.sow(nnx.Intermediate, name, getattr(aux, name))
+
+
+def collect_aux(intermediates: nnx.State) -> dict[str, list[jax.Array]]:
+  """The aux values sown by every `MoELayer` call under `nnx.capture`, by name.
+
+  Args:
+    intermediates: the `nnx.Intermediate` state returned by `nnx.capture(model, ...)`.
+
+  Returns:
+    {"expert_counts": [...], "load_balancing_loss": [...], "router_z_loss": [...]}: one entry
+    per layer call, in module order.
+  """
+  aux: dict[str, list[jax.Array]] = {name: [] for name in _AUX_NAMES}
+  for path, variable in nnx.to_flat_state(intermediates):
+    if path[-1] in aux:
+      aux[path[-1]].extend(variable.get_value())
+  return aux

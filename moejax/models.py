@@ -1,0 +1,151 @@
+"""A small decoder-only transformer whose FFN blocks are `MoELayer`s, and a synthetic task.
+
+The model exists to show the layer in a real model: padded sequences feed the layer's token
+mask, the aux losses are summed over layers, and parameters are placed on the mesh by their
+sharding metadata (`shard_model`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from moejax.config import MoEConfig
+from moejax.layer import MoELayer
+
+
+@dataclasses.dataclass(frozen=True)
+class TransformerConfig:
+  """Shape of `MoETransformer`.
+
+  Attributes:
+    vocab_size: V.
+    num_layers: transformer blocks.
+    num_heads: attention heads (hidden_size must divide by it).
+    moe: the `MoEConfig` of each MoE block (its hidden_size is the model width D).
+    moe_every: 1 = every block's FFN is an MoE layer, 2 = every other one (dense between).
+    dense_ffn_size: hidden width of the dense FFN blocks.
+  """
+
+  vocab_size: int
+  num_layers: int
+  num_heads: int
+  moe: MoEConfig
+  moe_every: int = 1
+  dense_ffn_size: int = 128
+
+  def __post_init__(self) -> None:
+    if self.moe.hidden_size % self.num_heads:
+      raise ValueError(f"hidden_size={self.moe.hidden_size} must divide by {self.num_heads=}")
+    if self.moe_every not in (1, 2):
+      raise ValueError(f"moe_every must be 1 or 2, got {self.moe_every}")
+
+
+class DenseFFN(nnx.Module):
+  """A gated SiLU MLP, [..., D] -> [..., D], for the non-MoE blocks."""
+
+  def __init__(self, dim: int, hidden: int, *, rngs: nnx.Rngs):
+    self.up = nnx.Linear(dim, 2 * hidden, use_bias=False, rngs=rngs)
+    self.down = nnx.Linear(hidden, dim, use_bias=False, rngs=rngs)
+
+  def __call__(self, x: jax.Array, token_mask: jax.Array | None = None) -> jax.Array:
+    gate, up = jnp.split(self.up(x), 2, axis=-1)
+    return self.down(jax.nn.silu(gate) * up)
+
+
+class Block(nnx.Module):
+  """Pre-norm causal self-attention, then a pre-norm FFN (MoE or dense)."""
+
+  def __init__(self, config: TransformerConfig, use_moe: bool, mesh: Mesh | None, rngs: nnx.Rngs):
+    dim = config.moe.hidden_size
+    self.attention_norm = nnx.RMSNorm(dim, rngs=rngs)
+    self.attention = nnx.MultiHeadAttention(
+      num_heads=config.num_heads, in_features=dim, decode=False, use_bias=False, rngs=rngs
+    )
+    self.ffn_norm = nnx.RMSNorm(dim, rngs=rngs)
+    if use_moe:
+      self.ffn = MoELayer(config.moe, mesh=mesh, rngs=rngs)
+    else:
+      self.ffn = DenseFFN(dim, config.dense_ffn_size, rngs=rngs)
+
+  def __call__(self, x: jax.Array, token_mask: jax.Array) -> jax.Array:
+    """x [B, S, D], token_mask [B, S] -> [B, S, D]."""
+    seq = x.shape[1]
+    causal = jnp.tril(jnp.ones((seq, seq), bool))
+    attend = causal[None, None] & token_mask[:, None, None, :]  # [B, 1, S, S]
+    x = x + self.attention(self.attention_norm(x), mask=attend)
+    return x + self.ffn(self.ffn_norm(x), token_mask)
+
+
+class MoETransformer(nnx.Module):
+  """Embedding, `num_layers` blocks, final norm, tied output projection.
+
+  >>> moe = MoEConfig(num_experts=4, top_k=2, hidden_size=16, intermediate_size=32)
+  >>> model = MoETransformer(TransformerConfig(32, 2, 2, moe), rngs=nnx.Rngs(0))
+  >>> model(jnp.zeros((2, 5), jnp.int32), jnp.ones((2, 5), bool)).shape
+  (2, 5, 32)
+  """
+
+  def __init__(self, config: TransformerConfig, *, mesh: Mesh | None = None, rngs: nnx.Rngs):
+    self.config = config
+    self.embed = nnx.Embed(config.vocab_size, config.moe.hidden_size, rngs=rngs)
+    self.blocks = nnx.List(
+      [
+        Block(config, use_moe=i % config.moe_every == config.moe_every - 1, mesh=mesh, rngs=rngs)
+        for i in range(config.num_layers)
+      ]
+    )
+    self.final_norm = nnx.RMSNorm(config.moe.hidden_size, rngs=rngs)
+
+  def __call__(self, tokens: jax.Array, token_mask: jax.Array) -> jax.Array:
+    """tokens [B, S] int, token_mask [B, S] bool -> logits [B, S, V] float32."""
+    x = self.embed(tokens)
+    for block in self.blocks:
+      x = block(x, token_mask)
+    return self.embed.attend(self.final_norm(x)).astype(jnp.float32)
+
+
+def shard_model(model: nnx.Module | nnx.Optimizer, mesh: Mesh) -> None:
+  """Places every variable of a model (or optimizer) on `mesh` as its sharding metadata says,
+  replicated where it has none."""
+  state = nnx.state(model)
+  specs = nnx.get_partition_spec(state)
+  placed = jax.tree.map(
+    lambda value, spec: jax.device_put(value, NamedSharding(mesh, spec or P())), state, specs
+  )
+  nnx.update(model, placed)
+
+
+@dataclasses.dataclass(frozen=True)
+class ClusterTask:
+  """Synthetic task an MoE learns fast: the target of a token is a permutation of it, and the
+  permutation depends on the token's cluster (token // cluster_size), so experts specialise.
+
+  Sequences have random lengths; positions past the length are padding (mask False).
+  """
+
+  vocab_size: int = 64
+  clusters: int = 4
+  seq_len: int = 16
+  seed: int = 0
+
+  def permutations(self) -> np.ndarray:
+    """[clusters, V] the target of token t in cluster c's rule is permutations[c, t]."""
+    rng = np.random.default_rng(self.seed)
+    return np.stack([rng.permutation(self.vocab_size) for _ in range(self.clusters)])
+
+  def batch(self, batch_size: int, step: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(tokens [B, S] int32, targets [B, S] int32, mask [B, S] bool) for one step."""
+    rng = np.random.default_rng((self.seed, step))
+    tokens = rng.integers(0, self.vocab_size, (batch_size, self.seq_len), dtype=np.int32)
+    cluster = tokens // (self.vocab_size // self.clusters)
+    targets = self.permutations()[cluster, tokens].astype(np.int32)
+    lengths = rng.integers(self.seq_len // 4, self.seq_len + 1, batch_size)
+    mask = np.arange(self.seq_len)[None, :] < lengths[:, None]
+    return tokens, targets, mask

@@ -1,0 +1,136 @@
+"""Training the `MoETransformer` with optax: loss with the layers' aux losses, a jitted step,
+and the `python -m moejax train` loop."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from moejax import checkpoint
+from moejax.config import MoEConfig
+from moejax.layer import collect_aux
+from moejax.models import ClusterTask, MoETransformer, TransformerConfig, shard_model
+
+
+@dataclasses.dataclass(frozen=True)
+class LossWeights:
+  """Weights of the aux losses added to the task loss (Switch uses 1e-2, ST-MoE 1e-3 for z)."""
+
+  load_balancing: float = 1e-2
+  router_z: float = 1e-3
+
+
+def loss_fn(
+  model: MoETransformer,
+  tokens: jax.Array,
+  targets: jax.Array,
+  token_mask: jax.Array,
+  weights: LossWeights,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """Masked next-token cross-entropy plus weighted aux losses summed over MoE layers.
+
+  Args:
+    model: the transformer.
+    tokens: [B, S] int32.
+    targets: [B, S] int32.
+    token_mask: [B, S] bool; padding positions count in no loss.
+    weights: `LossWeights`.
+
+  Returns:
+    (total loss, metrics: task_loss, load_balancing_loss, router_z_loss, expert_counts [L, E]).
+  """
+  logits, intermediates = nnx.capture(model, nnx.Intermediate)(tokens, token_mask)
+  per_token = optax.softmax_cross_entropy_with_integer_labels(logits, targets)  # [B, S]
+  valid = token_mask.astype(jnp.float32)
+  task = jnp.sum(per_token * valid) / jnp.maximum(jnp.sum(valid), 1.0)
+  aux = collect_aux(intermediates)
+  load_balancing = sum(aux["load_balancing_loss"])
+  router_z = sum(aux["router_z_loss"])
+  total = task + weights.load_balancing * load_balancing + weights.router_z * router_z
+  metrics = dict(
+    task_loss=task,
+    load_balancing_loss=load_balancing,
+    router_z_loss=router_z,
+    expert_counts=jnp.stack(aux["expert_counts"]),
+  )
+  return total, metrics
+
+
+@nnx.jit(static_argnames="weights")
+def train_step(
+  model: MoETransformer,
+  optimizer: nnx.Optimizer,
+  tokens: jax.Array,
+  targets: jax.Array,
+  token_mask: jax.Array,
+  weights: LossWeights = LossWeights(),
+) -> dict[str, jax.Array]:
+  """One optimizer step; returns the loss and `loss_fn`'s metrics."""
+  grad_fn = nnx.value_and_grad(loss_fn, has_aux=True)
+  (loss, metrics), grads = grad_fn(model, tokens, targets, token_mask, weights)
+  optimizer.update(model, grads)
+  return dict(loss=loss, **metrics)
+
+
+def run(args, mesh_shape: tuple[int, int]) -> list[dict[str, float]]:
+  """`python -m moejax train`: trains on `ClusterTask` with a progress bar, then checkpoints.
+
+  Resumes from `args.checkpoint` when `args.resume` is set and the checkpoint exists.
+  Returns the per-step metrics (loss, task_loss, aux losses, tokens/s).
+  """
+  from tqdm import tqdm  # imported here: only the command line shows a progress bar
+
+  mesh = jax.make_mesh(mesh_shape, ("data", "expert"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  moe = MoEConfig(
+    num_experts=args.experts,
+    top_k=args.top_k,
+    hidden_size=args.hidden,
+    intermediate_size=args.intermediate,
+    chunk_size=args.chunk_size,
+    expert_backend=args.backend,
+  )
+  task = ClusterTask(vocab_size=args.vocab, seq_len=args.seq_len, seed=args.seed)
+  config = TransformerConfig(args.vocab, args.layers, args.heads, moe, moe_every=args.moe_every)
+  model = MoETransformer(config, mesh=mesh, rngs=nnx.Rngs(args.seed))
+  shard_model(model, mesh)
+  optimizer = nnx.Optimizer(model, optax.adam(args.learning_rate), wrt=nnx.Param)
+  shard_model(optimizer, mesh)  # its step counter too, so a restored one lands on the mesh
+  start = 0
+  if args.resume and (Path(args.checkpoint) / "meta.json").exists():
+    start = checkpoint.restore(args.checkpoint, model, optimizer)
+    print(f"resumed from {args.checkpoint} at step {start}")
+  batch_sharding = NamedSharding(mesh, P(config.moe.data_axis))
+  history = []
+  bar = tqdm(range(start, start + args.steps), desc="train", unit="step")
+  for step in bar:
+    batch = [jax.device_put(a, batch_sharding) for a in task.batch(args.batch_size, step)]
+    began = time.perf_counter()
+    metrics = jax.device_get(train_step(model, optimizer, *batch))
+    tokens_per_s = float(batch[2].sum()) / (time.perf_counter() - began)
+    row = dict(
+      step=step,
+      loss=float(metrics["loss"]),
+      task_loss=float(metrics["task_loss"]),
+      aux_loss=float(metrics["load_balancing_loss"]),
+      tokens_per_s=tokens_per_s,
+    )
+    history.append({**row, "expert_counts": metrics["expert_counts"].tolist()})
+    bar.set_postfix(
+      loss=f"{row['loss']:.3f}", aux=f"{row['aux_loss']:.3f}", tok_s=f"{tokens_per_s:.0f}"
+    )
+  saved = checkpoint.save(args.checkpoint, model, optimizer, step=start + args.steps)
+  load = np.asarray(history[-1]["expert_counts"])
+  print(f"loss {history[0]['loss']:.3f} -> {history[-1]['loss']:.3f}; checkpoint: {saved}")
+  print("expert load at the last step (tokens per expert, one row per MoE layer):")
+  for layer, counts in enumerate(load):
+    print(f"  layer {layer}: {counts.tolist()}")
+  return history

@@ -1,0 +1,71 @@
+"""One process of the 2-process test (`tests/test_multihost.py`); not a test module itself.
+
+  python tests/multihost_worker.py PROCESS_ID PORT [INIT_TIMEOUT_S]
+
+Joins a 2-process JAX runtime on 127.0.0.1:PORT with gloo CPU collectives, 4 CPU devices per
+process, builds a 2x4 (data, expert) mesh spanning both, runs the layer on uneven per-rank
+token counts (one rank empty) and checks this process's output shards against the reference.
+Prints "OK ..." and exits 0 on success.
+"""
+
+import os
+import sys
+
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+os.environ["JAX_PLATFORMS"] = "cpu"
+
+import jax
+
+jax.config.update("jax_cpu_collectives_implementation", "gloo")
+
+
+def main() -> None:
+  process_id, port = int(sys.argv[1]), sys.argv[2]
+  timeout = int(sys.argv[3]) if len(sys.argv) > 3 else 60
+  jax.distributed.initialize(
+    coordinator_address=f"127.0.0.1:{port}",
+    num_processes=2,
+    process_id=process_id,
+    initialization_timeout=timeout,
+  )
+  import numpy as np
+  from jax.sharding import Mesh, NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  from moejax import MoEConfig, moe_apply, param_shapes, reference_moe
+  from moejax.params import MoEParams
+
+  config = MoEConfig(num_experts=8, top_k=2, hidden_size=16, intermediate_size=32, chunk_size=4)
+  rng = np.random.default_rng(0)  # the same values in both processes
+  params = MoEParams(
+    **{
+      name: (rng.standard_normal(shape) / np.sqrt(shape[-2])).astype(np.float32)
+      for name, shape in param_shapes(config).items()
+    }
+  )
+  rows = 6
+  x_host = rng.standard_normal((8 * rows, 16)).astype(np.float32)
+  counts = np.array([0, 6, 3, 5, 1, 6, 2, 4])  # rank 0 empty
+  mask_host = (np.arange(rows)[None, :] < counts[:, None]).reshape(-1)
+  mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "expert"))
+  tokens = NamedSharding(mesh, P(("data", "expert")))
+  x = jax.make_array_from_callback(x_host.shape, tokens, lambda index: x_host[index])
+  mask = jax.make_array_from_callback(mask_host.shape, tokens, lambda index: mask_host[index])
+  y, _ = jax.jit(lambda p, x, m: moe_apply(p, x, config=config, mesh=mesh, token_mask=m))(
+    params, x, mask
+  )
+  expected = np.asarray(reference_moe(params, x_host, config, mask_host))
+  errors = [
+    float(np.max(np.abs(np.asarray(shard.data) - expected[shard.index])))
+    for shard in y.addressable_shards
+  ]
+  worst = max(errors)
+  if worst > 1e-4 or len(errors) != 4:
+    print(f"FAIL process {process_id}: shard errors {errors}", flush=True)
+    sys.exit(1)
+  print(f"OK process {process_id}: {len(errors)} shards, max error {worst:.2e}", flush=True)
+  jax.distributed.shutdown()
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,104 @@
+"""The layer in users' hands: a transformer that trains, checkpoints across meshes, Linen."""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import optax
+from flax import linen as nn
+from flax import nnx
+
+from moejax import MoEConfig, MoELayer, checkpoint
+from moejax.linen import moe_linen
+from moejax.models import ClusterTask, MoETransformer, TransformerConfig, shard_model
+from moejax.train import train_step
+from tests.helpers import assert_close, mesh_of, seed_of
+
+MOE = MoEConfig(num_experts=8, top_k=2, hidden_size=32, intermediate_size=64, chunk_size=32)
+
+
+def build(mesh_shape, seed, moe_every=1):
+  mesh = mesh_of(*mesh_shape)
+  model = MoETransformer(
+    TransformerConfig(64, 2, 2, MOE, moe_every=moe_every), mesh=mesh, rngs=nnx.Rngs(seed)
+  )
+  shard_model(model, mesh)
+  optimizer = nnx.Optimizer(model, optax.adam(3e-3), wrt=nnx.Param)
+  shard_model(optimizer, mesh)
+  return model, optimizer, mesh
+
+
+def test_training_on_the_mesh_lowers_the_loss_and_reports_load():
+  model, optimizer, mesh = build((2, 4), seed=0)
+  task = ClusterTask()
+  sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+  losses = []
+  for step in range(60):
+    tokens, targets, mask = (jax.device_put(a, sharding) for a in task.batch(32, step))
+    metrics = train_step(model, optimizer, tokens, targets, mask)
+    losses.append(float(metrics["task_loss"]))
+  assert losses[-1] < 0.3 * losses[0], losses[::10]
+  counts = np.asarray(metrics["expert_counts"])  # [layers, E]
+  assert counts.shape == (2, 8)
+  np.testing.assert_array_equal(counts.sum(axis=1), 2 * int(mask.sum()))
+  assert np.all(np.isfinite(float(metrics["load_balancing_loss"])))
+
+
+def test_every_other_block_is_moe():
+  model, _, _ = build((1, 1), seed=0, moe_every=2)
+  assert [type(b.ffn).__name__ for b in model.blocks] == ["DenseFFN", "MoELayer"]
+
+
+def test_checkpoint_restores_onto_another_mesh(tmp_path):
+  model, optimizer, _ = build((2, 4), seed=0)
+  checkpoint.save(tmp_path / "ckpt", model, optimizer, step=5)
+  restored, restored_optimizer, _ = build((4, 2), seed=1)
+  assert checkpoint.restore(tmp_path / "ckpt", restored, restored_optimizer) == 5
+  w = restored.blocks[0].ffn.w_gate_up[...]
+  assert w.sharding.mesh.shape == {"data": 4, "expert": 2}
+  tokens, _, mask = ClusterTask().batch(8, 0)
+  assert_close(restored(tokens, mask), model(tokens, mask), what="logits after restore")
+
+
+def test_train_command_checkpoints_and_resumes(tmp_path):
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  base = [sys.executable, "-m", "moejax", "train", "--checkpoint", str(tmp_path / "ck")]
+  first = subprocess.run(
+    [*base, "--steps", "12"], capture_output=True, text=True, timeout=600, env=env
+  )
+  assert first.returncode == 0, first.stderr[-3000:]
+  assert "expert load at the last step" in first.stdout
+  assert json.loads((tmp_path / "ck" / "meta.json").read_text())["step"] == 12
+  second = subprocess.run(
+    [*base, "--steps", "3", "--resume"], capture_output=True, text=True, timeout=600, env=env
+  )
+  assert second.returncode == 0, second.stderr[-3000:]
+  assert f"resumed from {tmp_path / 'ck'} at step 12" in second.stdout
+  assert json.loads((tmp_path / "ck" / "meta.json").read_text())["step"] == 15
+
+
+class LinenModel(nn.Module):
+  """A Linen model with the MoE layer inside."""
+
+  @nn.compact
+  def __call__(self, x, mask):
+    return moe_linen(MOE, name="moe")(nn.Dense(32, name="proj")(x), mask)
+
+
+def test_linen_model_matches_the_nnx_layer(request):
+  key = jax.random.key(seed_of(request.node.name))
+  x = jax.random.normal(key, (4, 6, 32))
+  mask = jax.random.bernoulli(jax.random.fold_in(key, 1), 0.7, (4, 6))
+  model = LinenModel()
+  variables = model.init(jax.random.fold_in(key, 2), x, mask)
+  y = model.apply(variables, x, mask)
+  params = nn.unbox(variables)["params"]
+  layer = MoELayer(MOE, rngs=nnx.Rngs(0))
+  for name, value in params["moe"].items():
+    getattr(layer, name)[...] = value
+  hidden = x @ params["proj"]["kernel"] + params["proj"]["bias"][None, None, :]
+  assert_close(y, layer(hidden, mask), what="linen vs nnx")
+  assert np.all(np.asarray(y)[~np.asarray(mask)] == 0)
