@@ -16,7 +16,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from moejax import checkpoint
-from moejax.config import MoEConfig
+from moejax.cli_setup import auto_mesh, moe_config
 from moejax.layer import collect_aux
 from moejax.models import ClusterTask, MoETransformer, TransformerConfig, shard_model
 
@@ -89,15 +89,8 @@ def run(args, mesh_shape: tuple[int, int]) -> list[dict[str, float]]:
   """
   from tqdm import tqdm  # imported here: only the command line shows a progress bar
 
-  mesh = jax.make_mesh(mesh_shape, ("data", "expert"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
-  moe = MoEConfig(
-    num_experts=args.experts,
-    top_k=args.top_k,
-    hidden_size=args.hidden,
-    intermediate_size=args.intermediate,
-    chunk_size=args.chunk_size,
-    expert_backend=args.backend,
-  )
+  mesh = auto_mesh(mesh_shape)
+  moe = moe_config(args, expert_backend=args.backend)
   task = ClusterTask(vocab_size=args.vocab, seq_len=args.seq_len, seed=args.seed)
   config = TransformerConfig(args.vocab, args.layers, args.heads, moe, moe_every=args.moe_every)
   model = MoETransformer(config, mesh=mesh, rngs=nnx.Rngs(args.seed))

@@ -9,9 +9,10 @@ from pathlib import Path
 ROOT = Path(__file__).parent.parent
 
 
-def run_script(*args: str, tmp_path: Path) -> str:
+def run_script(*args: str, out: Path) -> str:
+  """Runs a benchmark with `--out out`; checks it succeeded and wrote there."""
   result = subprocess.run(
-    [sys.executable, *args, "--out", str(tmp_path / "out.json")],
+    [sys.executable, *args, "--out", str(out)],
     capture_output=True,
     text=True,
     timeout=600,
@@ -19,12 +20,12 @@ def run_script(*args: str, tmp_path: Path) -> str:
     env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"},
   )
   assert result.returncode == 0, result.stderr[-3000:]
-  assert (tmp_path / "out.json").exists()
+  assert out.exists()
   return result.stdout
 
 
 def test_gpu_kernel_benchmark_smoke_checks_every_backend(tmp_path):
-  out = run_script("benchmarks/gpu_kernels.py", "--smoke", tmp_path=tmp_path)
+  out = run_script("benchmarks/gpu_kernels.py", "--smoke", out=tmp_path / "out.json")
   for backend in ("xla", "triton", "mosaic"):
     assert f"check {backend:8} moe_mlp" in out
   assert "WRONG" not in out and "dense (ceiling)" in out
@@ -45,30 +46,20 @@ def test_layer_benchmark_prints_ratios(tmp_path):
     "64,256",
     "--repeats",
     "1",
-    tmp_path=tmp_path,
+    out=tmp_path / "out.json",
   )
   assert "moejax layer, chunk_size=64" in out and "x ceiling" in out
 
 
 def test_bench_suite_compile_count_and_collective_bytes(tmp_path):
-  result = subprocess.run(
-    [
-      sys.executable,
-      "-m",
-      "moejax",
-      "bench",
-      "--sections",
-      "compiles,collectives",
-      "--out",
-      str(tmp_path),
-    ],
-    capture_output=True,
-    text=True,
-    timeout=600,
-    cwd=ROOT,
-    env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"},
+  run_script(
+    "-m",
+    "moejax",
+    "bench",
+    "--sections",
+    "compiles,collectives",
+    out=tmp_path,
   )
-  assert result.returncode == 0, result.stderr[-3000:]
   bench = json.loads((tmp_path / "bench.json").read_text())
   rows = {r.get("op", "compiles"): r for r in bench}
   assert rows["compiles"]["executables"] == 1

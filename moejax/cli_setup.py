@@ -1,0 +1,35 @@
+"""What the `python -m moejax` commands build from their flags: the mesh and the MoEConfig.
+
+Imported by the commands only after `__main__` has set the simulated device count.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import jax
+from jax.sharding import AxisType, Mesh
+
+from moejax.config import MoEConfig
+
+
+def auto_mesh(shape: tuple[int, int]) -> Mesh:
+  """A (data, expert) mesh of the first data*expert devices, with automatic axes."""
+  devices = len(jax.devices())
+  if devices < shape[0] * shape[1]:
+    raise SystemExit(
+      f"a {shape[0]}x{shape[1]} mesh needs {shape[0] * shape[1]} devices, found {devices}"
+    )
+  return jax.make_mesh(shape, ("data", "expert"), axis_types=(AxisType.Auto,) * 2)
+
+
+def moe_config(args: argparse.Namespace, **overrides) -> MoEConfig:
+  """The MoEConfig of the --experts, --top-k, --hidden, --intermediate, --chunk-size flags."""
+  return MoEConfig(
+    num_experts=args.experts,
+    top_k=args.top_k,
+    hidden_size=args.hidden,
+    intermediate_size=args.intermediate,
+    chunk_size=args.chunk_size,
+    **overrides,
+  )
