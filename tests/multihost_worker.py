@@ -11,15 +11,15 @@ Prints "OK ..." and exits 0 on success.
 import os
 import sys
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
-os.environ["JAX_PLATFORMS"] = "cpu"
-
-import jax
-
-jax.config.update("jax_cpu_collectives_implementation", "gloo")
-
 
 def main() -> None:
+  # Set up here, not at import: pytest's doctest collection imports this module in the test
+  # process, which must keep its own 8 devices.
+  os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+  os.environ["JAX_PLATFORMS"] = "cpu"
+  import jax
+
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")
   process_id, port = int(sys.argv[1]), sys.argv[2]
   timeout = int(sys.argv[3]) if len(sys.argv) > 3 else 60
   jax.distributed.initialize(
