@@ -10,11 +10,13 @@ group stays in lockstep and the cost follows the busiest device's real tokens.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from moejax.dispatch import any_over
 
@@ -63,7 +65,8 @@ class TokenLayout:
 
 
 def chunk_scan(
-  chunk_fn: Callable[[Any], jax.Array],
+  chunk_fn: Callable[[Any, Any], jax.Array],
+  weights: Any,
   inputs: Any,
   token_mask: jax.Array,
   *,
@@ -72,9 +75,13 @@ def chunk_scan(
 ) -> tuple[jax.Array, jax.Array]:
   """Applies `chunk_fn` to chunks of C rows, valid rows first, skipping all-padding chunks.
 
+  Differentiable in `weights` and the floating leaves of `inputs`, with a hand-written
+  backward (see `_chunk_scan_bwd`).
+
   Args:
-    chunk_fn: maps a pytree of [C, ...] arrays (one chunk of `inputs`) to a [C, ...] array. It
-      may run collectives over `lockstep_axis`.
+    chunk_fn: (weights, pytree of [C, ...] chunk inputs) -> [C, ...]. It may run collectives
+      over `lockstep_axis`, and must close over no traced value (pass those in `weights`).
+    weights: pytree of arrays every chunk uses.
     inputs: pytree of [L, ...] arrays, L a multiple of C.
     token_mask: [L] bool, True for valid rows.
     chunk_size: C.
@@ -85,24 +92,94 @@ def chunk_scan(
     (out, chunks_run): out [L, ...] holds `chunk_fn`'s output for the chunks that ran and zeros
     for the skipped ones; chunks_run [] int32 counts the chunks that ran.
   """
-  num_chunks = token_mask.shape[0] // chunk_size
-  # Chunks take the valid rows first (a stable local order), so the chunks past this device's
-  # valid count are all padding and the cost follows the busiest device's tokens even when
-  # padding is scattered. Only the [L] order is permuted: each chunk gathers its C rows and
-  # writes its output rows in place, so no permuted copy of the [L, D] buffer is made.
-  order = jnp.argsort(~token_mask, stable=True).reshape(num_chunks, chunk_size)  # [chunks, C]
-  out_type = jax.eval_shape(chunk_fn, jax.tree.map(lambda a: a[order[0]], inputs))
+  return _chunk_scan(chunk_fn, chunk_size, lockstep_axis, weights, inputs, token_mask)
+
+
+def _chunk_order(token_mask: jax.Array, chunk_size: int) -> jax.Array:
+  """[chunks, C] row indices, valid rows first in a stable order.
+
+  With padding scattered through a buffer, the chunks past this device's valid count are then
+  all padding and get skipped, so the cost follows the busiest device's tokens. Only indices
+  are permuted: each chunk gathers its rows, so no permuted copy of the buffer is made.
+  """
+  return jnp.argsort(~token_mask, stable=True).reshape(-1, chunk_size)
+
+
+def _live(token_mask: jax.Array, rows: jax.Array, lockstep_axis: str | None) -> jax.Array:
+  """Whether any device along the axis holds a valid row in this chunk (same on all)."""
+  return any_over(jnp.any(token_mask[rows]), lockstep_axis)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _chunk_scan(chunk_fn, chunk_size, lockstep_axis, weights, inputs, token_mask):
+  order = _chunk_order(token_mask, chunk_size)  # [chunks, C]
+  out_type = jax.eval_shape(chunk_fn, weights, jax.tree.map(lambda a: a[order[0]], inputs))
   # Zeros built from the mask, not jnp.zeros: inside shard_map they keep the per-device
   # (varying-axes) type of chunk_fn's output, which lax.cond requires.
   mask_zeros = jnp.zeros_like(token_mask, out_type.dtype).reshape(-1, *[1] * (out_type.ndim - 1))
 
   def step(out, rows):
-    mask = token_mask[rows]  # [C]
-    live = any_over(jnp.any(mask), lockstep_axis)
-    skip = lambda _: jnp.broadcast_to(mask_zeros[:chunk_size], out_type.shape)
-    chunk_out = jax.lax.cond(live, chunk_fn, skip, jax.tree.map(lambda a: a[rows], inputs))
+    live = _live(token_mask, rows, lockstep_axis)
+    chunk_out = jax.lax.cond(
+      live,
+      lambda chunk: chunk_fn(weights, chunk),
+      lambda _: jnp.broadcast_to(mask_zeros[:chunk_size], out_type.shape),
+      jax.tree.map(lambda a: a[rows], inputs),
+    )
     return out.at[rows].set(chunk_out, unique_indices=True), live
 
   init = jnp.broadcast_to(mask_zeros, (token_mask.shape[0], *out_type.shape[1:]))
   out, live = jax.lax.scan(step, init, order)
   return out, jnp.sum(live, dtype=jnp.int32)
+
+
+def _chunk_scan_fwd(chunk_fn, chunk_size, lockstep_axis, weights, inputs, token_mask):
+  out = _chunk_scan(chunk_fn, chunk_size, lockstep_axis, weights, inputs, token_mask)
+  return out, (weights, inputs, token_mask)
+
+
+def _chunk_scan_bwd(chunk_fn, chunk_size, lockstep_axis, residuals, cotangents):
+  """Recomputes each live chunk under `jax.vjp` and accumulates gradients in the scan carry.
+
+  Left to autodiff, the scan would stack per-chunk residuals (copies of the weights among
+  them, through the cond) and add full-size weight cotangents per chunk. Here the only saved
+  values are the inputs; each live chunk is recomputed (one extra forward pass), and the
+  collectives' transposes run inside the same lockstep cond as the forward pass.
+  """
+  weights, inputs, token_mask = residuals
+  d_out = cotangents[0]
+  is_float = lambda a: jnp.issubdtype(a.dtype, jnp.inexact)
+  float_inputs = [a for a in jax.tree.leaves(inputs) if is_float(a)]
+
+  def step(carry, rows):
+    def accumulate(carry):
+      d_weights, d_inputs = carry
+      _, vjp = jax.vjp(chunk_fn, weights, jax.tree.map(lambda a: a[rows], inputs))
+      chunk_d_weights, chunk_d_inputs = vjp(d_out[rows])
+      chunk_d_inputs = [
+        c
+        for c, a in zip(jax.tree.leaves(chunk_d_inputs), jax.tree.leaves(inputs), strict=True)
+        if is_float(a)
+      ]
+      return (
+        jax.tree.map(jnp.add, d_weights, chunk_d_weights),
+        [
+          d.at[rows].add(c, unique_indices=True)
+          for d, c in zip(d_inputs, chunk_d_inputs, strict=True)
+        ],
+      )
+
+    live = _live(token_mask, rows, lockstep_axis)
+    return jax.lax.cond(live, accumulate, lambda carry: carry, carry), None
+
+  init = (jax.tree.map(jnp.zeros_like, weights), [jnp.zeros_like(a) for a in float_inputs])
+  (d_weights, d_float_inputs), _ = jax.lax.scan(step, init, _chunk_order(token_mask, chunk_size))
+  d_float_inputs = iter(d_float_inputs)
+  d_inputs = jax.tree.map(
+    lambda a: next(d_float_inputs) if is_float(a) else np.zeros(a.shape, jax.dtypes.float0),
+    inputs,
+  )
+  return d_weights, d_inputs, np.zeros(token_mask.shape, jax.dtypes.float0)
+
+
+_chunk_scan.defvjp(_chunk_scan_fwd, _chunk_scan_bwd)

@@ -201,26 +201,54 @@ def local_forward(
   dtype = config.dtype
   # Expert weights already vary over the expert axis; they are the same on every data rank.
   data_axes = tuple(a for a in all_axes if a != expert_axis)
-  w_gate_up, w_down = (
-    vary_over(w.astype(dtype), data_axes) for w in (params.w_gate_up, params.w_down)
-  )
-  if config.has_shared_experts:
-    shared_w_gate_up, shared_w_down = (
-      vary_over(w.astype(dtype), all_axes) for w in (params.shared_w_gate_up, params.shared_w_down)
+  chunk_weights = {
+    name: vary_over(
+      getattr(params, name).astype(dtype), data_axes if "shared" not in name else all_axes
     )
-
-  def run_chunk(chunk):
-    rows, expert_ids, weights = chunk
-    out = exchange_and_compute(
-      rows, expert_ids, weights, w_gate_up, w_down, config=config, expert_axis=expert_axis
-    )
-    if config.has_shared_experts:
-      shared = gated_mlp(rows, shared_w_gate_up, shared_w_down, config.activation)
-      out = (out.astype(jnp.float32) + shared).astype(dtype)
-    return out
-
+    for name in ("w_gate_up", "w_down", "shared_w_gate_up", "shared_w_down")
+    if getattr(params, name) is not None
+  }
+  run_chunk = functools.partial(_run_chunk, config=config, expert_axis=expert_axis)
   chunk_inputs = (x.astype(dtype), route.expert_ids, route.weights)
   y, chunks_run = chunk_scan(
-    run_chunk, chunk_inputs, token_mask, chunk_size=chunk_size, lockstep_axis=expert_axis
+    run_chunk,
+    chunk_weights,
+    chunk_inputs,
+    token_mask,
+    chunk_size=chunk_size,
+    lockstep_axis=expert_axis,
   )
   return _zero_padding(y, token_mask), stats, chunks_run[None]
+
+
+def _run_chunk(
+  weights: dict[str, jax.Array], chunk, *, config: MoEConfig, expert_axis: str | None
+) -> jax.Array:
+  """One chunk: routed experts through the expert-axis exchange, plus the shared experts.
+
+  Args:
+    weights: "w_gate_up", "w_down" (this device's experts) and, with shared experts,
+      "shared_w_gate_up", "shared_w_down"; all in the compute dtype.
+    chunk: (rows [C, D], expert_ids [C, K], routing weights [C, K]).
+    config: the layer's config.
+    expert_axis: the mesh's expert axis, or None.
+
+  Returns:
+    [C, D] in the compute dtype.
+  """
+  rows, expert_ids, routing_weights = chunk
+  out = exchange_and_compute(
+    rows,
+    expert_ids,
+    routing_weights,
+    weights["w_gate_up"],
+    weights["w_down"],
+    config=config,
+    expert_axis=expert_axis,
+  )
+  if config.has_shared_experts:
+    shared = gated_mlp(
+      rows, weights["shared_w_gate_up"], weights["shared_w_down"], config.activation
+    )
+    out = (out.astype(jnp.float32) + shared).astype(config.dtype)
+  return out
