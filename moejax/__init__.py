@@ -8,7 +8,6 @@ Dimension letters, used in names, docstrings and shape comments throughout:
   Fs shared-expert intermediate size      G  expert groups (grouped top-k)
 """
 
-from moejax import checkpoint
 from moejax.config import MoEConfig
 from moejax.forward import MoEAux, moe_apply
 from moejax.layer import MoELayer, collect_aux
@@ -20,7 +19,6 @@ __all__ = [
   "MoEConfig",
   "MoELayer",
   "MoEParams",
-  "checkpoint",
   "collect_aux",
   "moe_apply",
   "param_shapes",
