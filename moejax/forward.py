@@ -13,7 +13,8 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from moejax import routing, sharding
 from moejax.chunking import TokenLayout, chunk_scan
@@ -65,7 +66,28 @@ def moe_apply(
     (y, aux): y has x's shape and dtype, exactly 0 where the mask is False; aux is `MoEAux`.
   """
   _check_inputs(params, x, token_mask, router_logits, config, mesh)
+  if mesh is not None and sharding.is_explicit(mesh):
+    return _apply_on_explicit_mesh(params, x, token_mask, router_logits, config, mesh)
   return _moe_apply_jit(params, x, token_mask, router_logits, config=config, mesh=mesh)
+
+
+def _apply_on_explicit_mesh(params, x, token_mask, router_logits, config, mesh):
+  """Runs on an explicit-axes mesh by treating its axes as automatic inside (`auto_axes`).
+
+  The layer reshapes and pads token arrays whose sharding explicit mode would make part of
+  their type; inside `auto_axes` XLA places them, and y comes back sharded like x.
+  """
+  auto_mesh = Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * mesh.devices.ndim)
+  replicated = NamedSharding(mesh, P())
+  aux_sharding = MoEAux(*[replicated] * len(MoEAux._fields))
+  y_sharding = NamedSharding(mesh, jax.typeof(x).sharding.spec)
+
+  def apply(params, x, token_mask, router_logits):
+    return _moe_apply_jit(params, x, token_mask, router_logits, config=config, mesh=auto_mesh)
+
+  return jax.sharding.auto_axes(apply, out_sharding=(y_sharding, aux_sharding))(
+    params, x, token_mask, router_logits
+  )
 
 
 def compiled_executables() -> int:

@@ -175,3 +175,17 @@ def test_bad_input_raises_before_xla(case):
 def test_layer_rejects_a_mesh_that_does_not_fit():
   with pytest.raises(ValueError, match="divisible"):
     MoELayer(CONFIG, mesh=mesh_of(1, 3), rngs=nnx.Rngs(0))
+
+
+def test_layer_on_an_explicit_axes_mesh_as_in_the_readme(request):
+  mesh = jax.make_mesh((2, 4), ("data", "expert"))  # explicit axes by default
+  layer = MoELayer(CONFIG, mesh=mesh, rngs=nnx.Rngs(seed_of(request.node.name)))
+  x = jax.random.normal(jax.random.key(1), (4, 10, 16))
+  mask = jnp.arange(10)[None, :] < jnp.array([10, 3, 0, 7])[:, None]
+  with jax.set_mesh(mesh):
+    y = layer(poison(x, mask), mask)
+    grads = nnx.grad(lambda m: jnp.sum(m(x, mask) ** 2))(layer)
+  params = jax.device_get(layer.moe_params())
+  assert_close(y, reference_moe(params, x, CONFIG, mask), what="y on an explicit mesh")
+  want = jax.grad(lambda p: jnp.sum(reference_moe(p, x, CONFIG, mask) ** 2))(params)
+  assert_close(grads.w_gate_up[...], want.w_gate_up, what="d w_gate_up on an explicit mesh")
