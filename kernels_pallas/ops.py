@@ -23,7 +23,7 @@ class KernelSettings:
   """Static choices of one kernel call (hashable: a `custom_vjp` non-differentiable input).
 
   Attributes:
-    implementation: "triton" or "mosaic" (the forward kernel; `tgmm` is Triton's).
+    implementation: "triton" or "mosaic" (the forward kernel; `tgmm` is Triton's on both).
     blocks: `TritonBlocks` or `MosaicBlocks` for the forward kernel.
     tgmm_blocks: `TritonBlocks` for the transposed kernel.
     precision: `jax.lax.Precision` of the block dots, or None.
@@ -119,7 +119,8 @@ def transposed_grouped_matmul(
     blocks=blocks,
     out_dtype=jnp.float32,
     precision=settings.precision,
-    interpret=settings.interpret,
+    # The Triton kernel takes a plain flag (the Mosaic backend's interpreter params mean True).
+    interpret=bool(settings.interpret),
   )
   return out[:, :k, :n]
 

@@ -216,3 +216,23 @@ def test_kernel_erf_matches_lax_erf():
   x = jnp.linspace(-6.0, 6.0, 10001)
   error = float(jnp.max(jnp.abs(erf_in_kernel(x) - jax.lax.erf(x))))
   assert error < 1e-6, error
+
+
+def test_gmm_mosaic_gradients_in_the_interpreters(request):
+  lhs, rhs = operands(request.node.name, 128, 32, 32, 3, jnp.bfloat16)
+  sizes = jnp.array([40, 0, 70], jnp.int32)
+  probe = jax.random.normal(jax.random.key(4), (128, 32))
+
+  def loss(impl):
+    return lambda lhs, rhs: jnp.sum(impl(lhs, rhs).astype(jnp.float32) * probe)
+
+  mosaic = loss(
+    lambda a, b: gmm(
+      a, b, sizes, implementation="mosaic", config=MOSAIC_SMALL, interpret=interpret_params()
+    )
+  )
+  reference = loss(lambda a, b: jax.lax.ragged_dot(a, b, sizes))
+  got = jax.grad(mosaic, argnums=(0, 1))(lhs, rhs)
+  want = jax.grad(reference, argnums=(0, 1))(lhs, rhs)
+  assert_close(got[0], want[0], jnp.bfloat16, what="d lhs (mosaic)")
+  assert_close(got[1], want[1], jnp.bfloat16, what="d rhs (tgmm)")
