@@ -1,13 +1,15 @@
-"""GPU benchmark of the grouped-matmul kernels: correctness first, then TFLOP/s per backend.
+"""GPU benchmark of the grouped-matmul kernels: TFLOP/s per backend against XLA and a ceiling.
 
-On named MoE shapes, bf16: the first expert matmul (`gmm`, [T*K, D] x [E, D, 2F]) and the whole
-fused expert MLP (`moe_mlp`), for each backend, against `jax.lax.ragged_dot` (XLA), jax's own
-Hopper `ragged_dot_mgpu` (baseline, where it applies) and a dense matmul of the same FLOPs (the
-measured ceiling). Group sizes are balanced or skewed (half the rows to one expert).
+On named MoE shapes, bf16, for each backend ("xla" is `jax.lax.ragged_dot`): the first expert
+matmul (`gmm`, [T*K, D] x [E, D, 2F]) forward and forward+backward, the whole fused expert MLP
+(`moe_mlp`) forward and forward+backward, and the weight-gradient product `tgmm`; plus jax's
+own Hopper `ragged_dot_mgpu` (a peer baseline) and a dense matmul of the same FLOPs (the
+measured ceiling, forward and forward+backward). Group sizes are balanced or skewed (half the
+rows to one expert). Times are medians of device-synchronised calls after a compile call.
 
   python benchmarks/gpu_kernels.py            # on a GPU: the table, JSON under results/
-  python benchmarks/gpu_kernels.py --tune     # also autotune block sizes, cache them as JSON
-  python benchmarks/gpu_kernels.py --smoke    # tiny shapes in the interpreters (CPU check)
+  python benchmarks/gpu_kernels.py --tune     # also autotune Mosaic block sizes (cached JSON)
+  python benchmarks/gpu_kernels.py --smoke    # tiny shapes, kernels interpreted (CPU check)
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import dataclasses
 import functools
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
@@ -24,8 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from kernels_pallas import MosaicBlocks, TritonBlocks, autotune, gmm, moe_mlp
-from kernels_pallas.api import moe_mlp_reference
-from kernels_pallas.gmm_mosaic import interpret_params
+from kernels_pallas.backends import BACKENDS
+from kernels_pallas.ops import KernelSettings, transposed_grouped_matmul
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,14 +40,21 @@ class Shape:
   f: int
   experts: int
   top_k: int
-  tokens: tuple[int, ...]
 
 
-SHAPES = (
-  Shape("mixtral_8x7b", d=4096, f=14336, experts=8, top_k=2, tokens=(128, 1024, 4096, 16384)),
-  Shape("deepseek_v3_shard", d=7168, f=2048, experts=32, top_k=8, tokens=(128, 1024, 4096)),
+MIXTRAL = Shape("mixtral_8x7b", d=4096, f=14336, experts=8, top_k=2)
+DEEPSEEK = Shape("deepseek_v3_shard", d=7168, f=2048, experts=32, top_k=8)
+# (shape, tokens, skewed): training-size calls first, then the layer's chunk-size calls.
+CASES = (
+  (MIXTRAL, 4096, False),
+  (MIXTRAL, 4096, True),
+  (DEEPSEEK, 4096, False),
+  (MIXTRAL, 256, False),
+  (DEEPSEEK, 512, False),
 )
-SMOKE_SHAPES = (Shape("smoke", d=64, f=32, experts=4, top_k=2, tokens=(64,)),)
+SMOKE_CASES = ((Shape("smoke", d=64, f=32, experts=4, top_k=2), 64, False),)
+# Ops without a dense twin of their own compare with the dense rate of the same FLOPs.
+CEILING_OF = {"moe_mlp_fwd_bwd": "gmm_fwd_bwd", "tgmm": "gmm"}
 
 
 def group_sizes(rows: int, experts: int, skewed: bool) -> jax.Array:
@@ -58,50 +68,20 @@ def group_sizes(rows: int, experts: int, skewed: bool) -> jax.Array:
   return jnp.asarray(sizes, jnp.int32)
 
 
-def best_seconds(fn, *args, repeats: int = 10) -> float:
-  """Minimum time of `repeats` calls after a warm-up call."""
-  return autotune.time_call(lambda: fn(*args), repeats=repeats)
+def median_seconds(fn: Callable, *args, repeats: int) -> float:
+  """Median wall time of `fn(*args)` (device-synchronised) over `repeats` calls, after one."""
+  return float(np.median(autotune.call_times(lambda: fn(*args), repeats)))
 
 
-def backends(smoke: bool) -> dict[str, dict]:
-  """Keyword arguments per backend for gmm / moe_mlp."""
-  if smoke:
-    return {
-      "xla": dict(implementation="xla"),
-      "triton": dict(implementation="triton", interpret=True, config=TritonBlocks(16, 16, 16)),
-      "mosaic": dict(
-        implementation="mosaic", interpret=interpret_params(), config=MosaicBlocks(64, 16, 16, 2)
-      ),
-    }
+def backend_kwargs(smoke: bool) -> dict[str, dict]:
+  """Keyword arguments of gmm / moe_mlp per backend (small blocks when interpreted)."""
+  if not smoke:
+    return {name: dict(implementation=name) for name in BACKENDS}
   return {
     "xla": dict(implementation="xla"),
-    "triton": dict(implementation="triton"),
-    "mosaic": dict(implementation="mosaic"),
+    "triton": dict(implementation="triton", interpret=True, config=TritonBlocks(16, 16, 16)),
+    "mosaic": dict(implementation="mosaic", interpret=True, config=MosaicBlocks(64, 16, 16, 2)),
   }
-
-
-def check_correctness(kwargs_by_backend: dict[str, dict], smoke: bool) -> None:
-  """Each backend against XLA on a small ragged case with an empty group; raises if off."""
-  m, d, f, experts = (64, 64, 32, 4) if smoke else (1000, 512, 256, 8)
-  keys = jax.random.split(jax.random.key(0), 4)
-  x = jax.random.normal(keys[0], (m, d), jnp.bfloat16)
-  w_gate_up = (jax.random.normal(keys[1], (experts, d, 2 * f)) / np.sqrt(d)).astype(jnp.bfloat16)
-  w_down = (jax.random.normal(keys[2], (experts, f, d)) / np.sqrt(f)).astype(jnp.bfloat16)
-  weights = jax.random.uniform(keys[3], (m,)).astype(jnp.bfloat16)
-  sizes = jnp.asarray([m // 3, 0, m // 2, m // 10], jnp.int32)[:experts]
-  sizes = jnp.pad(sizes, (0, experts - sizes.shape[0]))
-  want_gmm = jax.lax.ragged_dot(x, w_gate_up, sizes, preferred_element_type=jnp.float32)
-  want_mlp = moe_mlp_reference(x, w_gate_up, w_down, sizes, weights, "silu").astype(jnp.float32)
-  for name, kwargs in kwargs_by_backend.items():
-    got_gmm = gmm(x, w_gate_up, sizes, preferred_element_type=jnp.float32, **kwargs)
-    got_mlp = moe_mlp(x, w_gate_up, w_down, sizes, row_weights=weights, **kwargs)
-    for what, got, want in (("gmm", got_gmm, want_gmm), ("moe_mlp", got_mlp, want_mlp)):
-      error = float(jnp.max(jnp.abs(got.astype(jnp.float32) - want)))
-      scale = float(jnp.max(jnp.abs(want)))
-      status = "ok" if error <= 2e-2 * scale + 1e-2 else "WRONG"
-      print(f"check {name:8} {what:8} max abs err {error:.3g} (max |ref| {scale:.3g}) {status}")
-      if status != "ok":
-        raise SystemExit(f"{name} {what} disagrees with XLA")
 
 
 def upstream_ragged_dot(lhs, rhs, sizes):
@@ -120,60 +100,127 @@ def upstream_ragged_dot(lhs, rhs, sizes):
   )
 
 
-def run_case(shape: Shape, tokens: int, skewed: bool, kwargs_by_backend, smoke: bool) -> list[dict]:
-  """Times every backend (and the ceilings) on one shape, token count and skew."""
-  repeats = 1 if smoke else 10
-  timed = functools.partial(best_seconds, repeats=repeats)
+def forward_backward(fn: Callable) -> Callable:
+  """fn's forward and backward passes, pulled back from a random cotangent (the last
+  argument). The gradient of a plain sum would not do: its all-ones cotangent lets XLA
+  simplify a dense matmul's backward into row sums, an inflated ceiling."""
+
+  def run(*args):
+    *inputs, cotangent = args
+    out, pullback = jax.vjp(fn, *inputs)
+    return pullback(cotangent.astype(out.dtype))
+
+  return run
+
+
+def case_calls(shape: Shape, sizes, kwargs_by_backend, smoke: bool) -> list[tuple]:
+  """(op, backend, FLOP multiple of one gmm, function, operand names) to time."""
+  f = shape.f
+  dense_mlp = lambda x, wgu, wd: (jax.nn.silu(x @ wgu[:, :f]) * (x @ wgu[:, f:])) @ wd
+  calls = [
+    ("gmm", "dense (ceiling)", 1.0, lambda x, w: x @ w, ("x", "w_gate_up_0")),
+    (
+      "gmm_fwd_bwd",
+      "dense (ceiling)",
+      3.0,
+      forward_backward(lambda x, w: x @ w),
+      ("x", "w_gate_up_0", "dout"),
+    ),
+    ("moe_mlp", "dense (ceiling)", 1.5, dense_mlp, ("x", "w_gate_up_0", "w_down_0")),
+  ]
+  for name, kw in kwargs_by_backend.items():
+    run_gmm = lambda x, w, kw=kw: gmm(x, w, sizes, **kw)
+    run_mlp = lambda x, wgu, wd, kw=kw: moe_mlp(x, wgu, wd, sizes, **kw)
+    backend = BACKENDS[name]
+    settings = KernelSettings(
+      name,
+      None,
+      kw.get("config") or backend.tgmm_blocks(int(jnp.sum(sizes)), shape.d, 2 * f),
+      interpret=kw.get("interpret", False),
+    )
+    calls += [
+      ("gmm", name, 1.0, run_gmm, ("x", "w_gate_up")),
+      ("gmm_fwd_bwd", name, 3.0, forward_backward(run_gmm), ("x", "w_gate_up", "dout")),
+      ("moe_mlp", name, 1.5, run_mlp, ("x", "w_gate_up", "w_down")),
+      (
+        "moe_mlp_fwd_bwd",
+        name,
+        4.5,
+        forward_backward(run_mlp),
+        ("x", "w_gate_up", "w_down", "d_x"),
+      ),
+      (
+        "tgmm",
+        name,
+        1.0,
+        lambda x, dy, s=settings: transposed_grouped_matmul(x, dy, sizes, s),
+        ("x", "dout"),
+      ),
+    ]
+  if not smoke:
+    calls.append(
+      (
+        "gmm",
+        "jax ragged_dot_mgpu",
+        1.0,
+        lambda x, w: upstream_ragged_dot(x, w, sizes),
+        ("x", "w_gate_up"),
+      )
+    )
+  return calls
+
+
+def run_case(
+  shape: Shape,
+  tokens: int,
+  skewed: bool,
+  kwargs_by_backend,
+  smoke: bool,
+  record: Callable[[dict], None],
+) -> None:
+  """Times every call of one (shape, tokens, skew) case; a failing call is recorded, not
+  raised. Each row's `of_ceiling` divides by the dense rate of the same op and direction."""
   rows = tokens * shape.top_k
-  keys = jax.random.split(jax.random.key(tokens), 3)
-  x = jax.random.normal(keys[0], (rows, shape.d), jnp.bfloat16)
-  w_gate_up = jax.random.normal(keys[1], (shape.experts, shape.d, 2 * shape.f), jnp.bfloat16)
-  w_down = jax.random.normal(keys[2], (shape.experts, shape.f, shape.d), jnp.bfloat16)
+  keys = jax.random.split(jax.random.key(tokens), 5)
+  scale = lambda fan_in: 1.0 / np.sqrt(fan_in)
+  operands = dict(
+    x=jax.random.normal(keys[0], (rows, shape.d), jnp.bfloat16),
+    w_gate_up=(
+      jax.random.normal(keys[1], (shape.experts, shape.d, 2 * shape.f)) * scale(shape.d)
+    ).astype(jnp.bfloat16),
+    w_down=(jax.random.normal(keys[2], (shape.experts, shape.f, shape.d)) * scale(shape.f)).astype(
+      jnp.bfloat16
+    ),
+    dout=jax.random.normal(keys[3], (rows, 2 * shape.f), jnp.bfloat16),
+  )
+  operands["d_x"] = jax.random.normal(keys[4], (rows, shape.d), jnp.bfloat16)  # moe_mlp's dout
+  operands["w_gate_up_0"], operands["w_down_0"] = operands["w_gate_up"][0], operands["w_down"][0]
   sizes = group_sizes(rows, shape.experts, skewed)
   gmm_flops = 2 * rows * shape.d * 2 * shape.f
-  mlp_flops = gmm_flops + 2 * rows * shape.f * shape.d
-  results = []
-
-  def record(op, name, seconds, flops, ceiling=None):
-    row = dict(
-      shape=shape.name,
-      tokens=tokens,
-      skewed=skewed,
-      op=op,
-      backend=name,
-      ms=seconds * 1e3,
-      tflops=flops / seconds / 1e12,
-    )
-    row["of_ceiling"] = row["tflops"] / ceiling if ceiling else 1.0
-    results.append(row)
-    return row["tflops"]
-
-  dense = jax.jit(lambda a, b: a @ b)
-  ceiling = record("gmm", "dense (ceiling)", timed(dense, x, w_gate_up[0]), gmm_flops)
-  dense_mlp = jax.jit(
-    lambda a, b, c: (jax.nn.silu(a @ b[:, : shape.f]) * (a @ b[:, shape.f :])) @ c
-  )
-  mlp_ceiling = record(
-    "moe_mlp", "dense (ceiling)", timed(dense_mlp, x, w_gate_up[0], w_down[0]), mlp_flops
-  )
-  for name, kwargs in kwargs_by_backend.items():
-    run_gmm = jax.jit(functools.partial(gmm, **kwargs))
-    record("gmm", name, timed(run_gmm, x, w_gate_up, sizes), gmm_flops, ceiling)
-    run_mlp = jax.jit(lambda a, b, c, s, kw=kwargs: moe_mlp(a, b, c, s, **kw))
-    record("moe_mlp", name, timed(run_mlp, x, w_gate_up, w_down, sizes), mlp_flops, mlp_ceiling)
-  if not smoke:
-    upstream = jax.jit(upstream_ragged_dot)
-    record("gmm", "jax ragged_dot_mgpu", timed(upstream, x, w_gate_up, sizes), gmm_flops, ceiling)
-  return results
+  ceilings: dict[str, float] = {}
+  for op, name, multiple, fn, names in case_calls(shape, sizes, kwargs_by_backend, smoke):
+    row = dict(shape=shape.name, tokens=tokens, skewed=skewed, op=op, backend=name)
+    try:
+      seconds = median_seconds(
+        jax.jit(fn), *[operands[n] for n in names], repeats=1 if smoke else 5
+      )
+      row.update(ms=seconds * 1e3, tflops=multiple * gmm_flops / seconds / 1e12)
+      if name.startswith("dense"):
+        ceilings[op] = row["tflops"]
+      ceiling = ceilings.get(op) or ceilings.get(CEILING_OF.get(op, op))
+      row["of_ceiling"] = row["tflops"] / ceiling if ceiling else None
+    except Exception as error:  # a backend that fails a case is a result to report
+      row.update(error=f"{type(error).__name__}: {str(error)[:300]}")
+    record(row)
 
 
-def tune(shapes: tuple[Shape, ...]) -> None:
-  """Autotunes the Mosaic forward kernel's blocks for each shape's largest token count."""
+def tune(cases) -> None:
+  """Autotunes the Mosaic forward kernel's blocks for each case's gmm shape."""
   candidates = [
-    MosaicBlocks(bm, bn, 64, steps) for bm in (64, 128) for bn in (128, 256) for steps in (3, 4, 5)
+    MosaicBlocks(bm, bn, 64, steps) for bm in (64, 128) for bn in (128, 256) for steps in (3, 4)
   ]
-  for shape in shapes:
-    rows = max(shape.tokens) * shape.top_k
+  for shape, tokens, _ in cases:
+    rows = tokens * shape.top_k
     x = jnp.ones((rows, shape.d), jnp.bfloat16)
     w = jnp.ones((shape.experts, shape.d, 2 * shape.f), jnp.bfloat16)
     sizes = group_sizes(rows, shape.experts, skewed=False)
@@ -182,6 +229,37 @@ def tune(shapes: tuple[Shape, ...]) -> None:
       jax.jit(functools.partial(gmm, implementation="mosaic", config=blocks)), x, w, sizes
     )
     print(f"tuned {key}: {autotune.autotune(key, candidates, make_call)}")
+
+
+def format_table(rows: list[dict]) -> str:
+  """A markdown table of the rows."""
+  lines = [
+    "| shape | tokens | skewed | op | backend | ms | TFLOP/s | x ceiling |",
+    "|---|---:|---|---|---|---:|---:|---:|",
+  ]
+  for r in rows:
+    if "error" in r:
+      lines.append(
+        f"| {r['shape']} | {r['tokens']} | {r['skewed']} | {r['op']} | "
+        f"{r['backend']} | failed: {r['error'][:80]} | | |"
+      )
+      continue
+    ratio = "" if r["of_ceiling"] is None else f"{r['of_ceiling']:.2f}"
+    lines.append(
+      f"| {r['shape']} | {r['tokens']} | {'yes' if r['skewed'] else 'no'} | {r['op']} | "
+      f"{r['backend']} | {r['ms']:.3f} | {r['tflops']:.1f} | {ratio} |"
+    )
+  return "\n".join(lines)
+
+
+def run(smoke: bool, record: Callable[[dict], None], tune_first: bool = False) -> None:
+  """Runs every case, handing each measured row to `record` as soon as it exists."""
+  cases = SMOKE_CASES if smoke else CASES
+  if tune_first:
+    tune(cases)
+  kwargs_by_backend = backend_kwargs(smoke)
+  for shape, tokens, skewed in cases:
+    run_case(shape, tokens, skewed, kwargs_by_backend, smoke, record)
 
 
 def main() -> None:
@@ -193,32 +271,18 @@ def main() -> None:
   device = jax.devices()[0]
   if device.platform != "gpu" and not args.smoke:
     raise SystemExit(f"needs a GPU (found {device.device_kind}); use --smoke for a CPU check")
-  shapes = SMOKE_SHAPES if args.smoke else SHAPES
-  kwargs_by_backend = backends(args.smoke)
+  rows: list[dict] = []
   start = time.perf_counter()
-  check_correctness(kwargs_by_backend, args.smoke)
-  if args.tune:
-    tune(shapes)
-  rows = []
-  for shape in shapes:
-    for tokens in shape.tokens:
-      for skewed in (False, True) if tokens >= 1024 or args.smoke else (False,):
-        rows += run_case(shape, tokens, skewed, kwargs_by_backend, args.smoke)
-  print(f"\n{device.device_kind}, JAX {jax.__version__}, bf16, {time.perf_counter() - start:.0f} s")
-  print(
-    f"{'shape':18} {'tokens':>6} {'skew':>4} {'op':8} {'backend':20} {'ms':>9} {'TFLOP/s':>8} "
-    f"{'x ceiling':>9}"
-  )
-  for r in rows:
-    print(
-      f"{r['shape']:18} {r['tokens']:6} {'yes' if r['skewed'] else 'no':>4} {r['op']:8} "
-      f"{r['backend']:20} {r['ms']:9.3f} {r['tflops']:8.1f} {r['of_ceiling']:9.2f}"
-    )
+  run(args.smoke, rows.append, tune_first=args.tune)
+  print(f"{device.device_kind}, JAX {jax.__version__}, bf16, {time.perf_counter() - start:.0f} s")
+  print(format_table(rows))
   out = Path(args.out)
   out.parent.mkdir(parents=True, exist_ok=True)
   out.write_text(
     json.dumps(dict(device=device.device_kind, jax=jax.__version__, rows=rows), indent=1)
   )
+  if any("error" in r for r in rows):
+    raise SystemExit("some cases failed: see the table")
 
 
 if __name__ == "__main__":

@@ -10,25 +10,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
+from kernels_pallas import autotune
 from moejax import MoEConfig, moe_apply, param_shapes
 from moejax.params import MoEParams
 
 
 def best_time(fn, *args, repeats: int) -> float:
   """Minimum wall time of `repeats` calls after one warm-up (compile) call."""
-  jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - start)
-  return min(times)
+  return autotune.time_call(lambda: fn(*args), repeats)
 
 
 def dense_same_flops(x_rows, w_gate_up, w_down):

@@ -1,14 +1,17 @@
 """Pallas GPU kernels for grouped expert matmuls. Independent of `moejax`.
 
-- `gmm(lhs, rhs, group_sizes, ...)`: a drop-in for `jax.lax.ragged_dot` with backends "xla",
-  "mosaic" (Hopper) and "triton"; differentiable.
+- `gmm(lhs, rhs, group_sizes, ...)`: a drop-in for `jax.lax.ragged_dot`; differentiable.
 - `moe_mlp(x_sorted, w_gate_up, w_down, group_sizes, ...)`: the fused expert MLP.
+- `backends.BACKENDS`: the registry of implementations ("xla", "triton", "mosaic"), each a
+  frozen record of its blocks, limits, `gmm` and `tgmm`. `interpret=True` runs a Pallas
+  backend on a CPU in its interpreter.
 - `TritonBlocks`, `MosaicBlocks`: block sizes; `autotune` picks and caches them per device.
 """
 
 from kernels_pallas import autotune
 from kernels_pallas.api import gmm, moe_mlp
+from kernels_pallas.backends import BACKENDS
 from kernels_pallas.gmm_mosaic import MosaicBlocks
 from kernels_pallas.gmm_triton import TritonBlocks
 
-__all__ = ["MosaicBlocks", "TritonBlocks", "autotune", "gmm", "moe_mlp"]
+__all__ = ["BACKENDS", "MosaicBlocks", "TritonBlocks", "autotune", "gmm", "moe_mlp"]

@@ -1,9 +1,11 @@
 """Public entry points: `gmm` (a drop-in for `jax.lax.ragged_dot`) and `moe_mlp`.
 
-`implementation` picks the backend: "xla" (`jax.lax.ragged_dot`, the reference), "mosaic"
-(Pallas Mosaic GPU, Hopper), "triton" (Pallas Triton, older GPUs), or None for the best one
-on the default device. A case a kernel does not support raises `NotImplementedError` naming
-the reason; with `implementation=None` it falls back to "xla" instead.
+`implementation` names a backend of `backends.BACKENDS`: "xla" (`jax.lax.ragged_dot`, the
+reference), "mosaic" (Pallas Mosaic GPU, Hopper), "triton" (Pallas Triton, older GPUs). A case
+a kernel does not support raises `NotImplementedError` naming the reason. None picks by
+`best_implementation`: a kernel only where a recorded GPU run showed it correct and faster
+than XLA, else "xla". `interpret=True` runs a Pallas kernel on the CPU in its interpreter
+(the Mosaic GPU interpreter for mosaic, the Pallas interpreter for triton).
 """
 
 from __future__ import annotations
@@ -11,16 +13,17 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from kernels_pallas import autotune, gmm_mosaic, gmm_triton
+from kernels_pallas import autotune
+from kernels_pallas.backends import BACKENDS
 from kernels_pallas.gmm_triton import activate
 from kernels_pallas.ops import KernelSettings, gmm_vjp, moe_mlp_vjp
 
-IMPLEMENTATIONS = ("xla", "triton", "mosaic")
+IMPLEMENTATIONS = tuple(BACKENDS)
 ACTIVATIONS = ("silu", "gelu")
 
 
-def default_implementation() -> str:
-  """The best backend for the default device: mosaic on Hopper, triton on other GPUs."""
+def device_implementation() -> str:
+  """The kernel made for the default device: mosaic on Hopper, triton on other GPUs, else xla."""
   device = jax.devices()[0]
   if device.platform != "gpu":
     return "xla"
@@ -28,21 +31,30 @@ def default_implementation() -> str:
   return "mosaic" if str(capability).startswith("9") else "triton"
 
 
-def unsupported_reason(implementation: str, lhs_dtype, rhs_dtype, activation=None) -> str | None:
-  """Why `implementation` cannot run a case with these dtypes and epilogue, or None."""
+def unsupported_reason(
+  implementation: str, lhs_dtype, rhs_dtype, activation=None, precision=None
+) -> str | None:
+  """Why `implementation` cannot run a case with these dtypes, epilogue and precision, or None."""
   if jnp.dtype(lhs_dtype) != jnp.dtype(rhs_dtype):
     return f"{implementation} needs lhs and rhs of one dtype, got {lhs_dtype} and {rhs_dtype}"
-  if implementation == "mosaic":
-    return gmm_mosaic.unsupported_reason(lhs_dtype, activation)
-  return None
+  return BACKENDS[implementation].unsupported_reason(lhs_dtype, activation, precision)
 
 
-def best_implementation(dtype, activation=None) -> str:
-  """The backend `implementation=None` runs for this dtype and activation on this device."""
-  chosen = default_implementation()
-  if chosen != "xla" and unsupported_reason(chosen, dtype, dtype, activation) is None:
-    return chosen
-  return "xla"
+# Backends that a recorded GPU run of `benchmarks/gpu_check.py` (docs/performance.md) showed
+# correct and faster than XLA, each with the fewest rows per call at which it was measured
+# faster. Empty: the one run so far (H200, 2026-11-29) measured the Mosaic forward 2.5-13x
+# faster than ragged_dot at 8192+ rows, but its backward failed there and was rewritten since.
+MEASURED_FASTER: dict[str, int] = {}
+
+
+def best_implementation(dtype, activation=None, num_rows: int = 0) -> str:
+  """The backend `implementation=None` runs on `num_rows` rows: the device's kernel where
+  `MEASURED_FASTER` lists it for calls this large and it supports the case, else "xla"."""
+  chosen = device_implementation()
+  min_rows = MEASURED_FASTER.get(chosen)
+  if min_rows is None or num_rows < min_rows:
+    return "xla"
+  return chosen if unsupported_reason(chosen, dtype, dtype, activation) is None else "xla"
 
 
 def _settings(op, implementation, lhs, rhs, config, precision, out_dtype, interpret):
@@ -50,33 +62,36 @@ def _settings(op, implementation, lhs, rhs, config, precision, out_dtype, interp
   (`autotune`), else the per-shape-class heuristic."""
   num_rows, k = lhs.shape
   groups, _, n = rhs.shape
+  backend = BACKENDS[implementation]
+  if config is not None and not isinstance(config, backend.blocks_type):
+    raise TypeError(
+      f"config for {implementation} must be {backend.blocks_type.__name__}, got {config!r}"
+    )
   key = autotune.cache_key(op, implementation, (num_rows, k, n, groups), lhs.dtype)
-  backend = gmm_triton if implementation == "triton" else gmm_mosaic
   blocks = config or autotune.lookup(key) or backend.default_blocks(num_rows, k, n)
   return KernelSettings(
     implementation=implementation,
     blocks=blocks,
-    tgmm_blocks=gmm_triton.default_blocks(num_rows, k, n),
+    tgmm_blocks=backend.tgmm_blocks(num_rows, k, n),
     precision=precision,
     out_dtype=out_dtype,
     interpret=interpret,
   )
 
 
-def _resolve(implementation: str | None, lhs, rhs, activation=None) -> str:
+def _resolve(implementation: str | None, lhs, rhs, activation=None, precision=None) -> str:
   if implementation is not None and implementation not in IMPLEMENTATIONS:
     raise ValueError(
       f"implementation must be one of {IMPLEMENTATIONS} or None, got {implementation!r}"
     )
-  chosen = implementation or default_implementation()
-  if chosen == "xla":
-    return chosen
-  reason = unsupported_reason(chosen, lhs.dtype, rhs.dtype, activation)
-  if reason is None:
-    return chosen
   if implementation is None:
-    return "xla"
-  raise NotImplementedError(reason)
+    chosen = best_implementation(lhs.dtype, activation, lhs.shape[0])
+    fits = unsupported_reason(chosen, lhs.dtype, rhs.dtype, activation, precision) is None
+    return chosen if fits else "xla"
+  reason = unsupported_reason(implementation, lhs.dtype, rhs.dtype, activation, precision)
+  if reason is not None:
+    raise NotImplementedError(reason)
+  return implementation
 
 
 def _check_gmm_shapes(lhs, rhs, group_sizes) -> None:
@@ -114,7 +129,7 @@ def gmm(
     preferred_element_type: output dtype (default lhs's).
     implementation: "xla", "mosaic", "triton", or None (best for the device, XLA fallback).
     config: block sizes (`TritonBlocks` / `MosaicBlocks`), or None for the heuristic.
-    interpret: run Pallas kernels in the interpreter (CPU testing).
+    interpret: run the Pallas kernel in its interpreter (CPU testing).
 
   Returns:
     [M, N].
@@ -124,7 +139,7 @@ def gmm(
   [2.0, 2.0, 2.0, 2.0, 0.0]
   """
   _check_gmm_shapes(lhs, rhs, group_sizes)
-  implementation = _resolve(implementation, lhs, rhs)
+  implementation = _resolve(implementation, lhs, rhs, precision=precision)
   if implementation == "xla":
     return jax.lax.ragged_dot(
       lhs, rhs, group_sizes, precision=precision, preferred_element_type=preferred_element_type
@@ -180,7 +195,7 @@ def moe_mlp(
   if row_weights is not None and row_weights.shape != x_sorted.shape[:1]:
     raise ValueError(f"row_weights has shape {row_weights.shape}, expected ({x_sorted.shape[0]},)")
   weights = jnp.ones(x_sorted.shape[:1], x_sorted.dtype) if row_weights is None else row_weights
-  implementation = _resolve(implementation, x_sorted, w_gate_up, activation)
+  implementation = _resolve(implementation, x_sorted, w_gate_up, activation, precision)
   if implementation == "xla":
     return moe_mlp_reference(
       x_sorted, w_gate_up, w_down, group_sizes, weights, activation, precision

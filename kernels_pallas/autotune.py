@@ -16,11 +16,12 @@ from pathlib import Path
 
 import jax
 
+from kernels_pallas.backends import BACKENDS
 from kernels_pallas.gmm_mosaic import MosaicBlocks
 from kernels_pallas.gmm_triton import TritonBlocks
 
 CONFIG_DIR = Path(__file__).parent / "configs"
-_BLOCK_TYPES = {cls.__name__: cls for cls in (TritonBlocks, MosaicBlocks)}
+_BLOCK_TYPES = {b.blocks_type.__name__: b.blocks_type for b in BACKENDS.values() if b.blocks_type}
 
 
 def cache_key(op: str, implementation: str, shape: Sequence[int], dtype) -> str:
@@ -46,15 +47,21 @@ def lookup(key: str, path: Path | None = None):
   return _BLOCK_TYPES[entry["type"]](**entry["blocks"])
 
 
-def time_call(fn: Callable[[], jax.Array], repeats: int = 5) -> float:
-  """Best wall time of `fn()` in seconds, after one warm-up (compile) call."""
+def call_times(fn: Callable[[], jax.Array], repeats: int) -> list[float]:
+  """Wall times in seconds of `repeats` device-synchronised calls of `fn()`, after one warm-up
+  (compile) call."""
   jax.block_until_ready(fn())
-  best = float("inf")
+  times = []
   for _ in range(repeats):
     start = time.perf_counter()
     jax.block_until_ready(fn())
-    best = min(best, time.perf_counter() - start)
-  return best
+    times.append(time.perf_counter() - start)
+  return times
+
+
+def time_call(fn: Callable[[], jax.Array], repeats: int = 5) -> float:
+  """Best wall time of `fn()` in seconds, after one warm-up (compile) call."""
+  return min(call_times(fn, repeats))
 
 
 def autotune(

@@ -10,6 +10,11 @@ plain XLA ops. The tile count is bounded statically by `cdiv(M, bm) + G - 1`; ea
 
 The tile's group is found in-kernel from the groups' tile ends by an unrolled count over G
 (static reads of a small [G] array), like upstream's ragged_dot_mgpu.
+
+The backward pass needs two more products, both here so that Hopper training runs on this
+backend alone: d(lhs) = dout @ rhs[g]^T reads rhs tiles transposed in shared memory
+(`transpose_rhs`, no XLA transpose of the weights), and d(rhs)[g] = lhs[rows of g]^T @ dout[rows
+of g] is `tgmm_mosaic`, which walks each group's aligned row tiles as its contraction axis.
 """
 
 from __future__ import annotations
@@ -22,11 +27,15 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from kernels_pallas.compat import out_struct
+from kernels_pallas.compat import (
+  mosaic_interpret_params,
+  mosaic_operands_transposed_in_smem,
+  out_struct,
+)
 from kernels_pallas.metadata import aligned_rows, max_visits
 
 _WGMMA_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-_NUM_SMS = 132  # H100 / H200 SXM
+_INTERPRETED_SMS = 4  # programs the interpreter simulates: each one is slow on a CPU
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,7 +46,9 @@ class MosaicBlocks:
     block_m: rows per tile (a multiple of 64, one warpgroup's wgmma M).
     block_n: output columns per tile (a multiple of 8, at most 256).
     block_k: contraction step; block_k * itemsize must be a TMA swizzle width (32..128 bytes).
-    max_concurrent_steps: TMA pipeline depth (shared-memory buffers per operand).
+    max_concurrent_steps: TMA pipeline depth (shared-memory buffers per operand), >= 2: a
+      slot is refilled one step after its use (`delay_release=1`), once the wgmma that read
+      it has finished (each step waits for all but its own wgmma).
   """
 
   block_m: int = 128
@@ -52,8 +63,8 @@ class MosaicBlocks:
       raise ValueError(f"block_n={self.block_n} must be a multiple of 8 in [8, 256]")
     if self.block_k not in (16, 32, 64):
       raise ValueError(f"block_k={self.block_k} must be 16, 32 or 64 (bf16 swizzle widths)")
-    if self.max_concurrent_steps < 1:
-      raise ValueError(f"max_concurrent_steps={self.max_concurrent_steps} must be >= 1")
+    if self.max_concurrent_steps < 2:
+      raise ValueError(f"max_concurrent_steps={self.max_concurrent_steps} must be >= 2")
 
 
 def default_blocks(num_rows: int, k: int, n: int) -> MosaicBlocks:
@@ -61,13 +72,43 @@ def default_blocks(num_rows: int, k: int, n: int) -> MosaicBlocks:
   return MosaicBlocks(block_m=64 if num_rows <= 512 else 128, block_n=128, block_k=64)
 
 
-def unsupported_reason(dtype, activation: str | None) -> str | None:
-  """Why the Mosaic kernel cannot run this case, or None."""
+# Precisions whose products wgmma computes for bf16/f16 inputs: the input dtype, f32 sums.
+_PRECISIONS = (
+  None,
+  jax.lax.Precision.DEFAULT,
+  jax.lax.DotAlgorithmPreset.DEFAULT,
+  jax.lax.DotAlgorithmPreset.BF16_BF16_F32,
+  jax.lax.DotAlgorithmPreset.F16_F16_F32,
+)
+
+
+def unsupported_reason(dtype, activation: str | None, precision=None) -> str | None:
+  """Why the Mosaic kernels cannot run this case, or None."""
   if jnp.dtype(dtype) not in _WGMMA_DTYPES:
     return f"mosaic runs bf16/f16 wgmma only, got {jnp.dtype(dtype)}"
-  if activation == "gelu":
-    return "mosaic's epilogue has no exact-erf gelu; use silu, or triton / xla for gelu"
+  if activation not in (None, "silu"):
+    return f"mosaic's epilogue has only silu, got {activation!r}; use triton or xla for it"
+  if precision not in _PRECISIONS:
+    return f"mosaic multiplies in the input dtype with f32 sums; {precision=} is not supported"
   return None
+
+
+def _swizzled(dtype, minor: int) -> tuple:
+  """Shared-memory transforms of a tile whose minor dimension holds `minor` elements."""
+  itemsize = jnp.dtype(dtype).itemsize
+  swizzle = plgpu.find_swizzle(minor * itemsize * 8)
+  return plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle)
+
+
+def _store_tile(value: jax.Array, out_gmem_tile) -> None:
+  """Writes a [rows, cols] register tile to global memory through shared memory (TMA)."""
+
+  @functools.partial(pl.run_scoped, out_smem=plgpu.SMEM(value.shape, out_gmem_tile.dtype))
+  def _(out_smem):
+    out_smem[...] = value.astype(out_smem.dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(out_smem, out_gmem_tile)
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
 def _tile_group(tile_ends_gmem, tile: jax.Array, num_groups: int) -> jax.Array:
@@ -87,20 +128,19 @@ def _gmm_aligned_kernel(
   blocks: MosaicBlocks,
   num_tiles: int,
   gated: bool,
+  transpose_rhs: bool,
 ):
   """out tile (t, n) = epilogue(lhs tile t @ rhs[group(t)][:, n-block]), tiles past used skipped.
 
-  Refs: tile_ends [G], lhs [R, K] (tile-aligned), rhs [G, K, N], out [R, N'] (N' = N/2 gated).
+  Refs: tile_ends [G], lhs [R, K] (tile-aligned), rhs [G, K, N] ([G, N, K] with
+  `transpose_rhs`), out [R, N'] (N' = N/2 gated).
   """
   bm, bn, bk = blocks.block_m, blocks.block_n, blocks.block_k
-  num_groups, k, _ = rhs_gmem.shape
+  num_groups = rhs_gmem.shape[0]
+  k = lhs_gmem.shape[1]
   out_cols = out_gmem.shape[1]
   col_blocks = out_cols // bn
-  swizzle = plgpu.find_swizzle(bk * jnp.dtype(lhs_gmem.dtype).itemsize * 8)
-  transforms = (
-    plgpu.TilingTransform((8, swizzle // jnp.dtype(lhs_gmem.dtype).itemsize)),
-    plgpu.SwizzleTransform(swizzle),
-  )
+  transforms = _swizzled(lhs_gmem.dtype, bk)
   used_tiles = tile_ends_gmem[num_groups - 1]
 
   @plgpu.nd_loop((num_tiles * col_blocks,), collective_axes="sm")
@@ -113,22 +153,35 @@ def _gmm_aligned_kernel(
       group = _tile_group(tile_ends_gmem, tile, num_groups)
       # Gate columns [n*bn, (n+1)*bn); with the gated epilogue also up columns at +N'.
       col_offsets = (0, out_cols // bn) if gated else (0,)
-      rhs_specs = [
-        plgpu.BlockSpec((bk, bn), lambda kb, o=o: (kb, col_block + o), transforms=transforms)
-        for o in col_offsets
-      ]
+      if transpose_rhs:  # rhs[g] is [N, K]: load [bn, bk] tiles, multiply by their transpose
+        rhs_specs = [
+          plgpu.BlockSpec(
+            (bn, bk), lambda kb, o=o: (col_block + o, kb), transforms=transforms, delay_release=1
+          )
+          for o in col_offsets
+        ]
+      else:
+        rhs_specs = [
+          plgpu.BlockSpec(
+            (bk, bn), lambda kb, o=o: (kb, col_block + o), transforms=transforms, delay_release=1
+          )
+          for o in col_offsets
+        ]
 
       def accumulate(*acc_refs):
         def step(_, lhs_smem, *rhs_smems):
           for acc_ref, rhs_smem in zip(acc_refs, rhs_smems, strict=True):
-            plgpu.wgmma(acc_ref, lhs_smem, rhs_smem)
+            rhs_tile = plgpu.transpose_ref(rhs_smem, (1, 0)) if transpose_rhs else rhs_smem
+            plgpu.wgmma(acc_ref, lhs_smem, rhs_tile)
           plgpu.wgmma_wait(1)
 
         plgpu.emit_pipeline(
           step,
           grid=(k // bk,),
           in_specs=[
-            plgpu.BlockSpec((bm, bk), lambda kb: (tile, kb), transforms=transforms),
+            plgpu.BlockSpec(
+              (bm, bk), lambda kb: (tile, kb), transforms=transforms, delay_release=1
+            ),
             *rhs_specs,
           ],
           max_concurrent_steps=blocks.max_concurrent_steps,
@@ -137,15 +190,7 @@ def _gmm_aligned_kernel(
 
       accs = pl.run_scoped(accumulate, *[plgpu.ACC((bm, bn), jnp.float32)] * len(col_offsets))
       out = accs[0] / (1.0 + jnp.exp(-accs[0])) * accs[1] if gated else accs[0]  # silu(g) * u
-
-      @functools.partial(pl.run_scoped, out_smem=plgpu.SMEM((bm, bn), out_gmem.dtype))
-      def _store(out_smem):
-        out_smem[...] = out.astype(out_smem.dtype)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(
-          out_smem, out_gmem.at[pl.ds(tile * bm, bm), pl.ds(col_block * bn, bn)]
-        )
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      _store_tile(out, out_gmem.at[pl.ds(tile * bm, bm), pl.ds(col_block * bn, bn)])
 
 
 @functools.partial(
@@ -163,32 +208,33 @@ def gmm_mosaic(
   transpose_rhs: bool = False,
   out_dtype=None,
   precision=None,
-  interpret=False,
+  interpret: bool = False,
 ) -> jax.Array:
   """Grouped matmul (ragged rows) on Hopper, with optional silu-gated and row-weight epilogues.
 
   Args:
     lhs: [M, K] bf16/f16; K a multiple of block_k.
-    rhs: [G, K, N] ([G, N, K] with `transpose_rhs`, transposed here in XLA); N (N/2 gated) a
-      multiple of block_n.
+    rhs: [G, K, N] ([G, N, K] with `transpose_rhs`, read transposed in shared memory), lhs's
+      dtype; N (N/2 gated) a multiple of block_n.
     group_sizes: [G] int32, sum <= M.
     row_weights: [M] or None; scales the output rows (applied while gathering them back).
     blocks: `MosaicBlocks`.
     activation: None or "silu" (the gated epilogue over [gate | up] columns).
     transpose_rhs: read rhs as [G, N, K].
     out_dtype: output dtype (default lhs.dtype).
-    precision: unused (wgmma accumulates bf16/f16 products in float32); kept for the
-      backends' common signature.
-    interpret: False, or Mosaic GPU interpreter params (CPU testing).
+    precision: one of the precisions `unsupported_reason` accepts (wgmma multiplies in the
+      input dtype and sums in float32); kept for the backends' common signature.
+    interpret: run in the Mosaic GPU interpreter (CPU testing).
 
   Returns:
     [M, N] (or [M, N/2] gated); rows outside every group are 0.
   """
   del precision
-  if transpose_rhs:
-    rhs = jnp.swapaxes(rhs, 1, 2)
+  if transpose_rhs and not mosaic_operands_transposed_in_smem(interpret):
+    rhs, transpose_rhs = jnp.swapaxes(rhs, 1, 2), False
   num_rows, k = lhs.shape
-  groups, _, n = rhs.shape
+  groups = rhs.shape[0]
+  n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
   out_cols = n // 2 if activation else n
   if k % blocks.block_k or out_cols % blocks.block_n:
     raise ValueError(
@@ -197,30 +243,163 @@ def gmm_mosaic(
   out_dtype = jnp.dtype(out_dtype or lhs.dtype)
   rows = aligned_rows(group_sizes, num_rows, blocks.block_m)
   num_tiles = max_visits(num_rows, groups, blocks.block_m)
-  lhs_aligned = jnp.concatenate([lhs, jnp.zeros((1, k), lhs.dtype)])[rows.row_source]
+  lhs_aligned = _gather_rows(lhs, rows.row_source)
   kernel = plgpu.kernel(
     functools.partial(
-      _gmm_aligned_kernel, blocks=blocks, num_tiles=num_tiles, gated=activation is not None
+      _gmm_aligned_kernel,
+      blocks=blocks,
+      num_tiles=num_tiles,
+      gated=activation is not None,
+      transpose_rhs=transpose_rhs,
     ),
     out_type=out_struct((num_tiles * blocks.block_m, out_cols), out_dtype, like=lhs_aligned),
-    grid=(_NUM_SMS,),
-    grid_names=("sm",),
-    compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-    **({"interpret": interpret} if interpret else {}),
+    **_launch(interpret),
   )
-  out_aligned = kernel(rows.tile_ends, lhs_aligned, rhs)
-  out_aligned = jnp.concatenate([out_aligned, jnp.zeros((1, out_cols), out_dtype)])
-  out = out_aligned[rows.source_row]  # rows outside every group read the zero row
+  out = _gather_rows(kernel(rows.tile_ends, lhs_aligned, rhs), rows.source_row)
   if row_weights is not None:
     out = (out.astype(jnp.float32) * row_weights[:, None].astype(jnp.float32)).astype(out_dtype)
   return out
 
 
-def interpret_params():
-  """Mosaic GPU interpreter settings, for running this kernel on a CPU in tests.
+def _gather_rows(x: jax.Array, rows: jax.Array) -> jax.Array:
+  """x[rows], where row index len(x) reads a zero row (empty aligned rows, rows in no group)."""
+  return jnp.concatenate([x, jnp.zeros((1, x.shape[1]), x.dtype)])[rows]
 
-  JAX 0.10 keeps the interpreter's parameter class private; the import is confined here.
+
+def _num_sms(interpret: bool) -> int:
+  """Persistent programs: one per SM of the device (132 on an H100 / H200 SXM)."""
+  if interpret:
+    return _INTERPRETED_SMS
+  return getattr(jax.devices()[0], "core_count", None) or 132
+
+
+def _launch(interpret: bool) -> dict:
+  """`plgpu.kernel` arguments shared by both kernels: one program per SM, warpgroup lowering."""
+  return dict(
+    grid=(_num_sms(interpret),),
+    grid_names=("sm",),
+    compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+    **({"interpret": mosaic_interpret_params()} if interpret else {}),
+  )
+
+
+def _tgmm_aligned_kernel(
+  tile_starts_gmem,
+  tile_counts_gmem,
+  lhs_gmem,
+  dout_gmem,
+  out_gmem,
+  *,
+  blocks: MosaicBlocks,
+  num_groups: int,
+  lhs_transposed: bool,
+):
+  """out[g] tile (i, j) = sum over g's aligned row tiles t of lhs[t, i-block]^T @ dout[t, j-block].
+
+  Refs: tile_starts, tile_counts [G] (each group's aligned tiles), lhs [R, K] (or lhs^T
+  [K, R] when `lhs_transposed`) and dout [R, N] (tile-aligned, bk rows per tile: the
+  contraction step), out [G, K, N]. Output tiles are [bm, bn]; an empty group's are stored 0.
   """
-  from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+  bm, bn, bk = blocks.block_m, blocks.block_n, blocks.block_k
+  k = lhs_gmem.shape[0] if lhs_transposed else lhs_gmem.shape[1]
+  k_blocks, n_blocks = k // bm, dout_gmem.shape[1] // bn
 
-  return InterpretGPUParams()
+  @plgpu.nd_loop((num_groups, k_blocks * n_blocks), collective_axes="sm")
+  def _tile_loop(loop_info: plgpu.NDLoopInfo):
+    group, index = loop_info.index
+    k_block, n_block = index // n_blocks, index % n_blocks
+    first_tile, group_tiles = tile_starts_gmem[group], tile_counts_gmem[group]
+
+    if lhs_transposed:  # lhs^T tiles [bm, bk] are wgmma's A operand as they are
+      lhs_spec = plgpu.BlockSpec(
+        (bm, bk),
+        lambda t: (k_block, first_tile + t),
+        transforms=_swizzled(lhs_gmem.dtype, bk),
+        delay_release=1,
+      )
+    else:  # lhs tiles [bk, bm], read transposed in shared memory
+      lhs_spec = plgpu.BlockSpec(
+        (bk, bm),
+        lambda t: (first_tile + t, k_block),
+        transforms=_swizzled(lhs_gmem.dtype, bm),
+        delay_release=1,
+      )
+
+    def accumulate(acc_ref):
+      def step(_, lhs_smem, dout_smem):
+        lhs_tile = lhs_smem if lhs_transposed else plgpu.transpose_ref(lhs_smem, (1, 0))
+        plgpu.wgmma(acc_ref, lhs_tile, dout_smem)
+        plgpu.wgmma_wait(1)
+
+      @pl.when(group_tiles > 0)
+      def _():
+        plgpu.emit_pipeline(
+          step,
+          grid=(group_tiles,),
+          in_specs=[
+            lhs_spec,
+            plgpu.BlockSpec(
+              (bk, bn),
+              lambda t: (first_tile + t, n_block),
+              transforms=_swizzled(lhs_gmem.dtype, bn),
+              delay_release=1,
+            ),
+          ],
+          max_concurrent_steps=blocks.max_concurrent_steps,
+        )(lhs_gmem, dout_gmem)
+
+      return acc_ref[...]
+
+    acc = pl.run_scoped(accumulate, plgpu.ACC((bm, bn), jnp.float32))
+    _store_tile(acc, out_gmem.at[group, pl.ds(k_block * bm, bm), pl.ds(n_block * bn, bn)])
+
+
+@functools.partial(jax.jit, static_argnames=("blocks", "out_dtype", "precision", "interpret"))
+def tgmm_mosaic(
+  lhs: jax.Array,
+  dout: jax.Array,
+  group_sizes: jax.Array,
+  *,
+  blocks: MosaicBlocks,
+  out_dtype=jnp.float32,
+  precision=None,
+  interpret: bool = False,
+) -> jax.Array:
+  """Transposed grouped matmul on Hopper: out[g] = lhs[rows of g]^T @ dout[rows of g].
+
+  The weight gradient of `gmm_mosaic`. Rows are regrouped into tiles of `block_k` rows (each
+  tile one group's, the tail zero), which form the contraction axis of each group's product.
+
+  Args:
+    lhs: [M, K] bf16/f16; K a multiple of block_m.
+    dout: [M, N] in lhs's dtype; N a multiple of block_n.
+    group_sizes: [G] int32, sum <= M; rows past the sum are ignored.
+    blocks: `MosaicBlocks`: output tiles [block_m, block_n], block_k rows per step.
+    out_dtype: output dtype.
+    precision: as for `gmm_mosaic` (unused).
+    interpret: run in the Mosaic GPU interpreter (CPU testing).
+
+  Returns:
+    [G, K, N]; groups of size 0 give 0.
+  """
+  del precision
+  num_rows, k = lhs.shape
+  n = dout.shape[1]
+  groups = group_sizes.shape[0]
+  if k % blocks.block_m or n % blocks.block_n:
+    raise ValueError(f"K={k} and N={n} must be multiples of {blocks.block_m=}, {blocks.block_n=}")
+  rows = aligned_rows(group_sizes, num_rows, blocks.block_k)
+  tile_counts = -(-group_sizes.astype(jnp.int32) // blocks.block_k)  # [G]
+  lhs_aligned = _gather_rows(lhs, rows.row_source)  # [R, K]
+  lhs_transposed = not mosaic_operands_transposed_in_smem(interpret)
+  if lhs_transposed:
+    lhs_aligned = lhs_aligned.T  # [K, R]
+  kernel = plgpu.kernel(
+    functools.partial(
+      _tgmm_aligned_kernel, blocks=blocks, num_groups=groups, lhs_transposed=lhs_transposed
+    ),
+    out_type=out_struct((groups, k, n), jnp.dtype(out_dtype), like=lhs_aligned),
+    **_launch(interpret),
+  )
+  dout_aligned = _gather_rows(dout, rows.row_source)  # [R, N]
+  return kernel(rows.tile_ends - tile_counts, tile_counts, lhs_aligned, dout_aligned)

@@ -14,7 +14,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from kernels_pallas import gmm_mosaic, gmm_triton
+from kernels_pallas.backends import BACKENDS
 from kernels_pallas.gmm_triton import activate
 
 
@@ -23,17 +23,17 @@ class KernelSettings:
   """Static choices of one kernel call (hashable: a `custom_vjp` non-differentiable input).
 
   Attributes:
-    implementation: "triton" or "mosaic" (the forward kernel; `tgmm` is Triton's on both).
-    blocks: `TritonBlocks` or `MosaicBlocks` for the forward kernel.
-    tgmm_blocks: `TritonBlocks` for the transposed kernel.
-    precision: `jax.lax.Precision` of the block dots, or None.
+    implementation: a name in `BACKENDS`; its `gmm` and `tgmm` run every product.
+    blocks: the backend's blocks for the forward kernel.
+    tgmm_blocks: the backend's blocks for the transposed kernel.
+    precision: `jax.lax.Precision` or `DotAlgorithmPreset` of the block dots, or None.
     out_dtype: output dtype, or None for lhs's.
-    interpret: run the kernels with the Pallas interpreter.
+    interpret: run the kernels in their interpreter (CPU testing).
   """
 
   implementation: str
   blocks: object
-  tgmm_blocks: gmm_triton.TritonBlocks
+  tgmm_blocks: object
   precision: object = None
   out_dtype: object = None
   interpret: bool = False
@@ -53,6 +53,14 @@ def _pad_gate_up(rhs: jax.Array, axis: int, multiple: int) -> jax.Array:
   """Pads each half of a [gate | up] axis separately, so the halves stay aligned."""
   gate, up = jnp.split(rhs, 2, axis=axis)
   return jnp.concatenate([_pad(gate, axis, multiple), _pad(up, axis, multiple)], axis=axis)
+
+
+def _check_supported(settings: KernelSettings, dtype, activation: str | None = None) -> None:
+  reason = BACKENDS[settings.implementation].unsupported_reason(
+    dtype, activation, settings.precision
+  )
+  if reason is not None:
+    raise NotImplementedError(reason)
 
 
 def grouped_matmul(
@@ -79,6 +87,7 @@ def grouped_matmul(
   Returns:
     [M, N] ([M, N'] with `activation`).
   """
+  _check_supported(settings, lhs.dtype, activation)
   blocks = settings.blocks
   num_rows = lhs.shape[0]
   n_axis, k_axis = (1, 2) if transpose_rhs else (2, 1)
@@ -90,8 +99,7 @@ def grouped_matmul(
   )
   if row_weights is not None:
     row_weights = _pad(row_weights, 0, blocks.block_m)
-  kernel = gmm_triton.gmm_triton if settings.implementation == "triton" else gmm_mosaic.gmm_mosaic
-  out = kernel(
+  out = BACKENDS[settings.implementation].gmm(
     lhs,
     rhs,
     group_sizes.astype(jnp.int32),
@@ -109,18 +117,20 @@ def grouped_matmul(
 def transposed_grouped_matmul(
   lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, settings: KernelSettings
 ) -> jax.Array:
-  """`tgmm` on any shape: out[g] = lhs[rows of g]^T @ rhs[rows of g], [G, K, N]."""
+  """`tgmm` on any shape: out[g] = lhs[rows of g]^T @ rhs[rows of g], [G, K, N] float32."""
+  _check_supported(settings, lhs.dtype)
+  backend = BACKENDS[settings.implementation]
   blocks = settings.tgmm_blocks
+  row_multiple, k_multiple, n_multiple = backend.tgmm_multiples(blocks)
   k, n = lhs.shape[1], rhs.shape[1]
-  out = gmm_triton.tgmm_triton(
-    _pad(_pad(lhs, 0, blocks.block_m), 1, blocks.block_k),
-    _pad(_pad(rhs, 0, blocks.block_m), 1, blocks.block_n),
+  out = backend.tgmm(
+    _pad(_pad(lhs, 0, row_multiple), 1, k_multiple),
+    _pad(_pad(rhs.astype(lhs.dtype), 0, row_multiple), 1, n_multiple),
     group_sizes.astype(jnp.int32),
     blocks=blocks,
     out_dtype=jnp.float32,
     precision=settings.precision,
-    # The Triton kernel takes a plain flag (the Mosaic backend's interpreter params mean True).
-    interpret=bool(settings.interpret),
+    interpret=settings.interpret,
   )
   return out[:, :k, :n]
 
@@ -137,6 +147,9 @@ def _gmm_fwd(lhs, rhs, group_sizes, settings):
 
 def _gmm_bwd(settings, residuals, dout):
   lhs, rhs, group_sizes = residuals
+  # The kernels multiply operands of one dtype: a cotangent in a wider preferred_element_type
+  # (bf16 operands, f32 output) enters them in the operands' dtype, as mixed precision does.
+  dout = dout.astype(lhs.dtype)
   d_lhs = grouped_matmul(dout, rhs, group_sizes, settings, transpose_rhs=True)
   d_rhs = transposed_grouped_matmul(lhs, dout, group_sizes, settings)
   return d_lhs.astype(lhs.dtype), d_rhs.astype(rhs.dtype), None

@@ -45,9 +45,10 @@ class MoEConfig:
     param_dtype: storage dtype of the parameters.
     data_axis: mesh axis over which tokens are split (data parallelism).
     expert_axis: mesh axis over which experts (and tokens) are split.
-    expert_backend: "xla" (sorted, tiled matmuls), "pallas" (the fused `kernels_pallas`
-      kernels; in the interpreter on a CPU, for testing) or "auto" (Pallas on a GPU, XLA
-      elsewhere).
+    expert_backend: "xla" (the better XLA path for the device: the tile loop, or
+      ragged_dot for few local experts on a GPU), "pallas" (the fused `kernels_pallas`
+      kernels of the device; in the interpreter on a CPU, for testing) or "auto" (a kernel
+      only where a recorded GPU run measured it faster, else "xla"). See `moejax.experts`.
 
   >>> MoEConfig(num_experts=8, top_k=2, hidden_size=64, intermediate_size=128).chunk_size
   256

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from moejax.config import MoEConfig
-from moejax.experts import default_tile_rows, grouped_mlp, sorted_pallas_mlp, use_pallas
+from moejax.experts import routed_mlp
 
 
 def gather_rows(x: jax.Array, axis: str | None) -> jax.Array:
@@ -85,18 +85,5 @@ def exchange_and_compute(
   # Experts are laid out contiguously: device s owns ids [s*El, (s+1)*El). Ids outside that
   # range (other devices' experts, and E for padding) fall outside [0, El) and are dropped.
   local_ids = ids - axis_rank(expert_axis) * local_experts
-  if use_pallas(config):
-    out = sorted_pallas_mlp(
-      rows, local_ids, row_weights, w_gate_up, w_down, activation=config.activation
-    )
-  else:
-    out = grouped_mlp(
-      rows,
-      local_ids,
-      row_weights,
-      w_gate_up,
-      w_down,
-      activation=config.activation,
-      tile_rows=default_tile_rows(ids.size, config.num_experts),
-    )
+  out = routed_mlp(rows, local_ids, row_weights, w_gate_up, w_down, config=config)
   return scatter_sum_rows(out.astype(config.dtype), expert_axis)

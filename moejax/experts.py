@@ -1,12 +1,21 @@
 """Expert compute: the gated MLP of each local expert on the rows routed to it.
 
-The XLA backend (`grouped_mlp`) sorts the (row, choice) assignments by expert, pads each
-expert's rows to whole tiles (`moejax.grouping`) and runs one dense [B, D] x [D, 2F] x [F, D]
-MLP per tile in a `lax.scan`. Tiles past the used ones are skipped with `lax.cond`, so the
-cost follows the rows actually routed here, not the static worst case. On a CPU this runs
-near the dense-matmul rate, where `jax.lax.ragged_dot` is an order of magnitude slower (see
-docs/performance.md). The Pallas backend (`sorted_pallas_mlp`) runs the fused kernels of
-`kernels_pallas`.
+`routed_mlp` is the entry; `expert_path` picks one of three paths, by a rule measured on an
+H200 (docs/performance.md, "GPU"):
+
+- "tile_loop" (`grouped_mlp`): sorts the (row, choice) assignments by expert, pads each
+  expert's rows to whole tiles (`moejax.grouping`) and runs one dense [B, D] x [D, 2F] x
+  [F, D] MLP per tile in a `lax.scan`, skipping unused tiles with `lax.cond`. On a CPU it runs
+  near the dense-matmul rate, where `jax.lax.ragged_dot` is an order of magnitude slower.
+- "ragged_dot" (`sorted_mlp` with XLA): two `jax.lax.ragged_dot`s. XLA's GPU lowering expands
+  them densely over the groups, so it wins only with few local experts (El <= 8 on the H200:
+  2.2x the tile loop's forward at El=8, 0.26x its forward+backward at El=32).
+- "pallas" (`sorted_mlp` with a kernel): the fused `kernels_pallas.moe_mlp` kernels.
+
+`expert_backend="xla"` takes the better XLA path; "pallas" the device's kernel (Mosaic on
+Hopper, Triton elsewhere or for what Mosaic lacks; interpreted on a CPU, for testing); "auto"
+a kernel only where `kernels_pallas.api.best_implementation` has a measurement showing it
+faster, else the XLA path.
 """
 
 from __future__ import annotations
@@ -74,7 +83,7 @@ def grouped_mlp(
   return jnp.einsum("nk,nkd->nd", weights, per_choice)
 
 
-def sorted_pallas_mlp(
+def sorted_mlp(
   x: jax.Array,
   expert_ids: jax.Array,
   weights: jax.Array,
@@ -82,14 +91,16 @@ def sorted_pallas_mlp(
   w_down: jax.Array,
   *,
   activation: str,
+  implementation: str,
 ) -> jax.Array:
-  """`grouped_mlp`'s contract on the `kernels_pallas.moe_mlp` fused kernels.
+  """`grouped_mlp`'s contract on `kernels_pallas.moe_mlp` (fused kernels, or XLA ragged_dot).
 
-  Sorts the N*K assignments by local expert (the others last, past the groups' sum, where the
-  kernels write 0), runs the fused MLP with the routing weights in its epilogue, and sums each
-  row's K results. On a CPU the kernels run in the Pallas interpreter: for testing only.
+  Sorts the N*K assignments by local expert (the others last, past the groups' sum, where
+  `moe_mlp` writes 0), runs the MLP with the routing weights in its epilogue, and sums each
+  row's K results. On a CPU the kernels run in their interpreter: for testing only.
 
-  Args and returns: as `grouped_mlp` (without `tile_rows`).
+  Args and returns: as `grouped_mlp` (without `tile_rows`), plus `implementation`, a
+  `kernels_pallas` backend name.
   """
   rows, top_k = expert_ids.shape
   local_experts = w_gate_up.shape[0]
@@ -97,7 +108,7 @@ def sorted_pallas_mlp(
   key = jnp.where((flat >= 0) & (flat < local_experts), flat, local_experts)
   order = jnp.argsort(key, stable=True)  # [N*K]
   group_sizes = jnp.zeros(local_experts + 1, jnp.int32).at[key].add(1)[:local_experts]
-  interpret = on_cpu()
+  interpret = on_cpu() and implementation != "xla"
   if interpret:
     warnings.warn(
       "expert_backend='pallas' on a CPU runs the Pallas kernels in the interpreter: slow, for "
@@ -111,7 +122,7 @@ def sorted_pallas_mlp(
     group_sizes,
     row_weights=weights.reshape(-1)[order].astype(x.dtype),
     activation=activation,
-    implementation="triton" if interpret else None,
+    implementation=implementation,
     interpret=interpret,
   )  # [N*K, D]
   out = jnp.zeros_like(out_sorted).at[order].set(out_sorted)  # back to assignment order
@@ -123,10 +134,72 @@ def on_cpu() -> bool:
   return jax.devices()[0].platform == "cpu"
 
 
-def use_pallas(config: MoEConfig) -> bool:
-  """Whether the expert compute runs on the Pallas kernels: "pallas", or "auto" on a GPU where
-  a kernel supports the compute dtype and activation (else the tiled XLA path is faster than
-  the kernels' `ragged_dot` fallback)."""
+# Most local experts for which XLA's ragged_dot beats the tile loop on a GPU (H200, bf16).
+RAGGED_DOT_MAX_LOCAL_EXPERTS = 8
+
+
+def pallas_implementation(config: MoEConfig) -> str:
+  """The kernel `expert_backend="pallas"` runs: the device's (Mosaic on Hopper) when it can
+  run the config's dtype and activation, else Triton, which runs every case (in the Pallas
+  interpreter on a CPU)."""
+  chosen = kernels_pallas.api.device_implementation()
+  dtype = config.dtype
+  if chosen == "xla" or kernels_pallas.api.unsupported_reason(
+    chosen, dtype, dtype, config.activation
+  ):
+    return "triton"
+  return chosen
+
+
+def expert_path(config: MoEConfig, num_rows: int, local_experts: int) -> str:
+  """The path of a call on `num_rows` rows: "pallas", "ragged_dot" or "tile_loop" (static).
+
+  >>> config = MoEConfig(num_experts=8, top_k=2, hidden_size=64, intermediate_size=128)
+  >>> expert_path(config, num_rows=512, local_experts=8)  # on a CPU
+  'tile_loop'
+  """
+  if config.expert_backend == "pallas":
+    return "pallas"
   if config.expert_backend == "auto":
-    return kernels_pallas.api.best_implementation(config.dtype, config.activation) != "xla"
-  return config.expert_backend == "pallas"
+    measured = kernels_pallas.api.best_implementation(config.dtype, config.activation, num_rows)
+    if measured != "xla":
+      return "pallas"
+  if not on_cpu() and local_experts <= RAGGED_DOT_MAX_LOCAL_EXPERTS:
+    return "ragged_dot"
+  return "tile_loop"
+
+
+def routed_mlp(
+  x: jax.Array,
+  expert_ids: jax.Array,
+  weights: jax.Array,
+  w_gate_up: jax.Array,
+  w_down: jax.Array,
+  *,
+  config: MoEConfig,
+) -> jax.Array:
+  """The local experts' weighted output on rows routed to them, by `expert_path`'s choice.
+
+  Args and returns: as `grouped_mlp` (without `tile_rows` and `activation`).
+  """
+  path = expert_path(config, expert_ids.size, w_gate_up.shape[0])
+  if path == "tile_loop":
+    tile_rows = default_tile_rows(expert_ids.size, config.num_experts)
+    return grouped_mlp(
+      x, expert_ids, weights, w_gate_up, w_down, activation=config.activation, tile_rows=tile_rows
+    )
+  implementation = pallas_implementation(config) if path == "pallas" else "xla"
+  return sorted_mlp(
+    x,
+    expert_ids,
+    weights,
+    w_gate_up,
+    w_down,
+    activation=config.activation,
+    implementation=implementation,
+  )
+
+
+def runs_interpreted_kernels(config: MoEConfig) -> bool:
+  """Whether the layer runs Pallas kernels in an interpreter (on a CPU)."""
+  return on_cpu() and config.expert_backend == "pallas"

@@ -24,11 +24,28 @@ def run_script(*args: str, out: Path) -> str:
   return result.stdout
 
 
-def test_gpu_kernel_benchmark_smoke_checks_every_backend(tmp_path):
-  out = run_script("benchmarks/gpu_kernels.py", "--smoke", out=tmp_path / "out.json")
+def test_gpu_kernel_benchmark_smoke_times_every_backend_and_op(tmp_path):
+  run_script("benchmarks/gpu_kernels.py", "--smoke", out=tmp_path / "out.json")
+  rows = json.loads((tmp_path / "out.json").read_text())["rows"]
+  timed = {(r["op"], r["backend"]) for r in rows if "error" not in r}
   for backend in ("xla", "triton", "mosaic"):
-    assert f"check {backend:8} moe_mlp" in out
-  assert "WRONG" not in out and "dense (ceiling)" in out
+    for op in ("gmm", "gmm_fwd_bwd", "moe_mlp", "moe_mlp_fwd_bwd", "tgmm"):
+      assert (op, backend) in timed
+  assert ("gmm", "dense (ceiling)") in timed
+
+
+def test_gpu_check_smoke_runs_every_part(tmp_path):
+  run_script("benchmarks/gpu_check.py", "--smoke", out=tmp_path)
+  summary = json.loads((tmp_path / "gpu_check.json").read_text())
+  assert {part: s["status"] for part, s in summary.items()} == {
+    "test_base": "passed",
+    "layer": "passed",
+    "bench": "passed",
+    "xla_paths": "passed",
+  }
+  layer = json.loads((tmp_path / "layer.json").read_text())["rows"]
+  assert len(layer) == 12 and all(r["status"] == "ok" for r in layer)
+  assert "| case |" in (tmp_path / "gpu_check.md").read_text()
 
 
 def test_layer_benchmark_prints_ratios(tmp_path):

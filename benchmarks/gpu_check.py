@@ -1,0 +1,294 @@
+"""One-shot GPU check: the backend test base, the layer on the kernels, and the benchmarks.
+
+Parts, each in its own process with a time limit (a GPU fault or a hang in one part cannot
+stop the others), each writing `DIR/<part>.json` as it goes:
+
+  test_base  tests/kernels/test_backends.py, un-interpreted on the GPU (pytest; in parallel
+             processes when pytest-xdist is installed, since compiling dominates)
+  layer      `moe_apply` with expert_backend "xla", "pallas" and "auto" (f32 and bf16, silu
+             and gelu, NaN-poisoned padding) against `reference_moe`, forward and gradients
+  bench      benchmarks/gpu_kernels.py: gmm, moe_mlp, tgmm, forward and forward+backward, vs
+             jax.lax.ragged_dot, jax's ragged_dot_mgpu and a dense matmul of the same FLOPs
+  xla_paths  the layer's two XLA expert paths (sort + ragged_dot, the tile loop) by number of
+             local experts: the measurement behind `moejax.experts.expert_path`
+
+The run ends with `DIR/gpu_check.json` (status per part) and `DIR/gpu_check.md` (tables), and
+exits non-zero if any part failed, crashed or timed out, saying which.
+
+  PYTHONPATH=. python benchmarks/gpu_check.py --out DIR           # on a GPU, < 8 minutes
+  PYTHONPATH=. python benchmarks/gpu_check.py --out DIR --smoke   # every code path, on a CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+import xml.etree.ElementTree as ElementTree
+from collections.abc import Callable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+# Part -> time limit on a GPU, in seconds (together under 8 minutes with start-up).
+LIMITS = {"test_base": 130, "layer": 50, "bench": 150, "xla_paths": 45}
+
+
+class Recorder:
+  """Collects a part's result rows and rewrites `path` after each, so that a part that times
+  out or crashes still reports what it finished."""
+
+  def __init__(self, path: Path):
+    self.path, self.rows = path, []
+
+  def __call__(self, row: dict) -> None:
+    self.rows.append(row)
+    print(json.dumps({k: v for k, v in row.items() if k != "trace"}), flush=True)
+    self.path.write_text(json.dumps(dict(rows=self.rows), indent=1))
+
+  def case(self, name: str, check: Callable[[], dict]) -> None:
+    """Runs one check, recording its result or its error; never raises."""
+    start = time.perf_counter()
+    try:
+      row = dict(case=name, status="ok", **check())
+    except Exception as error:  # a failing case is a result, recorded with its reason
+      row = dict(
+        case=name,
+        status="FAILED",
+        error=f"{type(error).__name__}: {str(error)[:500]}",
+        trace=traceback.format_exc()[-1500:],
+      )
+    row["seconds"] = round(time.perf_counter() - start, 2)
+    self(row)
+
+
+def _relative_error(got, want) -> float:
+  """max |got - want| / max |want|, in float32; raises on a non-finite value."""
+  import jax.numpy as jnp
+  import numpy as np
+
+  got, want = (np.asarray(jnp.asarray(a, jnp.float32)) for a in (got, want))
+  if not np.all(np.isfinite(got)):
+    raise AssertionError("non-finite output")
+  return float(np.max(np.abs(got - want)) / max(float(np.max(np.abs(want))), 1e-30))
+
+
+def part_test_base(out: Path, smoke: bool, record: Recorder) -> None:
+  """The backend test base under pytest; one row per test from its JUnit XML."""
+  report = out / "test_base.xml"
+  command = [
+    sys.executable,
+    "-m",
+    "pytest",
+    "tests/kernels/test_backends.py",
+    "-q",
+    "-p",
+    "no:cacheprovider",
+    f"--junitxml={report}",
+  ]
+  if smoke:
+    command += ["-k", "TestXla"]  # the interpreted kernels take minutes on a CPU
+  elif importlib.util.find_spec("xdist"):
+    command += ["-n", "8"]
+  env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
+  if not smoke:
+    env["JAX_PLATFORMS"] = "cuda"  # tests/conftest.py defaults to the simulated CPU devices
+  subprocess.run(command, cwd=ROOT, env=env, check=False)
+  for test in ElementTree.parse(report).getroot().iter("testcase"):
+    failure = test.find("failure") if test.find("failure") is not None else test.find("error")
+    row = dict(
+      case=f"{test.get('classname', '').split('.')[-1]}::{test.get('name')}",
+      seconds=float(test.get("time", 0)),
+    )
+    if failure is not None:
+      row.update(status="FAILED", error=(failure.get("message") or "")[:500])
+    else:
+      row["status"] = "skipped" if test.find("skipped") is not None else "ok"
+    record(row)
+
+
+def part_layer(out: Path, smoke: bool, record: Recorder) -> None:
+  """The layer on one device with every expert backend, against `reference_moe`."""
+  import warnings
+
+  import jax
+  import jax.numpy as jnp
+
+  import moejax
+  from tests.helpers import poison, random_params
+
+  warnings.simplefilter("ignore")  # the CPU smoke run interprets the kernels, and says so
+  tokens, dim = (64, 64) if smoke else (2048, 512)
+  for backend in ("xla", "pallas", "auto"):
+    for dtype in (jnp.float32, jnp.bfloat16):
+      for activation in ("silu", "gelu"):
+        config = moejax.MoEConfig(
+          num_experts=8,
+          top_k=2,
+          hidden_size=dim,
+          intermediate_size=2 * dim,
+          chunk_size=256,
+          dtype=dtype,
+          activation=activation,
+          expert_backend=backend,
+          num_shared_experts=1,
+          shared_intermediate_size=dim,
+        )
+        # TF32 products (a GPU's float32 default) and bf16 bound the achievable agreement.
+        bound = 3e-3 if dtype == jnp.float32 else 3e-2
+
+        def check(config=config, bound=bound):
+          params = random_params(config, jax.random.key(1))
+          x = jax.random.normal(jax.random.key(2), (tokens, dim))
+          mask = jnp.arange(tokens) % 7 != 3
+          layer = lambda p: moejax.moe_apply(p, poison(x, mask), config=config, token_mask=mask)
+          reference = lambda p: moejax.reference_moe(p, x, config, token_mask=mask)
+          error = _relative_error(layer(params)[0], reference(params))
+          loss = lambda f: lambda p: jnp.sum(jnp.sin(f(p)))
+          got, want = (
+            jax.grad(loss(lambda p: layer(p)[0]))(params),
+            jax.grad(loss(reference))(params),
+          )
+          grad_error = max(
+            _relative_error(a, b) for a, b in zip(got, want, strict=True) if a is not None
+          )
+          if error > bound or grad_error > 2 * bound:
+            raise AssertionError(f"relative error {error:.3g}, gradients {grad_error:.3g}")
+          return dict(out_rel=error, grad_rel=grad_error)
+
+        name = f"layer {backend} {jnp.dtype(dtype).name} {activation}"
+        record.case(name, check)
+
+
+def part_bench(out: Path, smoke: bool, record: Recorder) -> None:
+  """benchmarks/gpu_kernels.py's cases, one row per timed call."""
+  sys.path.insert(0, str(ROOT / "benchmarks"))
+  import gpu_kernels
+
+  gpu_kernels.run(smoke, lambda row: record(dict(row, status="FAILED" if "error" in row else "ok")))
+
+
+def part_xla_paths(out: Path, smoke: bool, record: Recorder) -> None:
+  """Sort + ragged_dot vs the tile loop, forward and forward+backward, by local experts."""
+  for experts in (4,) if smoke else (8, 16, 32, 128):
+    _time_xla_paths(experts, smoke, record)
+
+
+def _time_xla_paths(experts: int, smoke: bool, record: Recorder) -> None:
+  import jax
+  import jax.numpy as jnp
+
+  sys.path.insert(0, str(ROOT / "benchmarks"))
+  from gpu_kernels import forward_backward, median_seconds
+
+  from moejax.experts import default_tile_rows, grouped_mlp, sorted_mlp
+
+  tokens, d, f, top_k = (64, 64, 32, 2) if smoke else (8192, 2048, 1024, 2)
+  keys = jax.random.split(jax.random.key(experts), 4)
+  x = jax.random.normal(keys[0], (tokens, d), jnp.bfloat16)
+  w_gate_up = (jax.random.normal(keys[1], (experts, d, 2 * f)) / 64).astype(jnp.bfloat16)
+  w_down = (jax.random.normal(keys[2], (experts, f, d)) / 64).astype(jnp.bfloat16)
+  ids = jax.random.randint(keys[3], (tokens, top_k), 0, experts)
+  weights = jnp.full((tokens, top_k), 0.5, jnp.float32)
+  flops = 2 * tokens * top_k * d * 3 * f
+  paths = {
+    "ragged_dot": functools.partial(sorted_mlp, activation="silu", implementation="xla"),
+    "tile_loop": functools.partial(
+      grouped_mlp, activation="silu", tile_rows=default_tile_rows(ids.size, experts)
+    ),
+  }
+  cotangent = jax.random.normal(keys[3], (tokens, d), jnp.float32)
+  for path, mlp in paths.items():
+    forward = lambda x, wgu, wd, mlp=mlp: mlp(x, ids, weights, wgu, wd)
+    for mode, fn, operands, multiple in (
+      ("fwd", forward, (x, w_gate_up, w_down), 1),
+      ("fwd_bwd", forward_backward(forward), (x, w_gate_up, w_down, cotangent), 3),
+    ):
+
+      def measure(fn=fn, operands=operands, multiple=multiple, path=path, mode=mode):
+        seconds = median_seconds(jax.jit(fn), *operands, repeats=1 if smoke else 5)
+        tflops = multiple * flops / seconds / 1e12
+        return dict(local_experts=experts, path=path, mode=mode, ms=seconds * 1e3, tflops=tflops)
+
+      record.case(f"{path} {mode} El={experts}", measure)
+
+
+PARTS = {
+  "test_base": part_test_base,
+  "layer": part_layer,
+  "bench": part_bench,
+  "xla_paths": part_xla_paths,
+}
+
+
+def _markdown(part: str, status: str, rows: list[dict]) -> str:
+  failed = sum(r.get("status") == "FAILED" for r in rows)
+  lines = [f"### {part}: {status} ({len(rows) - failed}/{len(rows)} rows ok)", ""]
+  keys = list(dict.fromkeys(k for r in rows for k in r if k != "trace"))
+  if keys:
+    lines += ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+  for r in rows:
+    cells = [r.get(k, "") for k in keys]
+    cells = [f"{c:.4g}" if isinstance(c, float) else str(c).replace("|", "/") for c in cells]
+    lines.append("| " + " | ".join(cells) + " |")
+  return "\n".join(lines) + "\n"
+
+
+def run_parts(parts: list[str], out: Path, smoke: bool) -> dict[str, dict]:
+  """Runs each part in a child process; returns its status and time per part."""
+  summary, report = {}, ["# GPU check", ""]
+  for part in parts:
+    limit = LIMITS[part] * (4 if smoke else 1)
+    command = [sys.executable, __file__, "--out", str(out), "--part", part]
+    command += ["--smoke"] if smoke else []
+    start = time.perf_counter()
+    print(f"== {part} (limit {limit} s)", flush=True)
+    try:
+      done = subprocess.run(command, timeout=limit, cwd=ROOT, check=False)
+      status = "passed" if done.returncode == 0 else f"crashed (exit {done.returncode})"
+    except subprocess.TimeoutExpired:
+      status = f"timed out after {limit} s"
+    result = out / f"{part}.json"
+    rows = json.loads(result.read_text())["rows"] if result.exists() else []
+    if status == "passed" and any(r.get("status") == "FAILED" for r in rows):
+      status = "failed"
+    summary[part] = dict(status=status, seconds=round(time.perf_counter() - start, 1))
+    report.append(_markdown(part, status, rows))
+  (out / "gpu_check.json").write_text(json.dumps(summary, indent=1))
+  (out / "gpu_check.md").write_text("\n".join(report))
+  return summary
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--out", required=True, help="folder for the JSON and markdown results")
+  parser.add_argument("--smoke", action="store_true", help="tiny shapes, interpreters (CPU)")
+  parser.add_argument("--parts", default=",".join(PARTS), help="comma-separated parts to run")
+  parser.add_argument("--part", help=argparse.SUPPRESS)  # one part, in this process
+  args = parser.parse_args()
+  out = Path(args.out).resolve()
+  out.mkdir(parents=True, exist_ok=True)
+  if args.part:
+    sys.path.insert(0, str(ROOT))  # moejax, kernels_pallas and tests, from this checkout
+    import jax
+
+    print(f"{jax.devices()[0].device_kind}, JAX {jax.__version__}", flush=True)
+    PARTS[args.part](out, args.smoke, Recorder(out / f"{args.part}.json"))
+    return
+  unknown = set(args.parts.split(",")) - set(PARTS)
+  if unknown:
+    parser.error(f"--parts: unknown {sorted(unknown)}; choose from {list(PARTS)}")
+  summary = run_parts(args.parts.split(","), out, args.smoke)
+  print(json.dumps(summary, indent=1))
+  failed = [part for part, s in summary.items() if s["status"] != "passed"]
+  if failed:
+    raise SystemExit(f"parts that did not pass: {failed} (see {out / 'gpu_check.md'})")
+
+
+if __name__ == "__main__":
+  main()

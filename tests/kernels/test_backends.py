@@ -1,0 +1,242 @@
+"""One test base for every grouped-matmul backend; one subclass per backend.
+
+On a CPU the Pallas kernels run in their interpreters (with small blocks); on a GPU
+(`benchmarks/gpu_check.py` runs this file there) they run compiled, with their default blocks.
+References are `jax.lax.ragged_dot` and plain `jnp` on float32 copies of the same inputs.
+A case a backend cannot run must raise `NotImplementedError`, never fail deeper. Kernel calls
+run under `jax.jit`: eager dispatch beside the interpreters' callback threads can deadlock
+(seen with JAX 0.10's Mosaic GPU interpreter), and a GPU runs them jitted anyway.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kernels_pallas import MosaicBlocks, TritonBlocks, gmm, moe_mlp
+from kernels_pallas.api import moe_mlp_reference
+from kernels_pallas.backends import BACKENDS
+from kernels_pallas.ops import KernelSettings, transposed_grouped_matmul
+from tests.helpers import seed_of
+
+ON_GPU = jax.devices()[0].platform == "gpu"
+INTERPRET = not ON_GPU
+F32, BF16 = jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)
+# (atol, rtol) by output dtype; float32 differs from XLA only by the K-block summation order.
+TOLERANCE = {F32: (1e-6, 1e-6), BF16: (1e-2, 5e-3)}
+GRAD_ATOL = 2e-2
+BF16_PRESET = jax.lax.DotAlgorithmPreset.BF16_BF16_F32
+
+
+def assert_close(actual, expected, atol: float, rtol: float) -> None:
+  """chex's comparison in float32, after checking that every value is finite."""
+  actual, expected = (jnp.asarray(a, jnp.float32) for a in (actual, expected))
+  chex.assert_tree_all_finite(actual)
+  chex.assert_trees_all_close(actual, expected, atol=atol, rtol=rtol)
+
+
+def random_sizes(key, groups: int, num_rows: int, empty: tuple[int, ...] = (1,)) -> jax.Array:
+  """[G] sizes with the groups in `empty` at 0 and a sum a few rows short of M."""
+  sizes = np.array(jax.random.randint(key, (groups,), 1, 2 * num_rows // groups))
+  sizes[list(empty)] = 0
+  ends = np.minimum(np.cumsum(sizes), num_rows - 5)
+  return jnp.asarray(np.diff(ends, prepend=0), jnp.int32)
+
+
+def past_sum_poisoned(lhs: jax.Array, sizes: jax.Array) -> jax.Array:
+  """lhs with NaN in every row past the groups' sum: no kernel may read them."""
+  rows = jnp.arange(lhs.shape[0])[:, None]
+  return jnp.where(rows < jnp.sum(sizes), lhs, jnp.nan).astype(lhs.dtype)
+
+
+def operands(name: str, m: int, k: int, n: int, groups: int, dtype):
+  """Random lhs [M, K] and rhs [G, K, N] at unit output scale, and random sizes."""
+  k1, k2, k3 = jax.random.split(jax.random.key(seed_of(name)), 3)
+  lhs = jax.random.normal(k1, (m, k)).astype(dtype)
+  rhs = (jax.random.normal(k2, (groups, k, n)) / np.sqrt(k)).astype(dtype)
+  return lhs, rhs, random_sizes(k3, groups, m)
+
+
+def reference_gmm(lhs, rhs, sizes) -> jax.Array:
+  """ragged_dot on float32 copies, at full float32 precision."""
+  f32 = lambda a: a.astype(jnp.float32)
+  return jax.lax.ragged_dot(f32(lhs), f32(rhs), sizes, precision=jax.lax.Precision.HIGHEST)
+
+
+class GroupedMatmulTestBase:
+  """The contract of `gmm`, `moe_mlp` and `tgmm` that every backend must meet."""
+
+  implementation: str
+  blocks = None  # blocks for the interpreters; None: the backend's defaults
+  tgmm_blocks = None
+
+  def kwargs(self, small_blocks: bool = True) -> dict:
+    """Call arguments: small blocks in the interpreters (more tiles, more edges), unless the
+    case is large enough that the interpreters' cost per tile dominates."""
+    return dict(
+      implementation=self.implementation,
+      interpret=INTERPRET,
+      config=self.blocks if INTERPRET and small_blocks else None,
+    )
+
+  def skip_unsupported(self, call, dtype, activation=None, precision=None) -> bool:
+    """If the backend cannot run the case, checks that `call()` says so; returns whether."""
+    reason = BACKENDS[self.implementation].unsupported_reason(dtype, activation, precision)
+    if reason is not None:
+      with pytest.raises(NotImplementedError):
+        call()
+    return reason is not None
+
+  @pytest.mark.parametrize("dtype", [F32, BF16])
+  @pytest.mark.parametrize("out_dtype", [None, BF16, F32])
+  def test_gmm_matches_ragged_dot(self, dtype, out_dtype, request):
+    lhs, rhs, sizes = operands(request.node.name, 128, 64, 96, 8, dtype)
+    # float32 inputs at full precision: a GPU's default would round them to TF32.
+    precision = jax.lax.Precision.HIGHEST if dtype == F32 else None
+    call = lambda: jax.jit(
+      lambda a, b: gmm(
+        a, b, sizes, precision=precision, preferred_element_type=out_dtype, **self.kwargs()
+      )
+    )(lhs, rhs)
+    if self.skip_unsupported(call, dtype, precision=precision):
+      return
+    got = call()
+    assert got.dtype == (out_dtype or dtype)
+    assert_close(got, reference_gmm(lhs, rhs, sizes), *TOLERANCE[jnp.dtype(got.dtype)])
+
+  def test_rows_past_the_groups_sum_give_zero(self, request):
+    lhs, rhs, sizes = operands(request.node.name, 100, 64, 64, 4, BF16)
+    call = lambda: jax.jit(lambda a, b: gmm(a, b, sizes, **self.kwargs()))(
+      past_sum_poisoned(lhs, sizes), rhs
+    )
+    if self.skip_unsupported(call, BF16):
+      return
+    got = np.asarray(call().astype(jnp.float32))
+    total = int(jnp.sum(sizes))
+    assert total < 100 and np.all(got[total:] == 0)
+    assert_close(got[:total], reference_gmm(lhs, rhs, sizes)[:total], *TOLERANCE[BF16])
+
+  def test_every_zero_size_group_pattern(self, request):
+    groups = 8
+    lhs, rhs, _ = operands(request.node.name, 64, 64, 64, groups, BF16)
+    run = jax.jit(lambda sizes: gmm(lhs, rhs, sizes, **self.kwargs()))
+    if self.skip_unsupported(lambda: run(jnp.ones(groups, jnp.int32)), BF16):
+      return
+    full = jnp.array([3, 9, 1, 12, 7, 2, 15, 8], jnp.int32)  # sum 57 < 64
+    for present in itertools.product([0, 1], repeat=groups):
+      sizes = full * jnp.array(present, jnp.int32)
+      assert_close(run(sizes), reference_gmm(lhs, rhs, sizes), *TOLERANCE[BF16])
+
+  @pytest.mark.parametrize("m, k, n", list(itertools.product([128, 1024], [64, 128], [128, 256])))
+  @pytest.mark.parametrize("activation_after", [False, True])
+  @pytest.mark.parametrize("precision", [None, BF16_PRESET])
+  def test_gmm_gradients(self, m, k, n, activation_after, precision, request):
+    """bf16 operands with a float32 result: the usual mixed-precision training call."""
+    lhs, rhs, sizes = operands(request.node.name, m, k, n, 8, BF16)
+    probe = jax.random.normal(jax.random.key(seed_of(request.node.name) + 1), (m, n))
+    after = jax.nn.gelu if activation_after else (lambda y: y)
+
+    def loss(product):
+      return lambda a, b: jnp.sum(after(product(a, b)) * probe)
+
+    kernel = lambda a, b: gmm(
+      a,
+      b,
+      sizes,
+      precision=precision,
+      preferred_element_type=jnp.float32,
+      **self.kwargs(small_blocks=False),
+    )
+    call = lambda: jax.jit(jax.grad(loss(kernel), argnums=(0, 1)))(lhs, rhs)
+    if self.skip_unsupported(call, BF16, precision=precision):
+      return
+    got = call()
+    want = jax.jit(jax.grad(loss(lambda a, b: reference_gmm(a, b, sizes)), argnums=(0, 1)))(
+      lhs, rhs
+    )
+    # Scale-free bound: gradients sum over up to M rows, so compare relative to their size.
+    for g, w in zip(got, want, strict=True):
+      scale = float(jnp.max(jnp.abs(w)))
+      assert_close(g / scale, w / scale, GRAD_ATOL, 0.0)
+
+  @pytest.mark.parametrize("activation", ["silu", "gelu"])
+  def test_moe_mlp_forward_and_gradients(self, activation, request):
+    m, d, f, groups = 128, 64, 128, 4
+    keys = jax.random.split(jax.random.key(seed_of(request.node.name)), 5)
+    x = jax.random.normal(keys[0], (m, d)).astype(BF16)
+    w_gate_up = (jax.random.normal(keys[1], (groups, d, 2 * f)) / np.sqrt(d)).astype(BF16)
+    w_down = (jax.random.normal(keys[2], (groups, f, d)) / np.sqrt(f)).astype(BF16)
+    weights = jax.random.uniform(keys[3], (m,), minval=0.1).astype(BF16)
+    sizes = random_sizes(keys[4], groups, m)
+    probe = jax.random.normal(keys[4], (m, d))
+    args = (x, w_gate_up, w_down, weights)
+
+    def kernel(x, w_gate_up, w_down, weights):
+      return moe_mlp(
+        x, w_gate_up, w_down, sizes, row_weights=weights, activation=activation, **self.kwargs()
+      )
+
+    def reference(x, w_gate_up, w_down, weights):
+      f32 = [a.astype(jnp.float32) for a in (x, w_gate_up, w_down, weights)]
+      return moe_mlp_reference(*f32[:3], sizes, f32[3], activation, jax.lax.Precision.HIGHEST)
+
+    if self.skip_unsupported(lambda: jax.jit(kernel)(*args), BF16, activation):
+      return
+    assert_close(jax.jit(kernel)(*args), jax.jit(reference)(*args), *TOLERANCE[BF16])
+    loss = lambda mlp: lambda *a: jnp.sum(mlp(*a).astype(jnp.float32) * probe)
+    got = jax.jit(jax.grad(loss(kernel), argnums=(0, 1, 2, 3)))(*args)
+    want = jax.jit(jax.grad(loss(reference), argnums=(0, 1, 2, 3)))(*args)
+    for g, w in zip(got, want, strict=True):
+      scale = float(jnp.max(jnp.abs(w)))
+      assert_close(g.astype(jnp.float32) / scale, w / scale, GRAD_ATOL, 0.0)
+
+  @pytest.mark.parametrize("dtype", [F32, BF16])
+  def test_tgmm_matches_per_group_products(self, dtype, request):
+    m, k, n, groups = 160, 64, 128, 5
+    keys = jax.random.split(jax.random.key(seed_of(request.node.name)), 3)
+    lhs = jax.random.normal(keys[0], (m, k)).astype(dtype)
+    dout = jax.random.normal(keys[1], (m, n)).astype(dtype)
+    sizes = random_sizes(keys[2], groups, m, empty=(0, 3))
+    backend = BACKENDS[self.implementation]
+    blocks = (self.tgmm_blocks if INTERPRET else None) or backend.tgmm_blocks(m, k, n)
+    precision = jax.lax.Precision.HIGHEST if dtype == F32 else None
+    settings = KernelSettings(self.implementation, None, blocks, precision, None, INTERPRET)
+    call = lambda: jax.jit(lambda a, d: transposed_grouped_matmul(a, d, sizes, settings))(
+      past_sum_poisoned(lhs, sizes), past_sum_poisoned(dout, sizes)
+    )
+    if self.skip_unsupported(call, dtype, precision=precision):
+      return
+    got = call()
+    ends = np.cumsum(np.asarray(sizes))
+    f32 = lambda a: np.asarray(a, np.float32)
+    want = np.stack(
+      [
+        f32(lhs)[e - s : e].T @ f32(dout)[e - s : e]
+        for s, e in zip(np.asarray(sizes), ends, strict=True)
+      ]
+    )
+    chex.assert_shape(got, (groups, k, n))
+    assert np.all(np.asarray(got)[[0, 3]] == 0)  # empty groups
+    atol = 1e-5 * np.sqrt(m) if dtype == F32 else 2e-2 * np.sqrt(m)
+    assert_close(got, want, atol, TOLERANCE[jnp.dtype(dtype)][1])
+
+
+class TestXla(GroupedMatmulTestBase):
+  implementation = "xla"
+
+
+class TestTriton(GroupedMatmulTestBase):
+  implementation = "triton"
+  blocks = TritonBlocks(block_m=16, block_n=32, block_k=16)
+  tgmm_blocks = TritonBlocks(block_m=16, block_n=32, block_k=16)
+
+
+class TestMosaic(GroupedMatmulTestBase):
+  implementation = "mosaic"
+  blocks = MosaicBlocks(block_m=64, block_n=32, block_k=32, max_concurrent_steps=2)
+  tgmm_blocks = MosaicBlocks(block_m=64, block_n=32, block_k=32, max_concurrent_steps=2)
