@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import kernels_pallas
 from moejax.config import MoEConfig
 from moejax.grouping import tile_layout
-from moejax.tiles import tile_mlp
+from moejax.tiles import gated_mlp, tile_mlp
 
 _MIN_TILE_ROWS = 8
 _MAX_TILE_ROWS = 128
@@ -198,6 +198,23 @@ def routed_mlp(
     activation=config.activation,
     implementation=implementation,
   )
+
+
+def shared_mlp(
+  x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, *, config: MoEConfig
+) -> jax.Array:
+  """The shared experts (fused into one MLP of width Fs) on every row.
+
+  Args:
+    x: [C, D] rows in the compute dtype.
+    w_gate_up: [D, 2Fs].
+    w_down: [Fs, D].
+    config: the layer's config (its activation).
+
+  Returns:
+    [C, D] float32.
+  """
+  return gated_mlp(x, w_gate_up, w_down, config.activation)
 
 
 def runs_interpreted_kernels(config: MoEConfig) -> bool:

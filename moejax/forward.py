@@ -20,9 +20,8 @@ from moejax import routing, sharding
 from moejax.chunking import TokenLayout, chunk_scan
 from moejax.config import MoEConfig
 from moejax.dispatch import exchange_and_compute, sum_over, vary_over
-from moejax.experts import runs_interpreted_kernels
+from moejax.experts import runs_interpreted_kernels, shared_mlp
 from moejax.params import MoEParams, check_params
-from moejax.tiles import gated_mlp
 
 
 class MoEAux(NamedTuple):
@@ -212,13 +211,7 @@ def local_forward(
   """
   x = _zero_padding(x, token_mask)
   if router_logits is None:
-    # HIGHEST: a GPU's default float32 matmul rounds inputs to TF32, which flips top-k
-    # choices between near-tied experts (measured on an H200: 7% output error vs the reference).
-    router_logits = jnp.dot(
-      x.astype(jnp.float32),
-      params.router_kernel.astype(jnp.float32),
-      precision=jax.lax.Precision.HIGHEST,
-    )  # [L, E], the router's only run
+    router_logits = routing.router_logits(x, params.router_kernel)  # the router's only run
   router_logits = _zero_padding(router_logits, token_mask)
   route = routing.route(router_logits, token_mask, config, params.routing_bias)
   stats = jax.tree.map(
@@ -273,8 +266,6 @@ def _run_chunk(
     expert_axis=expert_axis,
   )
   if config.has_shared_experts:
-    shared = gated_mlp(
-      rows, weights["shared_w_gate_up"], weights["shared_w_down"], config.activation
-    )
+    shared = shared_mlp(rows, weights["shared_w_gate_up"], weights["shared_w_down"], config=config)
     out = (out.astype(jnp.float32) + shared).astype(config.dtype)
   return out
