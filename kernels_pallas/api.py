@@ -42,7 +42,7 @@ def unsupported_reason(
 
 # Backends that a recorded GPU run of `benchmarks/gpu_check.py` (docs/performance.md) showed
 # correct and faster than XLA, each with the fewest rows per call at which it was measured
-# faster. Empty: the one run so far (H200, 2026-11-29) measured the Mosaic forward 2.5-13x
+# faster. Empty: the one run so far (H200, 2026-11-29) measured the Mosaic forward 2-13x
 # faster than ragged_dot at 8192+ rows, but its backward failed there and was rewritten since.
 MEASURED_FASTER: dict[str, int] = {}
 
