@@ -270,7 +270,9 @@ def _num_sms(interpret: bool) -> int:
   """Persistent programs: one per SM of the device (132 on an H100 / H200 SXM)."""
   if interpret:
     return _INTERPRETED_SMS
-  return getattr(jax.devices()[0], "core_count", None) or 132
+  device = jax.devices()[0]
+  # Lowering for CUDA on a host without a GPU (jax.export) assumes an H100 / H200.
+  return device.core_count if device.platform == "gpu" else 132
 
 
 def _launch(interpret: bool) -> dict:
