@@ -43,13 +43,14 @@ class Recorder:
   """Collects a part's result rows and rewrites `path` after each, so that a part that times
   out or crashes still reports what it finished."""
 
-  def __init__(self, path: Path):
+  def __init__(self, path: Path, device: str, jax_version: str):
     self.path, self.rows = path, []
+    self.header = dict(device=device, jax=jax_version, date=time.strftime("%Y-%m-%d"))
 
   def __call__(self, row: dict) -> None:
     self.rows.append(row)
     print(json.dumps({k: v for k, v in row.items() if k != "trace"}), flush=True)
-    self.path.write_text(json.dumps(dict(rows=self.rows), indent=1))
+    self.path.write_text(json.dumps(dict(self.header, rows=self.rows), indent=1))
 
   def case(self, name: str, check: Callable[[], dict]) -> None:
     """Runs one check, recording its result or its error; never raises."""
@@ -240,8 +241,10 @@ def _markdown(part: str, status: str, rows: list[dict]) -> str:
 
 
 def run_parts(parts: list[str], out: Path, smoke: bool) -> dict[str, dict]:
-  """Runs each part in a child process; returns its status and time per part."""
-  summary, report = {}, ["# GPU check", ""]
+  """Runs each part in a child process; returns its status and time per part. The parent
+  never imports JAX: on a GPU it would hold the memory the parts need."""
+  header: dict = {}
+  summary, report = {}, []
   for part in parts:
     limit = LIMITS[part] * (4 if smoke else 1)
     command = [sys.executable, __file__, "--out", str(out), "--part", part]
@@ -253,14 +256,18 @@ def run_parts(parts: list[str], out: Path, smoke: bool) -> dict[str, dict]:
       status = "passed" if done.returncode == 0 else f"crashed (exit {done.returncode})"
     except subprocess.TimeoutExpired:
       status = f"timed out after {limit} s"
-    result = out / f"{part}.json"
-    rows = json.loads(result.read_text())["rows"] if result.exists() else []
+    result = (
+      json.loads((out / f"{part}.json").read_text()) if (out / f"{part}.json").exists() else {}
+    )
+    rows = result.get("rows", [])
+    header = {k: result[k] for k in ("device", "jax", "date") if k in result} or header
     if status == "passed" and any(r.get("status") == "FAILED" for r in rows):
       status = "failed"
     summary[part] = dict(status=status, seconds=round(time.perf_counter() - start, 1))
     report.append(_markdown(part, status, rows))
-  (out / "gpu_check.json").write_text(json.dumps(summary, indent=1))
-  (out / "gpu_check.md").write_text("\n".join(report))
+  (out / "gpu_check.json").write_text(json.dumps(dict(header, parts=summary), indent=1))
+  title = f"# GPU check: {header.get('device')}, JAX {header.get('jax')}, {header.get('date')}"
+  (out / "gpu_check.md").write_text("\n".join([title, "", *report]))
   return summary
 
 
@@ -277,8 +284,9 @@ def main() -> None:
     sys.path.insert(0, str(ROOT))  # moejax, kernels_pallas and tests, from this checkout
     import jax
 
-    print(f"{jax.devices()[0].device_kind}, JAX {jax.__version__}", flush=True)
-    PARTS[args.part](out, args.smoke, Recorder(out / f"{args.part}.json"))
+    device = jax.devices()[0].device_kind
+    print(f"{device}, JAX {jax.__version__}", flush=True)
+    PARTS[args.part](out, args.smoke, Recorder(out / f"{args.part}.json", device, jax.__version__))
     return
   unknown = set(args.parts.split(",")) - set(PARTS)
   if unknown:

@@ -37,7 +37,8 @@ def test_gpu_kernel_benchmark_smoke_times_every_backend_and_op(tmp_path):
 def test_gpu_check_smoke_runs_every_part(tmp_path):
   run_script("benchmarks/gpu_check.py", "--smoke", out=tmp_path)
   summary = json.loads((tmp_path / "gpu_check.json").read_text())
-  assert {part: s["status"] for part, s in summary.items()} == {
+  assert summary["device"] and summary["jax"] and summary["date"]
+  assert {part: s["status"] for part, s in summary["parts"].items()} == {
     "test_base": "passed",
     "layer": "passed",
     "bench": "passed",
