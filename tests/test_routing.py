@@ -2,6 +2,7 @@
 
 import itertools
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,7 +10,13 @@ import pytest
 
 from moejax import MoEConfig
 from moejax.reference import reference_routing
-from moejax.routing import load_balancing_loss, route, router_stats, router_z_loss
+from moejax.routing import (
+  load_balancing_loss,
+  route,
+  router_logits,
+  router_stats,
+  router_z_loss,
+)
 from tests.helpers import assert_close, seed_of
 
 OPTIONS = [
@@ -111,3 +118,15 @@ def test_aux_losses_are_zero_without_tokens():
   stats = router_stats(logits, route(logits, mask, config, None), mask)
   assert float(load_balancing_loss(stats, 2)) == 0.0
   assert float(router_z_loss(stats)) == 0.0
+
+
+def test_router_matmul_runs_at_full_float32_precision():
+  """A GPU's default float32 matmul is TF32, which flipped top-k choices on an H200 (7% layer
+  error); XLA:CPU has no TF32, so the precision itself is what this test can check."""
+  x = jax.random.normal(jax.random.key(0), (4, 8), jnp.bfloat16)
+  kernel = jax.random.normal(jax.random.key(1), (8, 3))
+  jaxpr = str(jax.make_jaxpr(router_logits)(x, kernel))
+  assert "dot_general" in jaxpr and "Precision.HIGHEST" in jaxpr
+  chex.assert_trees_all_close(
+    router_logits(x, kernel), x.astype(jnp.float32) @ kernel, atol=1e-6, rtol=1e-6
+  )
