@@ -8,8 +8,8 @@ Sections (each prints a table; all rows go to `results/bench.json`, the chunk sw
               device and on the 2x4 mesh
   padding     100 / 50 / 10 / 0 % valid tokens, and one busy rank among idle ones
   compiles    executables compiled across 20 token-count patterns (must be 1)
-  collectives bytes moved by the chunk loop's collectives, read off the compiled HLO, vs the
-              all-gather / reduce-scatter minimum
+
+What the expert-axis exchange sends (both dispatch schemes) is `benchmarks/dispatch.py`'s.
 
 float32 on simulated CPU devices (the caller sets 8 of them). `--full` runs more shapes.
 """
@@ -20,7 +20,6 @@ import argparse
 import functools
 import json
 import math
-import re
 import time
 from pathlib import Path
 
@@ -268,47 +267,6 @@ def compile_section() -> list[dict]:
   return rows
 
 
-_COLLECTIVE = re.compile(r"= (\w+)\[([\d,]*)\][^=]*? (all-gather|reduce-scatter)(?:-start)?\(")
-
-
-def collective_section() -> list[dict]:
-  """Per-chunk collective sizes from the compiled HLO, vs the scheme's minimum."""
-  chunk, tokens, experts_axis = 256, 8192, 4
-  config = config_of(32, 2, chunk)
-  params = make_params(config)
-  x = jax.random.normal(jax.random.key(6), (tokens, D))
-  fn = jax.jit(moejax_forward(config, mesh_2x4()))
-  hlo = fn.lower(params, x).compile().as_text()
-  itemsize = {"f32": 4, "s32": 4, "bf16": 2, "pred": 1}
-  rows = []
-  for dtype, dims, kind in _COLLECTIVE.findall(hlo):
-    size = math.prod(int(d) for d in dims.split(",") if d) * itemsize.get(dtype, 4)
-    rows.append(dict(section="collectives", op=kind, shape=f"{dtype}[{dims}]", bytes=size))
-  # The scheme's minimum per chunk and device (S = expert-axis size): all-gather S*C rows of D
-  # floats plus K ids and K weights; reduce-scatter to C rows of D. Bytes sent per device
-  # (ring algorithms): (S-1)/S of each all-gather output, (S-1) x the scatter output.
-  gathered = experts_axis * chunk * (D + 2 * 2) * 4
-  scattered = chunk * D * 4
-  measured = sum(r["bytes"] for r in rows)
-  sent = sum(
-    r["bytes"]
-    * ((experts_axis - 1) / experts_axis if r["op"] == "all-gather" else experts_axis - 1)
-    for r in rows
-  )
-  for name, value in (
-    ("total buffers per chunk (HLO)", measured),
-    ("minimum buffers per chunk", gathered + scattered),
-    ("sent per device per chunk", int(sent)),
-  ):
-    rows.append(dict(section="collectives", op=name, shape="", bytes=value))
-  _table(
-    "collectives: buffers of the chunk loop's collectives (C=256, 2x4 mesh)",
-    rows,
-    ["op", "shape", "bytes"],
-  )
-  return rows
-
-
 # ---- output ----------------------------------------------------------------------------
 
 
@@ -354,9 +312,7 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument("--full", action="store_true", help="more shapes and token counts")
   parser.add_argument("--repeats", type=int, default=3)
   parser.add_argument("--out", default="results", help="folder for bench.json and the plot")
-  parser.add_argument(
-    "--sections", default="layer,chunks,padding,compiles,collectives", help="comma-separated"
-  )
+  parser.add_argument("--sections", default="layer,chunks,padding,compiles", help="comma-separated")
   args = parser.parse_args(argv)
   sections = args.sections.split(",")
   start = time.perf_counter()
@@ -377,8 +333,6 @@ def main(argv: list[str] | None = None) -> None:
     rows += padding_section(args.repeats)
   if "compiles" in sections:
     rows += compile_section()
-  if "collectives" in sections:
-    rows += collective_section()
   (out / "bench.json").write_text(json.dumps(rows, indent=1))
   print(f"\nwrote {out / 'bench.json'} in {time.perf_counter() - start:.0f} s")
 

@@ -1,11 +1,16 @@
 """moejax: Mixture-of-Experts layers on a (data, expert) mesh, in fixed-size token chunks.
 
-Dimension letters, used in names, docstrings and shape comments throughout:
+Shape letters, one meaning each, in names, docstrings and shape comments throughout:
 
-  T  tokens (flattened leading dims)      E  experts (El: experts on one device)
-  D  hidden size                          K  experts chosen per token (top-k)
-  F  expert intermediate size             C  tokens per chunk per device
-  Fs shared-expert intermediate size      G  expert groups (grouped top-k)
+  T  tokens of a call                     E  experts (El: experts on one device, E / S)
+  L  rows on one device (padded)          K  experts chosen per token (top-k)
+  C  rows per chunk per device            G  expert groups (grouped top-k)
+  D  hidden size                          S  devices on the expert axis
+  F  expert intermediate size             N  rows of a row-wise step (C, or S*C received)
+  Fs shared-expert intermediate size      P  (row, device) pair slots of a chunk
+  B  rows per tile (tile loop)
+
+`kernels_pallas` uses matmul letters of its own (lhs [M, K], rhs [G, K, N]).
 """
 
 from moejax.config import MoEConfig

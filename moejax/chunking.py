@@ -4,7 +4,18 @@ This replaces host-side chunk index clamping (vLLM's ChunkingMoERunner, which br
 holding zero tokens): every device runs the same number of chunks of the same shape, padding
 is masked rather than sliced off, and a chunk that holds no valid token on any device of its
 collective group is skipped by a `lax.cond` whose predicate is the same on all of them, so the
-group stays in lockstep and the cost follows the busiest device's real tokens.
+group stays in lockstep and the cost follows the busiest device's real tokens. The predicates
+of all chunks come from one collective before the loop.
+
+The loop is pipelined in two stages: step i finishes chunk i (`finish`: experts and the
+return exchange) and sends chunk i+1 (`send`: the outbound exchange), which does not depend
+on chunk i's results, so a GPU can overlap that communication with the compute.
+
+    before the loop:  send(0)
+    step 0:           finish(0) | send(1)
+    step 1:           finish(1) | send(2)
+    ...
+    step n-1:         finish(n-1)
 """
 
 from __future__ import annotations
@@ -12,22 +23,23 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moejax.dispatch import any_over
+from moejax.collectives import sum_over
 
 
 @dataclasses.dataclass(frozen=True)
 class TokenLayout:
   """Static geometry of T tokens split evenly over devices and padded to whole chunks.
 
-  Device i holds tokens [i*S, (i+1)*S) (S = ceil(T / devices), the share) followed by padding
-  up to L rows, a multiple of the chunk C' = min(C, S). Padding each device's share in place,
-  rather than the end of the batch, keeps tokens on the device that already holds them.
+  Device i holds tokens [i*share, (i+1)*share) (share = ceil(T / devices)) followed by
+  padding up to L rows, a multiple of the chunk C = min(chunk_size, share). Padding each
+  device's share in place, rather than the end of the batch, keeps tokens on the device that
+  already holds them.
 
   >>> layout = TokenLayout.plan(num_tokens=10, devices=4, chunk_size=2)
   >>> layout.share, layout.chunk, layout.local
@@ -64,8 +76,24 @@ class TokenLayout:
     return a.reshape(self.devices * self.share, *a.shape[2:])[: self.num_tokens]
 
 
+class ChunkStages(NamedTuple):
+  """The two stages of one chunk; `finish(w, c, send(w, c))` is the chunk's whole output.
+
+  Attributes:
+    send: (weights, chunk) -> in-flight pytree: the outbound exchange.
+    finish: (weights, chunk, in-flight) -> [C, ...]: compute and the return exchange.
+  """
+
+  send: Callable[[Any, Any], Any]
+  finish: Callable[[Any, Any, Any], jax.Array]
+
+  def whole(self, weights: Any, chunk: Any) -> jax.Array:
+    """Both stages of one chunk, unpipelined."""
+    return self.finish(weights, chunk, self.send(weights, chunk))
+
+
 def chunk_scan(
-  chunk_fn: Callable[[Any, Any], jax.Array],
+  stages: ChunkStages,
   weights: Any,
   inputs: Any,
   token_mask: jax.Array,
@@ -73,26 +101,26 @@ def chunk_scan(
   chunk_size: int,
   lockstep_axis: str | None,
 ) -> tuple[jax.Array, jax.Array]:
-  """Applies `chunk_fn` to chunks of C rows, valid rows first, skipping all-padding chunks.
+  """Applies `stages` to chunks of C rows, valid rows first, skipping all-padding chunks.
 
   Differentiable in `weights` and the floating leaves of `inputs`, with a hand-written
   backward (see `_chunk_scan_bwd`).
 
   Args:
-    chunk_fn: (weights, pytree of [C, ...] chunk inputs) -> [C, ...]. It may run collectives
-      over `lockstep_axis`, and must close over no traced value (pass those in `weights`).
+    stages: the chunk's `ChunkStages`. They may run collectives over `lockstep_axis`, and
+      must close over no traced value (pass those in `weights`).
     weights: pytree of arrays every chunk uses.
     inputs: pytree of [L, ...] arrays, L a multiple of C.
     token_mask: [L] bool, True for valid rows.
     chunk_size: C.
-    lockstep_axis: the mesh axis `chunk_fn`'s collectives span (None without a mesh): a chunk
+    lockstep_axis: the mesh axis the stages' collectives span (None without a mesh): a chunk
       runs on all devices of the axis when any of them holds a valid row in it.
 
   Returns:
-    (out, chunks_run): out [L, ...] holds `chunk_fn`'s output for the chunks that ran and zeros
-    for the skipped ones; chunks_run [] int32 counts the chunks that ran.
+    (out, chunks_run): out [L, ...] holds the chunks' outputs and zeros for the skipped ones;
+    chunks_run [] int32 counts the chunks that ran.
   """
-  return _chunk_scan(chunk_fn, chunk_size, lockstep_axis, weights, inputs, token_mask)
+  return _chunk_scan(stages, chunk_size, lockstep_axis, weights, inputs, token_mask)
 
 
 def _chunk_order(token_mask: jax.Array, chunk_size: int) -> jax.Array:
@@ -105,56 +133,81 @@ def _chunk_order(token_mask: jax.Array, chunk_size: int) -> jax.Array:
   return jnp.argsort(~token_mask, stable=True).reshape(-1, chunk_size)
 
 
-def _live(token_mask: jax.Array, rows: jax.Array, lockstep_axis: str | None) -> jax.Array:
-  """Whether any device along the axis holds a valid row in this chunk (same on all)."""
-  return any_over(jnp.any(token_mask[rows]), lockstep_axis)
+def _live_chunks(token_mask: jax.Array, order: jax.Array, lockstep_axis: str | None) -> jax.Array:
+  """[chunks] bool: whether any device along the axis holds a valid row in each chunk.
+
+  One collective for the whole loop: the per-chunk valid counts, summed over the axis.
+  """
+  counts = jnp.sum(token_mask[order], axis=1, dtype=jnp.int32)  # [chunks]
+  return sum_over(counts, () if lockstep_axis is None else (lockstep_axis,)) > 0
+
+
+def _zeros_of(token_mask: jax.Array, like: Any) -> Any:
+  """Zeros shaped like the pytree of `jax.ShapeDtypeStruct`s `like`.
+
+  Built from the mask, not `jnp.zeros`: inside shard_map they keep the mask's per-device
+  (varying-axes) type, which `lax.cond` requires of both branches.
+  """
+  scalar = lambda dtype: jnp.zeros_like(token_mask[0], dtype)
+  return jax.tree.map(lambda t: jnp.broadcast_to(scalar(t.dtype), t.shape), like)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _chunk_scan(chunk_fn, chunk_size, lockstep_axis, weights, inputs, token_mask):
+def _chunk_scan(stages, chunk_size, lockstep_axis, weights, inputs, token_mask):
   order = _chunk_order(token_mask, chunk_size)  # [chunks, C]
-  out_type = jax.eval_shape(chunk_fn, weights, jax.tree.map(lambda a: a[order[0]], inputs))
-  # Zeros built from the mask, not jnp.zeros: inside shard_map they keep the per-device
-  # (varying-axes) type of chunk_fn's output, which lax.cond requires.
-  mask_zeros = jnp.zeros_like(token_mask, out_type.dtype).reshape(-1, *[1] * (out_type.ndim - 1))
+  live = _live_chunks(token_mask, order, lockstep_axis)  # [chunks]
+  chunks = order.shape[0]
+  take = lambda i: jax.tree.map(lambda a: a[order[i]], inputs)
+  in_flight_type = jax.eval_shape(stages.send, weights, take(0))
+  out_type = jax.eval_shape(stages.whole, weights, take(0))
+  send_or_skip = lambda run, i: jax.lax.cond(
+    run, lambda: stages.send(weights, take(i)), lambda: _zeros_of(token_mask, in_flight_type)
+  )
+  next_live = jnp.append(live[1:], False)  # the last step sends nothing
 
-  def step(out, rows):
-    live = _live(token_mask, rows, lockstep_axis)
+  def step(carry, i):
+    out, in_flight = carry
     chunk_out = jax.lax.cond(
-      live,
-      lambda chunk: chunk_fn(weights, chunk),
-      lambda _: jnp.broadcast_to(mask_zeros[:chunk_size], out_type.shape),
-      jax.tree.map(lambda a: a[rows], inputs),
+      live[i],
+      lambda: stages.finish(weights, take(i), in_flight),
+      lambda: _zeros_of(token_mask, out_type),
     )
-    return out.at[rows].set(chunk_out, unique_indices=True), live
+    # The next chunk's exchange reads only inputs: it can overlap this chunk's compute.
+    next_in_flight = send_or_skip(next_live[i], jnp.minimum(i + 1, chunks - 1))
+    return (out.at[order[i]].set(chunk_out, unique_indices=True), next_in_flight), None
 
-  init = jnp.broadcast_to(mask_zeros, (token_mask.shape[0], *out_type.shape[1:]))
-  out, live = jax.lax.scan(step, init, order)
+  out_rows = jax.ShapeDtypeStruct((token_mask.shape[0], *out_type.shape[1:]), out_type.dtype)
+  init = (_zeros_of(token_mask, out_rows), send_or_skip(live[0], 0))
+  (out, _), _ = jax.lax.scan(step, init, jnp.arange(chunks))
   return out, jnp.sum(live, dtype=jnp.int32)
 
 
-def _chunk_scan_fwd(chunk_fn, chunk_size, lockstep_axis, weights, inputs, token_mask):
-  out = _chunk_scan(chunk_fn, chunk_size, lockstep_axis, weights, inputs, token_mask)
+def _chunk_scan_fwd(stages, chunk_size, lockstep_axis, weights, inputs, token_mask):
+  out = _chunk_scan(stages, chunk_size, lockstep_axis, weights, inputs, token_mask)
   return out, (weights, inputs, token_mask)
 
 
-def _chunk_scan_bwd(chunk_fn, chunk_size, lockstep_axis, residuals, cotangents):
+def _chunk_scan_bwd(stages, chunk_size, lockstep_axis, residuals, cotangents):
   """Recomputes each live chunk under `jax.vjp` and accumulates gradients in the scan carry.
 
   Left to autodiff, the scan would stack per-chunk residuals (copies of the weights among
   them, through the cond) and add full-size weight cotangents per chunk. Here the only saved
-  values are the inputs; each live chunk is recomputed (one extra forward pass), and the
-  collectives' transposes run inside the same lockstep cond as the forward pass.
+  values are the inputs; each live chunk is recomputed (one extra forward pass, unpipelined),
+  and the collectives' transposes run inside the same lockstep cond as the forward pass.
   """
   weights, inputs, token_mask = residuals
   d_out = cotangents[0]
   is_float = lambda a: jnp.issubdtype(a.dtype, jnp.inexact)
   float_inputs = [a for a in jax.tree.leaves(inputs) if is_float(a)]
+  order = _chunk_order(token_mask, chunk_size)
+  live = _live_chunks(token_mask, order, lockstep_axis)
 
-  def step(carry, rows):
+  def step(carry, i):
+    rows = order[i]
+
     def accumulate(carry):
       d_weights, d_inputs = carry
-      _, vjp = jax.vjp(chunk_fn, weights, jax.tree.map(lambda a: a[rows], inputs))
+      _, vjp = jax.vjp(stages.whole, weights, jax.tree.map(lambda a: a[rows], inputs))
       chunk_d_weights, chunk_d_inputs = vjp(d_out[rows])
       chunk_d_inputs = [
         c
@@ -169,11 +222,10 @@ def _chunk_scan_bwd(chunk_fn, chunk_size, lockstep_axis, residuals, cotangents):
         ],
       )
 
-    live = _live(token_mask, rows, lockstep_axis)
-    return jax.lax.cond(live, accumulate, lambda carry: carry, carry), None
+    return jax.lax.cond(live[i], accumulate, lambda carry: carry, carry), None
 
   init = (jax.tree.map(jnp.zeros_like, weights), [jnp.zeros_like(a) for a in float_inputs])
-  (d_weights, d_float_inputs), _ = jax.lax.scan(step, init, _chunk_order(token_mask, chunk_size))
+  (d_weights, d_float_inputs), _ = jax.lax.scan(step, init, jnp.arange(order.shape[0]))
   d_float_inputs = iter(d_float_inputs)
   d_inputs = jax.tree.map(
     lambda a: next(d_float_inputs) if is_float(a) else np.zeros(a.shape, jax.dtypes.float0),

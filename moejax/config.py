@@ -10,10 +10,12 @@ import jax.numpy as jnp
 Activation = Literal["silu", "gelu"]
 Scoring = Literal["softmax", "sigmoid"]
 ExpertBackend = Literal["xla", "pallas", "auto"]
+Dispatch = Literal["all_gather", "all_to_all", "auto"]
 
 _ACTIVATIONS = ("silu", "gelu")
 _SCORINGS = ("softmax", "sigmoid")
 _BACKENDS = ("xla", "pallas", "auto")
+_DISPATCHES = ("all_gather", "all_to_all", "auto")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,7 +31,7 @@ class MoEConfig:
     hidden_size: D, the model width.
     intermediate_size: F, each routed expert's hidden width (gate and up both have F columns).
     chunk_size: C, tokens per chunk per device (vLLM's VLLM_MOE_DP_CHUNK_SIZE). Bounds the
-      collective buffers: each chunk all-gathers at most C rows per expert-axis device.
+      collective buffers: each chunk sends at most C rows to each expert-axis device.
     activation: "silu" or "gelu" (exact erf); experts compute `act(gate) * up`.
     scoring: "softmax" or "sigmoid" of the router logits.
     renormalize: rescale the K chosen weights of a token to sum to 1.
@@ -49,6 +51,11 @@ class MoEConfig:
       ragged_dot for few local experts on a GPU), "pallas" (the fused `kernels_pallas`
       kernels of the device; in the interpreter on a CPU, for testing) or "auto" (a kernel
       only where a recorded GPU run measured it faster, else "xla"). See `moejax.experts`.
+    dispatch: how rows reach the devices of their experts: "all_gather" (every row to every
+      expert-axis device, partial sums reduce-scattered back), "all_to_all" (dropless: each
+      row only to the devices holding its chosen experts) or "auto" (the one that sends fewer
+      bytes on the platform: all_to_all where `ragged_all_to_all` runs, GPUs and TPUs;
+      all_gather on a CPU). See `moejax.dispatch`.
 
   >>> MoEConfig(num_experts=8, top_k=2, hidden_size=64, intermediate_size=128).chunk_size
   256
@@ -77,6 +84,7 @@ class MoEConfig:
   data_axis: str = "data"
   expert_axis: str = "expert"
   expert_backend: ExpertBackend = "auto"
+  dispatch: Dispatch = "auto"
 
   def __post_init__(self) -> None:
     self._check_sizes()
@@ -108,6 +116,7 @@ class MoEConfig:
       ("activation", _ACTIVATIONS),
       ("scoring", _SCORINGS),
       ("expert_backend", _BACKENDS),
+      ("dispatch", _DISPATCHES),
     ):
       if getattr(self, name) not in allowed:
         raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")

@@ -1,89 +1,297 @@
-"""Collectives inside `shard_map`: vLLM's all-gather / reduce-scatter expert dispatch.
+"""The expert-axis exchange: how a chunk's rows reach the devices holding their experts.
 
-Every helper takes the mesh axis name, or None when the layer runs without a mesh; then each
-collective is the identity and the same code runs on one device.
+Two schemes share one interface (`Exchange`): `send` moves a chunk's rows to the devices of
+the expert axis, `combine` brings the experts' partial outputs back and sums them per row.
+The chunk loop runs `send` for chunk i+1 while the experts of chunk i compute.
+
+- `AllGather` (vLLM's all-gather / reduce-scatter): every row goes to all S devices of the
+  axis, whatever its routing; partial sums come back by `psum_scatter`. (S-1)·D values out
+  and back per row.
+- `AllToAll` (dropless, like DeepEP or MaxText's `ragged_all_to_all`): each (row, device)
+  pair that the row's K choices need is sent once, with that device's (local expert id,
+  weight) pairs; at most min(K, S) copies per row, and none for padding. A device receives at
+  most C rows from each source, so the static buffers are [S·C, ...]: nothing is ever dropped.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+import functools
+from typing import Any, NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
 
+from moejax.collectives import (
+  axis_rank,
+  filled_like,
+  gather_rows,
+  platform_has_ragged_all_to_all,
+  ragged_all_to_all,
+  scatter_sum_rows,
+  swap_slices,
+)
 from moejax.config import MoEConfig
-from moejax.experts import routed_mlp
 
 
-def gather_rows(x: jax.Array, axis: str | None) -> jax.Array:
-  """[C, ...] per device -> [S*C, ...]: the rows of all S devices along `axis`, in rank order."""
-  return x if axis is None else jax.lax.all_gather(x, axis, tiled=True)
+class Dispatched(NamedTuple):
+  """What a device received for one chunk: R rows and, per row, its K local choices.
 
-
-def scatter_sum_rows(y: jax.Array, axis: str | None) -> jax.Array:
-  """[S*C, ...] per device -> [C, ...]: sum over the S devices, each keeping its own C rows."""
-  return y if axis is None else jax.lax.psum_scatter(y, axis, scatter_dimension=0, tiled=True)
-
-
-def sum_over(x: jax.Array, axes: Sequence[str]) -> jax.Array:
-  """`x` summed over the named mesh axes (identity for no axes)."""
-  return jax.lax.psum(x, tuple(axes)) if axes else x
-
-
-def vary_over(x: jax.Array, axes: Sequence[str]) -> jax.Array:
-  """Marks a value that is the same on every device of `axes` as per-device (`pcast` varying).
-
-  Weights used inside the chunk loop's `lax.cond` must be cast before the loop: the transpose
-  of this cast is a psum over `axes`, and inside the cond only the devices that run the chunk
-  would join it, deadlocking the ones that skip.
+  Attributes:
+    rows: [R, D] received rows in the compute dtype (unfilled rows hold zeros).
+    local_ids: [R, K] int32 local expert ids; ids outside [0, El) compute nothing.
+    weights: [R, K] float32 combine weights (0 where the id is not local).
+    route_back: scheme-specific arrays `combine` needs to return the results.
   """
-  return jax.lax.pcast(x, tuple(axes), to="varying") if axes else x
+
+  rows: jax.Array
+  local_ids: jax.Array
+  weights: jax.Array
+  route_back: Any
 
 
-def any_over(flag: jax.Array, axis: str | None) -> jax.Array:
-  """[] bool: whether `flag` is True on any device along `axis` (same value on all of them)."""
-  return sum_over(flag.astype(jnp.int32), () if axis is None else (axis,)) > 0
+class Exchange(Protocol):
+  """One expert-axis exchange scheme (see the module docstring)."""
+
+  def send(self, rows: jax.Array, expert_ids: jax.Array, weights: jax.Array) -> Dispatched:
+    """Sends a chunk: rows [C, D], global expert_ids [C, K] (E for padding), weights [C, K]."""
+    ...
+
+  def combine(self, expert_out: jax.Array, dispatched: Dispatched) -> jax.Array:
+    """Returns the local experts' outputs [R, D] to their sources: [C, D] routed output."""
+    ...
+
+  def rows_sent(self, expert_ids: jax.Array, chunks_run: jax.Array, chunk_size: int) -> jax.Array:
+    """[] int32 (row, destination device) pairs sent in a call, this device's own included.
+
+    Args: expert_ids [L, K] of all this device's rows; chunks_run [] chunks that ran; C.
+    """
+    ...
 
 
-def axis_rank(axis: str | None) -> jax.Array:
-  """This device's index along `axis` (0 without a mesh)."""
-  return jnp.int32(0) if axis is None else jax.lax.axis_index(axis)
+@dataclasses.dataclass(frozen=True)
+class AllGather:
+  """Every chunk row to every device of the axis; partial sums reduce-scattered back."""
+
+  axis: str | None
+  axis_size: int
+  local_experts: int
+
+  def send(self, rows, expert_ids, weights) -> Dispatched:
+    # Device s owns ids [s*El, (s+1)*El); other ids (and E, padding) fall outside [0, El).
+    local_ids = gather_rows(expert_ids, self.axis) - axis_rank(self.axis) * self.local_experts
+    return Dispatched(
+      gather_rows(rows, self.axis), local_ids, gather_rows(weights, self.axis), route_back=()
+    )
+
+  def combine(self, expert_out, dispatched) -> jax.Array:
+    return scatter_sum_rows(expert_out, self.axis)
+
+  def rows_sent(self, expert_ids, chunks_run, chunk_size) -> jax.Array:
+    return chunks_run * chunk_size * self.axis_size
 
 
-def exchange_and_compute(
-  x: jax.Array,
-  expert_ids: jax.Array,
-  weights: jax.Array,
-  w_gate_up: jax.Array,
-  w_down: jax.Array,
-  *,
-  config: MoEConfig,
-  expert_axis: str | None,
-) -> jax.Array:
-  """One chunk's routed-expert output for this device's rows.
+class _RouteBack(NamedTuple):
+  """`AllToAll`'s bookkeeping between `send` and `combine` (S = axis size, P = pair slots).
 
-  All-gathers the chunk's rows, ids and weights over the expert axis, runs this device's
-  experts on every gathered row routed to them, and reduce-scatters the partial sums back, so
-  that each device gets the full routed output of its own rows.
+  Attributes:
+    choice_slot: [C, K] int32 pair slot of each choice (`PackedPairs.choice_slot`).
+    send_sizes: [S] int32 pairs sent to each device.
+    send_offsets: [S] int32 first pair slot of each device.
+    recv_sizes: [S] int32 rows received from each device.
+    return_offsets: [S] int32 where each source wants its returned rows (its send offset).
+  """
+
+  choice_slot: jax.Array
+  send_sizes: jax.Array
+  send_offsets: jax.Array
+  recv_sizes: jax.Array
+  return_offsets: jax.Array
+
+
+def destination_devices(expert_ids: jax.Array, local_experts: int, axis_size: int) -> jax.Array:
+  """[N, S] bool: which devices hold at least one of each row's chosen experts.
 
   Args:
-    x: [C, D] this device's rows (compute dtype; padding rows zero).
-    expert_ids: [C, K] int32 global expert ids (E for padding).
-    weights: [C, K] float32 combine weights.
-    w_gate_up: [El, D, 2F] this device's experts, El = E / expert-axis size.
-    w_down: [El, F, D].
-    config: the layer's config.
-    expert_axis: mesh axis the experts are split over, or None.
+    expert_ids: [N, K] global ids; E (padding) goes to no device.
+    local_experts: El, experts per device (device s holds [s*El, (s+1)*El)).
+    axis_size: S.
 
-  Returns:
-    [C, D] in the compute dtype.
+  >>> destination_devices(jnp.array([[0, 1], [3, 0], [4, 4]]), 2, 2).tolist()
+  [[True, False], [True, True], [False, False]]
   """
-  rows = gather_rows(x, expert_axis)  # [S*C, D]
-  ids = gather_rows(expert_ids, expert_axis)  # [S*C, K]
-  row_weights = gather_rows(weights, expert_axis)  # [S*C, K]
-  local_experts = w_gate_up.shape[0]
-  # Experts are laid out contiguously: device s owns ids [s*El, (s+1)*El). Ids outside that
-  # range (other devices' experts, and E for padding) fall outside [0, El) and are dropped.
-  local_ids = ids - axis_rank(expert_axis) * local_experts
-  out = routed_mlp(rows, local_ids, row_weights, w_gate_up, w_down, config=config)
-  return scatter_sum_rows(out.astype(config.dtype), expert_axis)
+  device = expert_ids // local_experts  # [N, K]; padding -> S
+  rows = jnp.arange(expert_ids.shape[0])[:, None]
+  hit = jnp.zeros((expert_ids.shape[0], axis_size + 1), bool).at[rows, device].set(True)
+  return hit[:, :axis_size]
+
+
+def distinct_destinations(expert_ids: jax.Array, local_experts: int, axis_size: int) -> jax.Array:
+  """[N] int32: how many devices each row goes to (`destination_devices` summed, in O(N·K)).
+
+  >>> distinct_destinations(jnp.array([[0, 1], [3, 0], [4, 4]]), 2, 2).tolist()
+  [1, 2, 0]
+  """
+  device = jnp.sort(expert_ids // local_experts, axis=-1)  # [N, K]
+  first = device[:, :1] < axis_size
+  new = (device[:, 1:] != device[:, :-1]) & (device[:, 1:] < axis_size)
+  return jnp.sum(first, axis=-1, dtype=jnp.int32) + jnp.sum(new, axis=-1, dtype=jnp.int32)
+
+
+class PackedPairs(NamedTuple):
+  """A chunk's (row, device) pairs packed by device (P = C * min(K, S) slots).
+
+  Attributes:
+    pair_row: [P] int32 chunk row of each slot; C for an empty slot.
+    pair_device: [P] int32 destination device of each slot; S for an empty slot.
+    send_sizes: [S] int32 pairs for each device.
+    send_offsets: [S] int32 first slot of each device's pairs (they are contiguous).
+    choice_slot: [C, K] int32 slot of the pair that carries each choice; P for padding and
+      for a choice whose device an earlier choice of the row already took (each pair once).
+  """
+
+  pair_row: jax.Array
+  pair_device: jax.Array
+  send_sizes: jax.Array
+  send_offsets: jax.Array
+  choice_slot: jax.Array
+
+
+def pack_pairs(expert_ids: jax.Array, local_experts: int, axis_size: int) -> PackedPairs:
+  """Packs each row once per device holding one of its experts, devices in order.
+
+  Args:
+    expert_ids: [C, K] global ids (E for padding: no device).
+    local_experts: El.
+    axis_size: S.
+
+  >>> packed = pack_pairs(jnp.array([[0, 3], [2, 3], [4, 4]]), 2, 2)
+  >>> packed.pair_row.tolist(), packed.pair_device.tolist(), packed.send_sizes.tolist()
+  ([0, 0, 1, 3, 3, 3], [0, 1, 1, 2, 2, 2], [1, 2])
+  >>> packed.choice_slot.tolist()
+  [[0, 1], [2, 6], [6, 6]]
+  """
+  chunk_rows, top_k = expert_ids.shape
+  slots = chunk_rows * min(top_k, axis_size)  # no row has more destinations
+  goes_to = destination_devices(expert_ids, local_experts, axis_size)  # [C, S]
+  send_sizes = jnp.sum(goes_to, axis=0, dtype=jnp.int32)  # [S]
+  send_offsets = jnp.cumsum(send_sizes) - send_sizes
+  rank_in_device = jnp.cumsum(goes_to, axis=0, dtype=jnp.int32) - 1  # [C, S]
+  slot = jnp.where(goes_to, send_offsets[None, :] + rank_in_device, slots)  # [C, S]
+  row_ids = jnp.repeat(jnp.arange(chunk_rows, dtype=jnp.int32), axis_size)
+  device_ids = jnp.tile(jnp.arange(axis_size, dtype=jnp.int32), chunk_rows)
+  flat_slot = slot.reshape(-1)
+  pair_row = jnp.full(slots, chunk_rows, jnp.int32).at[flat_slot].set(row_ids, mode="drop")
+  pair_device = jnp.full(slots, axis_size, jnp.int32).at[flat_slot].set(device_ids, mode="drop")
+  # The slot of each choice's pair, kept for the first choice on each device only.
+  device = expert_ids // local_experts  # [C, K]; padding -> S
+  earlier = jnp.tril(jnp.ones((top_k, top_k), bool), k=-1)  # [k, k']: k' < k
+  repeated = jnp.any((device[:, :, None] == device[:, None, :]) & earlier[None], axis=-1)
+  choice_slot = jnp.take_along_axis(slot, jnp.minimum(device, axis_size - 1), axis=1)
+  choice_slot = jnp.where((device < axis_size) & ~repeated, choice_slot, slots)
+  return PackedPairs(pair_row, pair_device, send_sizes, send_offsets, choice_slot)
+
+
+@dataclasses.dataclass(frozen=True)
+class AllToAll:
+  """Dropless all-to-all: each (row, device) pair once, packed by destination.
+
+  `ragged` sends with `jax.lax.ragged_all_to_all` (only the filled rows travel); otherwise
+  the drop-in of `moejax.collectives` sends the static [S, C, ...] buffers. The packing and
+  the offsets are the same code either way.
+  """
+
+  axis: str | None
+  axis_size: int
+  local_experts: int
+  ragged: bool
+
+  def _exchange(self, operand, output, offsets, sizes, out_offsets, out_sizes, chunk_rows):
+    return ragged_all_to_all(
+      operand,
+      output,
+      offsets,
+      sizes,
+      out_offsets,
+      out_sizes,
+      axis=self.axis,
+      max_slice_rows=chunk_rows,
+      ragged=self.ragged,
+    )
+
+  def send(self, rows, expert_ids, weights) -> Dispatched:
+    chunk_rows = expert_ids.shape[0]
+    devices, local_experts = self.axis_size, self.local_experts
+    pairs = pack_pairs(expert_ids, local_experts, devices)
+    pair_row, send_sizes, send_offsets = pairs.pair_row, pairs.send_sizes, pairs.send_offsets
+    # Each pair carries the row and its choices on that device (others: id El, weight 0).
+    row = jnp.minimum(pair_row, chunk_rows - 1)  # empty slots are never sent
+    pair_ids = expert_ids[row] - pairs.pair_device[:, None] * local_experts  # [P, K]
+    on_device = (pair_ids >= 0) & (pair_ids < local_experts) & (pair_row < chunk_rows)[:, None]
+    pair_ids = jnp.where(on_device, pair_ids, local_experts)
+    pair_weights = jnp.where(on_device, weights[row], 0.0)
+    # Sizes and offsets first (one small all-to-all), then the rows: source i's rows land
+    # at [i*C, i*C + recv_sizes[i]) of this device's [S*C] buffers.
+    received = swap_slices(jnp.stack([send_sizes, send_offsets], axis=-1), self.axis)  # [S, 2]
+    recv_sizes, return_offsets = received[:, 0], received[:, 1]
+    land_at = jnp.full(devices, axis_rank(self.axis) * chunk_rows, jnp.int32)
+    send = functools.partial(
+      self._exchange,
+      offsets=send_offsets,
+      sizes=send_sizes,
+      out_offsets=land_at,
+      out_sizes=recv_sizes,
+      chunk_rows=chunk_rows,
+    )
+    buffer_rows = devices * chunk_rows
+    pair_rows = rows[row]
+    return Dispatched(
+      rows=send(pair_rows, filled_like(pair_rows, buffer_rows, 0)),
+      local_ids=send(pair_ids, filled_like(pair_ids, buffer_rows, local_experts)),
+      weights=send(pair_weights, filled_like(pair_weights, buffer_rows, 0)),
+      route_back=_RouteBack(
+        pairs.choice_slot, send_sizes, send_offsets, recv_sizes, return_offsets
+      ),
+    )
+
+  def combine(self, expert_out, dispatched) -> jax.Array:
+    back: _RouteBack = dispatched.route_back
+    chunk_rows, top_k = back.choice_slot.shape
+    slots = chunk_rows * min(top_k, self.axis_size)
+    returned = self._exchange(
+      expert_out,
+      filled_like(expert_out, slots, 0),
+      jnp.arange(self.axis_size, dtype=jnp.int32) * chunk_rows,
+      back.recv_sizes,
+      back.return_offsets,
+      back.send_sizes,
+      chunk_rows,
+    )  # [P, D]: each pair's partial row, in this device's pair slots
+    # Each row sums its pairs: a gather per choice (a scatter-add is slow on XLA:CPU).
+    returned = jnp.concatenate([returned, jnp.zeros_like(returned[:1])]).astype(jnp.float32)
+    return jnp.sum(returned[back.choice_slot], axis=1)  # [C, K, D] -> [C, D]
+
+  def rows_sent(self, expert_ids, chunks_run, chunk_size) -> jax.Array:
+    return jnp.sum(distinct_destinations(expert_ids, self.local_experts, self.axis_size))
+
+
+def resolve_dispatch(dispatch: str, axis_size: int, ragged: bool) -> str:
+  """The scheme "auto" stands for: the one that sends fewer bytes on this platform.
+
+  With `ragged_all_to_all` (GPUs, TPUs) all-to-all sends at most min(K, S) copies of a row
+  against all-gather's S, so it wins on any expert axis of 2 or more. Without it (XLA:CPU)
+  the drop-in moves the same static [S, C] buffers as all-gather plus a count exchange, so
+  all-gather wins; it also wins trivially on an axis of 1.
+  """
+  if dispatch != "auto":
+    return dispatch
+  return "all_to_all" if ragged and axis_size > 1 else "all_gather"
+
+
+def make_exchange(config: MoEConfig, axis: str | None, axis_size: int) -> Exchange:
+  """The config's exchange on an expert axis of `axis_size` devices (None, 1: no mesh)."""
+  local_experts = config.num_experts // axis_size
+  ragged = platform_has_ragged_all_to_all()
+  if resolve_dispatch(config.dispatch, axis_size, ragged) == "all_gather":
+    return AllGather(axis, axis_size, local_experts)
+  return AllToAll(axis, axis_size, local_experts, ragged)

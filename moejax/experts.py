@@ -4,9 +4,10 @@
 H200 (docs/performance.md, "GPU"):
 
 - "tile_loop" (`grouped_mlp`): sorts the (row, choice) assignments by expert, pads each
-  expert's rows to whole tiles (`moejax.grouping`) and runs one dense [B, D] x [D, 2F] x
-  [F, D] MLP per tile in a `lax.scan`, skipping unused tiles with `lax.cond`. On a CPU it runs
-  near the dense-matmul rate, where `jax.lax.ragged_dot` is an order of magnitude slower.
+  expert's rows to whole tiles (`kernels_pallas.metadata.aligned_rows`, the layout the Mosaic
+  kernels use) and runs one dense [B, D] x [D, 2F] x [F, D] MLP per tile in a `lax.scan`,
+  skipping unused tiles with `lax.cond`. On a CPU it runs near the dense-matmul rate, where
+  `jax.lax.ragged_dot` is an order of magnitude slower.
 - "ragged_dot" (`sorted_mlp` with XLA): two `jax.lax.ragged_dot`s. XLA's GPU lowering expands
   them densely over the groups, so it wins only with few local experts (El <= 8 on the H200:
   2.2x the tile loop's forward at El=8, 0.26x its forward+backward at El=32).
@@ -15,7 +16,7 @@ H200 (docs/performance.md, "GPU"):
 `expert_backend="xla"` takes the better XLA path; "pallas" the device's kernel (Mosaic on
 Hopper, Triton elsewhere or for what Mosaic lacks; interpreted on a CPU, for testing); "auto"
 a kernel only where `kernels_pallas.api.best_implementation` has a measurement showing it
-faster, else the XLA path.
+faster, else the XLA path. Every path sorts the assignments with `sort_by_expert`.
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ import jax
 import jax.numpy as jnp
 
 import kernels_pallas
+from kernels_pallas.metadata import aligned_rows
 from moejax.config import MoEConfig
-from moejax.grouping import tile_layout
 from moejax.tiles import gated_mlp, tile_mlp
 
 _MIN_TILE_ROWS = 8
@@ -42,6 +43,27 @@ def default_tile_rows(num_rows: int, num_experts: int) -> int:
   """
   mean_rows = max(num_rows // num_experts, 1)
   return min(max(1 << (mean_rows.bit_length() - 1), _MIN_TILE_ROWS), _MAX_TILE_ROWS)
+
+
+def sort_by_expert(expert_ids: jax.Array, local_experts: int) -> tuple[jax.Array, jax.Array]:
+  """The N*K (row, choice) assignments sorted by local expert, those held elsewhere last.
+
+  Args:
+    expert_ids: [N, K] int32 local expert ids; ids outside [0, El) belong to no local expert.
+    local_experts: El.
+
+  Returns:
+    (order [N*K] assignment indices in sorted order, group_sizes [El] int32).
+
+  >>> order, sizes = sort_by_expert(jnp.array([[1, 0], [1, 7]]), local_experts=2)
+  >>> order.tolist(), sizes.tolist()
+  ([1, 0, 2, 3], [1, 2])
+  """
+  flat = expert_ids.reshape(-1)
+  key = jnp.where((flat >= 0) & (flat < local_experts), flat, local_experts)
+  order = jnp.argsort(key, stable=True)
+  group_sizes = jnp.zeros(local_experts + 1, jnp.int32).at[key].add(1)[:local_experts]
+  return order, group_sizes
 
 
 def grouped_mlp(
@@ -70,16 +92,25 @@ def grouped_mlp(
     [N, D] float32.
   """
   rows, top_k = expert_ids.shape
-  dim = x.shape[-1]
-  layout = tile_layout(expert_ids.reshape(-1), w_gate_up.shape[0], tile_rows)
+  dim, local_experts = x.shape[-1], w_gate_up.shape[0]
+  order, group_sizes = sort_by_expert(expert_ids, local_experts)
+  layout = aligned_rows(group_sizes, expert_ids.size, tile_rows)
+  # Aligned row r holds assignment order[row_source[r]]; its row of x is that // K (row N, the
+  # zero row, for empty slots).
+  assignment = order[jnp.minimum(layout.row_source, expert_ids.size - 1)]
+  row_of = jnp.where(layout.row_source < expert_ids.size, assignment // top_k, rows)
+  tile_tokens = row_of.reshape(-1, tile_rows)  # [tiles, B]
+  tiles = jnp.arange(tile_tokens.shape[0])
+  tile_expert = jnp.searchsorted(layout.tile_ends, tiles, side="right")
+  tile_expert = jnp.minimum(tile_expert, local_experts - 1).astype(jnp.int32)
   x_padded = jnp.concatenate([x, jnp.zeros((1, dim), x.dtype)])  # row N is the empty row
-  tile_tokens = jnp.minimum(layout.row_item // top_k, rows).reshape(-1, tile_rows)  # [tiles, B]
 
   tiled_out = tile_mlp(
-    x_padded, w_gate_up, w_down, tile_tokens, layout.tile_group, layout.num_used_tiles, activation
+    x_padded, w_gate_up, w_down, tile_tokens, tile_expert, layout.tile_ends[-1], activation
   )  # [tiles, B, D]
   tiled_out = jnp.concatenate([tiled_out.reshape(-1, dim), jnp.zeros((1, dim), jnp.float32)])
-  per_choice = tiled_out[layout.item_row].reshape(rows, top_k, dim)  # [N, K, D]
+  assignment_row = jnp.zeros_like(order).at[order].set(layout.source_row)  # [N*K]
+  per_choice = tiled_out[assignment_row].reshape(rows, top_k, dim)  # [N, K, D]
   return jnp.einsum("nk,nkd->nd", weights, per_choice)
 
 
@@ -103,11 +134,7 @@ def sorted_mlp(
   `kernels_pallas` backend name.
   """
   rows, top_k = expert_ids.shape
-  local_experts = w_gate_up.shape[0]
-  flat = expert_ids.reshape(-1)
-  key = jnp.where((flat >= 0) & (flat < local_experts), flat, local_experts)
-  order = jnp.argsort(key, stable=True)  # [N*K]
-  group_sizes = jnp.zeros(local_experts + 1, jnp.int32).at[key].add(1)[:local_experts]
+  order, group_sizes = sort_by_expert(expert_ids, w_gate_up.shape[0])  # [N*K], [El]
   interpret = on_cpu() and implementation != "xla"
   if interpret:
     warnings.warn(

@@ -1,8 +1,9 @@
 """`moe_apply`: the functional MoE forward pass, on one device or a (data, expert) mesh.
 
 Flow: check inputs (trace time) -> flatten and pad tokens -> `shard_map` over the mesh ->
-on each device `local_forward`: router once on the local tokens -> top-k -> chunk loop of
-all-gather / local experts / reduce-scatter -> shared experts -> masked output and router stats.
+on each device `local_forward`: router once on the local tokens -> top-k -> pipelined chunk
+loop of send (the expert-axis exchange, `moejax.dispatch`) / local experts and return ->
+shared experts -> masked output and router stats.
 """
 
 from __future__ import annotations
@@ -14,13 +15,13 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from jax.sharding import AxisType, Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from moejax import routing, sharding
-from moejax.chunking import TokenLayout, chunk_scan
+from moejax.chunking import ChunkStages, TokenLayout, chunk_scan
+from moejax.collectives import sum_over, vary_over
 from moejax.config import MoEConfig
-from moejax.dispatch import exchange_and_compute, sum_over, vary_over
-from moejax.experts import runs_interpreted_kernels, shared_mlp
+from moejax.dispatch import Dispatched, Exchange, make_exchange
+from moejax.experts import routed_mlp, runs_interpreted_kernels, shared_mlp
 from moejax.params import MoEParams, check_params
 
 
@@ -33,12 +34,17 @@ class MoEAux(NamedTuple):
     router_z_loss: [] float32 mean squared logsumexp of the router logits.
     chunks_run: [devices] int32 chunks each device ran (the rest were skipped as all-padding),
       devices in mesh order (data-major); [1] without a mesh.
+    dispatch_rows: [devices] int32 rows each device sent in this call's exchange: (row,
+      destination device) pairs, the device itself among the destinations. With
+      all_to_all, the ragged volume its routing causes; with all_gather, C times the
+      expert-axis size per chunk run.
   """
 
   expert_counts: jax.Array
   load_balancing_loss: jax.Array
   router_z_loss: jax.Array
   chunks_run: jax.Array
+  dispatch_rows: jax.Array
 
 
 def moe_apply(
@@ -77,8 +83,10 @@ def _apply_on_explicit_mesh(params, x, token_mask, router_logits, config, mesh):
   their type; inside `auto_axes` XLA places them, and y comes back sharded like x.
   """
   auto_mesh = Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * mesh.devices.ndim)
-  replicated = NamedSharding(mesh, P())
-  aux_sharding = MoEAux(*[replicated] * len(MoEAux._fields))
+  specs = sharding.LayerSpecs.from_config(config)
+  aux_sharding = MoEAux(
+    *[NamedSharding(mesh, spec) for spec in specs.aux(MoEAux._fields, per_device=_PER_DEVICE)]
+  )
   y_sharding = NamedSharding(mesh, jax.typeof(x).sharding.spec)
 
   def apply(params, x, token_mask, router_logits):
@@ -133,37 +141,37 @@ def _moe_apply_jit(params, x, token_mask, router_logits, *, config, mesh):
     flat(mask, False),
     None if router_logits is None else flat(router_logits, 0),
   )
+  expert_axis_size = 1 if mesh is None else mesh.shape[config.expert_axis]
   body = functools.partial(
     local_forward,
     config=config,
     chunk_size=layout.chunk,
-    expert_axis=None if mesh is None else config.expert_axis,
+    exchange=make_exchange(config, None if mesh is None else config.expert_axis, expert_axis_size),
     all_axes=() if mesh is None else (config.data_axis, config.expert_axis),
   )
   if mesh is None:
-    y, stats, chunks_run = body(params, *inputs)
+    y, stats, per_device = body(params, *inputs)
   else:
-    y, stats, chunks_run = _shard(body, mesh, config, params, inputs)
+    y, stats, per_device = _shard(body, mesh, config, params, inputs)
   y = layout.unpad(y).reshape(x.shape).astype(x.dtype)
   aux = MoEAux(
     expert_counts=stats.expert_counts,
     load_balancing_loss=routing.load_balancing_loss(stats, config.top_k),
     router_z_loss=routing.router_z_loss(stats),
-    chunks_run=chunks_run,
+    chunks_run=per_device[:, 0],
+    dispatch_rows=per_device[:, 1],
   )
   return y, aux
+
+
+# MoEAux fields with one entry per device (the rest are sums over all devices).
+_PER_DEVICE = ("chunks_run", "dispatch_rows")
 
 
 def _shard(body, mesh: Mesh, config: MoEConfig, params: MoEParams, inputs):
   """Runs `body` under `shard_map`: tokens over (data, expert), experts over expert."""
   specs = sharding.LayerSpecs.from_config(config)
-  expert_weights = ("w_gate_up", "w_down")
-  param_specs = MoEParams(
-    *(
-      None if value is None else specs.experts_e if name in expert_weights else specs.replicated
-      for name, value in zip(MoEParams._fields, params, strict=True)
-    )
-  )
+  param_specs = specs.params(params)
   params = jax.tree.map(lambda a, s: sharding.constrain(a, mesh, s), params, param_specs)
   inputs = jax.tree.map(lambda a: sharding.constrain(a, mesh, specs.tokens_t), inputs)
   stats_specs = routing.RouterStats(*[specs.replicated] * len(routing.RouterStats._fields))
@@ -191,7 +199,7 @@ def local_forward(
   *,
   config: MoEConfig,
   chunk_size: int,
-  expert_axis: str | None,
+  exchange: Exchange,
   all_axes: tuple[str, ...],
 ) -> tuple[jax.Array, routing.RouterStats, jax.Array]:
   """One device's part of the layer (the `shard_map` body).
@@ -203,23 +211,24 @@ def local_forward(
     router_logits: [L, E] precomputed logits, or None to run the router here.
     config: the layer's config.
     chunk_size: C, rows per chunk.
-    expert_axis: the mesh's expert axis, or None without a mesh.
+    exchange: the expert-axis exchange (`moejax.dispatch.make_exchange`).
     all_axes: every mesh axis the tokens are split over (to sum router stats).
 
   Returns:
-    (y [L, D] in the compute dtype, RouterStats summed over all devices, chunks_run [1]).
+    (y [L, D] in the compute dtype, RouterStats summed over all devices,
+    [1, 2] int32: this device's chunks run and rows sent).
   """
   x = _zero_padding(x, token_mask)
   if router_logits is None:
     router_logits = routing.router_logits(x, params.router_kernel)  # the router's only run
-  router_logits = _zero_padding(router_logits, token_mask)
+  router_logits = _zero_padding(router_logits, token_mask)  # the logits' only masking
   route = routing.route(router_logits, token_mask, config, params.routing_bias)
   stats = jax.tree.map(
     lambda a: sum_over(a, all_axes), routing.router_stats(router_logits, route, token_mask)
   )
   dtype = config.dtype
   # Expert weights already vary over the expert axis; they are the same on every data rank.
-  data_axes = tuple(a for a in all_axes if a != expert_axis)
+  data_axes = tuple(a for a in all_axes if a != exchange.axis)
   chunk_weights = {
     name: vary_over(
       getattr(params, name).astype(dtype), data_axes if "shared" not in name else all_axes
@@ -227,45 +236,68 @@ def local_forward(
     for name in ("w_gate_up", "w_down", "shared_w_gate_up", "shared_w_down")
     if getattr(params, name) is not None
   }
-  run_chunk = functools.partial(_run_chunk, config=config, expert_axis=expert_axis)
-  chunk_inputs = (x.astype(dtype), route.expert_ids, route.weights)
+  stages = ChunkStages(
+    send=functools.partial(_send_chunk, exchange=exchange),
+    finish=functools.partial(_finish_chunk, exchange=exchange, config=config),
+  )
   y, chunks_run = chunk_scan(
-    run_chunk,
+    stages,
     chunk_weights,
-    chunk_inputs,
+    (x.astype(dtype), route.expert_ids, route.weights),
     token_mask,
     chunk_size=chunk_size,
-    lockstep_axis=expert_axis,
+    lockstep_axis=exchange.axis,
   )
-  return _zero_padding(y, token_mask), stats, chunks_run[None]
+  rows_sent = exchange.rows_sent(route.expert_ids, chunks_run, chunk_size)
+  per_device = jnp.stack([chunks_run, rows_sent.astype(jnp.int32)])[None]
+  return _zero_padding(y, token_mask), stats, per_device
 
 
-def _run_chunk(
-  weights: dict[str, jax.Array], chunk, *, config: MoEConfig, expert_axis: str | None
+def _send_chunk(weights: dict[str, jax.Array], chunk, *, exchange: Exchange) -> Dispatched:
+  """Stage 1 of a chunk: sends its rows, ids and routing weights over the expert axis.
+
+  Args:
+    weights: unused (the chunk loop passes every stage the same weights).
+    chunk: (rows [C, D] compute dtype, expert_ids [C, K], routing weights [C, K]).
+    exchange: the expert-axis exchange.
+  """
+  del weights
+  return exchange.send(*chunk)
+
+
+def _finish_chunk(
+  weights: dict[str, jax.Array],
+  chunk,
+  dispatched: Dispatched,
+  *,
+  exchange: Exchange,
+  config: MoEConfig,
 ) -> jax.Array:
-  """One chunk: routed experts through the expert-axis exchange, plus the shared experts.
+  """Stage 2 of a chunk: local experts on what arrived, the return exchange, shared experts.
 
   Args:
     weights: "w_gate_up", "w_down" (this device's experts) and, with shared experts,
       "shared_w_gate_up", "shared_w_down"; all in the compute dtype.
-    chunk: (rows [C, D], expert_ids [C, K], routing weights [C, K]).
+    chunk: as `_send_chunk`'s.
+    dispatched: what this device received for the chunk.
+    exchange: the expert-axis exchange.
     config: the layer's config.
-    expert_axis: the mesh's expert axis, or None.
 
   Returns:
     [C, D] in the compute dtype.
   """
-  rows, expert_ids, routing_weights = chunk
-  out = exchange_and_compute(
-    rows,
-    expert_ids,
-    routing_weights,
+  expert_out = routed_mlp(
+    dispatched.rows,
+    dispatched.local_ids,
+    dispatched.weights,
     weights["w_gate_up"],
     weights["w_down"],
     config=config,
-    expert_axis=expert_axis,
   )
+  out = exchange.combine(expert_out.astype(config.dtype), dispatched).astype(jnp.float32)
   if config.has_shared_experts:
-    shared = shared_mlp(rows, weights["shared_w_gate_up"], weights["shared_w_down"], config=config)
-    out = (out.astype(jnp.float32) + shared).astype(config.dtype)
-  return out
+    rows = chunk[0]
+    out = out + shared_mlp(
+      rows, weights["shared_w_gate_up"], weights["shared_w_down"], config=config
+    )
+  return out.astype(config.dtype)

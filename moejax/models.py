@@ -13,9 +13,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import Mesh
 
+from moejax import sharding
 from moejax.config import MoEConfig
 from moejax.layer import MoELayer
 
@@ -75,10 +75,10 @@ class Block(nnx.Module):
       self.ffn = DenseFFN(dim, config.dense_ffn_size, rngs=rngs)
 
   def __call__(self, x: jax.Array, token_mask: jax.Array) -> jax.Array:
-    """x [B, S, D], token_mask [B, S] -> [B, S, D]."""
+    """x [batch, seq, D], token_mask [batch, seq] -> [batch, seq, D]."""
     seq = x.shape[1]
     causal = jnp.tril(jnp.ones((seq, seq), bool))
-    attend = causal[None, None] & token_mask[:, None, None, :]  # [B, 1, S, S]
+    attend = causal[None, None] & token_mask[:, None, None, :]  # [batch, 1, seq, seq]
     x = x + self.attention(self.attention_norm(x), mask=attend)
     return x + self.ffn(self.ffn_norm(x), token_mask)
 
@@ -104,7 +104,7 @@ class MoETransformer(nnx.Module):
     self.final_norm = nnx.RMSNorm(config.moe.hidden_size, rngs=rngs)
 
   def __call__(self, tokens: jax.Array, token_mask: jax.Array) -> jax.Array:
-    """tokens [B, S] int, token_mask [B, S] bool -> logits [B, S, V] float32."""
+    """tokens [batch, seq] int, token_mask [batch, seq] bool -> logits [batch, seq, V] float32."""
     x = self.embed(tokens)
     for block in self.blocks:
       x = block(x, token_mask)
@@ -117,7 +117,7 @@ def shard_model(model: nnx.Module | nnx.Optimizer, mesh: Mesh) -> None:
   state = nnx.state(model)
   specs = nnx.get_partition_spec(state)
   placed = jax.tree.map(
-    lambda value, spec: jax.device_put(value, NamedSharding(mesh, spec or P())), state, specs
+    lambda value, spec: jax.device_put(value, sharding.placement(mesh, spec)), state, specs
   )
   nnx.update(model, placed)
 
@@ -141,7 +141,7 @@ class ClusterTask:
     return np.stack([rng.permutation(self.vocab_size) for _ in range(self.clusters)])
 
   def batch(self, batch_size: int, step: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(tokens [B, S] int32, targets [B, S] int32, mask [B, S] bool) for one step."""
+    """(tokens, targets [batch, seq] int32, mask [batch, seq] bool) for one step."""
     rng = np.random.default_rng((self.seed, step))
     tokens = rng.integers(0, self.vocab_size, (batch_size, self.seq_len), dtype=np.int32)
     cluster = tokens // (self.vocab_size // self.clusters)

@@ -61,16 +61,17 @@ def route(
   """Chooses K experts per token, as vLLM's `FusedMoE` select_experts does.
 
   Args:
-    logits: [T, E] router logits (cast to float32).
+    logits: [T, E] router logits (cast to float32). Padding rows may hold anything in the
+      forward pass; for finite gradients they must be finite (the layer zeroes them once,
+      before routing).
     token_mask: [T] bool, True for real tokens.
     config: the layer's config (scoring, groups, renormalize, scaling).
     routing_bias: [E] selection bias, or None when `config.use_routing_bias` is off.
 
   Returns:
-    The `Routing` of the T tokens. Padding tokens route to no expert with weight 0, whatever
-    their logits hold (NaN included).
+    The `Routing` of the T tokens. Padding tokens route to no expert with weight 0.
   """
-  logits = jnp.where(token_mask[:, None], logits.astype(jnp.float32), 0.0)
+  logits = logits.astype(jnp.float32)
   if config.scoring == "softmax":
     scores = jax.nn.softmax(logits, axis=-1)
   else:
@@ -121,7 +122,7 @@ def router_stats(logits: jax.Array, routing: Routing, token_mask: jax.Array) -> 
   """Per-expert loads and the sums behind the aux losses, over the valid tokens.
 
   Args:
-    logits: [T, E] router logits.
+    logits: [T, E] router logits; padding rows as in `route`.
     routing: the tokens' `Routing` (padding already routed nowhere).
     token_mask: [T] bool.
 
@@ -131,9 +132,7 @@ def router_stats(logits: jax.Array, routing: Routing, token_mask: jax.Array) -> 
   num_experts = logits.shape[-1]
   # Padding holds id E: one-hot over E classes drops it.
   one_hot = jax.nn.one_hot(routing.expert_ids, num_experts, dtype=jnp.int32)  # [T, K, E]
-  # Mask before logsumexp, not after: where() after it would leak NaN into the gradient.
-  logits = jnp.where(token_mask[:, None], logits.astype(jnp.float32), 0.0)
-  log_z = jax.nn.logsumexp(logits, axis=-1)  # [T]
+  log_z = jax.nn.logsumexp(logits.astype(jnp.float32), axis=-1)  # [T]
   return RouterStats(
     expert_counts=jnp.sum(one_hot, axis=(0, 1)),
     score_sums=jnp.sum(routing.scores, axis=0),

@@ -13,6 +13,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from moejax.config import MoEConfig
+from moejax.params import MoEParams
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,11 +24,13 @@ class LayerSpecs:
     tokens_t: token-major arrays [T, ...]: T over (data, expert).
     experts_e: expert weights [E, ...]: E over expert.
     replicated: router, bias, shared experts, aux losses.
+    batch_b: a model's input batches [B, ...] (B sequences): B over data.
   """
 
   tokens_t: P
   experts_e: P
   replicated: P
+  batch_b: P
 
   @classmethod
   def from_config(cls, config: MoEConfig) -> LayerSpecs:
@@ -35,7 +38,24 @@ class LayerSpecs:
       tokens_t=P((config.data_axis, config.expert_axis)),
       experts_e=P(config.expert_axis),
       replicated=P(),
+      batch_b=P(config.data_axis),
     )
+
+  def params(self, params: MoEParams) -> MoEParams:
+    """The spec of each parameter present (None for absent ones): experts over expert."""
+    return MoEParams(
+      *(
+        None if value is None else self.experts_e if name in _EXPERT_WEIGHTS else self.replicated
+        for name, value in zip(MoEParams._fields, params, strict=True)
+      )
+    )
+
+  def aux(self, fields: tuple[str, ...], per_device: tuple[str, ...]) -> list[P]:
+    """Specs of the aux outputs: per-device counts over (data, expert), the rest replicated."""
+    return [self.tokens_t if name in per_device else self.replicated for name in fields]
+
+
+_EXPERT_WEIGHTS = ("w_gate_up", "w_down")
 
 
 def param_sharding(config: MoEConfig) -> dict[str, tuple[str | None, ...]]:
@@ -49,6 +69,11 @@ def param_sharding(config: MoEConfig) -> dict[str, tuple[str | None, ...]]:
     "shared_w_gate_up": (None, None),
     "shared_w_down": (None, None),
   }
+
+
+def placement(mesh: Mesh, spec: P | None) -> NamedSharding:
+  """`spec` on `mesh`; replicated where a variable has no sharding metadata (`spec` None)."""
+  return NamedSharding(mesh, P() if spec is None else spec)
 
 
 def check_mesh(mesh: Mesh, config: MoEConfig) -> None:

@@ -13,12 +13,12 @@ import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from moejax import checkpoint
 from moejax.cli_setup import auto_mesh, moe_config
 from moejax.layer import collect_aux
 from moejax.models import ClusterTask, MoETransformer, TransformerConfig, shard_model
+from moejax.sharding import LayerSpecs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,7 +101,7 @@ def run(args, mesh_shape: tuple[int, int]) -> list[dict[str, float]]:
   if args.resume and (Path(args.checkpoint) / "meta.json").exists():
     start = checkpoint.restore(args.checkpoint, model, optimizer)
     print(f"resumed from {args.checkpoint} at step {start}")
-  batch_sharding = NamedSharding(mesh, P(config.moe.data_axis))
+  batch_sharding = NamedSharding(mesh, LayerSpecs.from_config(config.moe).batch_b)
   history = []
   bar = tqdm(range(start, start + args.steps), desc="train", unit="step")
   for step in bar:

@@ -3,11 +3,12 @@
   python tests/multihost_worker.py PROCESS_ID PORT [INIT_TIMEOUT_S]
 
 Joins a 2-process JAX runtime on 127.0.0.1:PORT with gloo CPU collectives, 4 CPU devices per
-process, builds a 2x4 (data, expert) mesh spanning both, runs the layer on uneven per-rank
-token counts (one rank empty) and checks this process's output shards against the reference.
-Prints "OK ..." and exits 0 on success.
+process, builds a 2x4 (data, expert) mesh spanning both, runs the layer with each dispatch
+scheme (all_gather, all_to_all) on uneven per-rank token counts (one rank empty) and checks
+this process's output shards against the reference. Prints "OK ..." and exits 0 on success.
 """
 
+import dataclasses
 import os
 import sys
 
@@ -35,12 +36,12 @@ def main() -> None:
   from moejax import MoEConfig, moe_apply, param_shapes, reference_moe
   from moejax.params import MoEParams
 
-  config = MoEConfig(num_experts=8, top_k=2, hidden_size=16, intermediate_size=32, chunk_size=4)
+  base = MoEConfig(num_experts=8, top_k=2, hidden_size=16, intermediate_size=32, chunk_size=4)
   rng = np.random.default_rng(0)  # the same values in both processes
   params = MoEParams(
     **{
       name: (rng.standard_normal(shape) / np.sqrt(shape[-2])).astype(np.float32)
-      for name, shape in param_shapes(config).items()
+      for name, shape in param_shapes(base).items()
     }
   )
   rows = 6
@@ -51,19 +52,24 @@ def main() -> None:
   tokens = NamedSharding(mesh, P(("data", "expert")))
   x = jax.make_array_from_callback(x_host.shape, tokens, lambda index: x_host[index])
   mask = jax.make_array_from_callback(mask_host.shape, tokens, lambda index: mask_host[index])
-  y, _ = jax.jit(lambda p, x, m: moe_apply(p, x, config=config, mesh=mesh, token_mask=m))(
-    params, x, mask
-  )
-  expected = np.asarray(reference_moe(params, x_host, config, mask_host))
-  errors = [
-    float(np.max(np.abs(np.asarray(shard.data) - expected[shard.index])))
-    for shard in y.addressable_shards
-  ]
-  worst = max(errors)
-  if worst > 1e-4 or len(errors) != 4:
-    print(f"FAIL process {process_id}: shard errors {errors}", flush=True)
-    sys.exit(1)
-  print(f"OK process {process_id}: {len(errors)} shards, max error {worst:.2e}", flush=True)
+  expected = np.asarray(reference_moe(params, x_host, base, mask_host))
+  for dispatch in ("all_gather", "all_to_all"):
+    config = dataclasses.replace(base, dispatch=dispatch)
+    y, _ = jax.jit(lambda p, x, m, c=config: moe_apply(p, x, config=c, mesh=mesh, token_mask=m))(
+      params, x, mask
+    )
+    errors = [
+      float(np.max(np.abs(np.asarray(shard.data) - expected[shard.index])))
+      for shard in y.addressable_shards
+    ]
+    worst = max(errors)
+    if worst > 1e-4 or len(errors) != 4:
+      print(f"FAIL process {process_id} ({dispatch}): shard errors {errors}", flush=True)
+      sys.exit(1)
+    print(
+      f"OK process {process_id} ({dispatch}): {len(errors)} shards, max error {worst:.2e}",
+      flush=True,
+    )
   jax.distributed.shutdown()
 
 

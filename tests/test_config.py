@@ -20,6 +20,7 @@ BASE = dict(num_experts=8, top_k=2, hidden_size=16, intermediate_size=32)
     (dict(activation="relu"), "activation"),
     (dict(scoring="tanh"), "scoring"),
     (dict(expert_backend="cuda"), "expert_backend"),
+    (dict(dispatch="ring"), "dispatch"),
     (dict(num_expert_groups=3), "num_expert_groups=3"),
     (dict(num_expert_groups=4, topk_groups=5), "topk_groups=5"),
     (dict(num_expert_groups=4, topk_groups=0), "topk_groups=0"),

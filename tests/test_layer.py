@@ -9,6 +9,7 @@ from moejax import MoEConfig, moe_apply, reference_moe
 from tests.helpers import assert_close, mesh_of, poison, random_params, rank_mask, seed_of
 
 MESHES = [(1, 1), (1, 8), (8, 1), (2, 4), (4, 2)]
+SCHEMES = ["all_gather", "all_to_all"]  # MoEConfig.dispatch; tests/test_dispatch.py has more
 ROWS_PER_RANK = 12
 
 
@@ -96,9 +97,10 @@ ROUTING_OPTIONS = {
 }
 
 
+@pytest.mark.parametrize("scheme", SCHEMES)
 @pytest.mark.parametrize("options", ROUTING_OPTIONS.values(), ids=ROUTING_OPTIONS.keys())
-def test_routing_options_on_mesh(options, request):
-  config = small_config(**options)
+def test_routing_options_on_mesh(options, scheme, request):
+  config = small_config(**options, dispatch=scheme)
   params, x, rng = inputs(config, 8, request.node.name)
   mask = rank_mask(patterns(8, rng)["uneven"], ROWS_PER_RANK)
   y, _ = moe_apply(params, poison(x, mask), config=config, mesh=mesh_of(2, 4), token_mask=mask)
@@ -119,9 +121,12 @@ def test_leading_dims_and_tokens_not_divisible_by_mesh(request):
   assert_close(y, reference_moe(params, x, config), what="y without mask")
 
 
-@pytest.mark.parametrize("param_dtype", [jnp.float32, jnp.bfloat16])
-def test_bfloat16_compute(param_dtype, request):
-  config = small_config(dtype=jnp.bfloat16, param_dtype=param_dtype)
+@pytest.mark.parametrize(
+  "param_dtype, scheme",
+  [(jnp.float32, "all_gather"), (jnp.bfloat16, "all_gather"), (jnp.bfloat16, "all_to_all")],
+)
+def test_bfloat16_compute(param_dtype, scheme, request):
+  config = small_config(dtype=jnp.bfloat16, param_dtype=param_dtype, dispatch=scheme)
   params, x, rng = inputs(config, 8, request.node.name)
   mask = rank_mask(patterns(8, rng)["uneven"], ROWS_PER_RANK)
   x = x.astype(jnp.bfloat16)
@@ -130,8 +135,9 @@ def test_bfloat16_compute(param_dtype, request):
   assert_close(y, reference_moe(params, x, config, mask), jnp.bfloat16, what="bf16 y")
 
 
-def test_explicit_axes_mesh_from_make_mesh(request):
-  config = small_config()
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_explicit_axes_mesh_from_make_mesh(scheme, request):
+  config = small_config(dispatch=scheme)
   params, x, rng = inputs(config, 8, request.node.name)
   mask = rank_mask(patterns(8, rng)["uneven"], ROWS_PER_RANK)
   mesh = jax.make_mesh((2, 4), ("data", "expert"))
