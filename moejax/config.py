@@ -7,13 +7,13 @@ from typing import Literal
 
 import jax.numpy as jnp
 
-Activation = Literal["silu", "gelu"]
-Scoring = Literal["softmax", "sigmoid"]
+Activation = Literal["silu", "gelu", "gelu_tanh", "swiglu_oai"]
+Scoring = Literal["softmax", "sigmoid", "sparsemixer"]
 ExpertBackend = Literal["xla", "pallas", "auto"]
 Dispatch = Literal["all_gather", "all_to_all", "auto"]
 
-_ACTIVATIONS = ("silu", "gelu")
-_SCORINGS = ("softmax", "sigmoid")
+_ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "swiglu_oai")
+_SCORINGS = ("softmax", "sigmoid", "sparsemixer")
 _BACKENDS = ("xla", "pallas", "auto")
 _DISPATCHES = ("all_gather", "all_to_all", "auto")
 
@@ -32,17 +32,34 @@ class MoEConfig:
     intermediate_size: F, each routed expert's hidden width (gate and up both have F columns).
     chunk_size: C, tokens per chunk per device (vLLM's VLLM_MOE_DP_CHUNK_SIZE). Bounds the
       collective buffers: each chunk sends at most C rows to each expert-axis device.
-    activation: "silu" or "gelu" (exact erf); experts compute `act(gate) * up`.
-    scoring: "softmax" or "sigmoid" of the router logits.
+    activation: "silu", "gelu" (exact erf) or "gelu_tanh" (tanh approximation): experts
+      compute `act(gate) * up`; or "swiglu_oai" (GPT-OSS's clamped SwiGLU): with
+      g = min(gate, limit) and u = clip(up, -limit, limit), `(u + 1) * g * sigmoid(1.702 g)`.
+    swiglu_limit: the limit of "swiglu_oai".
+    scoring: "softmax" or "sigmoid" of the router logits, or "sparsemixer" (PhiMoE's
+      inference routing; needs top_k=2): each pick's weight is a softmax over the logits
+      within a relative window of 2 * sparsemixer_eps of it, read at the pick.
+    sparsemixer_eps: PhiMoE's `router_jitter_noise`.
     renormalize: rescale the K chosen weights of a token to sum to 1.
     num_expert_groups: G, groups of experts for grouped (DeepSeek) top-k; 1 = plain top-k.
     topk_groups: groups kept per token before the top-k; at most `num_expert_groups`.
-    use_routing_bias: add the learned `routing_bias` [E] to the scores for selection only
+    use_routing_bias: add the learned `routing_bias` [E + Z] to the scores for selection only
       (DeepSeek-V3's e_score_correction_bias); the bias never enters the weights.
+    router_bias: the router has a bias `router_bias` [E + Z], added to its logits (GPT-OSS): it
+      changes both the selection and the weights.
     routed_scaling_factor: multiplies the final routing weights.
+    expert_bias: experts have biases `b_gate_up` [E, 2F] and `b_down` [E, D] (GPT-OSS); the
+      down bias is part of the expert's output, so the routing weight scales it.
+    apply_router_weight_on_input: compute `expert(w * x)` instead of `w * expert(x)` (Llama 4;
+      needs top_k=1).
+    num_zero_experts: Z, LongCat-Flash's zero-computation experts: the router has E + Z
+      outputs and choosing one of ids [E, E + Z) returns the token's input times its weight.
+      They live on no device and cost no expert compute.
     num_shared_experts: dense experts every token passes through (0 = none). They are stored
       fused as one MLP of width `shared_intermediate_size`.
     shared_intermediate_size: Fs, total hidden width of the shared experts.
+    shared_expert_gate: scale the shared experts' output per token by
+      `sigmoid(x @ shared_gate_kernel)`, a [D, 1] parameter (Qwen2-MoE, Qwen3-Next).
     dtype: compute dtype of the expert matmuls (the router always runs in float32).
     param_dtype: storage dtype of the parameters.
     data_axis: mesh axis over which tokens are split (data parallelism).
@@ -71,14 +88,21 @@ class MoEConfig:
   intermediate_size: int
   chunk_size: int = 256
   activation: Activation = "silu"
+  swiglu_limit: float = 7.0
   scoring: Scoring = "softmax"
+  sparsemixer_eps: float = 0.01
   renormalize: bool = False
   num_expert_groups: int = 1
   topk_groups: int = 1
   use_routing_bias: bool = False
+  router_bias: bool = False
   routed_scaling_factor: float = 1.0
+  expert_bias: bool = False
+  apply_router_weight_on_input: bool = False
+  num_zero_experts: int = 0
   num_shared_experts: int = 0
   shared_intermediate_size: int = 0
+  shared_expert_gate: bool = False
   dtype: jnp.dtype = jnp.float32
   param_dtype: jnp.dtype = jnp.float32
   data_axis: str = "data"
@@ -91,6 +115,7 @@ class MoEConfig:
     self._check_choices()
     self._check_groups()
     self._check_shared()
+    self._check_family_options()
     # Normalise dtypes so that equal configs hash equally (jnp.float32 vs np.dtype("float32")).
     object.__setattr__(self, "dtype", jnp.dtype(self.dtype))
     object.__setattr__(self, "param_dtype", jnp.dtype(self.param_dtype))
@@ -147,6 +172,33 @@ class MoEConfig:
       )
     if not self.num_shared_experts and self.shared_intermediate_size:
       raise ValueError("shared_intermediate_size is set but num_shared_experts is 0")
+
+  def _check_family_options(self) -> None:
+    if not self.swiglu_limit > 0:
+      raise ValueError(f"swiglu_limit must be > 0, got {self.swiglu_limit}")
+    if self.scoring == "sparsemixer":
+      if self.top_k != 2:
+        raise ValueError(f"scoring='sparsemixer' needs top_k=2, got top_k={self.top_k}")
+      if self.renormalize or self.num_expert_groups > 1:
+        raise ValueError("scoring='sparsemixer' takes neither renormalize nor num_expert_groups")
+      if not self.sparsemixer_eps >= 0:
+        raise ValueError(f"sparsemixer_eps must be >= 0, got {self.sparsemixer_eps}")
+    if self.apply_router_weight_on_input and self.top_k != 1:
+      raise ValueError(
+        f"apply_router_weight_on_input needs top_k=1 (expert(w * x) is linear in w only for "
+        f"one expert), got top_k={self.top_k}"
+      )
+    if not isinstance(self.num_zero_experts, int) or self.num_zero_experts < 0:
+      raise ValueError(f"num_zero_experts must be an int >= 0, got {self.num_zero_experts!r}")
+    if self.num_zero_experts and self.num_expert_groups > 1:
+      raise ValueError("num_zero_experts with num_expert_groups > 1 is not supported")
+    if self.shared_expert_gate and not self.has_shared_experts:
+      raise ValueError("shared_expert_gate needs shared experts (num_shared_experts >= 1)")
+
+  @property
+  def num_router_outputs(self) -> int:
+    """E + Z: the router's outputs, the routed experts then the zero-computation experts."""
+    return self.num_experts + self.num_zero_experts
 
   @property
   def has_shared_experts(self) -> bool:

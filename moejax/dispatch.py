@@ -113,14 +113,15 @@ def destination_devices(expert_ids: jax.Array, local_experts: int, axis_size: in
   """[N, S] bool: which devices hold at least one of each row's chosen experts.
 
   Args:
-    expert_ids: [N, K] global ids; E (padding) goes to no device.
+    expert_ids: [N, K] global ids; ids from E (zero-computation experts, padding) go to no
+      device.
     local_experts: El, experts per device (device s holds [s*El, (s+1)*El)).
     axis_size: S.
 
   >>> destination_devices(jnp.array([[0, 1], [3, 0], [4, 4]]), 2, 2).tolist()
   [[True, False], [True, True], [False, False]]
   """
-  device = expert_ids // local_experts  # [N, K]; padding -> S
+  device = jnp.minimum(expert_ids // local_experts, axis_size)  # [N, K]; held by none -> S
   rows = jnp.arange(expert_ids.shape[0])[:, None]
   hit = jnp.zeros((expert_ids.shape[0], axis_size + 1), bool).at[rows, device].set(True)
   return hit[:, :axis_size]
@@ -161,7 +162,7 @@ def pack_pairs(expert_ids: jax.Array, local_experts: int, axis_size: int) -> Pac
   """Packs each row once per device holding one of its experts, devices in order.
 
   Args:
-    expert_ids: [C, K] global ids (E for padding: no device).
+    expert_ids: [C, K] global ids (from E, zero-computation experts and padding: no device).
     local_experts: El.
     axis_size: S.
 
@@ -184,7 +185,7 @@ def pack_pairs(expert_ids: jax.Array, local_experts: int, axis_size: int) -> Pac
   pair_row = jnp.full(slots, chunk_rows, jnp.int32).at[flat_slot].set(row_ids, mode="drop")
   pair_device = jnp.full(slots, axis_size, jnp.int32).at[flat_slot].set(device_ids, mode="drop")
   # The slot of each choice's pair, kept for the first choice on each device only.
-  device = expert_ids // local_experts  # [C, K]; padding -> S
+  device = jnp.minimum(expert_ids // local_experts, axis_size)  # [C, K]; held by none -> S
   earlier = jnp.tril(jnp.ones((top_k, top_k), bool), k=-1)  # [k, k']: k' < k
   repeated = jnp.any((device[:, :, None] == device[:, None, :]) & earlier[None], axis=-1)
   choice_slot = jnp.take_along_axis(slot, jnp.minimum(device, axis_size - 1), axis=1)

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import kernels_pallas
 from kernels_pallas.metadata import aligned_rows
 from moejax.config import MoEConfig
-from moejax.tiles import gated_mlp, tile_mlp
+from moejax.tiles import GatedActivation, gated_mlp, tile_mlp
 
 _MIN_TILE_ROWS = 8
 _MAX_TILE_ROWS = 128
@@ -72,8 +72,10 @@ def grouped_mlp(
   weights: jax.Array,
   w_gate_up: jax.Array,
   w_down: jax.Array,
+  b_gate_up: jax.Array,
+  b_down: jax.Array,
   *,
-  activation: str,
+  activation: GatedActivation,
   tile_rows: int,
 ) -> jax.Array:
   """Weighted sum of each row's chosen local experts: y[n] = sum_k w[n,k] * mlp_{e[n,k]}(x[n]).
@@ -85,7 +87,9 @@ def grouped_mlp(
     weights: [N, K] float32 combine weights.
     w_gate_up: [El, D, 2F] local experts' gate/up weights, in the compute dtype.
     w_down: [El, F, D] local experts' down weights, in the compute dtype.
-    activation: "silu" or "gelu".
+    b_gate_up: [El, 2F] local experts' biases (zeros for experts without), float32.
+    b_down: [El, D].
+    activation: the gate/up combination.
     tile_rows: B, rows per tile (see `default_tile_rows`).
 
   Returns:
@@ -106,7 +110,15 @@ def grouped_mlp(
   x_padded = jnp.concatenate([x, jnp.zeros((1, dim), x.dtype)])  # row N is the empty row
 
   tiled_out = tile_mlp(
-    x_padded, w_gate_up, w_down, tile_tokens, tile_expert, layout.tile_ends[-1], activation
+    x_padded,
+    w_gate_up,
+    w_down,
+    b_gate_up,
+    b_down,
+    tile_tokens,
+    tile_expert,
+    layout.tile_ends[-1],
+    activation,
   )  # [tiles, B, D]
   tiled_out = jnp.concatenate([tiled_out.reshape(-1, dim), jnp.zeros((1, dim), jnp.float32)])
   assignment_row = jnp.zeros_like(order).at[order].set(layout.source_row)  # [N*K]
@@ -130,8 +142,8 @@ def sorted_mlp(
   `moe_mlp` writes 0), runs the MLP with the routing weights in its epilogue, and sums each
   row's K results. On a CPU the kernels run in their interpreter: for testing only.
 
-  Args and returns: as `grouped_mlp` (without `tile_rows`), plus `implementation`, a
-  `kernels_pallas` backend name.
+  Args and returns: as `grouped_mlp` (without biases, `tile_rows`, and with `activation`
+  "silu" or "gelu"), plus `implementation`, a `kernels_pallas` backend name.
   """
   rows, top_k = expert_ids.shape
   order, group_sizes = sort_by_expert(expert_ids, w_gate_up.shape[0])  # [N*K], [El]
@@ -178,13 +190,36 @@ def pallas_implementation(config: MoEConfig) -> str:
   return chosen
 
 
+def kernel_epilogue_missing(config: MoEConfig) -> str | None:
+  """Why the `kernels_pallas` MLP (Pallas kernels and its XLA ragged_dot form) cannot run the
+  config's experts, or None: it has neither biases nor the GPT-OSS / tanh activations."""
+  if config.activation not in KERNEL_ACTIVATIONS:
+    return f"activation={config.activation!r} (the kernels have {KERNEL_ACTIVATIONS})"
+  if config.expert_bias:
+    return "expert_bias (the kernels have no bias epilogue)"
+  return None
+
+
+KERNEL_ACTIVATIONS = ("silu", "gelu")
+
+
 def expert_path(config: MoEConfig, num_rows: int, local_experts: int) -> str:
   """The path of a call on `num_rows` rows: "pallas", "ragged_dot" or "tile_loop" (static).
+
+  A config the kernels cannot run takes the tile loop, with a warning if it asked for them.
 
   >>> config = MoEConfig(num_experts=8, top_k=2, hidden_size=64, intermediate_size=128)
   >>> expert_path(config, num_rows=512, local_experts=8)  # on a CPU
   'tile_loop'
   """
+  missing = kernel_epilogue_missing(config)
+  if missing is not None:
+    if config.expert_backend == "pallas":
+      warnings.warn(
+        f"expert_backend='pallas' falls back to the XLA tile loop: the kernels lack {missing}",
+        stacklevel=2,
+      )
+    return "tile_loop"
   if config.expert_backend == "pallas":
     return "pallas"
   if config.expert_backend == "auto":
@@ -202,18 +237,39 @@ def routed_mlp(
   weights: jax.Array,
   w_gate_up: jax.Array,
   w_down: jax.Array,
+  b_gate_up: jax.Array | None,
+  b_down: jax.Array | None,
   *,
   config: MoEConfig,
 ) -> jax.Array:
   """The local experts' weighted output on rows routed to them, by `expert_path`'s choice.
 
-  Args and returns: as `grouped_mlp` (without `tile_rows` and `activation`).
+  With `config.apply_router_weight_on_input` (K=1) each row is scaled by its weight before
+  its expert, and the output is not weighted.
+
+  Args and returns: as `grouped_mlp` (without `tile_rows` and `activation`); the biases are
+  None without `config.expert_bias`.
   """
-  path = expert_path(config, expert_ids.size, w_gate_up.shape[0])
+  local_experts = w_gate_up.shape[0]
+  if config.apply_router_weight_on_input:
+    local = (expert_ids >= 0) & (expert_ids < local_experts)
+    x = (x.astype(jnp.float32) * jnp.sum(weights, axis=-1, keepdims=True)).astype(x.dtype)
+    weights = local.astype(jnp.float32)
+  path = expert_path(config, expert_ids.size, local_experts)
   if path == "tile_loop":
-    tile_rows = default_tile_rows(expert_ids.size, config.num_experts)
+    if b_gate_up is None:
+      b_gate_up = jnp.zeros_like(w_gate_up[:, 0], jnp.float32)
+      b_down = jnp.zeros_like(w_down[:, 0], jnp.float32)
     return grouped_mlp(
-      x, expert_ids, weights, w_gate_up, w_down, activation=config.activation, tile_rows=tile_rows
+      x,
+      expert_ids,
+      weights,
+      w_gate_up,
+      w_down,
+      b_gate_up,
+      b_down,
+      activation=GatedActivation.of(config),
+      tile_rows=default_tile_rows(expert_ids.size, config.num_experts),
     )
   implementation = pallas_implementation(config) if path == "pallas" else "xla"
   return sorted_mlp(
@@ -228,7 +284,12 @@ def routed_mlp(
 
 
 def shared_mlp(
-  x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, *, config: MoEConfig
+  x: jax.Array,
+  w_gate_up: jax.Array,
+  w_down: jax.Array,
+  gate_kernel: jax.Array | None,
+  *,
+  config: MoEConfig,
 ) -> jax.Array:
   """The shared experts (fused into one MLP of width Fs) on every row.
 
@@ -236,12 +297,22 @@ def shared_mlp(
     x: [C, D] rows in the compute dtype.
     w_gate_up: [D, 2Fs].
     w_down: [Fs, D].
+    gate_kernel: [D, 1] with `config.shared_expert_gate`: the output is scaled per row by
+      `sigmoid(x @ gate_kernel)`; else None.
     config: the layer's config (its activation).
 
   Returns:
     [C, D] float32.
   """
-  return gated_mlp(x, w_gate_up, w_down, config.activation)
+  out = gated_mlp(x, w_gate_up, w_down, GatedActivation.of(config))
+  if gate_kernel is None:
+    return out
+  gate = jnp.dot(
+    x.astype(jnp.float32),
+    gate_kernel.astype(jnp.float32),
+    precision=jax.lax.Precision.HIGHEST,
+  )
+  return out * jax.nn.sigmoid(gate)
 
 
 def runs_interpreted_kernels(config: MoEConfig) -> bool:

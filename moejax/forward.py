@@ -22,14 +22,15 @@ from moejax.collectives import sum_over, vary_over
 from moejax.config import MoEConfig
 from moejax.dispatch import Dispatched, Exchange, make_exchange
 from moejax.experts import routed_mlp, runs_interpreted_kernels, shared_mlp
-from moejax.params import MoEParams, check_params
+from moejax.params import EXPERT_PARAMS, MoEParams, check_params
 
 
 class MoEAux(NamedTuple):
   """Auxiliary outputs of one layer call.
 
   Attributes:
-    expert_counts: [E] int32 valid tokens routed to each expert (a token counts K times).
+    expert_counts: [E + Z] int32 valid tokens routed to each expert (a token counts K times;
+      Z zero-computation experts last).
     load_balancing_loss: [] float32 Switch Transformer loss, 1.0 when perfectly balanced.
     router_z_loss: [] float32 mean squared logsumexp of the router logits.
     chunks_run: [devices] int32 chunks each device ran (the rest were skipped as all-padding),
@@ -65,7 +66,8 @@ def moe_apply(
     mesh: a mesh with `config.data_axis` and `config.expert_axis`, or None for one device. With
       an explicit-axes mesh (`jax.make_mesh`'s default), call inside `jax.set_mesh(mesh)`.
     token_mask: [...] bool, True for real tokens; None means all real.
-    router_logits: [..., E] precomputed router logits; then the router is not run again.
+    router_logits: [..., E + Z] precomputed router logits (its bias, if any, included); then
+      the router is not run again.
 
   Returns:
     (y, aux): y has x's shape and dtype, exactly 0 where the mask is False; aux is `MoEAux`.
@@ -122,7 +124,7 @@ def _check_inputs(params, x, token_mask, router_logits, config, mesh) -> None:
     if jnp.result_type(token_mask) != jnp.bool_:
       raise TypeError(f"token_mask must be bool, got dtype {jnp.result_type(token_mask)}")
   if router_logits is not None:
-    expected = (*x.shape[:-1], config.num_experts)
+    expected = (*x.shape[:-1], config.num_router_outputs)
     if router_logits.shape != expected:
       raise ValueError(f"router_logits has shape {router_logits.shape}; expected {expected}")
     if not jnp.issubdtype(jnp.result_type(router_logits), jnp.floating):
@@ -208,7 +210,7 @@ def local_forward(
     params: replicated router and shared weights; this device's El experts.
     x: [L, D] this device's tokens, L a multiple of `chunk_size`.
     token_mask: [L] bool.
-    router_logits: [L, E] precomputed logits, or None to run the router here.
+    router_logits: [L, E + Z] precomputed logits, or None to run the router here.
     config: the layer's config.
     chunk_size: C, rows per chunk.
     exchange: the expert-axis exchange (`moejax.dispatch.make_exchange`).
@@ -219,8 +221,8 @@ def local_forward(
     [1, 2] int32: this device's chunks run and rows sent).
   """
   x = _zero_padding(x, token_mask)
-  if router_logits is None:
-    router_logits = routing.router_logits(x, params.router_kernel)  # the router's only run
+  if router_logits is None:  # the router's only run
+    router_logits = routing.router_logits(x, params.router_kernel, params.router_bias)
   router_logits = _zero_padding(router_logits, token_mask)  # the logits' only masking
   route = routing.route(router_logits, token_mask, config, params.routing_bias)
   stats = jax.tree.map(
@@ -231,9 +233,9 @@ def local_forward(
   data_axes = tuple(a for a in all_axes if a != exchange.axis)
   chunk_weights = {
     name: vary_over(
-      getattr(params, name).astype(dtype), data_axes if "shared" not in name else all_axes
+      getattr(params, name).astype(dtype), data_axes if name in EXPERT_PARAMS else all_axes
     )
-    for name in ("w_gate_up", "w_down", "shared_w_gate_up", "shared_w_down")
+    for name in (*EXPERT_PARAMS, "shared_w_gate_up", "shared_w_down", "shared_gate_kernel")
     if getattr(params, name) is not None
   }
   stages = ChunkStages(
@@ -276,8 +278,9 @@ def _finish_chunk(
   """Stage 2 of a chunk: local experts on what arrived, the return exchange, shared experts.
 
   Args:
-    weights: "w_gate_up", "w_down" (this device's experts) and, with shared experts,
-      "shared_w_gate_up", "shared_w_down"; all in the compute dtype.
+    weights: "w_gate_up", "w_down" (this device's experts), as the config asks "b_gate_up",
+      "b_down", "shared_w_gate_up", "shared_w_down", "shared_gate_kernel"; all in the
+      compute dtype.
     chunk: as `_send_chunk`'s.
     dispatched: what this device received for the chunk.
     exchange: the expert-axis exchange.
@@ -292,12 +295,17 @@ def _finish_chunk(
     dispatched.weights,
     weights["w_gate_up"],
     weights["w_down"],
+    weights.get("b_gate_up"),
+    weights.get("b_down"),
     config=config,
   )
   out = exchange.combine(expert_out.astype(config.dtype), dispatched).astype(jnp.float32)
+  rows, expert_ids, routing_weights = chunk
+  if config.num_zero_experts:  # a zero-computation expert returns its input, weighted
+    zero = (expert_ids >= config.num_experts) & (expert_ids < config.num_router_outputs)
+    zero_weight = jnp.sum(jnp.where(zero, routing_weights, 0.0), axis=-1, keepdims=True)
+    out = out + zero_weight * rows.astype(jnp.float32)
   if config.has_shared_experts:
-    rows = chunk[0]
-    out = out + shared_mlp(
-      rows, weights["shared_w_gate_up"], weights["shared_w_down"], config=config
-    )
+    shared = (weights["shared_w_gate_up"], weights["shared_w_down"])
+    out = out + shared_mlp(rows, *shared, weights.get("shared_gate_kernel"), config=config)
   return out.astype(config.dtype)

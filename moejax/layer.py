@@ -11,7 +11,7 @@ from jax.sharding import Mesh
 
 from moejax.config import MoEConfig
 from moejax.forward import MoEAux, moe_apply
-from moejax.params import MoEParams, param_shapes
+from moejax.params import BIAS_PARAMS, MoEParams, param_shapes
 from moejax.sharding import check_mesh, param_sharding
 
 _AUX_NAMES = ("expert_counts", "load_balancing_loss", "router_z_loss")
@@ -28,10 +28,12 @@ def fan_in_init(key: jax.Array, shape: tuple[int, ...], dtype: jnp.dtype) -> jax
 class MoELayer(nnx.Module):
   """A Mixture-of-Experts FFN block, optionally spread over a (data, expert) mesh.
 
-  Parameters (the checkpoint format): `router_kernel` [D, E], `routing_bias` [E] (with
-  `use_routing_bias`), `w_gate_up` [E, D, 2F], `w_down` [E, F, D], and with shared experts
-  `shared_w_gate_up` [D, 2Fs], `shared_w_down` [Fs, D]. Each carries `out_sharding` metadata
-  (E over the expert axis); with a mesh they are created sharded on it.
+  Parameters (the checkpoint format, `moejax.MoEParams`): `router_kernel` [D, E + Z],
+  `w_gate_up` [E, D, 2F], `w_down` [E, F, D], and as the config asks `routing_bias` and
+  `router_bias` [E + Z], `b_gate_up` [E, 2F], `b_down` [E, D], `shared_w_gate_up` [D, 2Fs],
+  `shared_w_down` [Fs, D], `shared_gate_kernel` [D, 1]. Each carries `out_sharding` metadata
+  (E over the expert axis); with a mesh they are created sharded on it. Biases start at
+  `bias_init`, matrices at `kernel_init`.
 
   Under `nnx.capture(..., nnx.Intermediate)` each call sows its aux outputs: `expert_counts`
   [E], `load_balancing_loss` [], `router_z_loss` [] (a tuple of values per name, one per
@@ -42,7 +44,8 @@ class MoELayer(nnx.Module):
     mesh: a mesh with the config's data and expert axes, or None for one device.
     rngs: `nnx.Rngs` with a `params` stream.
     kernel_init: initializer of the router, expert and shared-expert matrices.
-    bias_init: initializer of `routing_bias`.
+    bias_init: initializer of the biases (`routing_bias`, `router_bias`, `b_gate_up`,
+      `b_down`).
 
   >>> config = MoEConfig(num_experts=4, top_k=2, hidden_size=8, intermediate_size=16)
   >>> layer = MoELayer(config, rngs=nnx.Rngs(0))
@@ -72,7 +75,7 @@ class MoELayer(nnx.Module):
     placement = {"mesh": mesh} if mesh is not None else {"eager_sharding": False}
     names = param_sharding(config)
     for name, shape in param_shapes(config).items():
-      init = bias_init if name == "routing_bias" else kernel_init
+      init = bias_init if name in BIAS_PARAMS else kernel_init
       value = init(rngs.params(), shape, config.param_dtype)
       setattr(self, name, nnx.Param(value, out_sharding=names[name], **placement))
 

@@ -13,12 +13,16 @@ class MoEParams(NamedTuple):
   """Weights of one MoE layer. Names and shapes are the checkpoint format.
 
   Attributes:
-    router_kernel: [D, E].
+    router_kernel: [D, E + Z] (Z = `num_zero_experts`, usually 0).
     w_gate_up: [E, D, 2F]; gate = `[..., :F]`, up = `[..., F:]`.
     w_down: [E, F, D].
-    routing_bias: [E] selection bias, or None unless `config.use_routing_bias`.
+    routing_bias: [E + Z] selection bias, or None unless `config.use_routing_bias`.
     shared_w_gate_up: [D, 2Fs], or None without shared experts.
     shared_w_down: [Fs, D], or None without shared experts.
+    router_bias: [E + Z] bias of the router's logits, or None unless `config.router_bias`.
+    b_gate_up: [E, 2F] expert biases, or None unless `config.expert_bias`.
+    b_down: [E, D], or None unless `config.expert_bias`.
+    shared_gate_kernel: [D, 1], or None unless `config.shared_expert_gate`.
   """
 
   router_kernel: jax.Array
@@ -27,18 +31,36 @@ class MoEParams(NamedTuple):
   routing_bias: jax.Array | None = None
   shared_w_gate_up: jax.Array | None = None
   shared_w_down: jax.Array | None = None
+  router_bias: jax.Array | None = None
+  b_gate_up: jax.Array | None = None
+  b_down: jax.Array | None = None
+  shared_gate_kernel: jax.Array | None = None
+
+
+# Parameters with a leading expert axis [E, ...], split over the mesh's expert axis.
+EXPERT_PARAMS = ("w_gate_up", "w_down", "b_gate_up", "b_down")
+# Parameters that start at zero in a new layer (the others are matrices, fan-in initialised).
+BIAS_PARAMS = ("routing_bias", "router_bias", "b_gate_up", "b_down")
 
 
 def param_shapes(config: MoEConfig) -> dict[str, tuple[int, ...]]:
   """Shape of every parameter the config needs, keyed by `MoEParams` field name."""
   d, e, f = config.hidden_size, config.num_experts, config.intermediate_size
-  shapes = {"router_kernel": (d, e), "w_gate_up": (e, d, 2 * f), "w_down": (e, f, d)}
+  outputs = config.num_router_outputs
+  shapes = {"router_kernel": (d, outputs), "w_gate_up": (e, d, 2 * f), "w_down": (e, f, d)}
   if config.use_routing_bias:
-    shapes["routing_bias"] = (e,)
+    shapes["routing_bias"] = (outputs,)
   if config.has_shared_experts:
     fs = config.shared_intermediate_size
     shapes["shared_w_gate_up"] = (d, 2 * fs)
     shapes["shared_w_down"] = (fs, d)
+  if config.router_bias:
+    shapes["router_bias"] = (outputs,)
+  if config.expert_bias:
+    shapes["b_gate_up"] = (e, 2 * f)
+    shapes["b_down"] = (e, d)
+  if config.shared_expert_gate:
+    shapes["shared_gate_kernel"] = (d, 1)
   return shapes
 
 

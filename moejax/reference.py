@@ -15,22 +15,58 @@ from moejax.params import MoEParams
 _HIGHEST = jax.lax.Precision.HIGHEST
 
 
-def _mlp(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, activation: str) -> jax.Array:
-  """[T, D] -> [T, D] gated MLP in float32."""
+def _hidden(gate: jax.Array, up: jax.Array, config: MoEConfig) -> jax.Array:
+  """The gated MLP's hidden layer, each activation written out."""
+  if config.activation == "swiglu_oai":
+    limit = config.swiglu_limit
+    gate = jnp.minimum(gate, limit)
+    up = jnp.clip(up, -limit, limit)
+    return (up + 1.0) * gate / (1.0 + jnp.exp(-1.702 * gate))
+  if config.activation == "silu":
+    act = gate / (1.0 + jnp.exp(-gate))
+  elif config.activation == "gelu":
+    act = 0.5 * gate * (1.0 + jax.scipy.special.erf(gate / jnp.sqrt(2.0)))
+  else:  # gelu_tanh
+    act = 0.5 * gate * (1.0 + jnp.tanh(jnp.sqrt(2.0 / jnp.pi) * (gate + 0.044715 * gate**3)))
+  return act * up
+
+
+def _mlp(x, w_gate_up, w_down, config: MoEConfig, b_gate_up=None, b_down=None) -> jax.Array:
+  """[T, D] -> [T, D] gated MLP in float32 (biases optional)."""
   half = w_gate_up.shape[-1] // 2
   gate = jnp.matmul(x, w_gate_up[:, :half], precision=_HIGHEST)
   up = jnp.matmul(x, w_gate_up[:, half:], precision=_HIGHEST)
-  if activation == "silu":
-    act = gate / (1.0 + jnp.exp(-gate))
-  else:
-    act = 0.5 * gate * (1.0 + jax.scipy.special.erf(gate / jnp.sqrt(2.0)))
-  return jnp.matmul(act * up, w_down, precision=_HIGHEST)
+  if b_gate_up is not None:
+    gate, up = gate + b_gate_up[None, :half], up + b_gate_up[None, half:]
+  out = jnp.matmul(_hidden(gate, up, config), w_down, precision=_HIGHEST)
+  return out if b_down is None else out + b_down[None, :]
+
+
+def _sparsemixer_routing(logits: jax.Array, eps: float) -> tuple[jax.Array, jax.Array]:
+  """PhiMoE's inference routing, as its modeling code writes it (with the division)."""
+  ranked = jnp.argsort(-logits, axis=-1, stable=True)
+  ids, weights = [], []
+  candidates = logits
+  for _ in range(2):
+    best = ranked[:, len(ids)]
+    top = jnp.take_along_axis(logits, best[:, None], axis=-1)
+    factor = jnp.maximum(jnp.abs(logits), top)
+    dropped = ((top - logits) / factor) > 2 * eps
+    kept = jnp.where(dropped, -jnp.inf, candidates)
+    gates = jnp.exp(kept - top) / jnp.sum(jnp.exp(kept - top), axis=-1, keepdims=True)
+    ids.append(best)
+    weights.append(jnp.take_along_axis(gates, best[:, None], axis=-1)[:, 0])
+    candidates = jnp.where(jnp.arange(logits.shape[-1])[None, :] == best[:, None], -jnp.inf, logits)
+  return jnp.stack(ids, axis=-1), jnp.stack(weights, axis=-1)
 
 
 def reference_routing(
   logits: jax.Array, config: MoEConfig, routing_bias: jax.Array | None
 ) -> tuple[jax.Array, jax.Array]:
-  """[T, E] float32 logits -> (expert ids [T, K], weights [T, K]), vLLM's semantics."""
+  """[T, E + Z] float32 logits -> (expert ids [T, K], weights [T, K]), vLLM's semantics."""
+  if config.scoring == "sparsemixer":
+    ids, weights = _sparsemixer_routing(logits, config.sparsemixer_eps)
+    return ids, weights * config.routed_scaling_factor
   if config.scoring == "softmax":
     scores = jnp.exp(logits - logits.max(-1, keepdims=True))
     scores = scores / scores.sum(-1, keepdims=True)
@@ -70,7 +106,8 @@ def reference_moe(
     x: [..., D] tokens.
     config: the layer's config.
     token_mask: [...] bool or None.
-    router_logits: [..., E] or None (then computed from `params.router_kernel`).
+    router_logits: [..., E + Z] or None (then computed from `params.router_kernel` and
+      `params.router_bias`).
 
   Returns:
     [..., D] float32; rows whose mask is False are 0.
@@ -82,19 +119,31 @@ def reference_moe(
   tokens = jnp.where(mask[:, None], tokens, 0.0)
   if router_logits is None:
     logits = jnp.matmul(tokens, p.router_kernel, precision=_HIGHEST)
+    if p.router_bias is not None:
+      logits = logits + p.router_bias[None, :]
   else:
     logits = f32(router_logits).reshape(tokens.shape[0], -1)
   logits = jnp.where(mask[:, None], logits, 0.0)
   ids, weights = reference_routing(logits, config, p.routing_bias)
-  every_expert = jnp.stack(
-    [
-      _mlp(tokens, p.w_gate_up[e], p.w_down[e], config.activation)
-      for e in range(config.num_experts)
-    ]
-  )  # [E, T, D]
-  chosen = every_expert[ids, jnp.arange(tokens.shape[0])[:, None]]  # [T, K, D]
-  y = jnp.sum(weights[..., None] * chosen, axis=1)
+  if config.apply_router_weight_on_input:  # K = 1: expert(w * x), unweighted output
+    expert_in = weights * tokens
+    scale = lambda e: (ids == e).astype(jnp.float32)  # [T, 1]
+  else:
+    expert_in = tokens
+    scale = lambda e: jnp.sum(jnp.where(ids == e, weights, 0.0), axis=-1, keepdims=True)
+  y = jnp.zeros_like(tokens)
+  for e in range(config.num_router_outputs):
+    if e < config.num_experts:
+      biases = (None, None) if p.b_gate_up is None else (p.b_gate_up[e], p.b_down[e])
+      out = _mlp(expert_in, p.w_gate_up[e], p.w_down[e], config, *biases)
+    else:  # a zero-computation expert returns its input
+      out = expert_in
+    y = y + scale(e) * out
   if config.has_shared_experts:
-    y = y + _mlp(tokens, p.shared_w_gate_up, p.shared_w_down, config.activation)
+    shared = _mlp(tokens, p.shared_w_gate_up, p.shared_w_down, config)
+    if p.shared_gate_kernel is not None:
+      gate = jnp.matmul(tokens, p.shared_gate_kernel, precision=_HIGHEST)
+      shared = shared / (1.0 + jnp.exp(-gate))
+    y = y + shared
   y = jnp.where(mask[:, None], y, 0.0)
   return y.reshape(*x.shape[:-1], config.hidden_size)

@@ -18,9 +18,11 @@ class Routing(NamedTuple):
   """Where each token goes.
 
   Attributes:
-    expert_ids: [T, K] int32 chosen experts; padding tokens hold E, an id no expert owns.
+    expert_ids: [T, K] int32 chosen experts, in [0, E + Z) (ids from E are zero-computation
+      experts); padding tokens hold E + Z, an id no expert owns.
     weights: [T, K] float32 combine weights; 0 for padding tokens.
-    scores: [T, E] float32 softmax or sigmoid of the logits; 0 for padding tokens.
+    scores: [T, E + Z] float32 softmax or sigmoid of the logits (softmax for sparsemixer);
+      0 for padding tokens.
   """
 
   expert_ids: jax.Array
@@ -32,8 +34,9 @@ class RouterStats(NamedTuple):
   """Sums over a set of tokens, to be added across devices before they become losses.
 
   Attributes:
-    expert_counts: [E] int32 tokens routed to each expert (each of a token's K choices counts).
-    score_sums: [E] float32 sum of each expert's score over the valid tokens.
+    expert_counts: [E + Z] int32 tokens routed to each expert (each of a token's K choices
+      counts).
+    score_sums: [E + Z] float32 sum of each expert's score over the valid tokens.
     z_sum: [] float32 sum over valid tokens of logsumexp(logits)**2.
     num_tokens: [] int32 valid tokens.
   """
@@ -44,15 +47,19 @@ class RouterStats(NamedTuple):
   num_tokens: jax.Array
 
 
-def router_logits(x: jax.Array, router_kernel: jax.Array) -> jax.Array:
-  """The router: [T, D] tokens x [D, E] kernel -> [T, E] float32 logits, at full precision.
+def router_logits(
+  x: jax.Array, router_kernel: jax.Array, router_bias: jax.Array | None = None
+) -> jax.Array:
+  """The router: [T, D] tokens x [D, E + Z] kernel (+ [E + Z] bias) -> [T, E + Z] float32
+  logits, at full precision.
 
   HIGHEST, because a GPU's default float32 matmul rounds its inputs to TF32, which flips the
   top-k between near-tied experts (measured on an H200: 7% output error vs the reference).
   """
-  return jnp.dot(
+  logits = jnp.dot(
     x.astype(jnp.float32), router_kernel.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST
   )
+  return logits if router_bias is None else logits + router_bias.astype(jnp.float32)[None, :]
 
 
 def route(
@@ -61,35 +68,63 @@ def route(
   """Chooses K experts per token, as vLLM's `FusedMoE` select_experts does.
 
   Args:
-    logits: [T, E] router logits (cast to float32). Padding rows may hold anything in the
+    logits: [T, E + Z] router logits (cast to float32). Padding rows may hold anything in the
       forward pass; for finite gradients they must be finite (the layer zeroes them once,
       before routing).
     token_mask: [T] bool, True for real tokens.
     config: the layer's config (scoring, groups, renormalize, scaling).
-    routing_bias: [E] selection bias, or None when `config.use_routing_bias` is off.
+    routing_bias: [E + Z] selection bias, or None when `config.use_routing_bias` is off.
 
   Returns:
     The `Routing` of the T tokens. Padding tokens route to no expert with weight 0.
   """
   logits = logits.astype(jnp.float32)
-  if config.scoring == "softmax":
+  if config.scoring == "sparsemixer":
     scores = jax.nn.softmax(logits, axis=-1)
+    expert_ids, weights = _sparsemixer(logits, config.sparsemixer_eps)
   else:
-    scores = jax.nn.sigmoid(logits)
-  choice = scores if routing_bias is None else scores + routing_bias.astype(jnp.float32)[None, :]
-  if config.num_expert_groups > 1:
-    choice = _keep_best_groups(choice, config, biased=routing_bias is not None)
-  _, expert_ids = jax.lax.top_k(choice, config.top_k)  # [T, K]
-  weights = jnp.take_along_axis(scores, expert_ids, axis=-1)  # unbiased scores, [T, K]
+    scores = jax.nn.softmax(logits, axis=-1) if config.scoring == "softmax" else None
+    scores = jax.nn.sigmoid(logits) if scores is None else scores
+    choice = scores
+    if routing_bias is not None:
+      choice = scores + routing_bias.astype(jnp.float32)[None, :]
+    if config.num_expert_groups > 1:
+      choice = _keep_best_groups(choice, config, biased=routing_bias is not None)
+    _, expert_ids = jax.lax.top_k(choice, config.top_k)  # [T, K]
+    weights = jnp.take_along_axis(scores, expert_ids, axis=-1)  # unbiased scores, [T, K]
   if config.renormalize:
     weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
   weights = weights * config.routed_scaling_factor
   mask = token_mask[:, None]
   return Routing(
-    expert_ids=jnp.where(mask, expert_ids, config.num_experts).astype(jnp.int32),
+    expert_ids=jnp.where(mask, expert_ids, config.num_router_outputs).astype(jnp.int32),
     weights=jnp.where(mask, weights, 0.0),
     scores=jnp.where(mask, scores, 0.0),
   )
+
+
+def _sparsemixer(logits: jax.Array, eps: float) -> tuple[jax.Array, jax.Array]:
+  """PhiMoE's sparsemixer top-2, inference form: (ids [T, 2], weights [T, 2]).
+
+  Pick 1 is the argmax; its weight is the softmax over the logits s with
+  (max - s) <= 2 eps * max(|s|, max), read at pick 1. Pick 2 is the argmax without pick 1,
+  weighted the same way over the logits other than pick 1. Compared, not divided, so a row of
+  zeros (0/0) keeps every logit.
+  """
+
+  def pick(candidates: jax.Array) -> tuple[jax.Array, jax.Array]:
+    best = jnp.argmax(candidates, axis=-1)  # [T]
+    top = jnp.max(candidates, axis=-1, keepdims=True)  # [T, 1]
+    outside = (top - logits) > 2 * eps * jnp.maximum(jnp.abs(logits), top)
+    weights = jax.nn.softmax(jnp.where(outside, -jnp.inf, candidates), axis=-1)
+    return best, jnp.take_along_axis(weights, best[:, None], axis=-1)[:, 0]
+
+  first, first_weight = pick(logits)
+  without_first = jnp.where(
+    jnp.arange(logits.shape[-1])[None, :] == first[:, None], -jnp.inf, logits
+  )
+  second, second_weight = pick(without_first)
+  return jnp.stack([first, second], axis=-1), jnp.stack([first_weight, second_weight], axis=-1)
 
 
 def _keep_best_groups(choice: jax.Array, config: MoEConfig, *, biased: bool) -> jax.Array:
@@ -122,7 +157,7 @@ def router_stats(logits: jax.Array, routing: Routing, token_mask: jax.Array) -> 
   """Per-expert loads and the sums behind the aux losses, over the valid tokens.
 
   Args:
-    logits: [T, E] router logits; padding rows as in `route`.
+    logits: [T, E + Z] router logits; padding rows as in `route`.
     routing: the tokens' `Routing` (padding already routed nowhere).
     token_mask: [T] bool.
 
@@ -130,7 +165,7 @@ def router_stats(logits: jax.Array, routing: Routing, token_mask: jax.Array) -> 
     `RouterStats` of these tokens; add them over devices with `jax.lax.psum`.
   """
   num_experts = logits.shape[-1]
-  # Padding holds id E: one-hot over E classes drops it.
+  # Padding holds id E + Z: one-hot over E + Z classes drops it.
   one_hot = jax.nn.one_hot(routing.expert_ids, num_experts, dtype=jnp.int32)  # [T, K, E]
   log_z = jax.nn.logsumexp(logits.astype(jnp.float32), axis=-1)  # [T]
   return RouterStats(

@@ -13,7 +13,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from moejax.config import MoEConfig
-from moejax.params import MoEParams
+from moejax.params import EXPERT_PARAMS, MoEParams, param_shapes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,7 +45,7 @@ class LayerSpecs:
     """The spec of each parameter present (None for absent ones): experts over expert."""
     return MoEParams(
       *(
-        None if value is None else self.experts_e if name in _EXPERT_WEIGHTS else self.replicated
+        None if value is None else self.experts_e if name in EXPERT_PARAMS else self.replicated
         for name, value in zip(MoEParams._fields, params, strict=True)
       )
     )
@@ -55,19 +55,11 @@ class LayerSpecs:
     return [self.tokens_t if name in per_device else self.replicated for name in fields]
 
 
-_EXPERT_WEIGHTS = ("w_gate_up", "w_down")
-
-
 def param_sharding(config: MoEConfig) -> dict[str, tuple[str | None, ...]]:
   """Per-parameter sharding names (nnx `out_sharding` metadata), keyed by parameter name."""
-  expert = config.expert_axis
   return {
-    "router_kernel": (None, None),
-    "routing_bias": (None,),
-    "w_gate_up": (expert, None, None),
-    "w_down": (expert, None, None),
-    "shared_w_gate_up": (None, None),
-    "shared_w_down": (None, None),
+    name: (config.expert_axis if name in EXPERT_PARAMS else None,) + (None,) * (len(shape) - 1)
+    for name, shape in param_shapes(config).items()
   }
 
 

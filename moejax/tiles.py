@@ -9,35 +9,71 @@ only the tile's expert, and skips unused tiles like the forward does.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 
-
-def activation_fn(name: str):
-  """The gate activation by name: "silu" or "gelu" (exact erf form)."""
-  if name == "silu":
-    return jax.nn.silu
-  return lambda x: jax.nn.gelu(x, approximate=False)
+from moejax.config import MoEConfig
 
 
-def gated_mlp(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, activation: str) -> jax.Array:
-  """`act(x @ W_gate) * (x @ W_up) @ W_down`, accumulated in float32.
+@dataclasses.dataclass(frozen=True)
+class GatedActivation:
+  """How a gated MLP combines its gate and up projections into the hidden layer.
+
+  "silu", "gelu" (exact erf) and "gelu_tanh" compute `act(gate) * up`; "swiglu_oai"
+  (GPT-OSS) computes `(u + 1) * g * sigmoid(1.702 * g)` with g = min(gate, limit) and
+  u = clip(up, -limit, limit).
+
+  >>> GatedActivation("swiglu_oai", limit=7.0)(jnp.array([9.0]), jnp.array([-9.0])).tolist()
+  [-41.999...]
+  """
+
+  name: str
+  limit: float = 7.0
+
+  @classmethod
+  def of(cls, config: MoEConfig) -> GatedActivation:
+    return cls(config.activation, config.swiglu_limit)
+
+  def __call__(self, gate: jax.Array, up: jax.Array) -> jax.Array:
+    if self.name == "swiglu_oai":
+      gate = jnp.minimum(gate, self.limit)
+      up = jnp.clip(up, -self.limit, self.limit)
+      return (up + 1.0) * gate * jax.nn.sigmoid(1.702 * gate)
+    if self.name == "silu":
+      return jax.nn.silu(gate) * up
+    return jax.nn.gelu(gate, approximate=self.name == "gelu_tanh") * up
+
+
+def gated_mlp(
+  x: jax.Array,
+  w_gate_up: jax.Array,
+  w_down: jax.Array,
+  activation: GatedActivation,
+  b_gate_up: jax.Array | None = None,
+  b_down: jax.Array | None = None,
+) -> jax.Array:
+  """`combine(x @ W_gate + b_gate, x @ W_up + b_up) @ W_down + b_down`, accumulated in float32.
 
   Args:
     x: [M, D] rows, in the compute dtype.
     w_gate_up: [D, 2F]; gate is `[:, :F]`, up is `[:, F:]`.
     w_down: [F, D].
-    activation: "silu" or "gelu".
+    activation: the gate/up combination.
+    b_gate_up: [2F] bias, or None.
+    b_down: [D] bias, or None.
 
   Returns:
     [M, D] float32.
   """
   gate_up = jnp.dot(x, w_gate_up, preferred_element_type=jnp.float32)  # [M, 2F]
-  gate, up = jnp.split(gate_up, 2, axis=-1)
-  hidden = (activation_fn(activation)(gate) * up).astype(x.dtype)  # [M, F]
-  return jnp.dot(hidden, w_down, preferred_element_type=jnp.float32)
+  if b_gate_up is not None:
+    gate_up = gate_up + b_gate_up.astype(jnp.float32)[None, :]
+  hidden = activation(*jnp.split(gate_up, 2, axis=-1)).astype(x.dtype)  # [M, F]
+  out = jnp.dot(hidden, w_down, preferred_element_type=jnp.float32)
+  return out if b_down is None else out + b_down.astype(jnp.float32)[None, :]
 
 
 def _zeros_rows(like: jax.Array, rows: int, cols: int) -> jax.Array:
@@ -46,18 +82,22 @@ def _zeros_rows(like: jax.Array, rows: int, cols: int) -> jax.Array:
   return jnp.broadcast_to(jnp.zeros_like(like[:1, :1], jnp.float32), (rows, cols))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
-def tile_mlp(x_padded, w_gate_up, w_down, tile_tokens, tile_expert, num_used, activation):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8,))
+def tile_mlp(
+  x_padded, w_gate_up, w_down, b_gate_up, b_down, tile_tokens, tile_expert, num_used, activation
+):
   """Runs each used tile's rows through its expert's gated MLP.
 
   Args:
     x_padded: [N+1, D] rows in the compute dtype; row N is zero (empty tile slots point at it).
     w_gate_up: [El, D, 2F].
     w_down: [El, F, D].
+    b_gate_up: [El, 2F] biases (zeros for experts without).
+    b_down: [El, D].
     tile_tokens: [tiles, B] int32 row of each tile slot.
     tile_expert: [tiles] int32 expert of each tile.
     num_used: [] int32 tiles in use; the rest are skipped and give 0.
-    activation: "silu" or "gelu".
+    activation: the `GatedActivation`.
 
   Returns:
     [tiles, B, D] float32.
@@ -66,9 +106,10 @@ def tile_mlp(x_padded, w_gate_up, w_down, tile_tokens, tile_expert, num_used, ac
 
   def run_tile(_, tile):
     index, tokens, expert = tile
+    weights = (w_gate_up[expert], w_down[expert], activation, b_gate_up[expert], b_down[expert])
     out = jax.lax.cond(
       index < num_used,
-      lambda: gated_mlp(x_padded[tokens], w_gate_up[expert], w_down[expert], activation),
+      lambda: gated_mlp(x_padded[tokens], *weights),
       lambda: _zeros_rows(x_padded, tile_rows, dim),
     )
     return None, out
@@ -77,29 +118,34 @@ def tile_mlp(x_padded, w_gate_up, w_down, tile_tokens, tile_expert, num_used, ac
   return jax.lax.scan(run_tile, None, tiles)[1]
 
 
-def _tile_mlp_fwd(x_padded, w_gate_up, w_down, tile_tokens, tile_expert, num_used, activation):
-  out = tile_mlp(x_padded, w_gate_up, w_down, tile_tokens, tile_expert, num_used, activation)
-  return out, (x_padded, w_gate_up, w_down, tile_tokens, tile_expert, num_used)
+def _tile_mlp_fwd(
+  x_padded, w_gate_up, w_down, b_gate_up, b_down, tile_tokens, tile_expert, num_used, activation
+):
+  params = (x_padded, w_gate_up, w_down, b_gate_up, b_down, tile_tokens, tile_expert, num_used)
+  return tile_mlp(*params, activation), params
 
 
-def _tile_grads(x, w_gate_up, w_down, d_out, activation):
+def _tile_grads(x, w_gate_up, w_down, b_gate_up, d_out, activation):
   """Gradients of one tile's gated MLP; recomputes the pre-activation.
 
-  Args: x [B, D], w_gate_up [D, 2F], w_down [F, D] (compute dtype), d_out [B, D] float32.
-  Returns: (d_x [B, D], d_w_gate_up [D, 2F], d_w_down [F, D]), float32.
+  Args: x [B, D], w_gate_up [D, 2F], w_down [F, D] (compute dtype), b_gate_up [2F],
+    d_out [B, D] float32.
+  Returns: (d_x [B, D], d_w_gate_up [D, 2F], d_w_down [F, D], d_b_gate_up [2F],
+    d_b_down [D]), float32.
   """
   f32 = jnp.float32
-  gate, up = jnp.split(jnp.dot(x, w_gate_up, preferred_element_type=f32), 2, axis=-1)
-  act, act_vjp = jax.vjp(activation_fn(activation), gate)
-  hidden = (act * up).astype(x.dtype)  # [B, F], as the forward pass rounded it
+  gate_up = jnp.dot(x, w_gate_up, preferred_element_type=f32) + b_gate_up.astype(f32)[None, :]
+  hidden, combine_vjp = jax.vjp(activation, *jnp.split(gate_up, 2, axis=-1))
+  hidden = hidden.astype(x.dtype)  # [B, F], as the forward pass rounded it
   d_out = d_out.astype(x.dtype)
   d_hidden = jnp.dot(d_out, w_down.T, preferred_element_type=f32)  # [B, F]
   d_w_down = jnp.dot(hidden.T, d_out, preferred_element_type=f32)  # [F, D]
-  d_gate_up = jnp.concatenate([act_vjp(d_hidden * up)[0], d_hidden * act], axis=-1)
-  d_gate_up = d_gate_up.astype(x.dtype)  # [B, 2F]
+  d_gate_up = jnp.concatenate(combine_vjp(d_hidden), axis=-1)  # [B, 2F] float32
+  d_b_gate_up = jnp.sum(d_gate_up, axis=0)
+  d_gate_up = d_gate_up.astype(x.dtype)
   d_w_gate_up = jnp.dot(x.T, d_gate_up, preferred_element_type=f32)  # [D, 2F]
   d_x = jnp.dot(d_gate_up, w_gate_up.T, preferred_element_type=f32)  # [B, D]
-  return d_x, d_w_gate_up, d_w_down
+  return d_x, d_w_gate_up, d_w_down, d_b_gate_up, jnp.sum(d_out.astype(f32), axis=0)
 
 
 def _add_at(total: jax.Array, index: jax.Array, update: jax.Array) -> jax.Array:
@@ -110,34 +156,29 @@ def _add_at(total: jax.Array, index: jax.Array, update: jax.Array) -> jax.Array:
 
 
 def _tile_mlp_bwd(activation, residuals, d_tiles):
-  x_padded, w_gate_up, w_down, tile_tokens, tile_expert, num_used = residuals
-  f32 = jnp.float32
-  init = (
-    jnp.zeros_like(x_padded, f32),
-    jnp.zeros_like(w_gate_up, f32),
-    jnp.zeros_like(w_down, f32),
-  )
+  x_padded, w_gate_up, w_down, b_gate_up, b_down, tile_tokens, tile_expert, num_used = residuals
+  grads_of = (x_padded, w_gate_up, w_down, b_gate_up, b_down)
+  init = tuple(jnp.zeros_like(a, jnp.float32) for a in grads_of)
 
   def tile_backward(carry, tile):
     index, tokens, expert, d_out = tile
 
     def accumulate(carry):
-      d_x, d_w_gate_up, d_w_down = carry
-      grads = _tile_grads(x_padded[tokens], w_gate_up[expert], w_down[expert], d_out, activation)
+      d_x, *d_expert = carry
+      grads = _tile_grads(
+        x_padded[tokens], w_gate_up[expert], w_down[expert], b_gate_up[expert], d_out, activation
+      )
       return (
         d_x.at[tokens].add(grads[0]),
-        _add_at(d_w_gate_up, expert, grads[1]),
-        _add_at(d_w_down, expert, grads[2]),
+        *[_add_at(total, expert, g) for total, g in zip(d_expert, grads[1:], strict=True)],
       )
 
     return jax.lax.cond(index < num_used, accumulate, lambda carry: carry, carry), None
 
   tiles = (jnp.arange(tile_tokens.shape[0]), tile_tokens, tile_expert, d_tiles)
-  (d_x, d_w_gate_up, d_w_down), _ = jax.lax.scan(tile_backward, init, tiles)
+  grads, _ = jax.lax.scan(tile_backward, init, tiles)
   return (
-    d_x.astype(x_padded.dtype),
-    d_w_gate_up.astype(w_gate_up.dtype),
-    d_w_down.astype(w_down.dtype),
+    *[g.astype(a.dtype) for g, a in zip(grads, grads_of, strict=True)],
     None,
     None,
     None,

@@ -49,7 +49,8 @@ def test_gradients_match_reference(mesh_shape, request):
   grads = jax.grad(moejax_loss, argnums=(0, 1))(params, poison(x, mask))
   expected = jax.grad(reference_loss, argnums=(0, 1))(params, x)
   for name, got, want in zip(MoEParams._fields, grads[0], expected[0], strict=True):
-    assert_close(got, want, what=f"d/d {name}")
+    if want is not None:  # parameters this config does not use are None in both
+      assert_close(got, want, what=f"d/d {name}")
   assert_close(grads[1], expected[1], what="d/dx")
   assert np.all(np.asarray(grads[1])[~np.asarray(mask)] == 0), "gradient leaked into padding"
 

@@ -1,0 +1,402 @@
+"""Hugging Face checkpoints: a model's `config.json` -> `MoEConfig`, one MoE layer -> `MoEParams`.
+
+Reads local safetensors files with NumPy (no torch): a single `model.safetensors` or a sharded
+checkpoint with `model.safetensors.index.json`. Experts may be stored as per-expert linear
+layers (`experts.{e}.gate_proj.weight`, Mixtral's `w1`/`w3`/`w2`) or as fused 3-D tensors
+(`experts.gate_up_proj`, GPT-OSS's with gate and up interleaved column by column).
+
+>>> sorted(FAMILIES)[:4]
+['deepseek_v2', 'deepseek_v3', 'glm4_moe', 'gpt_oss']
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from moejax.config import MoEConfig
+from moejax.params import MoEParams, param_shapes
+from moejax.sharding import param_sharding, placement
+
+_ACTIVATIONS = {
+  "silu": "silu",
+  "swish": "silu",
+  "gelu": "gelu",
+  "gelu_pytorch_tanh": "gelu_tanh",
+  "gelu_new": "gelu_tanh",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+  """Where one model family keeps an MoE layer's weights, and how its config reads.
+
+  Attributes:
+    block: the MoE block's key prefix, with `{layer}`.
+    router: the router's [E (+ Z), D] weight, relative to the block.
+    config: config.json dict -> `MoEConfig` keyword arguments.
+    expert_names: per-expert (gate, up, down) linear layer names under `experts.{e}.`.
+    fused_input_major: fused `experts.gate_up_proj` is [E, D, 2F] (GPT-OSS, Llama 4), not
+      transformers' [E, 2F, D].
+    interleaved: fused gate/up columns alternate gate, up (GPT-OSS), not halves.
+    router_bias: the router's bias key, or None.
+    selection_bias: the selection-only bias key (DeepSeek's `e_score_correction_bias`).
+    shared: the shared experts' key prefix (gate_proj, up_proj, down_proj), or None.
+    shared_gate: the shared experts' [1, D] gate weight key, or None.
+  """
+
+  block: str
+  router: str
+  config: Callable[[dict], dict]
+  expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+  fused_input_major: bool = False
+  interleaved: bool = False
+  router_bias: str | None = None
+  selection_bias: str | None = None
+  shared: str | None = None
+  shared_gate: str | None = None
+
+
+def _activation(hf: dict) -> str:
+  name = hf.get("hidden_act", "silu")
+  if name not in _ACTIVATIONS:
+    raise NotImplementedError(f"hidden_act={name!r}: moejax has {sorted(_ACTIVATIONS)}")
+  return _ACTIVATIONS[name]
+
+
+def _mixtral(hf: dict) -> dict:
+  return dict(
+    num_experts=hf["num_local_experts"],
+    top_k=hf["num_experts_per_tok"],
+    intermediate_size=hf["intermediate_size"],
+    renormalize=True,
+  )
+
+
+def _phimoe(hf: dict) -> dict:
+  return dict(
+    num_experts=hf["num_local_experts"],
+    top_k=hf["num_experts_per_tok"],
+    intermediate_size=hf["intermediate_size"],
+    scoring="sparsemixer",
+    sparsemixer_eps=hf.get("router_jitter_noise", 0.01),
+  )
+
+
+def _qwen(hf: dict, *, moe_width: str = "moe_intermediate_size") -> dict:
+  options = dict(
+    num_experts=hf["num_experts"] if "num_experts" in hf else hf["num_local_experts"],
+    top_k=hf["num_experts_per_tok"],
+    intermediate_size=hf[moe_width],
+    renormalize=bool(hf.get("norm_topk_prob", False)),
+  )
+  if hf.get("shared_expert_intermediate_size"):
+    options.update(
+      num_shared_experts=1,
+      shared_intermediate_size=hf["shared_expert_intermediate_size"],
+      shared_expert_gate=True,
+    )
+  return options
+
+
+def _deepseek(hf: dict, *, biased: bool) -> dict:
+  grouped = biased or hf.get("topk_method") == "group_limited_greedy"
+  options = dict(
+    num_experts=hf["n_routed_experts"],
+    top_k=hf["num_experts_per_tok"],
+    intermediate_size=hf["moe_intermediate_size"],
+    scoring="sigmoid" if biased else "softmax",
+    use_routing_bias=biased,
+    renormalize=bool(hf.get("norm_topk_prob", False)),
+    routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+    num_expert_groups=hf.get("n_group", 1) if grouped else 1,
+    topk_groups=hf.get("topk_group", 1) if grouped else 1,
+  )
+  if hf.get("n_shared_experts"):
+    options.update(
+      num_shared_experts=hf["n_shared_experts"],
+      shared_intermediate_size=hf["n_shared_experts"] * hf["moe_intermediate_size"],
+    )
+  return options
+
+
+def _gpt_oss(hf: dict) -> dict:
+  return dict(
+    num_experts=hf["num_local_experts"],
+    top_k=hf["num_experts_per_tok"],
+    intermediate_size=hf["intermediate_size"],
+    renormalize=True,  # softmax over the top-k logits
+    router_bias=True,
+    expert_bias=True,
+    activation="swiglu_oai",
+    swiglu_limit=float(hf.get("swiglu_limit", 7.0)),
+  )
+
+
+def _llama4(hf: dict) -> dict:
+  return dict(
+    num_experts=hf["num_local_experts"],
+    top_k=hf["num_experts_per_tok"],
+    intermediate_size=hf["intermediate_size"],
+    scoring="sigmoid",
+    apply_router_weight_on_input=True,
+    num_shared_experts=1,
+    shared_intermediate_size=hf["intermediate_size"],
+  )
+
+
+def _longcat(hf: dict) -> dict:
+  return dict(
+    num_experts=hf["n_routed_experts"],
+    top_k=hf["moe_topk"],
+    intermediate_size=hf["expert_ffn_hidden_size"],
+    num_zero_experts=hf.get("zero_expert_num") or 0,
+    use_routing_bias=True,
+    router_bias=bool(hf.get("router_bias", False)),
+    routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+  )
+
+
+_DEEPSEEK_V3 = Family(
+  "model.layers.{layer}.mlp",
+  "gate.weight",
+  lambda hf: _deepseek(hf, biased=True),
+  selection_bias="gate.e_score_correction_bias",
+  shared="shared_experts",
+)
+_QWEN_SHARED = Family(
+  "model.layers.{layer}.mlp",
+  "gate.weight",
+  _qwen,
+  shared="shared_expert",
+  shared_gate="shared_expert_gate.weight",
+)
+
+FAMILIES: dict[str, Family] = {
+  "mixtral": Family(
+    "model.layers.{layer}.block_sparse_moe", "gate.weight", _mixtral, ("w1", "w3", "w2")
+  ),
+  "phimoe": Family(
+    "model.layers.{layer}.block_sparse_moe", "gate.weight", _phimoe, ("w1", "w3", "w2")
+  ),
+  "qwen2_moe": _QWEN_SHARED,
+  "qwen3_next": _QWEN_SHARED,
+  "qwen3_moe": Family("model.layers.{layer}.mlp", "gate.weight", _qwen),
+  "olmoe": Family(
+    "model.layers.{layer}.mlp",
+    "gate.weight",
+    lambda hf: _qwen(hf, moe_width="intermediate_size"),
+  ),
+  "deepseek_v2": Family(
+    "model.layers.{layer}.mlp",
+    "gate.weight",
+    lambda hf: _deepseek(hf, biased=False),
+    shared="shared_experts",
+  ),
+  "deepseek_v3": _DEEPSEEK_V3,
+  "glm4_moe": _DEEPSEEK_V3,
+  "gpt_oss": Family(
+    "model.layers.{layer}.mlp",
+    "router.weight",
+    _gpt_oss,
+    fused_input_major=True,
+    interleaved=True,
+    router_bias="router.bias",
+  ),
+  "llama4_text": Family(
+    "model.layers.{layer}.feed_forward",
+    "router.weight",
+    _llama4,
+    fused_input_major=True,
+    shared="shared_expert",
+  ),
+  "longcat_flash": Family(
+    "model.layers.{layer}.mlp",
+    "router.classifier.weight",
+    _longcat,
+    router_bias="router.classifier.bias",
+    selection_bias="router.e_score_correction_bias",
+  ),
+}
+
+
+def _family(hf: dict) -> Family:
+  model_type = hf.get("model_type")
+  if model_type not in FAMILIES:
+    raise ValueError(
+      f"model_type={model_type!r} is not supported; moejax.hf reads {sorted(FAMILIES)}"
+    )
+  return FAMILIES[model_type]
+
+
+def config_from_hf(config: dict[str, Any], **overrides: Any) -> MoEConfig:
+  """The `MoEConfig` of a model's MoE layers, from its `config.json` as a dict.
+
+  Args:
+    config: the parsed config.json; `model_type` picks the family (see `FAMILIES`).
+    **overrides: further `MoEConfig` fields (chunk_size, dtype, dispatch, ...).
+
+  Raises:
+    ValueError: for an unsupported model_type (the message lists the supported ones).
+    NotImplementedError: for quantized checkpoints and activations moejax lacks.
+  """
+  quantization = config.get("quantization_config")
+  if quantization:
+    method = quantization.get("quant_method", quantization)
+    raise NotImplementedError(
+      f"quantized checkpoints (quantization_config {method!r}, e.g. fp8 block scales) are not "
+      "supported yet: load a bf16 or fp32 checkpoint"
+    )
+  options = {
+    "hidden_size": config["hidden_size"],
+    "activation": _activation(config),
+    **_family(config).config(config),  # a family's own activation (GPT-OSS) wins
+  }
+  return MoEConfig(**{**options, **overrides})
+
+
+class _Checkpoint:
+  """The tensors of a local safetensors checkpoint, single file or sharded, read lazily."""
+
+  def __init__(self, path: Path):
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+      weight_map = json.loads(index.read_text())["weight_map"]
+      self.files = {key: path / name for key, name in weight_map.items()}
+    elif (path / "model.safetensors").exists():
+      from safetensors import safe_open
+
+      with safe_open(path / "model.safetensors", "np") as f:
+        self.files = {key: path / "model.safetensors" for key in f.keys()}  # noqa: SIM118
+    else:
+      raise FileNotFoundError(f"{path} has neither model.safetensors nor its index")
+
+  def __contains__(self, key: str) -> bool:
+    return key in self.files
+
+  def get(self, key: str, shape: tuple[int, ...] | None = None) -> np.ndarray:
+    from safetensors import safe_open
+
+    if key not in self.files:
+      near = sorted(k for k in self.files if k.startswith(key.rsplit(".", 2)[0]))[:5]
+      raise KeyError(f"checkpoint has no tensor {key!r} (keys near it: {near})")
+    with safe_open(self.files[key], "np") as f:
+      value = f.get_tensor(key)
+    if shape is not None and value.shape != shape:
+      raise ValueError(f"checkpoint tensor {key!r} has shape {value.shape}, expected {shape}")
+    return value
+
+
+def load_layer(
+  path: str | Path, layer: int, config: MoEConfig | None = None, *, mesh: Mesh | None = None
+) -> MoEParams:
+  """One MoE layer's weights from a local Hugging Face checkpoint folder.
+
+  Args:
+    path: the folder (config.json and safetensors files).
+    layer: the decoder layer index; it must be an MoE layer of the model.
+    config: the layer's `MoEConfig`; None reads it with `config_from_hf` (dtype float32).
+    mesh: place each parameter on this mesh as `MoELayer` does (experts split over the expert
+      axis) straight from the file, one device's slice at a time; None gives host NumPy arrays.
+
+  Returns:
+    `MoEParams` in the config's `param_dtype`.
+
+  Raises:
+    KeyError: a tensor the layer needs is missing (the message names the key).
+    ValueError: a tensor has another shape than the config implies, or the family is unknown.
+  """
+  path = Path(path)
+  hf = json.loads((path / "config.json").read_text())
+  hf = hf.get("text_config", hf) if hf.get("model_type") == "llama4" else hf
+  family = _family(hf)
+  config = config_from_hf(hf) if config is None else config
+  checkpoint = _Checkpoint(path)
+  block = family.block.format(layer=layer)
+  values = _read_layer(checkpoint, block, family, config)
+  dtype = np.dtype(config.param_dtype)
+  values = {name: value.astype(dtype) for name, value in values.items()}
+  expected = param_shapes(config)
+  for name, value in values.items():
+    if value.shape != expected[name]:
+      raise ValueError(f"{name} read as {value.shape} from {block}, expected {expected[name]}")
+  if mesh is not None:
+    names = param_sharding(config)
+    values = {
+      name: jax.make_array_from_callback(
+        value.shape, placement(mesh, jax.sharding.PartitionSpec(*names[name])), value.__getitem__
+      )
+      for name, value in values.items()
+    }
+  return MoEParams(**values)
+
+
+def _read_layer(checkpoint: _Checkpoint, block: str, family: Family, config: MoEConfig) -> dict:
+  """The layer's parameters as float32 NumPy arrays in moejax's layout ([in, out])."""
+  d, f, e = config.hidden_size, config.intermediate_size, config.num_experts
+  outputs = config.num_router_outputs
+  key = lambda name: f"{block}.{name}"
+  f32 = lambda a: np.asarray(a, np.float32)
+  values = {"router_kernel": f32(checkpoint.get(key(family.router), (outputs, d))).T}
+  if family.router_bias and config.router_bias:
+    values["router_bias"] = f32(checkpoint.get(key(family.router_bias), (outputs,)))
+  if family.selection_bias and config.use_routing_bias:
+    values["routing_bias"] = f32(checkpoint.get(key(family.selection_bias), (outputs,)))
+  values.update(_read_experts(checkpoint, key, family, e, d, f))
+  if config.has_shared_experts and family.shared:
+    fs = config.shared_intermediate_size
+    gate, up, down = (
+      f32(checkpoint.get(key(f"{family.shared}.{name}.weight"), shape))
+      for name, shape in (("gate_proj", (fs, d)), ("up_proj", (fs, d)), ("down_proj", (d, fs)))
+    )
+    values["shared_w_gate_up"] = np.concatenate([gate.T, up.T], axis=1)
+    values["shared_w_down"] = down.T
+  if config.shared_expert_gate and family.shared_gate:
+    values["shared_gate_kernel"] = f32(checkpoint.get(key(family.shared_gate), (1, d))).T
+  return values
+
+
+def _read_experts(checkpoint: _Checkpoint, key, family: Family, e: int, d: int, f: int) -> dict:
+  """w_gate_up [E, D, 2F], w_down [E, F, D] (and biases) from fused or per-expert tensors."""
+  f32 = lambda a: np.asarray(a, np.float32)
+  values = {}
+  if key("experts.gate_up_proj") in checkpoint:
+    gate_up = f32(checkpoint.get(key("experts.gate_up_proj")))[:e]
+    down = f32(checkpoint.get(key("experts.down_proj")))[:e]
+    if not family.fused_input_major:  # transformers' [E, 2F, D] and [E, D, F]
+      gate_up, down = gate_up.transpose(0, 2, 1), down.transpose(0, 2, 1)
+    if gate_up.shape != (e, d, 2 * f) or down.shape != (e, f, d):
+      raise ValueError(
+        f"{key('experts')}: fused gate_up {gate_up.shape} / down {down.shape}, expected "
+        f"{(e, d, 2 * f)} / {(e, f, d)}"
+      )
+    values["w_gate_up"], values["w_down"] = _halves(gate_up, family.interleaved), down
+    if key("experts.gate_up_proj_bias") in checkpoint:
+      bias = f32(checkpoint.get(key("experts.gate_up_proj_bias"), None))[:e]
+      values["b_gate_up"] = _halves(bias, family.interleaved)
+      values["b_down"] = f32(checkpoint.get(key("experts.down_proj_bias"), None))[:e]
+    return values
+  gate_name, up_name, down_name = family.expert_names
+  weight = lambda i, name, shape: f32(checkpoint.get(key(f"experts.{i}.{name}.weight"), shape))
+  values["w_gate_up"] = np.stack(
+    [
+      np.concatenate([weight(i, gate_name, (f, d)).T, weight(i, up_name, (f, d)).T], axis=1)
+      for i in range(e)
+    ]
+  )
+  values["w_down"] = np.stack([weight(i, down_name, (d, f)).T for i in range(e)])
+  return values
+
+
+def _halves(gate_up: np.ndarray, interleaved: bool) -> np.ndarray:
+  """[..., 2F] with gate then up halves (de-interleaving GPT-OSS's alternating columns)."""
+  if not interleaved:
+    return gate_up
+  return np.concatenate([gate_up[..., 0::2], gate_up[..., 1::2]], axis=-1)

@@ -1,0 +1,356 @@
+"""`moejax.hf`: tiny checkpoints written here in each family's real key names and layouts,
+loaded and run on one device and on the 2x4 mesh, against NumPy versions of each family's MoE
+block written here (not moejax's reference); sharded checkpoints; placement on a mesh; errors."""
+
+import json
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+from safetensors.numpy import save_file
+
+from moejax import hf, moe_apply
+from tests.helpers import mesh_of, seed_of
+
+D, F, FS, E, T = 16, 12, 10, 8, 24
+
+
+# --- each family's MoE block in NumPy, from the checkpoint's own tensors ---------------------
+
+
+def softmax(z):
+  z = np.exp(z - z.max(-1, keepdims=True))
+  return z / z.sum(-1, keepdims=True)
+
+
+def sigmoid(z):
+  return 1.0 / (1.0 + np.exp(-z))
+
+
+def silu(z):
+  return z * sigmoid(z)
+
+
+def linear_mlp(x, gate, up, down):
+  """torch Linear weights: gate, up [F, D], down [D, F]."""
+  return (silu(x @ gate.T) * (x @ up.T)) @ down.T
+
+
+def top(scores, k):
+  return np.argsort(-scores, axis=-1, kind="stable")[:, :k]
+
+
+def weighted_sum(ids, weights, expert_out):
+  """sum_k weights[t, k] * expert_out(ids[t, k], x[t])."""
+  return np.stack(
+    [sum(w * expert_out(e, t) for e, w in zip(ids[t], weights[t], strict=True)) for t in range(T)]
+  )
+
+
+def per_expert_block(x, get, names, ids, weights):
+  gate, up, down = names
+  mlp = lambda e, t: linear_mlp(
+    x[t], get(f"experts.{e}.{gate}.weight"), get(f"experts.{e}.{up}.weight"),
+    get(f"experts.{e}.{down}.weight"),
+  )  # fmt: skip
+  return weighted_sum(ids, weights, mlp)
+
+
+def shared_block(x, get, prefix):
+  return linear_mlp(
+    x, get(f"{prefix}.gate_proj.weight"), get(f"{prefix}.up_proj.weight"),
+    get(f"{prefix}.down_proj.weight"),
+  )  # fmt: skip
+
+
+def mixtral_block(x, get, hf_config):
+  p = softmax(x @ get("gate.weight").T)
+  ids = top(p, hf_config["num_experts_per_tok"])
+  w = np.take_along_axis(p, ids, -1)
+  return per_expert_block(x, get, ("w1", "w3", "w2"), ids, w / w.sum(-1, keepdims=True))
+
+
+def phimoe_block(x, get, hf_config):
+  logits, eps = x @ get("gate.weight").T, hf_config["router_jitter_noise"]
+  ids, weights = np.zeros((T, 2), int), np.zeros((T, 2))
+  for t in range(T):
+    s, candidates = logits[t], logits[t].copy()
+    for k in range(2):
+      best = int(np.argmax(candidates))
+      factor = np.maximum(np.abs(s), candidates[best])
+      keep = ((candidates[best] - s) / factor <= 2 * eps) & np.isfinite(candidates)
+      gates = softmax(np.where(keep, candidates, -np.inf))
+      ids[t, k], weights[t, k] = best, gates[best]
+      candidates[best] = -np.inf
+  return per_expert_block(x, get, ("w1", "w3", "w2"), ids, weights)
+
+
+def qwen_block(x, get, hf_config):
+  p = softmax(x @ get("gate.weight").T)
+  ids = top(p, hf_config["num_experts_per_tok"])
+  w = np.take_along_axis(p, ids, -1)
+  if hf_config.get("norm_topk_prob"):
+    w = w / w.sum(-1, keepdims=True)
+  y = per_expert_block(x, get, ("gate_proj", "up_proj", "down_proj"), ids, w)
+  if "shared_expert_intermediate_size" in hf_config:
+    gate = sigmoid(x @ get("shared_expert_gate.weight").T)
+    y = y + gate * shared_block(x, get, "shared_expert")
+  return y
+
+
+def deepseek_block(x, get, hf_config, biased):
+  logits = x @ get("gate.weight").T
+  scores = sigmoid(logits) if biased else softmax(logits)
+  choice = scores + get("gate.e_score_correction_bias") if biased else scores.copy()
+  groups, kept = hf_config["n_group"], hf_config["topk_group"]
+  grouped = choice.reshape(T, groups, -1)
+  group_score = np.sort(grouped, -1)[..., -2:].sum(-1) if biased else grouped.max(-1)
+  dropped = np.argsort(-group_score, -1, kind="stable")[:, kept:]
+  for t in range(T):
+    grouped[t, dropped[t]] = -np.inf
+  ids = top(grouped.reshape(T, -1), hf_config["num_experts_per_tok"])
+  w = np.take_along_axis(scores, ids, -1)
+  if hf_config.get("norm_topk_prob"):
+    w = w / w.sum(-1, keepdims=True)
+  w = w * hf_config.get("routed_scaling_factor", 1.0)
+  y = per_expert_block(x, get, ("gate_proj", "up_proj", "down_proj"), ids, w)
+  return y + shared_block(x, get, "shared_experts")
+
+
+def gpt_oss_block(x, get, hf_config):
+  logits = x @ get("router.weight").T + get("router.bias")
+  ids = top(logits, hf_config["num_experts_per_tok"])
+  w = softmax(np.take_along_axis(logits, ids, -1))
+  limit = hf_config["swiglu_limit"]
+  gate_up, gate_up_bias = get("experts.gate_up_proj"), get("experts.gate_up_proj_bias")
+  down, down_bias = get("experts.down_proj"), get("experts.down_proj_bias")
+
+  def expert(e, t):
+    h = x[t] @ gate_up[e] + gate_up_bias[e]
+    g, u = np.minimum(h[::2], limit), np.clip(h[1::2], -limit, limit)
+    return ((u + 1) * g * sigmoid(1.702 * g)) @ down[e] + down_bias[e]
+
+  return weighted_sum(ids, w, expert)
+
+
+def llama4_block(x, get, hf_config):
+  logits = x @ get("router.weight").T
+  ids = top(logits, 1)
+  w = sigmoid(np.take_along_axis(logits, ids, -1))
+  gate_up, down = get("experts.gate_up_proj"), get("experts.down_proj")
+
+  def expert(e, t):
+    h = (w[t, 0] * x[t]) @ gate_up[e]
+    return (silu(h[:F]) * h[F:]) @ down[e]
+
+  routed = weighted_sum(ids, np.ones_like(w), expert)
+  return routed + shared_block(x, get, "shared_expert")
+
+
+def longcat_block(x, get, hf_config):
+  scores = softmax(x @ get("router.classifier.weight").T)
+  ids = top(scores + get("router.e_score_correction_bias"), hf_config["moe_topk"])
+  w = np.take_along_axis(scores, ids, -1) * hf_config["routed_scaling_factor"]
+  names = ("gate_proj", "up_proj", "down_proj")
+  mlp = lambda e, t: (
+    x[t] if e >= E else linear_mlp(x[t], *(get(f"experts.{e}.{name}.weight") for name in names))
+  )
+  return weighted_sum(ids, w, mlp)
+
+
+# --- tiny checkpoints in each family's layout ------------------------------------------------
+
+
+def linear_experts(rng, names, count=E):
+  gate, up, down = names
+  out = {}
+  for e in range(count):
+    out[f"experts.{e}.{gate}.weight"] = rng.standard_normal((F, D))
+    out[f"experts.{e}.{up}.weight"] = rng.standard_normal((F, D))
+    out[f"experts.{e}.{down}.weight"] = rng.standard_normal((D, F))
+  return out
+
+
+def shared_linear(rng, prefix, width):
+  return {
+    f"{prefix}.gate_proj.weight": rng.standard_normal((width, D)),
+    f"{prefix}.up_proj.weight": rng.standard_normal((width, D)),
+    f"{prefix}.down_proj.weight": rng.standard_normal((D, width)),
+  }
+
+
+MIXTRAL = ("w1", "w3", "w2")
+QWEN = dict(num_experts=E, num_experts_per_tok=2, moe_intermediate_size=F)
+DEEPSEEK = dict(
+  n_routed_experts=E, num_experts_per_tok=2, moe_intermediate_size=F, n_shared_experts=1,
+  n_group=4, topk_group=2, routed_scaling_factor=1.5, norm_topk_prob=True,
+)  # fmt: skip
+# model_type -> (config fields, block prefix, tensors(rng) in torch layout, NumPy block)
+FAMILIES = {
+  "mixtral": (
+    dict(num_local_experts=E, num_experts_per_tok=2, intermediate_size=F),
+    "block_sparse_moe",
+    lambda rng: {"gate.weight": rng.standard_normal((E, D)), **linear_experts(rng, MIXTRAL)},
+    mixtral_block,
+  ),
+  "phimoe": (
+    dict(num_local_experts=E, num_experts_per_tok=2, intermediate_size=F, router_jitter_noise=0.1),
+    "block_sparse_moe",
+    lambda rng: {"gate.weight": rng.standard_normal((E, D)), **linear_experts(rng, MIXTRAL)},
+    phimoe_block,
+  ),
+  "qwen2_moe": (
+    dict(**QWEN, shared_expert_intermediate_size=FS),
+    "mlp",
+    lambda rng: {
+      "gate.weight": rng.standard_normal((E, D)),
+      **linear_experts(rng, ("gate_proj", "up_proj", "down_proj")),
+      **shared_linear(rng, "shared_expert", FS),
+      "shared_expert_gate.weight": rng.standard_normal((1, D)),
+    },
+    qwen_block,
+  ),
+  "qwen3_moe": (
+    dict(**QWEN, norm_topk_prob=True),
+    "mlp",
+    lambda rng: {
+      "gate.weight": rng.standard_normal((E, D)),
+      **linear_experts(rng, ("gate_proj", "up_proj", "down_proj")),
+    },
+    qwen_block,
+  ),
+  "deepseek_v2": (
+    dict(DEEPSEEK, topk_method="group_limited_greedy"),
+    "mlp",
+    lambda rng: {
+      "gate.weight": rng.standard_normal((E, D)),
+      **linear_experts(rng, ("gate_proj", "up_proj", "down_proj")),
+      **shared_linear(rng, "shared_experts", F),
+    },
+    lambda x, get, c: deepseek_block(x, get, c, biased=False),
+  ),
+  "deepseek_v3": (
+    DEEPSEEK,
+    "mlp",
+    lambda rng: {
+      "gate.weight": rng.standard_normal((E, D)),
+      "gate.e_score_correction_bias": rng.standard_normal(E),
+      **linear_experts(rng, ("gate_proj", "up_proj", "down_proj")),
+      **shared_linear(rng, "shared_experts", F),
+    },
+    lambda x, get, c: deepseek_block(x, get, c, biased=True),
+  ),
+  "gpt_oss": (
+    dict(num_local_experts=E, num_experts_per_tok=2, intermediate_size=F, swiglu_limit=2.0),
+    "mlp",
+    lambda rng: {
+      "router.weight": rng.standard_normal((E, D)),
+      "router.bias": rng.standard_normal(E),
+      "experts.gate_up_proj": rng.standard_normal((E, D, 2 * F)),
+      "experts.gate_up_proj_bias": rng.standard_normal((E, 2 * F)),
+      "experts.down_proj": rng.standard_normal((E, F, D)),
+      "experts.down_proj_bias": rng.standard_normal((E, D)),
+    },
+    gpt_oss_block,
+  ),
+  "llama4_text": (
+    dict(num_local_experts=E, num_experts_per_tok=1, intermediate_size=F),
+    "feed_forward",
+    lambda rng: {
+      "router.weight": rng.standard_normal((E, D)),
+      "experts.gate_up_proj": rng.standard_normal((E, D, 2 * F)),
+      "experts.down_proj": rng.standard_normal((E, F, D)),
+      **shared_linear(rng, "shared_expert", F),
+    },
+    llama4_block,
+  ),
+  "longcat_flash": (
+    dict(n_routed_experts=E, zero_expert_num=3, moe_topk=3, expert_ffn_hidden_size=F,
+         routed_scaling_factor=2.0),
+    "mlp",
+    lambda rng: {
+      "router.classifier.weight": rng.standard_normal((E + 3, D)),
+      "router.e_score_correction_bias": 0.1 * rng.standard_normal(E + 3),
+      **linear_experts(rng, ("gate_proj", "up_proj", "down_proj")),
+    },
+    longcat_block,
+  ),
+}  # fmt: skip
+
+
+def write_checkpoint(path, model_type, layer, shards=1, seed=0):
+  """config.json and safetensors (one file, or `shards` files plus the index) for one layer."""
+  fields, prefix, make, _ = FAMILIES[model_type]
+  rng = np.random.default_rng(seed)
+  tensors = {name: (0.3 * v).astype(np.float32) for name, v in make(rng).items()}
+  stored = {f"model.layers.{layer}.{prefix}.{name}": v for name, v in tensors.items()}
+  stored["model.embed_tokens.weight"] = rng.standard_normal((32, D)).astype(np.float32)
+  config = dict(model_type=model_type, hidden_size=D, hidden_act="silu", **fields)
+  (path / "config.json").write_text(json.dumps(config))
+  if shards == 1:
+    save_file(stored, str(path / "model.safetensors"))
+  else:
+    names = sorted(stored)
+    weight_map = {}
+    for i in range(shards):
+      file = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+      part = names[i::shards]
+      save_file({n: stored[n] for n in part}, str(path / file))
+      weight_map.update(dict.fromkeys(part, file))
+    (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+  return config, tensors.__getitem__
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_family_loads_and_matches_its_numpy_block(model_type, tmp_path, request):
+  layer = 3
+  hf_config, get = write_checkpoint(tmp_path, model_type, layer, seed=seed_of(request.node.name))
+  config = hf.config_from_hf(hf_config, chunk_size=5)
+  params = hf.load_layer(tmp_path, layer, config)
+  rng = np.random.default_rng(seed_of(request.node.name) + 1)
+  x = rng.standard_normal((T, D)).astype(np.float32)
+  mask = rng.random(T) < 0.7
+  expected = np.where(
+    mask[:, None], FAMILIES[model_type][3](x.astype(np.float64), get, hf_config), 0
+  )
+  for mesh in (None, mesh_of(2, 4)):
+    y, _ = moe_apply(params, jnp.asarray(x), config=config, mesh=mesh, token_mask=jnp.asarray(mask))
+    chex.assert_trees_all_close(y, expected.astype(np.float32), atol=2e-4, rtol=2e-4)
+
+
+def test_sharded_checkpoint_loads_straight_onto_a_mesh(tmp_path):
+  write_checkpoint(tmp_path, "deepseek_v3", layer=1, shards=3)
+  mesh = mesh_of(2, 4)
+  on_mesh = hf.load_layer(tmp_path, 1, mesh=mesh)
+  on_host = hf.load_layer(tmp_path, 1)
+  chex.assert_trees_all_equal(jax.tree.map(np.asarray, on_mesh), on_host)
+  assert on_mesh.w_gate_up.sharding.spec == P("expert", None, None)
+  assert on_mesh.w_gate_up.addressable_shards[0].data.shape == (E // 4, D, 2 * F)
+  assert on_mesh.router_kernel.sharding.spec == P(None, None)
+
+
+def test_missing_tensor_names_the_key(tmp_path):
+  write_checkpoint(tmp_path, "mixtral", layer=0)
+  with pytest.raises(KeyError, match=r"model\.layers\.2\.block_sparse_moe\.gate\.weight"):
+    hf.load_layer(tmp_path, 2)
+
+
+def test_shape_mismatch_names_the_key_and_shapes(tmp_path):
+  hf_config, _ = write_checkpoint(tmp_path, "qwen3_moe", layer=0)
+  wider = hf.config_from_hf({**hf_config, "moe_intermediate_size": F + 1})
+  with pytest.raises(ValueError, match=r"experts\.0\.gate_proj\.weight.*\(12, 16\).*\(13, 16\)"):
+    hf.load_layer(tmp_path, 0, wider)
+
+
+def test_unsupported_family_lists_the_supported_ones():
+  with pytest.raises(ValueError, match=r"model_type='bert'.*'mixtral'"):
+    hf.config_from_hf({"model_type": "bert", "hidden_size": 8})
+
+
+def test_quantized_checkpoint_is_not_implemented_yet():
+  fp8 = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+  with pytest.raises(NotImplementedError, match="fp8"):
+    hf.config_from_hf({"model_type": "deepseek_v3", "quantization_config": fp8, **DEEPSEEK})

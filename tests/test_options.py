@@ -1,0 +1,150 @@
+"""The model-family options (GPT-OSS, Llama 4, PhiMoE, Qwen2-MoE, LongCat-Flash, tanh GELU)
+against the reference: meshes, both dispatch schemes, NaN padding, gradients, the kernels'
+fallback."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from moejax import MoEConfig, moe_apply, param_shapes, reference_moe, routing
+from tests.helpers import mesh_of, poison, random_params, rank_mask, seed_of
+
+ROWS_PER_RANK = 9
+BASE = dict(num_experts=8, top_k=2, hidden_size=16, intermediate_size=24, chunk_size=4)
+OPTIONS = {
+  "gelu_tanh": dict(activation="gelu_tanh"),
+  "gpt_oss": dict(
+    activation="swiglu_oai",
+    swiglu_limit=1.0,  # small enough that the clamps bind on these inputs
+    expert_bias=True,
+    router_bias=True,
+    renormalize=True,
+  ),
+  "llama4": dict(top_k=1, apply_router_weight_on_input=True, scoring="sigmoid"),
+  "phimoe": dict(scoring="sparsemixer", sparsemixer_eps=0.2),
+  "qwen2_moe": dict(num_shared_experts=1, shared_intermediate_size=12, shared_expert_gate=True),
+  "longcat": dict(num_zero_experts=3, use_routing_bias=True, top_k=3, routed_scaling_factor=1.5),
+}
+F32 = dict(atol=3e-5, rtol=3e-5)
+
+
+def make_inputs(config: MoEConfig, name: str):
+  key = jax.random.key(seed_of(name))
+  params = random_params(config, key)
+  x = jax.random.normal(jax.random.fold_in(key, 1), (8 * ROWS_PER_RANK, config.hidden_size))
+  probe = jax.random.normal(jax.random.fold_in(key, 2), x.shape)
+  return params, 2.0 * x, probe
+
+
+@pytest.mark.parametrize("scheme", ["all_gather", "all_to_all"])
+@pytest.mark.parametrize("option", OPTIONS.values(), ids=OPTIONS.keys())
+def test_option_matches_reference_with_gradients(option, scheme, request):
+  config = MoEConfig(**{**BASE, **option}, dispatch=scheme)
+  params, x, probe = make_inputs(config, request.node.name)
+  mask = rank_mask([0, 4, 9, 2, 0, 7, 1, 9], ROWS_PER_RANK)
+  mesh = mesh_of(2, 4)
+  ours = lambda p, x: moe_apply(p, x, config=config, mesh=mesh, token_mask=mask)[0]
+  theirs = lambda p, x: reference_moe(p, x, config, mask)
+  y = ours(params, poison(x, mask))
+  chex.assert_trees_all_close(y, theirs(params, x), **F32)
+  assert np.all(np.asarray(y)[~np.asarray(mask)] == 0)
+  loss = lambda layer: lambda p, x: jnp.sum(jnp.sin(layer(p, x)) * probe)
+  got = jax.grad(loss(ours), argnums=(0, 1))(params, poison(x, mask))
+  want = jax.grad(loss(theirs), argnums=(0, 1))(params, x)
+  chex.assert_tree_all_finite(got)
+  chex.assert_trees_all_close(got, want, **F32)
+
+
+ALL_AT_ONCE = MoEConfig(
+  **{**BASE, "top_k": 3},
+  activation="swiglu_oai",
+  swiglu_limit=1.5,
+  expert_bias=True,
+  router_bias=True,
+  num_zero_experts=2,
+  use_routing_bias=True,
+  num_shared_experts=1,
+  shared_intermediate_size=8,
+  shared_expert_gate=True,
+)
+
+
+@pytest.mark.parametrize("mesh_shape", [None, (1, 8), (8, 1)], ids=str)
+def test_options_together_on_every_mesh_and_token_pattern(mesh_shape, request):
+  params, x, _ = make_inputs(ALL_AT_ONCE, request.node.name)
+  mesh = None if mesh_shape is None else mesh_of(*mesh_shape)
+  for counts in ([0, 4, 9, 2, 0, 7, 1, 9], [0] * 8, [ROWS_PER_RANK] * 8):
+    mask = rank_mask(counts, ROWS_PER_RANK)
+    y, aux = moe_apply(params, poison(x, mask), config=ALL_AT_ONCE, mesh=mesh, token_mask=mask)
+    chex.assert_trees_all_close(y, reference_moe(params, x, ALL_AT_ONCE, mask), **F32)
+    chex.assert_shape(aux.expert_counts, (8 + 2,))
+    assert int(aux.expert_counts.sum()) == 3 * int(mask.sum())
+
+
+def test_zero_experts_return_the_weighted_input(request):
+  """Routed only to zero-computation experts, a token's output is its input times the sum of
+  its weights: no expert compute, nothing sent."""
+  config = MoEConfig(**BASE, num_zero_experts=2, dispatch="all_to_all")
+  params, x, _ = make_inputs(config, request.node.name)
+  logits = jnp.zeros((x.shape[0], 10)).at[:, 8:].set(20.0)  # both picks: ids 8 and 9
+  y, aux = moe_apply(params, x, config=config, mesh=mesh_of(2, 4), router_logits=logits)
+  weights = jax.nn.softmax(logits)[:, 8:].sum(-1, keepdims=True)
+  chex.assert_trees_all_close(y, weights * x, **F32)
+  chex.assert_trees_all_equal(np.asarray(aux.dispatch_rows), np.zeros(8, np.int32))
+
+
+@pytest.mark.parametrize("option", ["gpt_oss", "gelu_tanh"])
+def test_pallas_backend_falls_back_to_xla_for_an_epilogue_it_lacks(option, request):
+  config = MoEConfig(**{**BASE, **OPTIONS[option]}, expert_backend="pallas")
+  params, x, _ = make_inputs(config, request.node.name)
+  mask = rank_mask([3, 9, 0, 5, 1, 0, 9, 2], ROWS_PER_RANK)
+  with pytest.warns(UserWarning, match="falls back to the XLA tile loop"):
+    y, _ = moe_apply(params, x, config=config, mesh=mesh_of(2, 4), token_mask=mask)
+  chex.assert_trees_all_close(y, reference_moe(params, x, config, mask), **F32)
+
+
+@pytest.mark.filterwarnings("ignore:expert_backend='pallas' on a CPU:UserWarning")
+@pytest.mark.parametrize("option", ["llama4", "phimoe", "qwen2_moe", "longcat"])
+def test_pallas_backend_runs_the_routing_options(option, request):
+  config = MoEConfig(**{**BASE, **OPTIONS[option]}, expert_backend="pallas")
+  params, x, _ = make_inputs(config, request.node.name)
+  mask = rank_mask([3, 9, 0, 5, 1, 0, 9, 2], ROWS_PER_RANK)
+  y, _ = moe_apply(params, x, config=config, mesh=mesh_of(2, 4), token_mask=mask)
+  chex.assert_trees_all_close(y, reference_moe(params, x, config, mask), **F32)
+
+
+def test_sparsemixer_weights_follow_the_window():
+  """Hand-made logits, eps 0.05: pick 1 = expert 0 (logit 2.0), whose window keeps the logits
+  within 2 * 0.05 * 2.0 = 0.2 of it (2.0, 1.9, 1.85; not 1.75). Pick 2 = expert 1 (1.9),
+  whose window, 0.19 wide, keeps 1.9, 1.85 and 1.75, pick 1 excluded."""
+  config = MoEConfig(**{**BASE, "num_experts": 5}, scoring="sparsemixer", sparsemixer_eps=0.05)
+  logits = jnp.array([[2.0, 1.9, 1.85, 1.75, -3.0]])
+  params = random_params(config, jax.random.key(0))
+  x = jnp.ones((1, 16))
+  got = routing.route(logits, jnp.ones(1, bool), config, None)
+  chex.assert_trees_all_equal(np.asarray(got.expert_ids), np.array([[0, 1]], np.int32))
+  first = np.exp(2.0) / (np.exp(2.0) + np.exp(1.9) + np.exp(1.85))
+  second = np.exp(1.9) / (np.exp(1.9) + np.exp(1.85) + np.exp(1.75))
+  chex.assert_trees_all_close(got.weights, np.array([[first, second]]), atol=1e-6, rtol=1e-6)
+  chex.assert_trees_all_close(
+    moe_apply(params, x, config=config, router_logits=logits)[0],
+    reference_moe(params, x, config, router_logits=logits),
+    **F32,
+  )
+
+
+def test_config_options_are_part_of_the_checkpoint_format():
+  assert param_shapes(ALL_AT_ONCE) == {
+    "router_kernel": (16, 10),
+    "w_gate_up": (8, 16, 48),
+    "w_down": (8, 24, 16),
+    "routing_bias": (10,),
+    "shared_w_gate_up": (16, 16),
+    "shared_w_down": (8, 16),
+    "router_bias": (10,),
+    "b_gate_up": (8, 48),
+    "b_down": (8, 16),
+    "shared_gate_kernel": (16, 1),
+  }
