@@ -27,9 +27,10 @@ def test_notebook_is_committed_without_outputs(path):
       assert not cell.outputs and cell.execution_count is None, f"{path.name} has outputs"
 
 
-def test_there_are_three_notebooks():
+def test_there_are_four_notebooks():
   assert [p.name for p in NOTEBOOKS] == [
     "01_quickstart.ipynb",
     "02_chunking.ipynb",
     "03_training.ipynb",
+    "04_from_transformers.ipynb",
   ]
