@@ -188,6 +188,7 @@ def _time_xla_paths(experts: int, smoke: bool, record: Recorder) -> None:
   from gpu_kernels import forward_backward, median_seconds
 
   from moejax.experts import default_tile_rows, grouped_mlp, sorted_mlp
+  from moejax.tiles import GatedActivation
 
   tokens, d, f, top_k = (64, 64, 32, 2) if smoke else (8192, 2048, 1024, 2)
   keys = jax.random.split(jax.random.key(experts), 4)
@@ -199,8 +200,16 @@ def _time_xla_paths(experts: int, smoke: bool, record: Recorder) -> None:
   flops = 2 * tokens * top_k * d * 3 * f
   paths = {
     "ragged_dot": functools.partial(sorted_mlp, activation="silu", implementation="xla"),
-    "tile_loop": functools.partial(
-      grouped_mlp, activation="silu", tile_rows=default_tile_rows(ids.size, experts)
+    "tile_loop": lambda x, ids, weights, wgu, wd: grouped_mlp(
+      x,
+      ids,
+      weights,
+      wgu,
+      wd,
+      jnp.zeros((experts, 2 * f), jnp.float32),  # no expert biases
+      jnp.zeros((experts, d), jnp.float32),
+      activation=GatedActivation("silu"),
+      tile_rows=default_tile_rows(ids.size, experts),
     ),
   }
   cotangent = jax.random.normal(keys[3], (tokens, d), jnp.float32)

@@ -5,8 +5,8 @@ checkpoint with `model.safetensors.index.json`. Experts may be stored as per-exp
 layers (`experts.{e}.gate_proj.weight`, Mixtral's `w1`/`w3`/`w2`) or as fused 3-D tensors
 (`experts.gate_up_proj`, GPT-OSS's with gate and up interleaved column by column).
 
->>> sorted(FAMILIES)[:4]
-['deepseek_v2', 'deepseek_v3', 'glm4_moe', 'gpt_oss']
+>>> len(FAMILIES), sorted(FAMILIES)[:3]
+(19, ['dbrx', 'deepseek_v2', 'deepseek_v3'])
 """
 
 from __future__ import annotations
@@ -46,6 +46,8 @@ class Family:
     fused_input_major: fused `experts.gate_up_proj` is [E, D, 2F] (GPT-OSS, Llama 4), not
       transformers' [E, 2F, D].
     interleaved: fused gate/up columns alternate gate, up (GPT-OSS), not halves.
+    fused: the fused (gate_up, down) tensors' keys relative to the block.
+    flat_experts: DBRX's (gate, up, down) keys, each [E * F, D] (down transposed).
     router_bias: the router's bias key, or None.
     selection_bias: the selection-only bias key (DeepSeek's `e_score_correction_bias`).
     shared: the shared experts' key prefix (gate_proj, up_proj, down_proj), or None.
@@ -58,6 +60,8 @@ class Family:
   expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
   fused_input_major: bool = False
   interleaved: bool = False
+  fused: tuple[str, str] = ("experts.gate_up_proj", "experts.down_proj")
+  flat_experts: tuple[str, str, str] | None = None
   router_bias: str | None = None
   selection_bias: str | None = None
   shared: str | None = None
@@ -65,19 +69,79 @@ class Family:
 
 
 def _activation(hf: dict) -> str:
-  name = hf.get("hidden_act", "silu")
+  name = hf.get("hidden_act") or hf.get("ffn_config", {}).get("ffn_act_fn", {}).get("name", "silu")
   if name not in _ACTIVATIONS:
     raise NotImplementedError(f"hidden_act={name!r}: moejax has {sorted(_ACTIVATIONS)}")
   return _ACTIVATIONS[name]
 
 
-def _mixtral(hf: dict) -> dict:
+def _softmax_top_k(hf: dict, experts: str, top_k: str, width: str, renormalize: bool) -> dict:
   return dict(
-    num_experts=hf["num_local_experts"],
-    top_k=hf["num_experts_per_tok"],
+    num_experts=hf[experts],
+    top_k=hf[top_k],
+    intermediate_size=hf[width],
+    renormalize=renormalize,
+  )
+
+
+def _shared_experts(count: int | None, width: int) -> dict:
+  """Config fields for `count` shared experts of `width` each (fused: width count * width)."""
+  if not count:
+    return {}
+  return dict(num_shared_experts=count, shared_intermediate_size=count * width)
+
+
+def _ernie(hf: dict) -> dict:
+  options = _softmax_top_k(hf, "moe_num_experts", "moe_k", "moe_intermediate_size", True)
+  options.update(use_routing_bias=True)
+  options.update(_shared_experts(hf.get("moe_num_shared_experts"), hf["moe_intermediate_size"]))
+  return options
+
+
+def _hunyuan(hf: dict) -> dict:
+  top_k = hf["moe_topk"]
+  options = dict(
+    num_experts=hf["num_experts"],
+    top_k=top_k if isinstance(top_k, int) else top_k[0],
     intermediate_size=hf["intermediate_size"],
     renormalize=True,
   )
+  shared = hf.get("num_shared_expert", 1)
+  shared = shared if isinstance(shared, int) else shared[0]
+  if hf.get("use_mixed_mlp_moe", True):
+    options.update(_shared_experts(shared, hf["intermediate_size"]))
+  return options
+
+
+def _lfm2(hf: dict) -> dict:
+  return dict(
+    num_experts=hf["num_experts"],
+    top_k=hf["num_experts_per_tok"],
+    intermediate_size=hf["moe_intermediate_size"],
+    scoring="sigmoid",
+    use_routing_bias=bool(hf.get("use_expert_bias", True)),
+    renormalize=bool(hf.get("norm_topk_prob", True)),
+    routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+  )
+
+
+def _dbrx(hf: dict) -> dict:
+  ffn = hf["ffn_config"]
+  if ffn.get("moe_normalize_expert_weights") not in (None, 1, 1.0):
+    raise NotImplementedError(
+      f"DBRX moe_normalize_expert_weights={ffn['moe_normalize_expert_weights']}: moejax "
+      "renormalizes with the sum (p=1) only"
+    )
+  return dict(
+    num_experts=ffn["moe_num_experts"],
+    top_k=ffn["moe_top_k"],
+    intermediate_size=ffn["ffn_hidden_size"],
+    renormalize=ffn.get("moe_normalize_expert_weights") is not None,
+  )
+
+
+def _mixtral(hf: dict) -> dict:
+  return _softmax_top_k(hf, "num_local_experts", "num_experts_per_tok", "intermediate_size", True)
 
 
 def _phimoe(hf: dict) -> dict:
@@ -119,11 +183,7 @@ def _deepseek(hf: dict, *, biased: bool) -> dict:
     num_expert_groups=hf.get("n_group", 1) if grouped else 1,
     topk_groups=hf.get("topk_group", 1) if grouped else 1,
   )
-  if hf.get("n_shared_experts"):
-    options.update(
-      num_shared_experts=hf["n_shared_experts"],
-      shared_intermediate_size=hf["n_shared_experts"] * hf["moe_intermediate_size"],
-    )
+  options.update(_shared_experts(hf.get("n_shared_experts"), hf["moe_intermediate_size"]))
   return options
 
 
@@ -164,6 +224,7 @@ def _longcat(hf: dict) -> dict:
   )
 
 
+_W1_W3_W2 = ("w1", "w3", "w2")  # Mixtral's names of gate, up and down
 _DEEPSEEK_V3 = Family(
   "model.layers.{layer}.mlp",
   "gate.weight",
@@ -180,12 +241,8 @@ _QWEN_SHARED = Family(
 )
 
 FAMILIES: dict[str, Family] = {
-  "mixtral": Family(
-    "model.layers.{layer}.block_sparse_moe", "gate.weight", _mixtral, ("w1", "w3", "w2")
-  ),
-  "phimoe": Family(
-    "model.layers.{layer}.block_sparse_moe", "gate.weight", _phimoe, ("w1", "w3", "w2")
-  ),
+  "mixtral": Family("model.layers.{layer}.block_sparse_moe", "gate.weight", _mixtral, _W1_W3_W2),
+  "phimoe": Family("model.layers.{layer}.block_sparse_moe", "gate.weight", _phimoe, _W1_W3_W2),
   "qwen2_moe": _QWEN_SHARED,
   "qwen3_next": _QWEN_SHARED,
   "qwen3_moe": Family("model.layers.{layer}.mlp", "gate.weight", _qwen),
@@ -216,6 +273,41 @@ FAMILIES: dict[str, Family] = {
     _llama4,
     fused_input_major=True,
     shared="shared_expert",
+  ),
+  "minimax": Family("model.layers.{layer}.block_sparse_moe", "gate.weight", _mixtral, _W1_W3_W2),
+  "granitemoe": Family(
+    "model.layers.{layer}.block_sparse_moe",
+    "router.layer.weight",
+    _mixtral,  # the same config fields and routing
+    fused=("input_linear.weight", "output_linear.weight"),
+  ),
+  "jamba": Family(
+    "model.layers.{layer}.feed_forward",
+    "router.weight",
+    lambda hf: _softmax_top_k(hf, "num_experts", "num_experts_per_tok", "intermediate_size", False),
+  ),
+  "ernie4_5_moe": Family(
+    "model.layers.{layer}.mlp",
+    "gate.weight",
+    _ernie,
+    selection_bias="moe_statics.e_score_correction_bias",
+    shared="shared_experts",
+  ),
+  "hunyuan_v1_moe": Family(
+    "model.layers.{layer}.mlp", "gate.wg.weight", _hunyuan, shared="shared_mlp"
+  ),
+  "lfm2_moe": Family(
+    "model.layers.{layer}.feed_forward",
+    "gate.weight",
+    _lfm2,
+    _W1_W3_W2,
+    selection_bias="expert_bias",
+  ),
+  "dbrx": Family(
+    "transformer.blocks.{layer}.ffn",
+    "router.layer.weight",
+    _dbrx,
+    flat_experts=("experts.mlp.w1", "experts.mlp.v1", "experts.mlp.w2"),
   ),
   "longcat_flash": Family(
     "model.layers.{layer}.mlp",
@@ -255,7 +347,7 @@ def config_from_hf(config: dict[str, Any], **overrides: Any) -> MoEConfig:
       "supported yet: load a bf16 or fp32 checkpoint"
     )
   options = {
-    "hidden_size": config["hidden_size"],
+    "hidden_size": config.get("hidden_size") or config["d_model"],
     "activation": _activation(config),
     **_family(config).config(config),  # a family's own activation (GPT-OSS) wins
   }
@@ -348,7 +440,12 @@ def _read_layer(checkpoint: _Checkpoint, block: str, family: Family, config: MoE
   if family.router_bias and config.router_bias:
     values["router_bias"] = f32(checkpoint.get(key(family.router_bias), (outputs,)))
   if family.selection_bias and config.use_routing_bias:
-    values["routing_bias"] = f32(checkpoint.get(key(family.selection_bias), (outputs,)))
+    bias = f32(checkpoint.get(key(family.selection_bias)))  # ERNIE stores it as [1, E]
+    if bias.size != outputs:
+      raise ValueError(
+        f"{key(family.selection_bias)} has shape {bias.shape}, expected {(outputs,)}"
+      )
+    values["routing_bias"] = bias.reshape(outputs)
   values.update(_read_experts(checkpoint, key, family, e, d, f))
   if config.has_shared_experts and family.shared:
     fs = config.shared_intermediate_size
@@ -367,9 +464,14 @@ def _read_experts(checkpoint: _Checkpoint, key, family: Family, e: int, d: int, 
   """w_gate_up [E, D, 2F], w_down [E, F, D] (and biases) from fused or per-expert tensors."""
   f32 = lambda a: np.asarray(a, np.float32)
   values = {}
-  if key("experts.gate_up_proj") in checkpoint:
-    gate_up = f32(checkpoint.get(key("experts.gate_up_proj")))[:e]
-    down = f32(checkpoint.get(key("experts.down_proj")))[:e]
+  if family.flat_experts:
+    gate, up, down = (f32(checkpoint.get(key(name), (e * f, d))) for name in family.flat_experts)
+    gate_up = np.concatenate([gate.reshape(e, f, d), up.reshape(e, f, d)], axis=1)
+    return {"w_gate_up": gate_up.transpose(0, 2, 1), "w_down": down.reshape(e, f, d)}
+  fused_gate_up, fused_down = (key(name) for name in family.fused)
+  if fused_gate_up in checkpoint:
+    gate_up = f32(checkpoint.get(fused_gate_up))[:e]
+    down = f32(checkpoint.get(fused_down))[:e]
     if not family.fused_input_major:  # transformers' [E, 2F, D] and [E, D, F]
       gate_up, down = gate_up.transpose(0, 2, 1), down.transpose(0, 2, 1)
     if gate_up.shape != (e, d, 2 * f) or down.shape != (e, f, d):

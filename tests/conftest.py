@@ -1,5 +1,6 @@
 """Test set-up: 8 simulated CPU devices (set before JAX is imported) and strict JAX checks."""
 
+import gc
 import os
 
 os.environ["XLA_FLAGS"] = (
@@ -8,6 +9,20 @@ os.environ["XLA_FLAGS"] = (
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax
+import pytest
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
 jax.config.update("jax_enable_x64", False)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def release_compiled_programs():
+  """Frees every compiled program after each test module.
+
+  XLA:CPU maps memory for each executable it compiles, and one process running the whole
+  suite compiles thousands: left alive they pass the kernel's limit on memory maps
+  (vm.max_map_count, 65530 by default), and compilation then crashes the process.
+  """
+  yield
+  jax.clear_caches()
+  gc.collect()

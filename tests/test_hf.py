@@ -73,6 +73,48 @@ def mixtral_block(x, get, hf_config):
   return per_expert_block(x, get, ("w1", "w3", "w2"), ids, w / w.sum(-1, keepdims=True))
 
 
+def softmax_block(x, get, k, router, names, renormalize, shared=None):
+  """Softmax top-k routing of linear experts (Jamba, HunYuan; Mixtral's renormalized form)."""
+  p = softmax(x @ get(router).T)
+  ids = top(p, k)
+  w = np.take_along_axis(p, ids, -1)
+  w = w / w.sum(-1, keepdims=True) if renormalize else w
+  y = per_expert_block(x, get, names, ids, w)
+  return y if shared is None else y + shared_block(x, get, shared)
+
+
+def biased_block(x, get, hf_config, k, score, bias, names, shared=None):
+  """Selection by score + bias, weights the unbiased scores, renormalized (ERNIE, LFM2)."""
+  s = score(x @ get("gate.weight").T)
+  ids = top(s + get(bias).reshape(1, -1), k)
+  w = np.take_along_axis(s, ids, -1)
+  w = w / w.sum(-1, keepdims=True) * hf_config.get("routed_scaling_factor", 1.0)
+  y = per_expert_block(x, get, names, ids, w)
+  return y if shared is None else y + shared_block(x, get, shared)
+
+
+def granite_block(x, get, hf_config):
+  logits = x @ get("router.layer.weight").T
+  ids = top(logits, hf_config["num_experts_per_tok"])
+  w = softmax(np.take_along_axis(logits, ids, -1))
+  gate_up, down = get("input_linear.weight"), get("output_linear.weight")  # [E, 2F, D], [E, D, F]
+
+  def expert(e, t):
+    h = gate_up[e] @ x[t]
+    return down[e] @ (silu(h[:F]) * h[F:])
+
+  return weighted_sum(ids, w, expert)
+
+
+def dbrx_block(x, get, hf_config):
+  p = softmax(x @ get("router.layer.weight").T)
+  ids = top(p, hf_config["ffn_config"]["moe_top_k"])
+  w = np.take_along_axis(p, ids, -1)
+  w1, v1, w2 = (get(f"experts.mlp.{n}").reshape(E, F, D) for n in ("w1", "v1", "w2"))
+  expert = lambda e, t: (silu(w1[e] @ x[t]) * (v1[e] @ x[t])) @ w2[e]
+  return weighted_sum(ids, w / w.sum(-1, keepdims=True), expert)
+
+
 def phimoe_block(x, get, hf_config):
   logits, eps = x @ get("gate.weight").T, hf_config["router_jitter_noise"]
   ids, weights = np.zeros((T, 2), int), np.zeros((T, 2))
@@ -94,7 +136,7 @@ def qwen_block(x, get, hf_config):
   w = np.take_along_axis(p, ids, -1)
   if hf_config.get("norm_topk_prob"):
     w = w / w.sum(-1, keepdims=True)
-  y = per_expert_block(x, get, ("gate_proj", "up_proj", "down_proj"), ids, w)
+  y = per_expert_block(x, get, QWEN_NAMES, ids, w)
   if "shared_expert_intermediate_size" in hf_config:
     gate = sigmoid(x @ get("shared_expert_gate.weight").T)
     y = y + gate * shared_block(x, get, "shared_expert")
@@ -116,7 +158,7 @@ def deepseek_block(x, get, hf_config, biased):
   if hf_config.get("norm_topk_prob"):
     w = w / w.sum(-1, keepdims=True)
   w = w * hf_config.get("routed_scaling_factor", 1.0)
-  y = per_expert_block(x, get, ("gate_proj", "up_proj", "down_proj"), ids, w)
+  y = per_expert_block(x, get, QWEN_NAMES, ids, w)
   return y + shared_block(x, get, "shared_experts")
 
 
@@ -183,6 +225,7 @@ def shared_linear(rng, prefix, width):
 
 
 MIXTRAL = ("w1", "w3", "w2")
+QWEN_NAMES = ("gate_proj", "up_proj", "down_proj")
 QWEN = dict(num_experts=E, num_experts_per_tok=2, moe_intermediate_size=F)
 DEEPSEEK = dict(
   n_routed_experts=E, num_experts_per_tok=2, moe_intermediate_size=F, n_shared_experts=1,
@@ -207,7 +250,7 @@ FAMILIES = {
     "mlp",
     lambda rng: {
       "gate.weight": rng.standard_normal((E, D)),
-      **linear_experts(rng, ("gate_proj", "up_proj", "down_proj")),
+      **linear_experts(rng, QWEN_NAMES),
       **shared_linear(rng, "shared_expert", FS),
       "shared_expert_gate.weight": rng.standard_normal((1, D)),
     },
@@ -218,7 +261,7 @@ FAMILIES = {
     "mlp",
     lambda rng: {
       "gate.weight": rng.standard_normal((E, D)),
-      **linear_experts(rng, ("gate_proj", "up_proj", "down_proj")),
+      **linear_experts(rng, QWEN_NAMES),
     },
     qwen_block,
   ),
@@ -227,7 +270,7 @@ FAMILIES = {
     "mlp",
     lambda rng: {
       "gate.weight": rng.standard_normal((E, D)),
-      **linear_experts(rng, ("gate_proj", "up_proj", "down_proj")),
+      **linear_experts(rng, QWEN_NAMES),
       **shared_linear(rng, "shared_experts", F),
     },
     lambda x, get, c: deepseek_block(x, get, c, biased=False),
@@ -238,7 +281,7 @@ FAMILIES = {
     lambda rng: {
       "gate.weight": rng.standard_normal((E, D)),
       "gate.e_score_correction_bias": rng.standard_normal(E),
-      **linear_experts(rng, ("gate_proj", "up_proj", "down_proj")),
+      **linear_experts(rng, QWEN_NAMES),
       **shared_linear(rng, "shared_experts", F),
     },
     lambda x, get, c: deepseek_block(x, get, c, biased=True),
@@ -274,11 +317,96 @@ FAMILIES = {
     lambda rng: {
       "router.classifier.weight": rng.standard_normal((E + 3, D)),
       "router.e_score_correction_bias": 0.1 * rng.standard_normal(E + 3),
-      **linear_experts(rng, ("gate_proj", "up_proj", "down_proj")),
+      **linear_experts(rng, QWEN_NAMES),
     },
     longcat_block,
   ),
+  "qwen3_next": (
+    dict(**QWEN, shared_expert_intermediate_size=FS, norm_topk_prob=True),
+    "mlp",
+    lambda rng: {
+      "gate.weight": rng.standard_normal((E, D)),
+      **linear_experts(rng, QWEN_NAMES),
+      **shared_linear(rng, "shared_expert", FS),
+      "shared_expert_gate.weight": rng.standard_normal((1, D)),
+    },
+    qwen_block,
+  ),
+  "olmoe": (
+    dict(num_experts=E, num_experts_per_tok=2, intermediate_size=F),
+    "mlp",
+    lambda rng: {"gate.weight": rng.standard_normal((E, D)), **linear_experts(rng, QWEN_NAMES)},
+    qwen_block,
+  ),
+  "minimax": (
+    dict(num_local_experts=E, num_experts_per_tok=2, intermediate_size=F),
+    "block_sparse_moe",
+    lambda rng: {"gate.weight": rng.standard_normal((E, D)), **linear_experts(rng, MIXTRAL)},
+    mixtral_block,
+  ),
+  "granitemoe": (
+    dict(num_local_experts=E, num_experts_per_tok=2, intermediate_size=F),
+    "block_sparse_moe",
+    lambda rng: {
+      "router.layer.weight": rng.standard_normal((E, D)),
+      "input_linear.weight": rng.standard_normal((E, 2 * F, D)),
+      "output_linear.weight": rng.standard_normal((E, D, F)),
+    },
+    granite_block,
+  ),
+  "jamba": (
+    dict(num_experts=E, num_experts_per_tok=2, intermediate_size=F),
+    "feed_forward",
+    lambda rng: {"router.weight": rng.standard_normal((E, D)), **linear_experts(rng, QWEN_NAMES)},
+    lambda x, get, c: softmax_block(x, get, 2, "router.weight", QWEN_NAMES, renormalize=False),
+  ),
+  "ernie4_5_moe": (
+    dict(moe_num_experts=E, moe_k=2, moe_intermediate_size=F, moe_num_shared_experts=1),
+    "mlp",
+    lambda rng: {
+      "gate.weight": rng.standard_normal((E, D)),
+      "moe_statics.e_score_correction_bias": 0.1 * rng.standard_normal((1, E)),
+      **linear_experts(rng, QWEN_NAMES),
+      **shared_linear(rng, "shared_experts", F),
+    },
+    lambda x, get, c: biased_block(
+      x, get, c, 2, softmax, "moe_statics.e_score_correction_bias", QWEN_NAMES, "shared_experts"
+    ),
+  ),
+  "hunyuan_v1_moe": (
+    dict(num_experts=E, moe_topk=2, intermediate_size=F),
+    "mlp",
+    lambda rng: {
+      "gate.wg.weight": rng.standard_normal((E, D)),
+      **linear_experts(rng, QWEN_NAMES),
+      **shared_linear(rng, "shared_mlp", F),
+    },
+    lambda x, get, c: softmax_block(
+      x, get, 2, "gate.wg.weight", QWEN_NAMES, renormalize=True, shared="shared_mlp"
+    ),
+  ),
+  "lfm2_moe": (
+    dict(num_experts=E, num_experts_per_tok=2, moe_intermediate_size=F, routed_scaling_factor=1.5),
+    "feed_forward",
+    lambda rng: {
+      "gate.weight": rng.standard_normal((E, D)),
+      "expert_bias": 0.1 * rng.standard_normal(E),
+      **linear_experts(rng, MIXTRAL),
+    },
+    lambda x, get, c: biased_block(x, get, c, 2, sigmoid, "expert_bias", MIXTRAL),
+  ),
+  "dbrx": (
+    dict(ffn_config=dict(moe_num_experts=E, moe_top_k=2, ffn_hidden_size=F,
+                         moe_normalize_expert_weights=1)),
+    "transformer.blocks.{layer}.ffn",
+    lambda rng: {
+      "router.layer.weight": rng.standard_normal((E, D)),
+      **{f"experts.mlp.{n}": rng.standard_normal((E * F, D)) for n in ("w1", "v1", "w2")},
+    },
+    dbrx_block,
+  ),
 }  # fmt: skip
+FAMILIES["glm4_moe"] = FAMILIES["deepseek_v3"]  # the same layout and routing
 
 
 def write_checkpoint(path, model_type, layer, shards=1, seed=0):
@@ -286,9 +414,12 @@ def write_checkpoint(path, model_type, layer, shards=1, seed=0):
   fields, prefix, make, _ = FAMILIES[model_type]
   rng = np.random.default_rng(seed)
   tensors = {name: (0.3 * v).astype(np.float32) for name, v in make(rng).items()}
-  stored = {f"model.layers.{layer}.{prefix}.{name}": v for name, v in tensors.items()}
+  prefix = prefix if "{layer}" in prefix else f"model.layers.{{layer}}.{prefix}"
+  stored = {f"{prefix.format(layer=layer)}.{name}": v for name, v in tensors.items()}
   stored["model.embed_tokens.weight"] = rng.standard_normal((32, D)).astype(np.float32)
   config = dict(model_type=model_type, hidden_size=D, hidden_act="silu", **fields)
+  if model_type == "dbrx":  # DBRX names its sizes d_model and ffn_config
+    config = dict(model_type=model_type, d_model=D, **fields)
   (path / "config.json").write_text(json.dumps(config))
   if shards == 1:
     save_file(stored, str(path / "model.safetensors"))

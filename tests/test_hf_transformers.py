@@ -46,14 +46,35 @@ FAMILIES = {
   "longcat_flash": (dict(n_routed_experts=4, zero_expert_num=2, moe_topk=2,
                          expert_ffn_hidden_size=24, ffn_hidden_size=24, num_hidden_layers=2,
                          routed_scaling_factor=1.5, head_dim=4, **MLA), 0, "mlp"),
+  "minimax": (dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=24,
+                   layer_types=["full_attention"], head_dim=8), 0, "mlp"),
+  "granitemoe": (dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=24), 0,
+                 "block_sparse_moe"),
+  "jamba": (dict(num_experts=4, num_experts_per_tok=2, intermediate_size=24,
+                 expert_layer_period=1, expert_layer_offset=0, attn_layer_period=1,
+                 attn_layer_offset=0), 0, "feed_forward"),
+  "ernie4_5_moe": (dict(moe_num_experts=4, moe_k=2, moe_intermediate_size=24,
+                        moe_layer_start_index=0, moe_num_shared_experts=1), 0, "mlp"),
+  "hunyuan_v1_moe": (dict(num_experts=4, moe_topk=2, intermediate_size=24, head_dim=8), 0,
+                     "mlp"),
+  "lfm2_moe": (dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
+                    intermediate_size=24, num_dense_layers=0, routed_scaling_factor=1.5,
+                    layer_types=["full_attention"]), 0, "feed_forward"),
+  "dbrx": (dict(d_model=16, n_heads=2, n_layers=1, attn_config=dict(kv_n_heads=2,
+                rope_theta=1e4), ffn_config=dict(moe_num_experts=4, moe_top_k=2,
+                ffn_hidden_size=24)), 0, "ffn"),
 }  # fmt: skip
 
 
 def hf_checkpoint(model_type: str, fields: dict, path, seed: int):
   """A tiny model with random weights (biases and buffers too), saved with save_pretrained."""
-  config = transformers.AutoConfig.for_model(
-    model_type, **ATTENTION, num_hidden_layers=fields.pop("num_hidden_layers", 1), **fields
-  )
+  if model_type == "dbrx":  # its own names for the attention sizes
+    config = transformers.AutoConfig.for_model(model_type, vocab_size=32, **fields)
+  else:
+    layers = fields.pop("num_hidden_layers", 1)
+    config = transformers.AutoConfig.for_model(
+      model_type, **ATTENTION, num_hidden_layers=layers, **fields
+    )
   torch.manual_seed(seed)
   model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
   with torch.no_grad():
@@ -68,7 +89,8 @@ def hf_checkpoint(model_type: str, fields: dict, path, seed: int):
 def test_block_matches_transformers(model_type, tmp_path, request):
   fields, layer, block_name = FAMILIES[model_type]
   model = hf_checkpoint(model_type, dict(fields), tmp_path, seed_of(request.node.name) % 2**31)
-  block = getattr(model.model.layers[layer], block_name)
+  decoder = model.transformer.blocks if model_type == "dbrx" else model.model.layers
+  block = getattr(decoder[layer], block_name)
   rng = np.random.default_rng(seed_of(request.node.name))
   x = rng.standard_normal((1, 24, 16)).astype(np.float32)
   with torch.no_grad():

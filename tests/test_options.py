@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from moejax import MoEConfig, moe_apply, param_shapes, reference_moe, routing
-from tests.helpers import mesh_of, poison, random_params, rank_mask, seed_of
+from tests.helpers import count_compiles, mesh_of, poison, random_params, rank_mask, seed_of
 
 ROWS_PER_RANK = 9
 BASE = dict(num_experts=8, top_k=2, hidden_size=16, intermediate_size=24, chunk_size=4)
@@ -71,14 +71,21 @@ ALL_AT_ONCE = MoEConfig(
 )
 
 
-@pytest.mark.parametrize("mesh_shape", [None, (1, 8), (8, 1)], ids=str)
+@pytest.mark.parametrize("mesh_shape", [None, (1, 8), (8, 1), (4, 2)], ids=str)
 def test_options_together_on_every_mesh_and_token_pattern(mesh_shape, request):
   params, x, _ = make_inputs(ALL_AT_ONCE, request.node.name)
   mesh = None if mesh_shape is None else mesh_of(*mesh_shape)
-  for counts in ([0, 4, 9, 2, 0, 7, 1, 9], [0] * 8, [ROWS_PER_RANK] * 8):
-    mask = rank_mask(counts, ROWS_PER_RANK)
-    y, aux = moe_apply(params, poison(x, mask), config=ALL_AT_ONCE, mesh=mesh, token_mask=mask)
-    chex.assert_trees_all_close(y, reference_moe(params, x, ALL_AT_ONCE, mask), **F32)
+  layer = jax.jit(lambda p, x, m: moe_apply(p, x, config=ALL_AT_ONCE, mesh=mesh, token_mask=m))
+  masks = [rank_mask(c, ROWS_PER_RANK) for c in ([0, 4, 9, 2, 0, 7, 1, 9], [0] * 8, [9] * 8)]
+  inputs = [poison(x, mask) for mask in masks]
+  expected = [reference_moe(params, x, ALL_AT_ONCE, mask) for mask in masks]
+  jax.block_until_ready(layer(params, inputs[0], masks[0]))
+  with count_compiles() as compiles:
+    got = [layer(params, x, mask) for x, mask in zip(inputs, masks, strict=True)]
+    jax.block_until_ready(got)
+  assert compiles == [], "one executable for every token pattern"
+  for (y, aux), want, mask in zip(got, expected, masks, strict=True):
+    chex.assert_trees_all_close(y, want, **F32)
     chex.assert_shape(aux.expert_counts, (8 + 2,))
     assert int(aux.expert_counts.sum()) == 3 * int(mask.sum())
 
