@@ -23,7 +23,7 @@ from jax.sharding import Mesh
 
 from moejax.config import MoEConfig
 from moejax.params import MoEParams, param_shapes
-from moejax.sharding import param_sharding, placement
+from moejax.sharding import LayerSpecs, check_mesh, placement
 
 _ACTIVATIONS = {
   "silu": "silu",
@@ -419,15 +419,14 @@ def load_layer(
   for name, value in values.items():
     if value.shape != expected[name]:
       raise ValueError(f"{name} read as {value.shape} from {block}, expected {expected[name]}")
-  if mesh is not None:
-    names = param_sharding(config)
-    values = {
-      name: jax.make_array_from_callback(
-        value.shape, placement(mesh, jax.sharding.PartitionSpec(*names[name])), value.__getitem__
-      )
-      for name, value in values.items()
-    }
-  return MoEParams(**values)
+  params = MoEParams(**values)
+  if mesh is None:
+    return params
+  check_mesh(mesh, config)
+  place = lambda value, spec: jax.make_array_from_callback(
+    value.shape, placement(mesh, spec), value.__getitem__
+  )  # each device gets only its slice
+  return jax.tree.map(place, params, LayerSpecs.from_config(config).params(params))
 
 
 def _read_layer(checkpoint: _Checkpoint, block: str, family: Family, config: MoEConfig) -> dict:

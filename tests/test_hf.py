@@ -9,7 +9,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import PartitionSpec as P
 from safetensors.numpy import save_file
 
 from moejax import hf, moe_apply
@@ -458,9 +457,9 @@ def test_sharded_checkpoint_loads_straight_onto_a_mesh(tmp_path):
   on_mesh = hf.load_layer(tmp_path, 1, mesh=mesh)
   on_host = hf.load_layer(tmp_path, 1)
   chex.assert_trees_all_equal(jax.tree.map(np.asarray, on_mesh), on_host)
-  assert on_mesh.w_gate_up.sharding.spec == P("expert", None, None)
+  assert on_mesh.w_gate_up.sharding.spec[0] == "expert"
   assert on_mesh.w_gate_up.addressable_shards[0].data.shape == (E // 4, D, 2 * F)
-  assert on_mesh.router_kernel.sharding.spec == P(None, None)
+  assert on_mesh.router_kernel.sharding.is_fully_replicated
 
 
 def test_missing_tensor_names_the_key(tmp_path):
