@@ -407,7 +407,6 @@ def load_layer(
   """
   path = Path(path)
   hf = json.loads((path / "config.json").read_text())
-  hf = hf.get("text_config", hf) if hf.get("model_type") == "llama4" else hf
   family = _family(hf)
   config = config_from_hf(hf) if config is None else config
   checkpoint = _Checkpoint(path)
