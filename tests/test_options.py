@@ -7,8 +7,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
-from moejax import MoEConfig, moe_apply, param_shapes, reference_moe, routing
+from moejax import MoEConfig, MoELayer, moe_apply, param_shapes, reference_moe, routing
 from tests.helpers import count_compiles, mesh_of, poison, random_params, rank_mask, seed_of
 
 ROWS_PER_RANK = 9
@@ -155,3 +156,14 @@ def test_config_options_are_part_of_the_checkpoint_format():
     "b_down": (8, 16),
     "shared_gate_kernel": (16, 1),
   }
+
+
+def test_layer_creates_the_options_parameters_on_the_mesh(request):
+  mesh = mesh_of(2, 4)
+  layer = MoELayer(ALL_AT_ONCE, mesh=mesh, rngs=nnx.Rngs(seed_of(request.node.name) % 2**31))
+  assert layer.b_gate_up[...].sharding.spec[0] == "expert"
+  chex.assert_trees_all_equal(np.asarray(layer.router_bias[...]), np.zeros(10, np.float32))
+  x = jax.random.normal(jax.random.key(0), (4, 10, 16))
+  mask = jnp.arange(10)[None, :] < jnp.array([10, 3, 0, 7])[:, None]
+  params = jax.device_get(layer.moe_params())
+  chex.assert_trees_all_close(layer(x, mask), reference_moe(params, x, ALL_AT_ONCE, mask), **F32)
