@@ -396,7 +396,8 @@ def load_layer(
     layer: the decoder layer index; it must be an MoE layer of the model.
     config: the layer's `MoEConfig`; None reads it with `config_from_hf` (dtype float32).
     mesh: place each parameter on this mesh as `MoELayer` does (experts split over the expert
-      axis) straight from the file, one device's slice at a time; None gives host NumPy arrays.
+      axis): each device receives only its slice, though each tensor is read whole into host
+      memory first; None gives host NumPy arrays.
 
   Returns:
     `MoEParams` in the config's `param_dtype`.
