@@ -9,8 +9,14 @@ from nbclient import NotebookClient
 NOTEBOOKS = sorted((Path(__file__).parent.parent / "notebooks").glob("*.ipynb"))
 
 
+# Notebooks that need the `hf` extra (transformers and torch); skipped without it.
+NEEDS_EXTRA = {"04_from_transformers.ipynb": ("torch", "transformers")}
+
+
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
 def test_notebook_runs(path):
+  for module in NEEDS_EXTRA.get(path.name, ()):
+    pytest.importorskip(module)
   notebook = nbformat.read(path, as_version=4)
   NotebookClient(
     notebook, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}}
