@@ -21,7 +21,8 @@ import jax.numpy as jnp
 
 from kernels_pallas import gmm_mosaic, gmm_triton
 from kernels_pallas.gmm_mosaic import MosaicBlocks
-from kernels_pallas.gmm_triton import TritonBlocks, activate
+from kernels_pallas.activations import activate
+from kernels_pallas.gmm_triton import TritonBlocks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,7 +101,7 @@ def _no_blocks(*_) -> None:
 
 
 def _runs_every_case(dtype, activation, precision) -> None:
-  """XLA and Triton's dot take every float dtype, both activations and every precision."""
+  """XLA's ragged_dot takes every float dtype, both activations and every precision."""
   del dtype, activation, precision
 
 
@@ -127,7 +128,7 @@ BACKENDS: dict[str, Backend] = {
     default_blocks=gmm_triton.default_blocks,
     tgmm_blocks=gmm_triton.default_blocks,
     tgmm_multiples=lambda b: (b.block_m, b.block_k, b.block_n),
-    unsupported_reason=_runs_every_case,
+    unsupported_reason=gmm_triton.unsupported_reason,
     gmm=gmm_triton.gmm_triton,
     tgmm=gmm_triton.tgmm_triton,
   ),

@@ -1,8 +1,19 @@
-"""What differs between the JAX versions we support (0.10 and 0.11), in one place."""
+"""What differs between the JAX versions we support (0.10 through 0.12), in one place."""
 
 from __future__ import annotations
 
+import contextlib
+import importlib
+from collections.abc import Iterator
+from types import ModuleType
+
 import jax
+
+
+def jax_version() -> tuple[int, int]:
+  """The installed JAX's (major, minor)."""
+  major, minor = jax.__version__.split(".")[:2]
+  return int(major), int(minor)
 
 
 def out_struct(shape: tuple[int, ...], dtype, like: jax.Array) -> jax.ShapeDtypeStruct:
@@ -18,13 +29,60 @@ def out_struct(shape: tuple[int, ...], dtype, like: jax.Array) -> jax.ShapeDtype
   return jax.ShapeDtypeStruct(shape, dtype, vma=aval.vma)
 
 
+def pallas_triton() -> ModuleType | None:
+  """`jax.experimental.pallas.triton`, or None where the installed JAX no longer ships it.
+
+  JAX 0.11 deprecated the Pallas Triton backend ("will be removed in a future JAX version");
+  the registry reports its absence through `triton_missing_reason` rather than failing at
+  import.
+  """
+  try:
+    return importlib.import_module("jax.experimental.pallas.triton")
+  except ImportError:
+    return None
+
+
+def triton_missing_reason() -> str | None:
+  """Why the Triton backend cannot run here (its Pallas backend is gone), or None."""
+  if pallas_triton() is not None:
+    return None
+  major, minor = jax_version()
+  return f"Pallas Triton was removed from JAX {major}.{minor}"
+
+
+# Since JAX 0.11 lowering a Pallas Triton kernel for a GPU warns that the backend is deprecated.
+TRITON_LOWERING_WARNS = jax_version() >= (0, 11)
+TRITON_DEPRECATION_MESSAGE = "Pallas Triton backend is deprecated"
+
+
+@contextlib.contextmanager
+def cuda_target(device_kind: str = "NVIDIA H100", num_sms: int = 132) -> Iterator[None]:
+  """Lowers for a named CUDA GPU (`jax.export(..., platforms=["cuda"])`) on a host without one.
+
+  JAX 0.12's Triton lowering reads the target GPU's generation from the device, and on a
+  host without a GPU from the abstract mesh's `AbstractDevice` ("No supported GPU devices
+  found"); earlier releases assumed one. The abstract device also gives `num_sms`
+  to the Mosaic kernels (`gmm_mosaic`), which launch one program per SM.
+  """
+  device = jax.sharding.AbstractDevice(device_kind=device_kind, num_cores=num_sms, platform="gpu")
+  mesh = jax.sharding.AbstractMesh((1,), ("_cuda_target",), abstract_device=device)
+  with jax.sharding.use_abstract_mesh(mesh):
+    yield
+
+
+def target_num_sms() -> int | None:
+  """The SM count of the GPU a `cuda_target` block lowers for, or None outside one."""
+  device = jax.sharding.get_abstract_mesh().abstract_device
+  return None if device is None else device.num_cores
+
+
 def mosaic_interpret_params():
   """What `plgpu.kernel(interpret=...)` takes to run a Mosaic GPU kernel on a CPU.
 
   A plain `interpret=True` selects the generic Pallas interpreter, which has no rules for
   Mosaic GPU's TMA copies and barriers ("No state discharge rule implemented for primitive:
   copy_gmem_to_smem"); the Mosaic GPU interpreter is chosen by passing its parameters. JAX
-  0.10 and 0.11 keep that class private, so the import is confined here.
+  0.10 through 0.12 keep that class private, so the import is confined here.
   """
   from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
 
@@ -34,9 +92,9 @@ def mosaic_interpret_params():
 def mosaic_operands_transposed_in_smem(interpret: bool) -> bool:
   """Whether a Mosaic GPU kernel may hand wgmma a transposed shared-memory tile.
 
-  On the GPU it can (`plgpu.transpose_ref`: the hardware reads the tile transposed, no data
-  moves). The Mosaic GPU interpreter of JAX 0.10 and 0.11 cannot ("'TransposeTransform' object
-  has no attribute 'indices'" in its wgmma), so interpreted kernels get the operand
+  On the GPU it can (`ref.transpose`: the hardware reads the tile transposed, no data
+  moves). The Mosaic GPU interpreter of JAX 0.10 and 0.11 cannot ("'TransposeTransform'
+  object has no attribute 'indices'" in its wgmma), so interpreted kernels get the operand
   transposed by XLA beforehand; the in-kernel transposed read is exercised on the GPU and by
   the CUDA lowering test.
   """

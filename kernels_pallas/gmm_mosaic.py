@@ -31,6 +31,7 @@ from kernels_pallas.compat import (
   mosaic_interpret_params,
   mosaic_operands_transposed_in_smem,
   out_struct,
+  target_num_sms,
 )
 from kernels_pallas.metadata import aligned_rows, max_visits
 
@@ -171,7 +172,7 @@ def _gmm_aligned_kernel(
       def accumulate(*acc_refs):
         def step(_, lhs_smem, *rhs_smems):
           for acc_ref, rhs_smem in zip(acc_refs, rhs_smems, strict=True):
-            rhs_tile = plgpu.transpose_ref(rhs_smem, (1, 0)) if transpose_rhs else rhs_smem
+            rhs_tile = rhs_smem.transpose((1, 0)) if transpose_rhs else rhs_smem
             plgpu.wgmma(acc_ref, lhs_smem, rhs_tile)
           plgpu.wgmma_wait(1)
 
@@ -271,8 +272,11 @@ def _num_sms(interpret: bool) -> int:
   if interpret:
     return _INTERPRETED_SMS
   device = jax.devices()[0]
-  # Lowering for CUDA on a host without a GPU (jax.export) assumes an H100 / H200.
-  return device.core_count if device.platform == "gpu" else 132
+  if device.platform == "gpu":
+    return device.core_count
+  # Lowering for CUDA on a host without a GPU (jax.export): the `compat.cuda_target` GPU's
+  # count, else an H100 / H200's.
+  return target_num_sms() or 132
 
 
 def _launch(interpret: bool) -> dict:
@@ -329,7 +333,7 @@ def _tgmm_aligned_kernel(
 
     def accumulate(acc_ref):
       def step(_, lhs_smem, dout_smem):
-        lhs_tile = lhs_smem if lhs_transposed else plgpu.transpose_ref(lhs_smem, (1, 0))
+        lhs_tile = lhs_smem if lhs_transposed else lhs_smem.transpose((1, 0))
         plgpu.wgmma(acc_ref, lhs_tile, dout_smem)
         plgpu.wgmma_wait(1)
 

@@ -12,8 +12,10 @@ Epilogues (all in float32, before the single store):
   pre-activation never reaches memory.
 - `row_weights`: scales each output row (vLLM's MUL_ROUTED_WEIGHT).
 
-This backend is for pre-Hopper GPUs; upstream JAX deprecates Pallas Triton, so Hopper uses
-`gmm_mosaic`. Dimensions must be multiples of the blocks; `api.py` pads odd shapes.
+This backend is for pre-Hopper GPUs; JAX 0.11 deprecated Pallas Triton, so Hopper uses
+`gmm_mosaic`, and where the installed JAX no longer ships Pallas Triton the registry reports
+it unsupported (`unsupported_reason`). Dimensions must be multiples of the blocks; `api.py`
+pads odd shapes.
 """
 
 from __future__ import annotations
@@ -24,9 +26,9 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
-from kernels_pallas.compat import out_struct
+from kernels_pallas.activations import activate, erf_in_kernel
+from kernels_pallas.compat import out_struct, pallas_triton, triton_missing_reason
 from kernels_pallas.metadata import GroupTiles, group_tiles, max_visits
 
 
@@ -47,31 +49,20 @@ class TritonBlocks:
         raise ValueError(f"{name}={value} must be a power of two >= 16")
 
 
+plgpu = pallas_triton()  # None once JAX has removed the backend
+
+
+def unsupported_reason(dtype, activation, precision) -> str | None:
+  """Triton's dot takes every float dtype, both activations and every precision: only a JAX
+  without Pallas Triton stops it."""
+  del dtype, activation, precision
+  return triton_missing_reason()
+
+
 def default_blocks(num_rows: int, k: int, n: int) -> TritonBlocks:
   """A heuristic per shape class: small M (decode) takes thin row tiles."""
   block_m = 16 if num_rows <= 256 else 64 if num_rows <= 4096 else 128
   return TritonBlocks(block_m=block_m, block_n=64 if n <= 1024 else 128, block_k=32)
-
-
-def activate(x: jax.Array, activation: str, erf=jax.lax.erf) -> jax.Array:
-  """silu, or gelu in its exact form 0.5 x (1 + erf(x / sqrt 2)), with `erf` swappable."""
-  if activation == "silu":
-    return x / (1.0 + jnp.exp(-x))
-  return 0.5 * x * (1.0 + erf(x * 0.7071067811865476))
-
-
-def erf_in_kernel(x: jax.Array) -> jax.Array:
-  """erf from exp and arithmetic, for Triton, whose Pallas lowering has no erf.
-
-  Abramowitz & Stegun 7.1.26: absolute error 1.5e-7 in exact arithmetic, under 1e-6 in
-  float32, a few float32 ulps of erf near 1.
-  """
-  t = 1.0 / (1.0 + 0.3275911 * jnp.abs(x))
-  poly = t * (
-    0.254829592 + t * (-0.284496736 + t * (1.421413741 + t * (-1.453152027 + t * 1.061405429)))
-  )
-  magnitude = 1.0 - poly * jnp.exp(-x * x)
-  return jnp.where(x < 0, -magnitude, magnitude)
 
 
 def _gmm_kernel(
@@ -172,6 +163,7 @@ def gmm_triton(
   Returns:
     [M, N] (or [M, N/2] with `activation`); rows outside every group are 0.
   """
+  _require_triton()
   num_rows, k = lhs.shape
   groups = rhs.shape[0]
   n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
@@ -264,6 +256,7 @@ def tgmm_triton(
   Returns:
     [G, K, N]; zero for empty groups.
   """
+  _require_triton()
   num_rows, k = lhs.shape
   n = rhs.shape[1]
   _check_divisible(num_rows=num_rows, k=k, out_cols=n, blocks=blocks)
@@ -277,6 +270,12 @@ def tgmm_triton(
     interpret=interpret,
     name="tgmm_triton",
   )(tiles.starts, tiles.ends, lhs, rhs)
+
+
+def _require_triton() -> None:
+  reason = triton_missing_reason()
+  if reason is not None:
+    raise NotImplementedError(reason)
 
 
 def _check_divisible(*, num_rows: int, k: int, out_cols: int, blocks: TritonBlocks) -> None:

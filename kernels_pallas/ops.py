@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from kernels_pallas.backends import BACKENDS
-from kernels_pallas.gmm_triton import activate
+from kernels_pallas.activations import activate
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,13 +145,37 @@ def _gmm_fwd(lhs, rhs, group_sizes, settings):
   return grouped_matmul(lhs, rhs, group_sizes, settings), (lhs, rhs, group_sizes)
 
 
+def split_in_parts(x: jax.Array, dtype) -> list[jax.Array]:
+  """x as `dtype` parts whose float32 sum is x: enough parts to hold every bit of x.
+
+  The kernels multiply operands of one dtype (a dot cannot mix float32 and bfloat16), but a
+  cotangent in a wider `preferred_element_type` (bf16 operands, f32 output) holds more bits
+  than the operands: rounded to bf16 it loses 1e-2 of the gradient. Each part takes the next
+  8 (bf16) or 11 (f16) bits of the 24 of a float32, so three parts hold all of it; each part
+  multiplies exactly and the products accumulate in float32. Same or narrower dtypes need
+  one part.
+
+  >>> parts = split_in_parts(jnp.array([1 + 2**-10 + 2**-20]), jnp.bfloat16)
+  >>> [p.tolist() for p in parts]
+  [[1.0], [0.0009765625], [9.5367431640625e-07]]
+  """
+  bits = lambda d: jnp.finfo(d).nmant + 1
+  count = -(-bits(x.dtype) // bits(dtype))
+  parts = []
+  for _ in range(count):
+    parts.append(x.astype(dtype))
+    x = x - parts[-1].astype(x.dtype)
+  return parts
+
+
 def _gmm_bwd(settings, residuals, dout):
   lhs, rhs, group_sizes = residuals
-  # The kernels multiply operands of one dtype: a cotangent in a wider preferred_element_type
-  # (bf16 operands, f32 output) enters them in the operands' dtype, as mixed precision does.
-  dout = dout.astype(lhs.dtype)
-  d_lhs = grouped_matmul(dout, rhs, group_sizes, settings, transpose_rhs=True)
-  d_rhs = transposed_grouped_matmul(lhs, dout, group_sizes, settings)
+  f32 = dataclasses.replace(settings, out_dtype=jnp.float32)
+  parts = split_in_parts(dout, lhs.dtype)
+  d_lhs = sum(grouped_matmul(p, rhs, group_sizes, f32, transpose_rhs=True) for p in parts)
+  # d(rhs) of every part in one call: the parts side by side as columns, summed after.
+  d_rhs = transposed_grouped_matmul(lhs, jnp.concatenate(parts, axis=1), group_sizes, settings)
+  d_rhs = sum(jnp.split(d_rhs, len(parts), axis=2))
   return d_lhs.astype(lhs.dtype), d_rhs.astype(rhs.dtype), None
 
 

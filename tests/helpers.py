@@ -9,7 +9,10 @@ from collections.abc import Iterator
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from jax.sharding import Mesh
+
+from kernels_pallas import compat
 
 from moejax import MoEConfig, MoEParams, param_shapes
 
@@ -87,3 +90,11 @@ def count_compiles() -> Iterator[list[str]]:
     yield events
   finally:
     jax.monitoring.unregister_event_duration_listener(listener)
+
+
+def expect_triton_deprecation() -> contextlib.AbstractContextManager:
+  """Expects JAX's Pallas Triton deprecation warning where the installed JAX gives it (0.11+)
+  while a Triton kernel is lowered for a GPU."""
+  if compat.TRITON_LOWERING_WARNS:
+    return pytest.warns(DeprecationWarning, match=compat.TRITON_DEPRECATION_MESSAGE)
+  return contextlib.nullcontext()

@@ -9,9 +9,10 @@ from jax import export
 from kernels_pallas import MosaicBlocks, TritonBlocks, gmm, moe_mlp
 from kernels_pallas.api import best_implementation, unsupported_reason
 from kernels_pallas.backends import BACKENDS
+from kernels_pallas.compat import cuda_target, triton_missing_reason
 from kernels_pallas.gmm_mosaic import gmm_mosaic, tgmm_mosaic
 from kernels_pallas.gmm_triton import gmm_triton, tgmm_triton
-from tests.helpers import assert_close
+from tests.helpers import assert_close, expect_triton_deprecation
 
 
 def test_registry_records_are_complete_and_frozen():
@@ -63,11 +64,13 @@ def test_backend_choice_and_fallback():
 TRITON_CUSTOM_CALL = export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
 
 
-def cuda_custom_calls(fn, *shapes, disabled=()) -> str:
+def cuda_custom_calls(fn, *shapes, disabled=(), device_kind="NVIDIA H100") -> str:
   exported = export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=list(disabled))
-  return exported(*shapes).mlir_module()
+  with cuda_target(device_kind):
+    return exported(*shapes).mlir_module()
 
 
+@pytest.mark.skipif(triton_missing_reason() is not None, reason=str(triton_missing_reason()))
 def test_triton_kernels_lower_for_cuda():
   lhs = jax.ShapeDtypeStruct((256, 128), jnp.bfloat16)
   rhs = jax.ShapeDtypeStruct((4, 128, 256), jnp.bfloat16)
@@ -89,7 +92,9 @@ def test_triton_kernels_lower_for_cuda():
       (lhs, jax.ShapeDtypeStruct((256, 256), jnp.bfloat16), sizes),
     ),
   ]:
-    assert "__gpu$xla.gpu.triton" in cuda_custom_calls(fn, *args, disabled=[TRITON_CUSTOM_CALL])
+    with expect_triton_deprecation():
+      mlir = cuda_custom_calls(fn, *args, disabled=[TRITON_CUSTOM_CALL], device_kind="NVIDIA A100")
+    assert "__gpu$xla.gpu.triton" in mlir
 
 
 def test_mosaic_kernels_lower_for_cuda():
@@ -113,7 +118,7 @@ def test_mosaic_kernels_lower_for_cuda():
 
 
 def test_kernel_erf_matches_lax_erf():
-  from kernels_pallas.gmm_triton import erf_in_kernel
+  from kernels_pallas.activations import erf_in_kernel
 
   x = jnp.linspace(-6.0, 6.0, 10001)
   error = float(jnp.max(jnp.abs(erf_in_kernel(x) - jax.lax.erf(x))))
