@@ -14,8 +14,8 @@ import jax
 import jax.numpy as jnp
 
 from kernels_pallas import autotune
-from kernels_pallas.backends import BACKENDS
 from kernels_pallas.activations import activate
+from kernels_pallas.backends import BACKENDS
 from kernels_pallas.ops import KernelSettings, gmm_vjp, moe_mlp_vjp
 
 IMPLEMENTATIONS = tuple(BACKENDS)

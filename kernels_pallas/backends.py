@@ -20,8 +20,8 @@ import jax
 import jax.numpy as jnp
 
 from kernels_pallas import gmm_mosaic, gmm_triton
-from kernels_pallas.gmm_mosaic import MosaicBlocks
 from kernels_pallas.activations import activate
+from kernels_pallas.gmm_mosaic import MosaicBlocks
 from kernels_pallas.gmm_triton import TritonBlocks
 
 

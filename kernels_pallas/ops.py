@@ -14,8 +14,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from kernels_pallas.backends import BACKENDS
 from kernels_pallas.activations import activate
+from kernels_pallas.backends import BACKENDS
 
 
 @dataclasses.dataclass(frozen=True)

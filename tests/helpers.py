@@ -13,7 +13,6 @@ import pytest
 from jax.sharding import Mesh
 
 from kernels_pallas import compat
-
 from moejax import MoEConfig, MoEParams, param_shapes
 
 # (atol, rtol) per compute dtype; float32 differs from the reference only by summation order.
