@@ -1,6 +1,7 @@
 """What each dispatch scheme sends, and what the all-to-all packing costs on a CPU.
 
   python benchmarks/dispatch.py [--sections hlo,scaling,time] [--tokens 4096] [--out results]
+  python benchmarks/dispatch.py --sections timing   # on a multi-GPU machine
 
 Sections (each prints a table; rows go to `OUT/dispatch.json`, the scaling plot to
 `OUT/dispatch_scaling.png`):
@@ -16,6 +17,10 @@ Sections (each prints a table; rows go to `OUT/dispatch.json`, the scaling plot 
            with each row (8K bytes) are left out of all three.
   time     CPU time of both schemes on the 2x4 mesh. XLA:CPU has no ragged all-to-all, so
            both move the same static buffers: the ratio is the packing overhead.
+  timing   for the first multi-GPU machine: forward and forward+backward time of both schemes
+           with every device on the expert axis, T per device 256 ... 16384, bf16, a
+           DeepSeek-V2-Lite-sized layer (E=64, K=6, D=2048, F=1408). Its rows are what
+           `moejax.dispatch.MEASURED_FASTER` must be based on before "auto" picks all_to_all.
 
 Needs 8 simulated devices for `hlo` and `time`: run as a script (it sets them) or with
 XLA_FLAGS=--xla_force_host_platform_device_count=8.
@@ -310,6 +315,53 @@ def time_section(repeats: int) -> list[dict]:
   return rows
 
 
+# ---- timing (multi-GPU) ---------------------------------------------------------------------
+
+TIMING_TOKENS_PER_DEVICE = (256, 1024, 4096, 16384)
+
+
+def timing_section(repeats: int) -> list[dict]:
+  """Both schemes timed on every device as the expert axis (the run `MEASURED_FASTER` needs)."""
+  devices = jax.device_count()
+  if devices < 2:
+    print(f"\ntiming: needs 2 or more devices, found {devices}; skipped")
+    return []
+  experts = max(64, devices)
+  base = MoEConfig(
+    num_experts=experts - experts % devices,
+    top_k=6,
+    hidden_size=2048,
+    intermediate_size=1408,
+    chunk_size=1024,
+    dtype=jnp.bfloat16,
+    param_dtype=jnp.bfloat16,
+  )
+  params = make_params(base)
+  mesh = mesh_of(1, devices)
+  rows = []
+  for per_device in TIMING_TOKENS_PER_DEVICE:
+    x = jax.random.normal(jax.random.key(per_device), (devices * per_device, 2048), jnp.bfloat16)
+    row = dict(section="timing", devices=devices, tokens_per_device=per_device)
+    for scheme in ("all_gather", "all_to_all"):
+      config = dataclasses.replace(base, dispatch=scheme)
+      apply = lambda p, x, c=config: moe_apply(p, x, config=c, mesh=mesh)[0]
+      loss = lambda p, x, f=apply: jnp.sum(f(p, x).astype(jnp.float32) ** 2)
+      row[f"{scheme}_fwd_ms"] = 1e3 * best_time(jax.jit(apply), params, x, repeats=repeats)
+      row[f"{scheme}_fwd_bwd_ms"] = 1e3 * best_time(
+        jax.jit(jax.grad(loss)), params, x, repeats=repeats
+      )
+    row["fwd_ratio"] = row["all_to_all_fwd_ms"] / row["all_gather_fwd_ms"]
+    row["fwd_bwd_ratio"] = row["all_to_all_fwd_bwd_ms"] / row["all_gather_fwd_bwd_ms"]
+    rows.append(row)
+  _table(
+    f"timing: 1x{devices} mesh, E={base.num_experts}, K=6, D=2048, F=1408, C=1024, bf16 "
+    "(ratio < 1: all_to_all faster)",
+    rows,
+    ["tokens_per_device", "all_gather_fwd_ms", "all_to_all_fwd_ms", "fwd_ratio", "fwd_bwd_ratio"],
+  )
+  return rows
+
+
 # ---- output ---------------------------------------------------------------------------------
 
 
@@ -328,7 +380,9 @@ def _fmt(value) -> str:
 
 def main(argv: list[str] | None = None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--sections", default="hlo,scaling,time", help="comma-separated")
+  parser.add_argument(
+    "--sections", default="hlo,scaling,time", help="comma-separated; 'timing' on multi-GPU"
+  )
   parser.add_argument("--tokens", type=int, default=4096, help="tokens for the scaling section")
   parser.add_argument("--repeats", type=int, default=5)
   parser.add_argument("--out", default="results", help="folder for dispatch.json and the plot")
@@ -346,6 +400,8 @@ def main(argv: list[str] | None = None) -> None:
     plot_scaling(scaling, out / "dispatch_scaling.png")
   if "time" in sections:
     rows += time_section(args.repeats)
+  if "timing" in sections:
+    rows += timing_section(args.repeats)
   (out / "dispatch.json").write_text(json.dumps(rows, indent=1))
   print(f"\nwrote {out / 'dispatch.json'}")
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from kernels_pallas import autotune
+from kernels_pallas import autotune, platform
 from kernels_pallas.activations import activate
 from kernels_pallas.backends import BACKENDS
 from kernels_pallas.ops import KernelSettings, gmm_vjp, moe_mlp_vjp
@@ -24,11 +24,10 @@ ACTIVATIONS = ("silu", "gelu")
 
 def device_implementation() -> str:
   """The kernel made for the default device: mosaic on Hopper, triton on other GPUs, else xla."""
-  device = jax.devices()[0]
-  if device.platform != "gpu":
+  capability = platform.gpu_compute_capability()
+  if capability is None:
     return "xla"
-  capability = getattr(device, "compute_capability", "0")
-  return "mosaic" if str(capability).startswith("9") else "triton"
+  return "mosaic" if capability.startswith("9") else "triton"
 
 
 def unsupported_reason(

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from kernels_pallas import platform
 from kernels_pallas.compat import (
   mosaic_interpret_params,
   mosaic_operands_transposed_in_smem,
@@ -271,12 +272,9 @@ def _num_sms(interpret: bool) -> int:
   """Persistent programs: one per SM of the device (132 on an H100 / H200 SXM)."""
   if interpret:
     return _INTERPRETED_SMS
-  device = jax.devices()[0]
-  if device.platform == "gpu":
-    return device.core_count
   # Lowering for CUDA on a host without a GPU (jax.export): the `compat.cuda_target` GPU's
   # count, else an H100 / H200's.
-  return target_num_sms() or 132
+  return platform.gpu_sm_count() or target_num_sms() or 132
 
 
 def _launch(interpret: bool) -> dict:

@@ -12,13 +12,15 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 
+from kernels_pallas import platform
+
 # Platforms whose XLA backend implements the `ragged-all-to-all` collective.
-_RAGGED_PLATFORMS = ("cuda", "rocm", "gpu", "tpu")
+_RAGGED_PLATFORMS = ("gpu", "tpu")
 
 
 def platform_has_ragged_all_to_all() -> bool:
-  """Whether the default backend runs `jax.lax.ragged_all_to_all` (GPUs, TPUs; not XLA:CPU)."""
-  return jax.default_backend() in _RAGGED_PLATFORMS
+  """Whether the default device runs `jax.lax.ragged_all_to_all` (GPUs, TPUs; not XLA:CPU)."""
+  return platform.platform() in _RAGGED_PLATFORMS
 
 
 def sum_over(x: jax.Array, axes: Sequence[str]) -> jax.Array:

@@ -31,6 +31,7 @@ from moejax.collectives import (
   scatter_sum_rows,
   swap_slices,
 )
+from kernels_pallas import platform
 from moejax.config import MoEConfig
 
 
@@ -276,23 +277,35 @@ class AllToAll:
     return jnp.sum(distinct_destinations(expert_ids, self.local_experts, self.axis_size))
 
 
-def resolve_dispatch(dispatch: str, axis_size: int, ragged: bool) -> str:
-  """The scheme "auto" stands for: the one that sends fewer bytes on this platform.
+# Platforms where a recorded multi-device run (`benchmarks/dispatch.py --timing`, recorded in
+# docs/performance.md) showed all_to_all faster than all_gather, each with the smallest
+# expert-axis size at which it was. Empty: no multi-device GPU or TPU run has been recorded,
+# and fewer bytes alone do not make it faster (docs/performance.md, "Dispatch").
+MEASURED_FASTER: dict[str, int] = {}
 
-  With `ragged_all_to_all` (GPUs, TPUs) all-to-all sends at most min(K, S) copies of a row
-  against all-gather's S, so it wins on any expert axis of 2 or more. Without it (XLA:CPU)
-  the drop-in moves the same static [S, C] buffers as all-gather plus a count exchange, so
-  all-gather wins; it also wins trivially on an axis of 1.
+
+def resolve_dispatch(dispatch: str, axis_size: int, platform_name: str) -> str:
+  """The scheme "auto" stands for: all_to_all only where `MEASURED_FASTER` records it faster
+  on this platform at this expert-axis size, else all_gather.
+
+  all_to_all sends at most min(K, S) copies of a row against all_gather's S, but XLA's GPU
+  `ragged_all_to_all` syncs with the host on its offsets and issues one send per (slice,
+  peer), so bytes do not decide it; a measurement does. On XLA:CPU the drop-in moves the same
+  static buffers as all_gather plus a count exchange.
+
+  >>> resolve_dispatch("auto", axis_size=8, platform_name="gpu")
+  'all_gather'
   """
   if dispatch != "auto":
     return dispatch
-  return "all_to_all" if ragged and axis_size > 1 else "all_gather"
+  min_axis = MEASURED_FASTER.get(platform_name)
+  return "all_to_all" if min_axis is not None and axis_size >= min_axis else "all_gather"
 
 
 def make_exchange(config: MoEConfig, axis: str | None, axis_size: int) -> Exchange:
   """The config's exchange on an expert axis of `axis_size` devices (None, 1: no mesh)."""
   local_experts = config.num_experts // axis_size
   ragged = platform_has_ragged_all_to_all()
-  if resolve_dispatch(config.dispatch, axis_size, ragged) == "all_gather":
+  if resolve_dispatch(config.dispatch, axis_size, platform.platform()) == "all_gather":
     return AllGather(axis, axis_size, local_experts)
   return AllToAll(axis, axis_size, local_experts, ragged)

@@ -130,11 +130,14 @@ def test_ragged_path_lowers_for_cuda(monkeypatch):
   assert calls(jax.grad(lambda p, x, m: jnp.sum(layer(p, x, m)))) >= 4
 
 
-def test_auto_picks_the_scheme_that_sends_fewer_bytes():
-  assert dispatch.resolve_dispatch("auto", axis_size=8, ragged=True) == "all_to_all"
-  assert dispatch.resolve_dispatch("auto", axis_size=8, ragged=False) == "all_gather"
-  assert dispatch.resolve_dispatch("auto", axis_size=1, ragged=True) == "all_gather"
-  assert dispatch.resolve_dispatch("all_to_all", axis_size=8, ragged=False) == "all_to_all"
+def test_auto_picks_all_to_all_only_where_measured_faster(monkeypatch):
+  for platform_name in ("cpu", "gpu", "tpu"):  # nothing recorded: all_gather everywhere
+    assert dispatch.resolve_dispatch("auto", 8, platform_name) == "all_gather"
+  assert dispatch.resolve_dispatch("all_to_all", 8, "cpu") == "all_to_all"  # by name, anywhere
+  monkeypatch.setattr(dispatch, "MEASURED_FASTER", {"gpu": 4})
+  assert dispatch.resolve_dispatch("auto", 8, "gpu") == "all_to_all"
+  assert dispatch.resolve_dispatch("auto", 2, "gpu") == "all_gather"  # smaller than measured
+  assert dispatch.resolve_dispatch("auto", 8, "tpu") == "all_gather"
 
 
 # --- Both schemes against the reference ------------------------------------------------------

@@ -1,5 +1,6 @@
 """The notebooks run top to bottom, and are committed without outputs."""
 
+import importlib.util
 from pathlib import Path
 
 import nbformat
@@ -7,22 +8,37 @@ import pytest
 from nbclient import NotebookClient
 
 NOTEBOOKS = sorted((Path(__file__).parent.parent / "notebooks").glob("*.ipynb"))
+FROM_TRANSFORMERS = "04_from_transformers.ipynb"
+HAS_HF_EXTRA = all(importlib.util.find_spec(m) for m in ("torch", "transformers"))
 
 
-# Notebooks that need the `hf` extra (transformers and torch); skipped without it.
-NEEDS_EXTRA = {"04_from_transformers.ipynb": ("torch", "transformers")}
+def run(path: Path, hide_modules: tuple[str, ...] = ()) -> str:
+  """Executes the notebook (with `hide_modules` made unimportable first); returns its text
+  output, after checking that no cell raised."""
+  notebook = nbformat.read(path, as_version=4)
+  if hide_modules:  # `import torch` raises ImportError, as where the extra is not installed
+    hide = "import sys\n" + "".join(f"sys.modules[{m!r}] = None\n" for m in hide_modules)
+    notebook.cells.insert(0, nbformat.v4.new_code_cell(hide))
+  NotebookClient(
+    notebook, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}}
+  ).execute()
+  outputs = [o for c in notebook.cells for o in c.get("outputs", [])]
+  errors = [o for o in outputs if o.output_type == "error"]
+  assert not errors, errors[0].get("evalue")
+  return "".join(o.get("text", "") for o in outputs if o.output_type == "stream")
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
 def test_notebook_runs(path):
-  for module in NEEDS_EXTRA.get(path.name, ()):
-    pytest.importorskip(module)
-  notebook = nbformat.read(path, as_version=4)
-  NotebookClient(
-    notebook, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}}
-  ).execute()
-  errors = [o for c in notebook.cells for o in c.get("outputs", []) if o.output_type == "error"]
-  assert not errors
+  text = run(path)
+  if path.name == FROM_TRANSFORMERS and HAS_HF_EXTRA:
+    assert "difference to the transformers block" in text
+
+
+def test_from_transformers_runs_without_the_hf_extra():
+  text = run(Path(NOTEBOOKS[0]).parent / FROM_TRANSFORMERS, hide_modules=("torch", "transformers"))
+  assert "difference to moejax.reference_moe" in text
+  assert "transformers comparison skipped: pip install" in text
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
@@ -38,5 +54,5 @@ def test_there_are_four_notebooks():
     "01_quickstart.ipynb",
     "02_chunking.ipynb",
     "03_training.ipynb",
-    "04_from_transformers.ipynb",
+    FROM_TRANSFORMERS,
   ]
