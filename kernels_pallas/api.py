@@ -39,6 +39,33 @@ def unsupported_reason(
   return BACKENDS[implementation].unsupported_reason(lhs_dtype, activation, precision)
 
 
+def moe_mlp_unsupported_reason(
+  implementation: str, dtype, activation: str, *, biases: bool = False
+) -> str | None:
+  """Why `moe_mlp` on `implementation` cannot run an MLP of this dtype, activation and biases
+  (it has no bias epilogue), or None. The one answer to "can this kernel run this layer?".
+
+  >>> moe_mlp_unsupported_reason("xla", jnp.float32, "swiglu_oai")
+  "activation='swiglu_oai' (moe_mlp has ('silu', 'gelu'))"
+  """
+  if activation not in ACTIVATIONS:
+    return f"activation={activation!r} (moe_mlp has {ACTIVATIONS})"
+  if biases:
+    return "expert biases (moe_mlp has no bias epilogue)"
+  return unsupported_reason(implementation, dtype, dtype, activation)
+
+
+def kernel_for(dtype, activation: str, *, biases: bool = False) -> str | None:
+  """The Pallas kernel that runs `moe_mlp` for this case on the default device: its own
+  (Mosaic on Hopper) when it can, else Triton (interpreted on a CPU), else None."""
+  for implementation in (device_implementation(), "triton"):
+    if implementation == "xla":
+      continue
+    if moe_mlp_unsupported_reason(implementation, dtype, activation, biases=biases) is None:
+      return implementation
+  return None
+
+
 # Backends that a recorded GPU run of `benchmarks/gpu_check.py` (docs/performance.md) showed
 # correct and faster than XLA, each with the fewest rows per call at which it was measured
 # faster. Empty: the one run so far (H200, 2026-11-29) measured the Mosaic forward 2-13x

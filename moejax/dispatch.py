@@ -22,6 +22,7 @@ from typing import Any, NamedTuple, Protocol
 import jax
 import jax.numpy as jnp
 
+from kernels_pallas import platform
 from moejax.collectives import (
   axis_rank,
   filled_like,
@@ -31,7 +32,6 @@ from moejax.collectives import (
   scatter_sum_rows,
   swap_slices,
 )
-from kernels_pallas import platform
 from moejax.config import MoEConfig
 
 

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 
 import kernels_pallas
 from kernels_pallas.metadata import aligned_rows
+from kernels_pallas.platform import on_cpu
 from moejax.config import MoEConfig
 from moejax.tiles import GatedActivation, gated_mlp, tile_mlp
 
@@ -72,8 +73,8 @@ def grouped_mlp(
   weights: jax.Array,
   w_gate_up: jax.Array,
   w_down: jax.Array,
-  b_gate_up: jax.Array,
-  b_down: jax.Array,
+  b_gate_up: jax.Array | None,
+  b_down: jax.Array | None,
   *,
   activation: GatedActivation,
   tile_rows: int,
@@ -87,8 +88,8 @@ def grouped_mlp(
     weights: [N, K] float32 combine weights.
     w_gate_up: [El, D, 2F] local experts' gate/up weights, in the compute dtype.
     w_down: [El, F, D] local experts' down weights, in the compute dtype.
-    b_gate_up: [El, 2F] local experts' biases (zeros for experts without), float32.
-    b_down: [El, D].
+    b_gate_up: [El, 2F] local experts' biases, or None (no bias work).
+    b_down: [El, D], or None.
     activation: the gate/up combination.
     tile_rows: B, rows per tile (see `default_tile_rows`).
 
@@ -168,65 +169,64 @@ def sorted_mlp(
   return jnp.sum(out.reshape(rows, top_k, -1).astype(jnp.float32), axis=1)
 
 
-def on_cpu() -> bool:
-  """Whether the default device is a CPU (where Pallas kernels can only be interpreted)."""
-  return jax.devices()[0].platform == "cpu"
-
-
 # Most local experts for which XLA's ragged_dot beats the tile loop on a GPU (H200, bf16).
 RAGGED_DOT_MAX_LOCAL_EXPERTS = 8
 
 
-def pallas_implementation(config: MoEConfig) -> str:
-  """The kernel `expert_backend="pallas"` runs: the device's (Mosaic on Hopper) when it can
-  run the config's dtype and activation, else Triton, which runs every case (in the Pallas
-  interpreter on a CPU)."""
-  chosen = kernels_pallas.api.device_implementation()
-  dtype = config.dtype
-  if chosen == "xla" or kernels_pallas.api.unsupported_reason(
-    chosen, dtype, dtype, config.activation
-  ):
-    return "triton"
-  return chosen
+def kernel_for(config: MoEConfig) -> str | None:
+  """The Pallas kernel that can run the config's experts here, or None (`kernels_pallas`
+  decides: its registry knows each kernel's dtypes, activations and epilogues)."""
+  return kernels_pallas.api.kernel_for(config.dtype, config.activation, biases=config.expert_bias)
 
 
-def kernel_epilogue_missing(config: MoEConfig) -> str | None:
-  """Why the `kernels_pallas` MLP (Pallas kernels and its XLA ragged_dot form) cannot run the
-  config's experts, or None: it has neither biases nor the GPT-OSS / tanh activations."""
-  if config.activation not in KERNEL_ACTIVATIONS:
-    return f"activation={config.activation!r} (the kernels have {KERNEL_ACTIVATIONS})"
-  if config.expert_bias:
-    return "expert_bias (the kernels have no bias epilogue)"
-  return None
+def decode_sized(num_rows: int, local_experts: int) -> bool:
+  """Whether a call has no more (row, choice) assignments than local experts.
 
-
-KERNEL_ACTIVATIONS = ("silu", "gelu")
+  Then some experts surely have no rows, and the weights a call must read are those of the
+  experts it uses (at most `num_rows` of El). The tile loop and the kernels read only those;
+  XLA's ragged_dot on a GPU is rewritten into a dense dot that reads every expert
+  (openxla/xla#46002), up to El / num_rows times the bytes. docs/performance.md, "Decode".
+  """
+  return num_rows <= local_experts
 
 
 def expert_path(config: MoEConfig, num_rows: int, local_experts: int) -> str:
   """The path of a call on `num_rows` rows: "pallas", "ragged_dot" or "tile_loop" (static).
 
-  A config the kernels cannot run takes the tile loop, with a warning if it asked for them.
+  A config no kernel can run takes the tile loop, with a warning if it asked for them.
 
   >>> config = MoEConfig(num_experts=8, top_k=2, hidden_size=64, intermediate_size=128)
   >>> expert_path(config, num_rows=512, local_experts=8)  # on a CPU
   'tile_loop'
   """
-  missing = kernel_epilogue_missing(config)
-  if missing is not None:
-    if config.expert_backend == "pallas":
-      warnings.warn(
-        f"expert_backend='pallas' falls back to the XLA tile loop: the kernels lack {missing}",
-        stacklevel=2,
-      )
-    return "tile_loop"
+  kernel = kernel_for(config)
   if config.expert_backend == "pallas":
-    return "pallas"
-  if config.expert_backend == "auto":
-    measured = kernels_pallas.api.best_implementation(config.dtype, config.activation, num_rows)
-    if measured != "xla":
+    if kernel is not None:
       return "pallas"
-  if not on_cpu() and local_experts <= RAGGED_DOT_MAX_LOCAL_EXPERTS:
+    reason = kernels_pallas.api.moe_mlp_unsupported_reason(
+      "triton", config.dtype, config.activation, biases=config.expert_bias
+    )
+    warnings.warn(
+      f"expert_backend='pallas' falls back to the XLA tile loop: no kernel runs it ({reason})",
+      stacklevel=2,
+    )
+    return "tile_loop"
+  if config.expert_backend == "auto" and kernel is not None:
+    measured = kernels_pallas.api.best_implementation(config.dtype, config.activation, num_rows)
+    if measured == kernel:
+      return "pallas"
+  ragged_dot_runs = (
+    kernels_pallas.api.moe_mlp_unsupported_reason(
+      "xla", config.dtype, config.activation, biases=config.expert_bias
+    )
+    is None
+  )
+  if (
+    ragged_dot_runs
+    and not on_cpu()
+    and local_experts <= RAGGED_DOT_MAX_LOCAL_EXPERTS
+    and not decode_sized(num_rows, local_experts)
+  ):
     return "ragged_dot"
   return "tile_loop"
 
@@ -257,9 +257,6 @@ def routed_mlp(
     weights = local.astype(jnp.float32)
   path = expert_path(config, expert_ids.size, local_experts)
   if path == "tile_loop":
-    if b_gate_up is None:
-      b_gate_up = jnp.zeros_like(w_gate_up[:, 0], jnp.float32)
-      b_down = jnp.zeros_like(w_down[:, 0], jnp.float32)
     return grouped_mlp(
       x,
       expert_ids,
@@ -271,7 +268,7 @@ def routed_mlp(
       activation=GatedActivation.of(config),
       tile_rows=default_tile_rows(expert_ids.size, config.num_experts),
     )
-  implementation = pallas_implementation(config) if path == "pallas" else "xla"
+  implementation = kernel_for(config) if path == "pallas" else "xla"
   return sorted_mlp(
     x,
     expert_ids,
@@ -316,5 +313,6 @@ def shared_mlp(
 
 
 def runs_interpreted_kernels(config: MoEConfig) -> bool:
-  """Whether the layer runs Pallas kernels in an interpreter (on a CPU)."""
-  return on_cpu() and config.expert_backend == "pallas"
+  """Whether the layer runs Pallas kernels in an interpreter (on a CPU): the path it takes
+  is the kernels' (`expert_path`), not the tile loop it falls back to."""
+  return on_cpu() and config.expert_backend == "pallas" and kernel_for(config) is not None

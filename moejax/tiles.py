@@ -82,18 +82,26 @@ def _zeros_rows(like: jax.Array, rows: int, cols: int) -> jax.Array:
   return jnp.broadcast_to(jnp.zeros_like(like[:1, :1], jnp.float32), (rows, cols))
 
 
+def _index_or_none(a: jax.Array | None, index: jax.Array) -> jax.Array | None:
+  return None if a is None else a[index]
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(8,))
 def tile_mlp(
   x_padded, w_gate_up, w_down, b_gate_up, b_down, tile_tokens, tile_expert, num_used, activation
 ):
   """Runs each used tile's rows through its expert's gated MLP.
 
+  A tile past `num_used` reads nothing: its expert's weights are sliced inside the taken
+  branch of its `lax.cond`, so a call's weight traffic follows the experts that have rows
+  (at T=1, K=2 that is two experts' weights, not El).
+
   Args:
     x_padded: [N+1, D] rows in the compute dtype; row N is zero (empty tile slots point at it).
     w_gate_up: [El, D, 2F].
     w_down: [El, F, D].
-    b_gate_up: [El, 2F] biases (zeros for experts without).
-    b_down: [El, D].
+    b_gate_up: [El, 2F] biases, or None (no bias work at all).
+    b_down: [El, D], or None with b_gate_up.
     tile_tokens: [tiles, B] int32 row of each tile slot.
     tile_expert: [tiles] int32 expert of each tile.
     num_used: [] int32 tiles in use; the rest are skipped and give 0.
@@ -104,12 +112,16 @@ def tile_mlp(
   """
   tile_rows, dim = tile_tokens.shape[1], x_padded.shape[1]
 
+  def used_tile(tokens, expert):
+    weights = (w_gate_up[expert], w_down[expert], activation)
+    biases = (_index_or_none(b_gate_up, expert), _index_or_none(b_down, expert))
+    return gated_mlp(x_padded[tokens], *weights, *biases)
+
   def run_tile(_, tile):
     index, tokens, expert = tile
-    weights = (w_gate_up[expert], w_down[expert], activation, b_gate_up[expert], b_down[expert])
     out = jax.lax.cond(
       index < num_used,
-      lambda: gated_mlp(x_padded[tokens], *weights),
+      lambda: used_tile(tokens, expert),
       lambda: _zeros_rows(x_padded, tile_rows, dim),
     )
     return None, out
@@ -128,24 +140,28 @@ def _tile_mlp_fwd(
 def _tile_grads(x, w_gate_up, w_down, b_gate_up, d_out, activation):
   """Gradients of one tile's gated MLP; recomputes the pre-activation.
 
-  Args: x [B, D], w_gate_up [D, 2F], w_down [F, D] (compute dtype), b_gate_up [2F],
+  Args: x [B, D], w_gate_up [D, 2F], w_down [F, D] (compute dtype), b_gate_up [2F] or None,
     d_out [B, D] float32.
-  Returns: (d_x [B, D], d_w_gate_up [D, 2F], d_w_down [F, D], d_b_gate_up [2F],
-    d_b_down [D]), float32.
+  Returns: (d_x [B, D], d_w_gate_up [D, 2F], d_w_down [F, D]) and, with a bias,
+    (d_b_gate_up [2F], d_b_down [D]); float32.
   """
   f32 = jnp.float32
-  gate_up = jnp.dot(x, w_gate_up, preferred_element_type=f32) + b_gate_up.astype(f32)[None, :]
+  gate_up = jnp.dot(x, w_gate_up, preferred_element_type=f32)
+  if b_gate_up is not None:
+    gate_up = gate_up + b_gate_up.astype(f32)[None, :]
   hidden, combine_vjp = jax.vjp(activation, *jnp.split(gate_up, 2, axis=-1))
   hidden = hidden.astype(x.dtype)  # [B, F], as the forward pass rounded it
   d_out = d_out.astype(x.dtype)
   d_hidden = jnp.dot(d_out, w_down.T, preferred_element_type=f32)  # [B, F]
   d_w_down = jnp.dot(hidden.T, d_out, preferred_element_type=f32)  # [F, D]
   d_gate_up = jnp.concatenate(combine_vjp(d_hidden), axis=-1)  # [B, 2F] float32
-  d_b_gate_up = jnp.sum(d_gate_up, axis=0)
+  d_biases = (
+    () if b_gate_up is None else (jnp.sum(d_gate_up, axis=0), jnp.sum(d_out, axis=0, dtype=f32))
+  )
   d_gate_up = d_gate_up.astype(x.dtype)
   d_w_gate_up = jnp.dot(x.T, d_gate_up, preferred_element_type=f32)  # [D, 2F]
   d_x = jnp.dot(d_gate_up, w_gate_up.T, preferred_element_type=f32)  # [B, D]
-  return d_x, d_w_gate_up, d_w_down, d_b_gate_up, jnp.sum(d_out.astype(f32), axis=0)
+  return (d_x, d_w_gate_up, d_w_down, *d_biases)
 
 
 def _add_at(total: jax.Array, index: jax.Array, update: jax.Array) -> jax.Array:
@@ -157,7 +173,8 @@ def _add_at(total: jax.Array, index: jax.Array, update: jax.Array) -> jax.Array:
 
 def _tile_mlp_bwd(activation, residuals, d_tiles):
   x_padded, w_gate_up, w_down, b_gate_up, b_down, tile_tokens, tile_expert, num_used = residuals
-  grads_of = (x_padded, w_gate_up, w_down, b_gate_up, b_down)
+  biased = b_gate_up is not None
+  grads_of = (x_padded, w_gate_up, w_down, *((b_gate_up, b_down) if biased else ()))
   init = tuple(jnp.zeros_like(a, jnp.float32) for a in grads_of)
 
   def tile_backward(carry, tile):
@@ -165,8 +182,9 @@ def _tile_mlp_bwd(activation, residuals, d_tiles):
 
     def accumulate(carry):
       d_x, *d_expert = carry
+      bias = b_gate_up[expert] if biased else None
       grads = _tile_grads(
-        x_padded[tokens], w_gate_up[expert], w_down[expert], b_gate_up[expert], d_out, activation
+        x_padded[tokens], w_gate_up[expert], w_down[expert], bias, d_out, activation
       )
       return (
         d_x.at[tokens].add(grads[0]),
@@ -177,12 +195,9 @@ def _tile_mlp_bwd(activation, residuals, d_tiles):
 
   tiles = (jnp.arange(tile_tokens.shape[0]), tile_tokens, tile_expert, d_tiles)
   grads, _ = jax.lax.scan(tile_backward, init, tiles)
-  return (
-    *[g.astype(a.dtype) for g, a in zip(grads, grads_of, strict=True)],
-    None,
-    None,
-    None,
-  )
+  grads = [g.astype(a.dtype) for g, a in zip(grads, grads_of, strict=True)]
+  d_biases = grads[3:] if biased else [None, None]
+  return (*grads[:3], *d_biases, None, None, None)
 
 
 tile_mlp.defvjp(_tile_mlp_fwd, _tile_mlp_bwd)
