@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moejax.collectives import sum_over
+from moejax.collectives import filled_like, sum_over
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,13 +143,9 @@ def _live_chunks(token_mask: jax.Array, order: jax.Array, lockstep_axis: str | N
 
 
 def _zeros_of(token_mask: jax.Array, like: Any) -> Any:
-  """Zeros shaped like the pytree of `jax.ShapeDtypeStruct`s `like`.
-
-  Built from the mask, not `jnp.zeros`: inside shard_map they keep the mask's per-device
-  (varying-axes) type, which `lax.cond` requires of both branches.
-  """
-  scalar = lambda dtype: jnp.zeros_like(token_mask[0], dtype)
-  return jax.tree.map(lambda t: jnp.broadcast_to(scalar(t.dtype), t.shape), like)
+  """Zeros shaped like the pytree of `jax.ShapeDtypeStruct`s `like`, per-device like the mask
+  (what `lax.cond` requires of both branches)."""
+  return jax.tree.map(lambda t: filled_like(token_mask, t.shape, 0, t.dtype), like)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))

@@ -59,9 +59,15 @@ def swap_slices(x: jax.Array, axis: str | None) -> jax.Array:
   return x if axis is None else jax.lax.all_to_all(x, axis, 0, 0, tiled=True)
 
 
-def filled_like(like: jax.Array, rows: int, value) -> jax.Array:
-  """[rows, *like.shape[1:]] of `value`, per-device wherever `like` is (a valid `output`)."""
-  return jnp.broadcast_to(jnp.full_like(like[:1], value), (rows, *like.shape[1:]))
+def filled_like(like: jax.Array, shape: tuple[int, ...], value, dtype=None) -> jax.Array:
+  """An array of `shape` filled with `value`, per-device wherever `like` is.
+
+  Built from `like`, not with `jnp.full`: inside `shard_map` it keeps like's varying-axes
+  type, which both branches of a `lax.cond` must share and which `ragged_all_to_all`'s
+  `output` must have.
+  """
+  seed = jnp.full_like(jnp.reshape(like, -1)[:1], value, dtype)  # [1]
+  return jnp.broadcast_to(seed.reshape(()), shape)
 
 
 def ragged_all_to_all(
@@ -86,8 +92,8 @@ def ragged_all_to_all(
   Args:
     operand: [rows_in, ...] rows to send.
     output: [rows_out, ...] what the result holds where nothing is received. Inside `shard_map` it
-      must vary over the axes `operand` does (the op's result takes its type): build it from
-      the operand, as `filled_like` does, not with `jnp.zeros`.
+      must vary over the axes `operand` does (the op's result takes its type): build it with
+      `filled_like(operand, ...)`, not with `jnp.zeros`.
     input_offsets, send_sizes, output_offsets, recv_sizes: [slices] int32, as the JAX op.
     axis: the mesh axis, or None (one device: a local copy with the same semantics).
     max_slice_rows: a static bound on every send size (the drop-in's buffer rows per slice).

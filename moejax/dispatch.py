@@ -79,8 +79,10 @@ class AllGather:
   local_experts: int
 
   def send(self, rows, expert_ids, weights) -> Dispatched:
-    # Device s owns ids [s*El, (s+1)*El); other ids (and E, padding) fall outside [0, El).
-    local_ids = gather_rows(expert_ids, self.axis) - axis_rank(self.axis) * self.local_experts
+    # Ids this device does not hold (and E, padding) fall outside [0, El).
+    local_ids = local_id(
+      gather_rows(expert_ids, self.axis), axis_rank(self.axis), self.local_experts
+    )
     return Dispatched(
       gather_rows(rows, self.axis), local_ids, gather_rows(weights, self.axis), route_back=()
     )
@@ -110,6 +112,21 @@ class _RouteBack(NamedTuple):
   return_offsets: jax.Array
 
 
+def owner_device(expert_ids: jax.Array, local_experts: int, axis_size: int) -> jax.Array:
+  """The expert-axis device holding each expert (device s holds [s*El, (s+1)*El)); S for ids
+  no device holds (from E: zero-computation experts and padding).
+
+  >>> owner_device(jnp.array([0, 3, 4, 9]), local_experts=2, axis_size=2).tolist()
+  [0, 1, 2, 2]
+  """
+  return jnp.minimum(expert_ids // local_experts, axis_size)
+
+
+def local_id(expert_ids: jax.Array, device: jax.Array, local_experts: int) -> jax.Array:
+  """Each expert's index among `device`'s El experts; outside [0, El) if it holds another."""
+  return expert_ids - device * local_experts
+
+
 def destination_devices(expert_ids: jax.Array, local_experts: int, axis_size: int) -> jax.Array:
   """[N, S] bool: which devices hold at least one of each row's chosen experts.
 
@@ -122,7 +139,7 @@ def destination_devices(expert_ids: jax.Array, local_experts: int, axis_size: in
   >>> destination_devices(jnp.array([[0, 1], [3, 0], [4, 4]]), 2, 2).tolist()
   [[True, False], [True, True], [False, False]]
   """
-  device = jnp.minimum(expert_ids // local_experts, axis_size)  # [N, K]; held by none -> S
+  device = owner_device(expert_ids, local_experts, axis_size)  # [N, K]
   rows = jnp.arange(expert_ids.shape[0])[:, None]
   hit = jnp.zeros((expert_ids.shape[0], axis_size + 1), bool).at[rows, device].set(True)
   return hit[:, :axis_size]
@@ -134,7 +151,7 @@ def distinct_destinations(expert_ids: jax.Array, local_experts: int, axis_size: 
   >>> distinct_destinations(jnp.array([[0, 1], [3, 0], [4, 4]]), 2, 2).tolist()
   [1, 2, 0]
   """
-  device = jnp.sort(expert_ids // local_experts, axis=-1)  # [N, K]
+  device = jnp.sort(owner_device(expert_ids, local_experts, axis_size), axis=-1)  # [N, K]
   first = device[:, :1] < axis_size
   new = (device[:, 1:] != device[:, :-1]) & (device[:, 1:] < axis_size)
   return jnp.sum(first, axis=-1, dtype=jnp.int32) + jnp.sum(new, axis=-1, dtype=jnp.int32)
@@ -186,7 +203,7 @@ def pack_pairs(expert_ids: jax.Array, local_experts: int, axis_size: int) -> Pac
   pair_row = jnp.full(slots, chunk_rows, jnp.int32).at[flat_slot].set(row_ids, mode="drop")
   pair_device = jnp.full(slots, axis_size, jnp.int32).at[flat_slot].set(device_ids, mode="drop")
   # The slot of each choice's pair, kept for the first choice on each device only.
-  device = jnp.minimum(expert_ids // local_experts, axis_size)  # [C, K]; held by none -> S
+  device = owner_device(expert_ids, local_experts, axis_size)  # [C, K]
   earlier = jnp.tril(jnp.ones((top_k, top_k), bool), k=-1)  # [k, k']: k' < k
   repeated = jnp.any((device[:, :, None] == device[:, None, :]) & earlier[None], axis=-1)
   choice_slot = jnp.take_along_axis(slot, jnp.minimum(device, axis_size - 1), axis=1)
@@ -228,7 +245,7 @@ class AllToAll:
     pair_row, send_sizes, send_offsets = pairs.pair_row, pairs.send_sizes, pairs.send_offsets
     # Each pair carries the row and its choices on that device (others: id El, weight 0).
     row = jnp.minimum(pair_row, chunk_rows - 1)  # empty slots are never sent
-    pair_ids = expert_ids[row] - pairs.pair_device[:, None] * local_experts  # [P, K]
+    pair_ids = local_id(expert_ids[row], pairs.pair_device[:, None], local_experts)  # [P, K]
     on_device = (pair_ids >= 0) & (pair_ids < local_experts) & (pair_row < chunk_rows)[:, None]
     pair_ids = jnp.where(on_device, pair_ids, local_experts)
     pair_weights = jnp.where(on_device, weights[row], 0.0)
@@ -247,10 +264,11 @@ class AllToAll:
     )
     buffer_rows = devices * chunk_rows
     pair_rows = rows[row]
+    empty = lambda a, value: filled_like(a, (buffer_rows, *a.shape[1:]), value)
     return Dispatched(
-      rows=send(pair_rows, filled_like(pair_rows, buffer_rows, 0)),
-      local_ids=send(pair_ids, filled_like(pair_ids, buffer_rows, local_experts)),
-      weights=send(pair_weights, filled_like(pair_weights, buffer_rows, 0)),
+      rows=send(pair_rows, empty(pair_rows, 0)),
+      local_ids=send(pair_ids, empty(pair_ids, local_experts)),
+      weights=send(pair_weights, empty(pair_weights, 0)),
       route_back=_RouteBack(
         pairs.choice_slot, send_sizes, send_offsets, recv_sizes, return_offsets
       ),
@@ -262,7 +280,7 @@ class AllToAll:
     slots = chunk_rows * min(top_k, self.axis_size)
     returned = self._exchange(
       expert_out,
-      filled_like(expert_out, slots, 0),
+      filled_like(expert_out, (slots, *expert_out.shape[1:]), 0),
       jnp.arange(self.axis_size, dtype=jnp.int32) * chunk_rows,
       back.recv_sizes,
       back.return_offsets,

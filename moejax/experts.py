@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import kernels_pallas
 from kernels_pallas.metadata import aligned_rows
 from kernels_pallas.platform import on_cpu
+from moejax import routing
 from moejax.config import MoEConfig
 from moejax.tiles import GatedActivation, gated_mlp, tile_mlp
 
@@ -278,6 +279,27 @@ def routed_mlp(
     activation=config.activation,
     implementation=implementation,
   )
+
+
+def zero_experts(
+  rows: jax.Array, expert_ids: jax.Array, weights: jax.Array, *, config: MoEConfig
+) -> jax.Array:
+  """What a row's zero-computation experts return: the row itself times their weights.
+
+  Computed where the row lives, never sent (LongCat-Flash's "zero experts").
+
+  Args:
+    rows: [C, D] in the compute dtype.
+    expert_ids: [C, K] global ids; zero experts are [E, E + Z).
+    weights: [C, K] float32.
+    config: the layer's config.
+
+  Returns:
+    [C, D] float32.
+  """
+  zero = routing.is_zero_expert(expert_ids, config)
+  zero_weight = jnp.sum(jnp.where(zero, weights, 0.0), axis=-1, keepdims=True)
+  return zero_weight * rows.astype(jnp.float32)
 
 
 def shared_mlp(

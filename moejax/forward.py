@@ -14,15 +14,15 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import Mesh
 
 from moejax import routing, sharding
 from moejax.chunking import ChunkStages, TokenLayout, chunk_scan
 from moejax.collectives import sum_over, vary_over
 from moejax.config import MoEConfig
 from moejax.dispatch import Dispatched, Exchange, make_exchange
-from moejax.experts import routed_mlp, runs_interpreted_kernels, shared_mlp
-from moejax.params import EXPERT_PARAMS, MoEParams, check_params
+from moejax.experts import routed_mlp, runs_interpreted_kernels, shared_mlp, zero_experts
+from moejax.params import EXPERT_PARAMS, MoEParams, check_params, compute_weights
 
 
 class MoEAux(NamedTuple):
@@ -79,24 +79,14 @@ def moe_apply(
 
 
 def _apply_on_explicit_mesh(params, x, token_mask, router_logits, config, mesh):
-  """Runs on an explicit-axes mesh by treating its axes as automatic inside (`auto_axes`).
-
-  The layer reshapes and pads token arrays whose sharding explicit mode would make part of
-  their type; inside `auto_axes` XLA places them, and y comes back sharded like x.
-  """
-  auto_mesh = Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * mesh.devices.ndim)
+  """The layer on an explicit-axes mesh: y comes back sharded like x (`sharding.with_auto_axes`)."""
   specs = sharding.LayerSpecs.from_config(config)
-  aux_sharding = MoEAux(
-    *[NamedSharding(mesh, spec) for spec in specs.aux(MoEAux._fields, per_device=_PER_DEVICE)]
+  out_specs = (
+    jax.typeof(x).sharding.spec,
+    MoEAux(*specs.aux(MoEAux._fields, per_device=_PER_DEVICE)),
   )
-  y_sharding = NamedSharding(mesh, jax.typeof(x).sharding.spec)
-
-  def apply(params, x, token_mask, router_logits):
-    return _moe_apply_jit(params, x, token_mask, router_logits, config=config, mesh=auto_mesh)
-
-  return jax.sharding.auto_axes(apply, out_sharding=(y_sharding, aux_sharding))(
-    params, x, token_mask, router_logits
-  )
+  apply = lambda auto_mesh, *args: _moe_apply_jit(*args, config=config, mesh=auto_mesh)
+  return sharding.with_auto_axes(apply, mesh, out_specs)(params, x, token_mask, router_logits)
 
 
 def compiled_executables() -> int:
@@ -232,11 +222,8 @@ def local_forward(
   # Expert weights already vary over the expert axis; they are the same on every data rank.
   data_axes = tuple(a for a in all_axes if a != exchange.axis)
   chunk_weights = {
-    name: vary_over(
-      getattr(params, name).astype(dtype), data_axes if name in EXPERT_PARAMS else all_axes
-    )
-    for name in (*EXPERT_PARAMS, "shared_w_gate_up", "shared_w_down", "shared_gate_kernel")
-    if getattr(params, name) is not None
+    name: vary_over(value, data_axes if name in EXPERT_PARAMS else all_axes)
+    for name, value in compute_weights(params, config).items()
   }
   stages = ChunkStages(
     send=functools.partial(_send_chunk, exchange=exchange),
@@ -301,10 +288,8 @@ def _finish_chunk(
   )
   out = exchange.combine(expert_out.astype(config.dtype), dispatched).astype(jnp.float32)
   rows, expert_ids, routing_weights = chunk
-  if config.num_zero_experts:  # a zero-computation expert returns its input, weighted
-    zero = (expert_ids >= config.num_experts) & (expert_ids < config.num_router_outputs)
-    zero_weight = jnp.sum(jnp.where(zero, routing_weights, 0.0), axis=-1, keepdims=True)
-    out = out + zero_weight * rows.astype(jnp.float32)
+  if config.num_zero_experts:
+    out = out + zero_experts(rows, expert_ids, routing_weights, config=config)
   if config.has_shared_experts:
     shared = (weights["shared_w_gate_up"], weights["shared_w_down"])
     out = out + shared_mlp(rows, *shared, weights.get("shared_gate_kernel"), config=config)

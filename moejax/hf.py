@@ -11,6 +11,7 @@ layers (`experts.{e}.gate_proj.weight`, Mixtral's `w1`/`w3`/`w2`) or as fused 3-
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 from collections.abc import Callable
@@ -22,7 +23,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from moejax.config import MoEConfig
-from moejax.params import MoEParams, param_shapes
+from moejax.params import MoEParams, check_params
 from moejax.sharding import LayerSpecs, check_mesh, placement
 
 _ACTIVATIONS = {
@@ -354,33 +355,40 @@ def config_from_hf(config: dict[str, Any], **overrides: Any) -> MoEConfig:
   return MoEConfig(**{**options, **overrides})
 
 
-class _Checkpoint:
-  """The tensors of a local safetensors checkpoint, single file or sharded, read lazily."""
+class _Checkpoint(contextlib.ExitStack):
+  """The tensors of a local safetensors checkpoint, single file or sharded, read lazily.
+
+  A context manager: each file is opened once, on its first read, and closed on exit.
+  """
 
   def __init__(self, path: Path):
+    super().__init__()
+    self._open: dict[Path, Any] = {}
     index = path / "model.safetensors.index.json"
     if index.exists():
       weight_map = json.loads(index.read_text())["weight_map"]
       self.files = {key: path / name for key, name in weight_map.items()}
     elif (path / "model.safetensors").exists():
-      from safetensors import safe_open
-
-      with safe_open(path / "model.safetensors", "np") as f:
-        self.files = {key: path / "model.safetensors" for key in f.keys()}  # noqa: SIM118
+      single = path / "model.safetensors"
+      self.files = dict.fromkeys(self._file(single).keys(), single)
     else:
       raise FileNotFoundError(f"{path} has neither model.safetensors nor its index")
+
+  def _file(self, path: Path):
+    if path not in self._open:
+      from safetensors import safe_open
+
+      self._open[path] = self.enter_context(safe_open(path, "np"))
+    return self._open[path]
 
   def __contains__(self, key: str) -> bool:
     return key in self.files
 
   def get(self, key: str, shape: tuple[int, ...] | None = None) -> np.ndarray:
-    from safetensors import safe_open
-
     if key not in self.files:
       near = sorted(k for k in self.files if k.startswith(key.rsplit(".", 2)[0]))[:5]
       raise KeyError(f"checkpoint has no tensor {key!r} (keys near it: {near})")
-    with safe_open(self.files[key], "np") as f:
-      value = f.get_tensor(key)
+    value = self._file(self.files[key]).get_tensor(key)
     if shape is not None and value.shape != shape:
       raise ValueError(f"checkpoint tensor {key!r} has shape {value.shape}, expected {shape}")
     return value
@@ -410,16 +418,15 @@ def load_layer(
   hf = json.loads((path / "config.json").read_text())
   family = _family(hf)
   config = config_from_hf(hf) if config is None else config
-  checkpoint = _Checkpoint(path)
   block = family.block.format(layer=layer)
-  values = _read_layer(checkpoint, block, family, config)
+  with _Checkpoint(path) as checkpoint:
+    values = _read_layer(checkpoint, block, family, config)
   dtype = np.dtype(config.param_dtype)
-  values = {name: value.astype(dtype) for name, value in values.items()}
-  expected = param_shapes(config)
-  for name, value in values.items():
-    if value.shape != expected[name]:
-      raise ValueError(f"{name} read as {value.shape} from {block}, expected {expected[name]}")
-  params = MoEParams(**values)
+  params = MoEParams(**{name: value.astype(dtype) for name, value in values.items()})
+  try:
+    check_params(params, config)
+  except ValueError as error:
+    raise ValueError(f"read from {block}: {error}") from None
   if mesh is None:
     return params
   check_mesh(mesh, config)

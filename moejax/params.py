@@ -43,6 +43,24 @@ EXPERT_PARAMS = ("w_gate_up", "w_down", "b_gate_up", "b_down")
 BIAS_PARAMS = ("routing_bias", "router_bias", "b_gate_up", "b_down")
 
 
+# Weights the chunk loop computes with, besides the expert parameters.
+SHARED_PARAMS = ("shared_w_gate_up", "shared_w_down", "shared_gate_kernel")
+
+
+def compute_weights(params: MoEParams, config: MoEConfig) -> dict[str, jax.Array]:
+  """The expert and shared-expert weights present, as the chunk loop computes with them.
+
+  The one place that decides a weight's compute form: today each is cast to `config.dtype`;
+  a weight that carries its own format (a quantized matrix with its scales) is to opt out of
+  the cast here, as a unit.
+  """
+  return {
+    name: getattr(params, name).astype(config.dtype)
+    for name in (*EXPERT_PARAMS, *SHARED_PARAMS)
+    if getattr(params, name) is not None
+  }
+
+
 def param_shapes(config: MoEConfig) -> dict[str, tuple[int, ...]]:
   """Shape of every parameter the config needs, keyed by `MoEParams` field name."""
   d, e, f = config.hidden_size, config.num_experts, config.intermediate_size

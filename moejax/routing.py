@@ -14,6 +14,16 @@ import jax.numpy as jnp
 from moejax.config import MoEConfig
 
 
+def padding_id(config: MoEConfig) -> int:
+  """The expert id of padding tokens' choices, E + Z: an id no expert owns."""
+  return config.num_router_outputs
+
+
+def is_zero_expert(expert_ids: jax.Array, config: MoEConfig) -> jax.Array:
+  """Whether each id is a zero-computation expert, in [E, E + Z) (LongCat-Flash)."""
+  return (expert_ids >= config.num_experts) & (expert_ids < config.num_router_outputs)
+
+
 class Routing(NamedTuple):
   """Where each token goes.
 
@@ -97,7 +107,7 @@ def route(
   weights = weights * config.routed_scaling_factor
   mask = token_mask[:, None]
   return Routing(
-    expert_ids=jnp.where(mask, expert_ids, config.num_router_outputs).astype(jnp.int32),
+    expert_ids=jnp.where(mask, expert_ids, padding_id(config)).astype(jnp.int32),
     weights=jnp.where(mask, weights, 0.0),
     scores=jnp.where(mask, scores, 0.0),
   )

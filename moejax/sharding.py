@@ -7,6 +7,9 @@ everything else is replicated. The axis names come from `MoEConfig.data_axis` / 
 from __future__ import annotations
 
 import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
 
 import jax
 from jax.sharding import AxisType, Mesh, NamedSharding
@@ -90,6 +93,20 @@ def check_mesh(mesh: Mesh, config: MoEConfig) -> None:
 def is_explicit(mesh: Mesh) -> bool:
   """Whether any mesh axis uses explicit sharding (the default of `jax.make_mesh`)."""
   return any(axis_type == AxisType.Explicit for axis_type in mesh.axis_types)
+
+
+def with_auto_axes(fn: Callable, mesh: Mesh, out_specs: Any) -> Callable:
+  """`fn(auto_mesh, *args)` run on an explicit-axes mesh, its axes automatic inside.
+
+  The layer reshapes and pads token arrays whose sharding explicit mode would make part of
+  their type; inside `jax.sharding.auto_axes` XLA places them. `fn` gets the same devices
+  with every axis automatic; its outputs come back laid out as `out_specs` on `mesh`.
+  """
+  auto_mesh = Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * mesh.devices.ndim)
+  out_sharding = jax.tree.map(
+    lambda spec: NamedSharding(mesh, spec), out_specs, is_leaf=lambda s: isinstance(s, P)
+  )
+  return jax.sharding.auto_axes(functools.partial(fn, auto_mesh), out_sharding=out_sharding)
 
 
 def constrain(x: jax.Array, mesh: Mesh, spec: P) -> jax.Array:

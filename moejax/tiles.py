@@ -15,6 +15,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from moejax.collectives import filled_like
 from moejax.config import MoEConfig
 
 
@@ -76,12 +77,6 @@ def gated_mlp(
   return out if b_down is None else out + b_down.astype(jnp.float32)[None, :]
 
 
-def _zeros_rows(like: jax.Array, rows: int, cols: int) -> jax.Array:
-  # zeros_like of an input, not jnp.zeros: inside shard_map it keeps the input's varying-axes
-  # type, which lax.cond requires both branches to share.
-  return jnp.broadcast_to(jnp.zeros_like(like[:1, :1], jnp.float32), (rows, cols))
-
-
 def _index_or_none(a: jax.Array | None, index: jax.Array) -> jax.Array | None:
   return None if a is None else a[index]
 
@@ -122,7 +117,7 @@ def tile_mlp(
     out = jax.lax.cond(
       index < num_used,
       lambda: used_tile(tokens, expert),
-      lambda: _zeros_rows(x_padded, tile_rows, dim),
+      lambda: filled_like(x_padded, (tile_rows, dim), 0, jnp.float32),
     )
     return None, out
 
