@@ -6,6 +6,8 @@ Sections (each prints a table; all rows go to `results/bench.json`, the chunk sw
               and sort + jax.lax.ragged_dot
   chunks      time and compiled peak temporary memory vs total tokens, per chunk size, on one
               device and on the 2x4 mesh
+  steps       the chunk loop's cost per step: T=4096 on one device as 1, 8 and 32 chunks,
+              forward and forward+backward, timed interleaved
   padding     100 / 50 / 10 / 0 % valid tokens, and one busy rank among idle ones
   compiles    executables compiled across 20 token-count patterns (must be 1)
 
@@ -42,6 +44,20 @@ def best_time(fn, *args, repeats: int) -> float:
     start = time.perf_counter()
     jax.block_until_ready(fn(*args))
     best = min(best, time.perf_counter() - start)
+  return best
+
+
+def interleaved_best(calls: dict[str, tuple], rounds: int) -> dict[str, float]:
+  """Minimum wall time of each `name: (fn, *args)` over `rounds` rounds that call every fn
+  once each, in turn: a shared, noisy machine slows them alike, so their ratios hold."""
+  for fn, *args in calls.values():
+    jax.block_until_ready(fn(*args))  # compile
+  best = dict.fromkeys(calls, math.inf)
+  for _ in range(rounds):
+    for name, (fn, *args) in calls.items():
+      start = time.perf_counter()
+      jax.block_until_ready(fn(*args))
+      best[name] = min(best[name], time.perf_counter() - start)
   return best
 
 
@@ -219,6 +235,41 @@ def chunk_section(full: bool, repeats: int) -> list[dict]:
   return rows
 
 
+STEP_TOKENS = 4096
+STEP_CHUNKS = (1, 8, 32)
+
+
+def steps_section(repeats: int) -> list[dict]:
+  """The chunk loop's cost per step: one device, T=4096 as 1, 8 and 32 chunks, interleaved."""
+  calls = {}
+  x = jax.random.normal(jax.random.key(6), (STEP_TOKENS, D))
+  params = make_params(config_of(32, 2, STEP_TOKENS))
+  for chunks in STEP_CHUNKS:
+    forward = jax.jit(moejax_forward(config_of(32, 2, STEP_TOKENS // chunks)))
+    grad = jax.jit(jax.grad(lambda p, x, f=forward: jnp.sum(f(p, x) ** 2), argnums=(0, 1)))
+    calls[chunks, "fwd"] = (forward, params, x)
+    calls[chunks, "fwd+bwd"] = (grad, params, x)
+  best = interleaved_best(calls, rounds=3 * repeats)
+  rows = []
+  for chunks in STEP_CHUNKS:
+    row = dict(section="steps", chunks=chunks, C=STEP_TOKENS // chunks)
+    for kind in ("fwd", "fwd+bwd"):
+      row[f"{kind}_ms"] = best[chunks, kind] * 1e3
+      row[f"{kind}_of_1_chunk"] = best[chunks, kind] / best[1, kind]
+      # What each extra step costs beyond the one-chunk program, in ms.
+      extra = (best[chunks, kind] - best[1, kind]) / max(chunks - 1, 1)
+      row[f"{kind}_ms_per_extra_step"] = extra * 1e3
+    rows.append(row)
+  _table(
+    f"steps: one device, T={STEP_TOKENS}, E=32, K=2 as 1, 8, 32 chunks (interleaved, min of "
+    f"{3 * repeats})",
+    rows,
+    ["chunks", "C", "fwd_ms", "fwd_of_1_chunk", "fwd+bwd_ms", "fwd+bwd_of_1_chunk",
+     "fwd_ms_per_extra_step", "fwd+bwd_ms_per_extra_step"],
+  )  # fmt: skip
+  return rows
+
+
 def padding_section(repeats: int) -> list[dict]:
   tokens = 8192
   config = config_of(32, 2, 256)
@@ -312,7 +363,9 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument("--full", action="store_true", help="more shapes and token counts")
   parser.add_argument("--repeats", type=int, default=3)
   parser.add_argument("--out", default="results", help="folder for bench.json and the plot")
-  parser.add_argument("--sections", default="layer,chunks,padding,compiles", help="comma-separated")
+  parser.add_argument(
+    "--sections", default="layer,chunks,steps,padding,compiles", help="comma-separated"
+  )
   args = parser.parse_args(argv)
   sections = args.sections.split(",")
   start = time.perf_counter()
@@ -329,6 +382,8 @@ def main(argv: list[str] | None = None) -> None:
     chunk_rows = chunk_section(args.full, args.repeats)
     rows += chunk_rows
     plot_chunks(chunk_rows, out / "chunk_sweep.png")
+  if "steps" in sections:
+    rows += steps_section(args.repeats)
   if "padding" in sections:
     rows += padding_section(args.repeats)
   if "compiles" in sections:

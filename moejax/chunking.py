@@ -7,9 +7,11 @@ collective group is skipped by a `lax.cond` whose predicate is the same on all o
 group stays in lockstep and the cost follows the busiest device's real tokens. The predicates
 of all chunks come from one collective before the loop.
 
-The loop is pipelined in two stages: step i finishes chunk i (`finish`: experts and the
-return exchange) and sends chunk i+1 (`send`: the outbound exchange), which does not depend
-on chunk i's results, so a GPU can overlap that communication with the compute.
+Where an exchange crosses devices the loop is pipelined in two stages: step i finishes chunk
+i (`finish`: experts and the return exchange) and sends chunk i+1 (`send`: the outbound
+exchange), which does not depend on chunk i's results, so a GPU can overlap that
+communication with the compute. On one device (or an expert axis of one) there is nothing to
+overlap, and each step runs both stages under one cond.
 
     before the loop:  send(0)
     step 0:           finish(0) | send(1)
@@ -100,6 +102,7 @@ def chunk_scan(
   *,
   chunk_size: int,
   lockstep_axis: str | None,
+  pipelined: bool,
 ) -> tuple[jax.Array, jax.Array]:
   """Applies `stages` to chunks of C rows, valid rows first, skipping all-padding chunks.
 
@@ -115,20 +118,21 @@ def chunk_scan(
     chunk_size: C.
     lockstep_axis: the mesh axis the stages' collectives span (None without a mesh): a chunk
       runs on all devices of the axis when any of them holds a valid row in it.
+    pipelined: send chunk i+1 while chunk i computes (worth it only where an exchange crosses
+      devices); else each step runs both stages of its chunk under one cond.
 
   Returns:
     (out, chunks_run): out [L, ...] holds the chunks' outputs and zeros for the skipped ones;
     chunks_run [] int32 counts the chunks that ran.
   """
-  return _chunk_scan(stages, chunk_size, lockstep_axis, weights, inputs, token_mask)
+  return _chunk_scan(stages, chunk_size, lockstep_axis, pipelined, weights, inputs, token_mask)
 
 
 def _chunk_order(token_mask: jax.Array, chunk_size: int) -> jax.Array:
   """[chunks, C] row indices, valid rows first in a stable order.
 
   With padding scattered through a buffer, the chunks past this device's valid count are then
-  all padding and get skipped, so the cost follows the busiest device's tokens. Only indices
-  are permuted: each chunk gathers its rows, so no permuted copy of the buffer is made.
+  all padding and get skipped, so the cost follows the busiest device's tokens.
   """
   return jnp.argsort(~token_mask, stable=True).reshape(-1, chunk_size)
 
@@ -148,42 +152,69 @@ def _zeros_of(token_mask: jax.Array, like: Any) -> Any:
   return jax.tree.map(lambda t: filled_like(token_mask, t.shape, 0, t.dtype), like)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _chunk_scan(stages, chunk_size, lockstep_axis, weights, inputs, token_mask):
+def _in_chunks(a: jax.Array, order: jax.Array) -> jax.Array:
+  """[L, ...] -> [chunks, C, ...] in chunk order: one gather before the loop, so that each
+  step reads its chunk as a contiguous slice."""
+  return a[order]
+
+
+def _from_chunks(a: jax.Array, order: jax.Array) -> jax.Array:
+  """[chunks, C, ...] in chunk order -> [L, ...] in row order, the inverse of `_in_chunks`.
+
+  A gather of rows by the inverse permutation (built by a scatter of row numbers only): on
+  XLA:CPU a scatter of whole rows is several times slower.
+  """
+  flat = order.reshape(-1)
+  inverse = jnp.zeros_like(flat).at[flat].set(jnp.arange(flat.shape[0], dtype=flat.dtype))
+  return a.reshape(flat.shape[0], *a.shape[2:])[inverse]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _chunk_scan(stages, chunk_size, lockstep_axis, pipelined, weights, inputs, token_mask):
   order = _chunk_order(token_mask, chunk_size)  # [chunks, C]
   live = _live_chunks(token_mask, order, lockstep_axis)  # [chunks]
-  chunks = order.shape[0]
-  take = lambda i: jax.tree.map(lambda a: a[order[i]], inputs)
-  in_flight_type = jax.eval_shape(stages.send, weights, take(0))
+  chunked = jax.tree.map(lambda a: _in_chunks(a, order), inputs)  # [chunks, C, ...]
+  take = lambda i: jax.tree.map(lambda a: a[i], chunked)
   out_type = jax.eval_shape(stages.whole, weights, take(0))
+  skipped = lambda: _zeros_of(token_mask, out_type)
+  if pipelined:
+    outs = _pipelined_steps(stages, weights, take, live, token_mask, out_type)
+  else:
+    step = lambda _, i: (
+      None,
+      jax.lax.cond(live[i], lambda: stages.whole(weights, take(i)), skipped),
+    )
+    outs = jax.lax.scan(step, None, jnp.arange(order.shape[0]))[1]
+  return _from_chunks(outs, order), jnp.sum(live, dtype=jnp.int32)
+
+
+def _pipelined_steps(stages, weights, take, live, token_mask, out_type) -> jax.Array:
+  """[chunks, C, ...] outputs of the loop in which step i finishes chunk i and sends i+1."""
+  chunks = live.shape[0]
+  in_flight_type = jax.eval_shape(stages.send, weights, take(0))
   send_or_skip = lambda run, i: jax.lax.cond(
     run, lambda: stages.send(weights, take(i)), lambda: _zeros_of(token_mask, in_flight_type)
   )
   next_live = jnp.append(live[1:], False)  # the last step sends nothing
 
-  def step(carry, i):
-    out, in_flight = carry
+  def step(in_flight, i):
     chunk_out = jax.lax.cond(
       live[i],
       lambda: stages.finish(weights, take(i), in_flight),
       lambda: _zeros_of(token_mask, out_type),
     )
     # The next chunk's exchange reads only inputs: it can overlap this chunk's compute.
-    next_in_flight = send_or_skip(next_live[i], jnp.minimum(i + 1, chunks - 1))
-    return (out.at[order[i]].set(chunk_out, unique_indices=True), next_in_flight), None
+    return send_or_skip(next_live[i], jnp.minimum(i + 1, chunks - 1)), chunk_out
 
-  out_rows = jax.ShapeDtypeStruct((token_mask.shape[0], *out_type.shape[1:]), out_type.dtype)
-  init = (_zeros_of(token_mask, out_rows), send_or_skip(live[0], 0))
-  (out, _), _ = jax.lax.scan(step, init, jnp.arange(chunks))
-  return out, jnp.sum(live, dtype=jnp.int32)
+  return jax.lax.scan(step, send_or_skip(live[0], 0), jnp.arange(chunks))[1]
 
 
-def _chunk_scan_fwd(stages, chunk_size, lockstep_axis, weights, inputs, token_mask):
-  out = _chunk_scan(stages, chunk_size, lockstep_axis, weights, inputs, token_mask)
+def _chunk_scan_fwd(stages, chunk_size, lockstep_axis, pipelined, weights, inputs, token_mask):
+  out = _chunk_scan(stages, chunk_size, lockstep_axis, pipelined, weights, inputs, token_mask)
   return out, (weights, inputs, token_mask)
 
 
-def _chunk_scan_bwd(stages, chunk_size, lockstep_axis, residuals, cotangents):
+def _chunk_scan_bwd(stages, chunk_size, lockstep_axis, pipelined, residuals, cotangents):
   """Recomputes each live chunk under `jax.vjp` and accumulates gradients in the scan carry.
 
   Left to autodiff, the scan would stack per-chunk residuals (copies of the weights among
@@ -191,38 +222,34 @@ def _chunk_scan_bwd(stages, chunk_size, lockstep_axis, residuals, cotangents):
   values are the inputs; each live chunk is recomputed (one extra forward pass, unpipelined),
   and the collectives' transposes run inside the same lockstep cond as the forward pass.
   """
+  del pipelined
   weights, inputs, token_mask = residuals
-  d_out = cotangents[0]
   is_float = lambda a: jnp.issubdtype(a.dtype, jnp.inexact)
-  float_inputs = [a for a in jax.tree.leaves(inputs) if is_float(a)]
   order = _chunk_order(token_mask, chunk_size)
   live = _live_chunks(token_mask, order, lockstep_axis)
+  chunked = jax.tree.map(lambda a: _in_chunks(a, order), inputs)
+  d_out = _in_chunks(cotangents[0], order)  # [chunks, C, ...]
+  float_leaves = lambda tree: [a for a in jax.tree.leaves(tree) if is_float(a)]
+  d_skipped = [jnp.zeros_like(a[0]) for a in float_leaves(chunked)]
 
-  def step(carry, i):
-    rows = order[i]
+  def step(d_weights, i):
+    chunk = jax.tree.map(lambda a: a[i], chunked)
 
-    def accumulate(carry):
-      d_weights, d_inputs = carry
-      _, vjp = jax.vjp(stages.whole, weights, jax.tree.map(lambda a: a[rows], inputs))
-      chunk_d_weights, chunk_d_inputs = vjp(d_out[rows])
-      chunk_d_inputs = [
+    def accumulate():
+      _, vjp = jax.vjp(stages.whole, weights, chunk)
+      chunk_d_weights, chunk_d_inputs = vjp(d_out[i])
+      kept = [
         c
-        for c, a in zip(jax.tree.leaves(chunk_d_inputs), jax.tree.leaves(inputs), strict=True)
+        for c, a in zip(jax.tree.leaves(chunk_d_inputs), jax.tree.leaves(chunk), strict=True)
         if is_float(a)
       ]
-      return (
-        jax.tree.map(jnp.add, d_weights, chunk_d_weights),
-        [
-          d.at[rows].add(c, unique_indices=True)
-          for d, c in zip(d_inputs, chunk_d_inputs, strict=True)
-        ],
-      )
+      return jax.tree.map(jnp.add, d_weights, chunk_d_weights), kept
 
-    return jax.lax.cond(live[i], accumulate, lambda carry: carry, carry), None
+    return jax.lax.cond(live[i], accumulate, lambda: (d_weights, d_skipped))
 
-  init = (jax.tree.map(jnp.zeros_like, weights), [jnp.zeros_like(a) for a in float_inputs])
-  (d_weights, d_float_inputs), _ = jax.lax.scan(step, init, jnp.arange(order.shape[0]))
-  d_float_inputs = iter(d_float_inputs)
+  init = jax.tree.map(jnp.zeros_like, weights)
+  d_weights, d_chunked = jax.lax.scan(step, init, jnp.arange(order.shape[0]))
+  d_float_inputs = iter(_from_chunks(d, order) for d in d_chunked)
   d_inputs = jax.tree.map(
     lambda a: next(d_float_inputs) if is_float(a) else np.zeros(a.shape, jax.dtypes.float0),
     inputs,

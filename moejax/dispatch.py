@@ -52,7 +52,17 @@ class Dispatched(NamedTuple):
 
 
 class Exchange(Protocol):
-  """One expert-axis exchange scheme (see the module docstring)."""
+  """One expert-axis exchange scheme (see the module docstring).
+
+  Attributes:
+    axis: the expert mesh axis, or None without a mesh.
+    axis_size: S.
+    local_experts: El.
+  """
+
+  axis: str | None
+  axis_size: int
+  local_experts: int
 
   def send(self, rows: jax.Array, expert_ids: jax.Array, weights: jax.Array) -> Dispatched:
     """Sends a chunk: rows [C, D], global expert_ids [C, K] (E for padding), weights [C, K]."""
@@ -68,6 +78,12 @@ class Exchange(Protocol):
     Args: expert_ids [L, K] of all this device's rows; chunks_run [] chunks that ran; C.
     """
     ...
+
+
+def crosses_devices(exchange: Exchange) -> bool:
+  """Whether the exchange moves rows between devices (an expert axis of 2 or more): only then
+  has the chunk loop communication to overlap with compute."""
+  return exchange.axis is not None and exchange.axis_size > 1
 
 
 @dataclasses.dataclass(frozen=True)

@@ -20,7 +20,7 @@ from moejax import routing, sharding
 from moejax.chunking import ChunkStages, TokenLayout, chunk_scan
 from moejax.collectives import sum_over, vary_over
 from moejax.config import MoEConfig
-from moejax.dispatch import Dispatched, Exchange, make_exchange
+from moejax.dispatch import Dispatched, Exchange, crosses_devices, make_exchange
 from moejax.experts import routed_mlp, runs_interpreted_kernels, shared_mlp, zero_experts
 from moejax.params import EXPERT_PARAMS, MoEParams, check_params, compute_weights
 
@@ -236,6 +236,7 @@ def local_forward(
     token_mask,
     chunk_size=chunk_size,
     lockstep_axis=exchange.axis,
+    pipelined=crosses_devices(exchange),
   )
   rows_sent = exchange.rows_sent(route.expert_ids, chunks_run, chunk_size)
   per_device = jnp.stack([chunks_run, rows_sent.astype(jnp.int32)])[None]

@@ -308,3 +308,25 @@ def test_next_chunk_is_sent_while_this_chunk_computes(scheme):
   chunks = loop.params["length"]
   psums = [e for e in before if e.primitive.name.startswith("psum")]  # psum_invariant on 0.10
   assert any(e.invars[0].aval.shape == (chunks,) for e in psums)
+
+
+@pytest.mark.parametrize("mesh_shape", [None, (8, 1)], ids=["no mesh", "8x1"])
+def test_nothing_to_overlap_runs_one_cond_per_step(mesh_shape):
+  """Without an exchange across devices the loop is not pipelined: each step is one cond that
+  runs both stages of its chunk, and no in-flight buffer is carried."""
+  params = random_params(CONFIG, jax.random.key(0))
+  x = jnp.ones((8 * ROWS_PER_RANK, 16))
+  mesh = None if mesh_shape is None else mesh_of(*mesh_shape)
+  jaxpr = jax.make_jaxpr(lambda p, x: moe_apply(p, x, config=CONFIG, mesh=mesh)[0])(params, x)
+  # The chunk loop: the first scan in the program whose body has a cond running experts.
+  loop = next(
+    eqn
+    for _, eqn in walk(jaxpr.jaxpr)
+    if eqn.primitive.name == "scan"
+    and any(
+      e.primitive.name == "cond" and contains(e, "dot_general") for e in eqn.params["jaxpr"].eqns
+    )
+  )
+  assert contains(loop, "scan"), "the chunk loop holds the tile loop"
+  conds = [e for e in loop.params["jaxpr"].jaxpr.eqns if e.primitive.name == "cond"]
+  assert len(conds) == 1 and loop.params["num_carry"] == 0
