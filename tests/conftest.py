@@ -15,9 +15,9 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 jax.config.update("jax_enable_x64", False)
 
 
-@pytest.fixture(autouse=True, scope="module")
+@pytest.fixture(autouse=True, scope="class")
 def release_compiled_programs():
-  """Frees every compiled program after each test module.
+  """Frees every compiled program after each test class (each module, for tests outside one).
 
   XLA:CPU maps memory for each executable it compiles, and one process running the whole
   suite compiles thousands: left alive they pass the kernel's limit on memory maps

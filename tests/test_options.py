@@ -10,7 +10,15 @@ import pytest
 from flax import nnx
 
 from moejax import MoEConfig, MoELayer, moe_apply, param_shapes, reference_moe, routing
-from tests.helpers import count_compiles, mesh_of, poison, random_params, rank_mask, seed_of
+from tests.helpers import (
+  count_compiles,
+  mesh_of,
+  poison,
+  random_params,
+  rank_mask,
+  seed_of,
+  tolerance,
+)
 
 ROWS_PER_RANK = 9
 BASE = dict(num_experts=8, top_k=2, hidden_size=16, intermediate_size=24, chunk_size=4)
@@ -28,7 +36,6 @@ OPTIONS = {
   "qwen2_moe": dict(num_shared_experts=1, shared_intermediate_size=12, shared_expert_gate=True),
   "longcat": dict(num_zero_experts=3, use_routing_bias=True, top_k=3, routed_scaling_factor=1.5),
 }
-F32 = dict(atol=3e-5, rtol=3e-5)
 
 
 def make_inputs(config: MoEConfig, name: str):
@@ -37,25 +44,6 @@ def make_inputs(config: MoEConfig, name: str):
   x = jax.random.normal(jax.random.fold_in(key, 1), (8 * ROWS_PER_RANK, config.hidden_size))
   probe = jax.random.normal(jax.random.fold_in(key, 2), x.shape)
   return params, 2.0 * x, probe
-
-
-@pytest.mark.parametrize("scheme", ["all_gather", "all_to_all"])
-@pytest.mark.parametrize("option", OPTIONS.values(), ids=OPTIONS.keys())
-def test_option_matches_reference_with_gradients(option, scheme, request):
-  config = MoEConfig(**{**BASE, **option}, dispatch=scheme)
-  params, x, probe = make_inputs(config, request.node.name)
-  mask = rank_mask([0, 4, 9, 2, 0, 7, 1, 9], ROWS_PER_RANK)
-  mesh = mesh_of(2, 4)
-  ours = lambda p, x: moe_apply(p, x, config=config, mesh=mesh, token_mask=mask)[0]
-  theirs = lambda p, x: reference_moe(p, x, config, mask)
-  y = ours(params, poison(x, mask))
-  chex.assert_trees_all_close(y, theirs(params, x), **F32)
-  assert np.all(np.asarray(y)[~np.asarray(mask)] == 0)
-  loss = lambda layer: lambda p, x: jnp.sum(jnp.sin(layer(p, x)) * probe)
-  got = jax.grad(loss(ours), argnums=(0, 1))(params, poison(x, mask))
-  want = jax.grad(loss(theirs), argnums=(0, 1))(params, x)
-  chex.assert_tree_all_finite(got)
-  chex.assert_trees_all_close(got, want, **F32)
 
 
 ALL_AT_ONCE = MoEConfig(
@@ -86,7 +74,7 @@ def test_options_together_on_every_mesh_and_token_pattern(mesh_shape, request):
     jax.block_until_ready(got)
   assert compiles == [], "one executable for every token pattern"
   for (y, aux), want, mask in zip(got, expected, masks, strict=True):
-    chex.assert_trees_all_close(y, want, **F32)
+    chex.assert_trees_all_close(y, want, **tolerance())
     chex.assert_shape(aux.expert_counts, (8 + 2,))
     assert int(aux.expert_counts.sum()) == 3 * int(mask.sum())
 
@@ -99,7 +87,7 @@ def test_zero_experts_return_the_weighted_input(request):
   logits = jnp.zeros((x.shape[0], 10)).at[:, 8:].set(20.0)  # both picks: ids 8 and 9
   y, aux = moe_apply(params, x, config=config, mesh=mesh_of(2, 4), router_logits=logits)
   weights = jax.nn.softmax(logits)[:, 8:].sum(-1, keepdims=True)
-  chex.assert_trees_all_close(y, weights * x, **F32)
+  chex.assert_trees_all_close(y, weights * x, **tolerance())
   chex.assert_trees_all_equal(np.asarray(aux.dispatch_rows), np.zeros(8, np.int32))
 
 
@@ -110,17 +98,7 @@ def test_pallas_backend_falls_back_to_xla_for_an_epilogue_it_lacks(option, reque
   mask = rank_mask([3, 9, 0, 5, 1, 0, 9, 2], ROWS_PER_RANK)
   with pytest.warns(UserWarning, match="falls back to the XLA tile loop"):
     y, _ = moe_apply(params, x, config=config, mesh=mesh_of(2, 4), token_mask=mask)
-  chex.assert_trees_all_close(y, reference_moe(params, x, config, mask), **F32)
-
-
-@pytest.mark.filterwarnings("ignore:expert_backend='pallas' on a CPU:UserWarning")
-@pytest.mark.parametrize("option", ["llama4", "phimoe", "qwen2_moe", "longcat"])
-def test_pallas_backend_runs_the_routing_options(option, request):
-  config = MoEConfig(**{**BASE, **OPTIONS[option]}, expert_backend="pallas")
-  params, x, _ = make_inputs(config, request.node.name)
-  mask = rank_mask([3, 9, 0, 5, 1, 0, 9, 2], ROWS_PER_RANK)
-  y, _ = moe_apply(params, x, config=config, mesh=mesh_of(2, 4), token_mask=mask)
-  chex.assert_trees_all_close(y, reference_moe(params, x, config, mask), **F32)
+  chex.assert_trees_all_close(y, reference_moe(params, x, config, mask), **tolerance())
 
 
 def test_sparsemixer_weights_follow_the_window():
@@ -139,7 +117,7 @@ def test_sparsemixer_weights_follow_the_window():
   chex.assert_trees_all_close(
     moe_apply(params, x, config=config, router_logits=logits)[0],
     reference_moe(params, x, config, router_logits=logits),
-    **F32,
+    **tolerance(),
   )
 
 
@@ -166,4 +144,6 @@ def test_layer_creates_the_options_parameters_on_the_mesh(request):
   x = jax.random.normal(jax.random.key(0), (4, 10, 16))
   mask = jnp.arange(10)[None, :] < jnp.array([10, 3, 0, 7])[:, None]
   params = jax.device_get(layer.moe_params())
-  chex.assert_trees_all_close(layer(x, mask), reference_moe(params, x, ALL_AT_ONCE, mask), **F32)
+  chex.assert_trees_all_close(
+    layer(x, mask), reference_moe(params, x, ALL_AT_ONCE, mask), **tolerance()
+  )
