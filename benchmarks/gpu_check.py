@@ -92,8 +92,8 @@ def part_test_base(out: Path, smoke: bool, record: Recorder) -> None:
     "no:cacheprovider",
     f"--junitxml={report}",
   ]
-  if smoke:
-    command += ["-k", "TestXla"]  # the interpreted kernels take minutes on a CPU
+  if smoke:  # the plumbing only: CI runs the whole base on the CPU already
+    command += ["-k", "TestXla and test_rows_past_the_groups_sum_give_zero"]
   elif importlib.util.find_spec("xdist"):
     command += ["-n", "8"]
   env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
