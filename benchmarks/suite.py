@@ -8,6 +8,8 @@ Sections (each prints a table; all rows go to `results/bench.json`, the chunk sw
               device and on the 2x4 mesh
   steps       the chunk loop's cost per step: T=4096 on one device as 1, 8 and 32 chunks,
               forward and forward+backward, timed interleaved
+  decode      decode-size calls (T per device 1 ... 128, E=32, K=2, D=1024, F=2048) against two
+              baselines that read only the used experts, and on the 2x4 mesh (both schemes)
   padding     100 / 50 / 10 / 0 % valid tokens, and one busy rank among idle ones
   compiles    executables compiled across 20 token-count patterns (must be 1)
 
@@ -19,6 +21,7 @@ float32 on simulated CPU devices (the caller sets 8 of them). `--full` runs more
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import math
@@ -30,8 +33,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from moejax import MoEConfig, MoEParams, moe_apply, param_shapes
+from moejax import MoEConfig, MoEParams, moe_apply, param_shapes, routing
+from moejax.experts import default_tile_rows, grouped_mlp
 from moejax.forward import compiled_executables
+from moejax.sharding import LayerSpecs, placement
+from moejax.tiles import GatedActivation
 
 D, F = 256, 512
 
@@ -70,6 +76,13 @@ def make_params(config: MoEConfig, seed: int = 0) -> MoEParams:
       for k, (name, shape) in zip(keys, shapes.items(), strict=True)
     }
   )
+
+
+def on_mesh(params: MoEParams, config: MoEConfig, mesh: Mesh) -> MoEParams:
+  """The parameters laid out on the mesh as the layer wants them (experts split over the
+  expert axis), once: left on one device, every call would reshard them first."""
+  specs = LayerSpecs.from_config(config).params(params)
+  return jax.device_put(params, jax.tree.map(lambda _, s: placement(mesh, s), params, specs))
 
 
 def config_of(experts: int, top_k: int, chunk: int) -> MoEConfig:
@@ -135,6 +148,34 @@ def sort_ragged_dot(params: MoEParams, x, top_k):
   out = jax.lax.ragged_dot(jax.nn.silu(gate) * up, params.w_down, sizes)
   per_choice = jnp.zeros_like(out).at[order].set(out).reshape(x.shape[0], top_k, -1)
   return jnp.einsum("tk,tkd->td", weights, per_choice)
+
+
+def per_token_gather(params: MoEParams, x, top_k):
+  """Decode baseline: each token gathers its K experts' weights and runs them, one token at a
+  time (what a hand-written decode kernel reads: the used experts, once per token)."""
+  ids, weights = _route(params, x, top_k)
+
+  def one_token(args):
+    x_t, ids_t, weights_t = args
+    outs = jax.vmap(_mlp, in_axes=(None, 0, 0))(
+      x_t[None], params.w_gate_up[ids_t], params.w_down[ids_t]
+    )
+    return jnp.einsum("k,kd->d", weights_t, outs[:, 0])
+
+  return jax.lax.map(one_token, (x, ids, weights))
+
+
+def distinct_experts_once(params: MoEParams, x, top_k):
+  """Decode baseline: the batch's distinct experts (at most T*K) gathered once, each run on
+  every token, the chosen results combined (reads each used expert once)."""
+  ids, weights = _route(params, x, top_k)
+  experts = params.router_kernel.shape[1]
+  # [U] sorted; fewer distinct ids repeat the largest, a used expert, so the order holds.
+  used = jnp.unique(ids, size=min(ids.size, experts), fill_value=jnp.max(ids))
+  outs = jax.vmap(_mlp, in_axes=(None, 0, 0))(x, params.w_gate_up[used], params.w_down[used])
+  slot = jnp.searchsorted(used, ids)  # [T, K] position of each choice among the used
+  chosen = outs[slot, jnp.arange(x.shape[0])[:, None]]  # [T, K, D]
+  return jnp.einsum("tk,tkd->td", weights, chosen)
 
 
 # ---- sections ---------------------------------------------------------------------------
@@ -231,6 +272,146 @@ def chunk_section(full: bool, repeats: int) -> list[dict]:
     "chunks: time and compiled peak temporary memory (E=32, K=2)",
     rows,
     ["mesh", "chunk", "T", "ms", "temp_mib"],
+  )
+  return rows
+
+
+DECODE_TOKENS = (1, 2, 8, 32, 128)  # per device
+DECODE_SHAPE = dict(num_experts=32, top_k=2, hidden_size=1024, intermediate_size=2048)
+# Above this many tokens the baselines are not decode-sized any more (T*U expert MLPs).
+DECODE_BASELINE_MAX_TOKENS = 32
+
+
+def decode_section(repeats: int) -> list[dict]:
+  """Decode-size calls (E=32, K=2, D=1024, F=2048, float32): the layer against two baselines
+  that read only the used experts, on one device; and the layer on the 2x4 mesh."""
+  config = MoEConfig(**DECODE_SHAPE, chunk_size=256)
+  params = make_params(config)
+  itemsize = 4
+  expert_bytes = 3 * config.hidden_size * config.intermediate_size * itemsize
+  rows = []
+  for tokens in DECODE_TOKENS:
+    x = jax.random.normal(jax.random.key(tokens), (tokens, config.hidden_size))
+    calls = {"layer": (jax.jit(moejax_forward(config)), params, x)}
+    if tokens <= DECODE_BASELINE_MAX_TOKENS:
+      calls["per-token gather"] = (jax.jit(per_token_gather, static_argnums=2), params, x, 2)
+      calls["distinct experts once"] = (
+        jax.jit(distinct_experts_once, static_argnums=2),
+        params,
+        x,
+        2,
+      )
+      want = calls["layer"][0](params, x)
+      for name in ("per-token gather", "distinct experts once"):  # the same layer
+        fn, *args = calls[name]
+        np.testing.assert_allclose(fn(*args), want, atol=2e-4, rtol=2e-4, err_msg=name)
+    best = interleaved_best(calls, rounds=5 * repeats)
+    ids = np.asarray(_route(params, x, 2)[0])
+    used = len(np.unique(ids))
+    baselines = [best[n] for n in best if n != "layer"]
+    rows.append(
+      dict(
+        section="decode",
+        mesh="1 device",
+        T=tokens,
+        used_experts=used,
+        floor_mib=used * expert_bytes / 2**20,
+        layer_ms=best["layer"] * 1e3,
+        per_token_gather_ms=best.get("per-token gather", math.nan) * 1e3,
+        distinct_once_ms=best.get("distinct experts once", math.nan) * 1e3,
+        layer_of_best=best["layer"] / min(baselines) if baselines else math.nan,
+      )
+    )
+  _table(
+    "decode: one device, E=32, K=2, D=1024, F=2048, f32 (interleaved; floor = used experts' "
+    "weight bytes)",
+    rows,
+    ["T", "used_experts", "floor_mib", "layer_ms", "per_token_gather_ms", "distinct_once_ms",
+     "layer_of_best"],
+  )  # fmt: skip
+  return (
+    rows
+    + decode_cost_rows(config, params, repeats)
+    + decode_mesh_rows(config, params, repeats, rows)
+  )
+
+
+def decode_cost_rows(config: MoEConfig, params: MoEParams, repeats: int) -> list[dict]:
+  """Where a T=1 call's time goes: the floor (one read of its two experts' weights, sliced
+  beforehand: the bytes it must read), the router and top-k, the expert path alone
+  (sort, tile metadata, tile loop), and the whole layer (plus flattening, padding, the chunk
+  loop and the output)."""
+  x = jax.random.normal(jax.random.key(1), (1, config.hidden_size))
+  ids = _route(params, x, config.top_k)[0][0]
+  sliced = (params.w_gate_up[ids], params.w_down[ids])  # [K, D, 2F], [K, F, D]
+  mask = jnp.ones(1, bool)
+
+  def route_only(params, x):
+    logits = routing.router_logits(x, params.router_kernel)
+    return routing.route(logits, mask, config, None)
+
+  def experts_only(params, x, ids, weights):
+    return grouped_mlp(
+      x, ids, weights, params.w_gate_up, params.w_down, None, None,
+      activation=GatedActivation.of(config), tile_rows=default_tile_rows(ids.size, 32),
+    )  # fmt: skip
+
+  def floor(w_gate_up, w_down):  # reads the used experts' weight bytes once, nothing else
+    return jnp.sum(w_gate_up) + jnp.sum(w_down)
+
+  route = route_only(params, x)
+  floor_name = "floor: read the 2 used experts' weights (48 MiB)"
+  calls = {
+    floor_name: (jax.jit(floor), *sliced),
+    "router + top-k": (jax.jit(route_only), params, x),
+    "expert path (sort, tiles, tile loop)": (
+      jax.jit(experts_only),
+      params,
+      x,
+      route.expert_ids,
+      route.weights,
+    ),
+    "whole layer": (jax.jit(moejax_forward(config)), params, x),
+  }
+  best = interleaved_best(calls, rounds=10 * repeats)
+  rows = [
+    dict(section="decode_cost", part=name, ms=seconds * 1e3, of_floor=seconds / best[floor_name])
+    for name, seconds in best.items()
+  ]
+  _table("decode: where a T=1 call's time goes (one device)", rows, ["part", "ms", "of_floor"])
+  return rows
+
+
+def decode_mesh_rows(config: MoEConfig, params: MoEParams, repeats: int, single: list[dict]):
+  """The layer at decode sizes on the 2x4 mesh, both schemes: T per device as on one device."""
+  mesh = mesh_2x4()
+  params = on_mesh(params, config, mesh)
+  rows = []
+  for tokens, one_device in zip(DECODE_TOKENS, single, strict=True):
+    x = jax.random.normal(jax.random.key(tokens), (8 * tokens, config.hidden_size))
+    calls = {
+      scheme: (
+        jax.jit(moejax_forward(dataclasses.replace(config, dispatch=scheme), mesh)),
+        params,
+        x,
+      )
+      for scheme in ("all_gather", "all_to_all")
+    }
+    best = interleaved_best(calls, rounds=3 * repeats)
+    rows.append(
+      dict(
+        section="decode",
+        mesh="2x4 mesh",
+        T=tokens,
+        all_gather_ms=best["all_gather"] * 1e3,
+        all_to_all_ms=best["all_to_all"] * 1e3,
+        one_device_ms=one_device["layer_ms"],
+      )
+    )
+  _table(
+    "decode: 2x4 mesh (8 simulated devices on this CPU's cores), T per device",
+    rows,
+    ["T", "all_gather_ms", "all_to_all_ms", "one_device_ms"],
   )
   return rows
 
@@ -364,7 +545,7 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument("--repeats", type=int, default=3)
   parser.add_argument("--out", default="results", help="folder for bench.json and the plot")
   parser.add_argument(
-    "--sections", default="layer,chunks,steps,padding,compiles", help="comma-separated"
+    "--sections", default="layer,chunks,steps,decode,padding,compiles", help="comma-separated"
   )
   args = parser.parse_args(argv)
   sections = args.sections.split(",")
@@ -382,6 +563,8 @@ def main(argv: list[str] | None = None) -> None:
     chunk_rows = chunk_section(args.full, args.repeats)
     rows += chunk_rows
     plot_chunks(chunk_rows, out / "chunk_sweep.png")
+  if "decode" in sections:
+    rows += decode_section(args.repeats)
   if "steps" in sections:
     rows += steps_section(args.repeats)
   if "padding" in sections:
