@@ -11,6 +11,8 @@ stop the others), each writing `DIR/<part>.json` as it goes:
              jax.lax.ragged_dot, jax's ragged_dot_mgpu and a dense matmul of the same FLOPs
   xla_paths  the layer's two XLA expert paths (sort + ragged_dot, the tile loop) by number of
              local experts: the measurement behind `moejax.experts.expert_path`
+  decode     every expert path (ragged_dot, tile loop, the device's kernel) at T = 1, 8, 64,
+             256 rows, El = 32, against the bytes floor: the measurement `decode_sized` awaits
 
 The run ends with `DIR/gpu_check.json` (status per part) and `DIR/gpu_check.md` (tables), and
 exits non-zero if any part failed, crashed or timed out, saying which.
@@ -30,13 +32,14 @@ import subprocess
 import sys
 import time
 import traceback
+import warnings
 import xml.etree.ElementTree as ElementTree
 from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 # Part -> time limit on a GPU, in seconds (together under 8 minutes with start-up).
-LIMITS = {"test_base": 130, "layer": 50, "bench": 150, "xla_paths": 45}
+LIMITS = {"test_base": 130, "layer": 50, "bench": 150, "xla_paths": 45, "decode": 60}
 
 
 class Recorder:
@@ -180,6 +183,75 @@ def part_xla_paths(out: Path, smoke: bool, record: Recorder) -> None:
     _time_xla_paths(experts, smoke, record)
 
 
+def _expert_paths(with_kernel: bool) -> dict[str, Callable]:
+  """The layer's expert paths as (x, ids, weights, w_gate_up, w_down) -> [T, D] functions."""
+  from kernels_pallas.api import kernel_for
+  from kernels_pallas.platform import on_cpu
+  from moejax.experts import default_tile_rows, grouped_mlp, sorted_mlp
+  from moejax.tiles import GatedActivation
+
+  def tile_loop(x, ids, weights, w_gate_up, w_down):
+    rows = default_tile_rows(ids.size, w_gate_up.shape[0])
+    activation = GatedActivation("silu")
+    return grouped_mlp(
+      x, ids, weights, w_gate_up, w_down, None, None, activation=activation, tile_rows=rows
+    )
+
+  paths = {
+    "ragged_dot": functools.partial(sorted_mlp, activation="silu", implementation="xla"),
+    "tile_loop": tile_loop,
+  }
+  kernel = kernel_for("bfloat16", "silu")
+  if with_kernel and kernel is not None:
+    if on_cpu():
+      warnings.simplefilter("ignore")  # the CPU smoke run interprets the kernel, and says so
+    paths[kernel] = functools.partial(sorted_mlp, activation="silu", implementation=kernel)
+  return paths
+
+
+def _expert_operands(experts: int, tokens: int, d: int, f: int, top_k: int = 2):
+  """bf16 x [T, D], weights [El, D, 2F] and [El, F, D], random ids [T, K], weights 0.5."""
+  import jax
+  import jax.numpy as jnp
+
+  keys = jax.random.split(jax.random.key(experts * 7919 + tokens), 4)
+  x = jax.random.normal(keys[0], (tokens, d), jnp.bfloat16)
+  w_gate_up = (jax.random.normal(keys[1], (experts, d, 2 * f)) / 64).astype(jnp.bfloat16)
+  w_down = (jax.random.normal(keys[2], (experts, f, d)) / 64).astype(jnp.bfloat16)
+  ids = jax.random.randint(keys[3], (tokens, top_k), 0, experts)
+  return x, w_gate_up, w_down, ids, jnp.full((tokens, top_k), 0.5, jnp.float32)
+
+
+def part_decode(out: Path, smoke: bool, record: Recorder) -> None:
+  """Every expert path at decode sizes (T = 1, 8, 64, 256 rows on one device, El = 32):
+  time against the bytes floor, the used experts' weights read once. The measurement
+  `moejax.experts.decode_sized` is to be checked against."""
+  experts, d, f = (8, 64, 32) if smoke else (32, 2048, 1024)
+  for tokens in (1, 8) if smoke else (1, 8, 64, 256):
+    operands = _expert_operands(experts, tokens, d, f)
+    for path, mlp in _expert_paths(with_kernel=True).items():
+      timed = functools.partial(_time_decode, mlp, operands, path, repeats=1 if smoke else 20)
+      record.case(f"decode {path} T={tokens}", timed)
+
+
+def _time_decode(mlp: Callable, operands: tuple, path: str, repeats: int) -> dict:
+  import jax
+  import numpy as np
+
+  sys.path.insert(0, str(ROOT / "benchmarks"))
+  from gpu_kernels import median_seconds
+
+  x, w_gate_up, w_down, ids, weights = operands
+  used = len(np.unique(np.asarray(ids)))
+  floor_bytes = used * 3 * w_down.shape[1] * w_down.shape[2] * w_down.dtype.itemsize
+  fn = jax.jit(lambda x, wgu, wd: mlp(x, ids, weights, wgu, wd))
+  seconds = median_seconds(fn, x, w_gate_up, w_down, repeats=repeats)
+  return dict(
+    tokens=x.shape[0], path=path, used_experts=used, ms=seconds * 1e3,
+    floor_gb_per_s=floor_bytes / seconds / 1e9,
+  )  # fmt: skip
+
+
 def _time_xla_paths(experts: int, smoke: bool, record: Recorder) -> None:
   import jax
   import jax.numpy as jnp
@@ -187,31 +259,11 @@ def _time_xla_paths(experts: int, smoke: bool, record: Recorder) -> None:
   sys.path.insert(0, str(ROOT / "benchmarks"))
   from gpu_kernels import forward_backward, median_seconds
 
-  from moejax.experts import default_tile_rows, grouped_mlp, sorted_mlp
-  from moejax.tiles import GatedActivation
-
   tokens, d, f, top_k = (64, 64, 32, 2) if smoke else (8192, 2048, 1024, 2)
+  x, w_gate_up, w_down, ids, weights = _expert_operands(experts, tokens, d, f, top_k)
   keys = jax.random.split(jax.random.key(experts), 4)
-  x = jax.random.normal(keys[0], (tokens, d), jnp.bfloat16)
-  w_gate_up = (jax.random.normal(keys[1], (experts, d, 2 * f)) / 64).astype(jnp.bfloat16)
-  w_down = (jax.random.normal(keys[2], (experts, f, d)) / 64).astype(jnp.bfloat16)
-  ids = jax.random.randint(keys[3], (tokens, top_k), 0, experts)
-  weights = jnp.full((tokens, top_k), 0.5, jnp.float32)
   flops = 2 * tokens * top_k * d * 3 * f
-  paths = {
-    "ragged_dot": functools.partial(sorted_mlp, activation="silu", implementation="xla"),
-    "tile_loop": lambda x, ids, weights, wgu, wd: grouped_mlp(
-      x,
-      ids,
-      weights,
-      wgu,
-      wd,
-      jnp.zeros((experts, 2 * f), jnp.float32),  # no expert biases
-      jnp.zeros((experts, d), jnp.float32),
-      activation=GatedActivation("silu"),
-      tile_rows=default_tile_rows(ids.size, experts),
-    ),
-  }
+  paths = _expert_paths(with_kernel=False)
   cotangent = jax.random.normal(keys[3], (tokens, d), jnp.float32)
   for path, mlp in paths.items():
     forward = lambda x, wgu, wd, mlp=mlp: mlp(x, ids, weights, wgu, wd)
@@ -233,6 +285,7 @@ PARTS = {
   "layer": part_layer,
   "bench": part_bench,
   "xla_paths": part_xla_paths,
+  "decode": part_decode,
 }
 
 

@@ -43,9 +43,13 @@ def test_gpu_check_smoke_runs_every_part(tmp_path):
     "layer": "passed",
     "bench": "passed",
     "xla_paths": "passed",
+    "decode": "passed",
   }
   layer = json.loads((tmp_path / "layer.json").read_text())["rows"]
   assert len(layer) == 12 and all(r["status"] == "ok" for r in layer)
+  decode = json.loads((tmp_path / "decode.json").read_text())["rows"]
+  assert {r["path"] for r in decode} >= {"ragged_dot", "tile_loop"}
+  assert all(r["status"] == "ok" and r["floor_gb_per_s"] > 0 for r in decode)
   assert "| case |" in (tmp_path / "gpu_check.md").read_text()
 
 
