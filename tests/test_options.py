@@ -147,3 +147,19 @@ def test_layer_creates_the_options_parameters_on_the_mesh(request):
   chex.assert_trees_all_close(
     layer(x, mask), reference_moe(params, x, ALL_AT_ONCE, mask), **tolerance()
   )
+
+
+def test_pallas_backend_without_any_kernel_runs_the_tile_loop_checked(monkeypatch, request):
+  """No kernel can run (here: Pallas Triton gone, no Hopper): the layer warns, takes the tile
+  loop, and keeps shard_map's varying-axes check on, as for the path it really runs."""
+  from kernels_pallas import compat
+  from moejax.experts import runs_interpreted_kernels
+
+  monkeypatch.setattr(compat, "pallas_triton", lambda: None)
+  config = MoEConfig(**BASE, expert_backend="pallas", chunk_size=3)  # traced only here
+  assert not runs_interpreted_kernels(config)
+  params, x, _ = make_inputs(config, request.node.name)
+  mask = rank_mask([3, 9, 0, 5, 1, 0, 9, 2], ROWS_PER_RANK)
+  with pytest.warns(UserWarning, match="Pallas Triton was removed"):
+    y, _ = moe_apply(params, x, config=config, mesh=mesh_of(2, 4), token_mask=mask)
+  chex.assert_trees_all_close(y, reference_moe(params, x, config, mask), **tolerance())

@@ -147,3 +147,16 @@ def test_auto_takes_a_kernel_only_where_measured_faster(monkeypatch):
   assert api.best_implementation(jnp.bfloat16, "silu", num_rows=4096) == "xla"  # unmeasured
   assert api.best_implementation(jnp.float32, "silu", num_rows=8192) == "xla"  # unsupported
   assert api.best_implementation(jnp.bfloat16, "gelu", num_rows=8192) == "xla"
+
+
+def test_a_jax_without_pallas_triton_is_reported_not_an_import_error(monkeypatch):
+  from kernels_pallas import compat
+
+  monkeypatch.setattr(compat, "pallas_triton", lambda: None)
+  reason = BACKENDS["triton"].unsupported_reason(jnp.bfloat16, "silu", None)
+  assert reason.startswith("Pallas Triton was removed from JAX ")
+  lhs, rhs = jnp.ones((8, 16), jnp.bfloat16), jnp.ones((2, 16, 16), jnp.bfloat16)
+  with pytest.raises(NotImplementedError, match="Pallas Triton was removed"):
+    gmm(lhs, rhs, jnp.array([3, 4], jnp.int32), implementation="triton")
+  with pytest.raises(NotImplementedError, match="Pallas Triton was removed"):
+    gmm_triton(lhs, rhs, jnp.array([3, 4], jnp.int32), blocks=TritonBlocks(16, 16, 16))
