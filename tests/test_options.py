@@ -156,7 +156,7 @@ def test_pallas_backend_without_any_kernel_runs_the_tile_loop_checked(monkeypatc
   from moejax.experts import runs_interpreted_kernels
 
   monkeypatch.setattr(compat, "pallas_triton", lambda: None)
-  config = MoEConfig(**BASE, expert_backend="pallas", chunk_size=3)  # traced only here
+  config = MoEConfig(**{**BASE, "chunk_size": 3}, expert_backend="pallas")  # traced only here
   assert not runs_interpreted_kernels(config)
   params, x, _ = make_inputs(config, request.node.name)
   mask = rank_mask([3, 9, 0, 5, 1, 0, 9, 2], ROWS_PER_RANK)
