@@ -180,6 +180,13 @@ def kernel_for(config: MoEConfig) -> str | None:
   return kernels_pallas.api.kernel_for(config.dtype, config.activation, biases=config.expert_bias)
 
 
+def _why_not(implementation: str, config: MoEConfig) -> str | None:
+  """Why `kernels_pallas.moe_mlp` on `implementation` cannot run the config's experts."""
+  return kernels_pallas.api.moe_mlp_unsupported_reason(
+    implementation, config.dtype, config.activation, biases=config.expert_bias
+  )
+
+
 def decode_sized(num_rows: int, local_experts: int) -> bool:
   """Whether a call has no more (row, choice) assignments than local experts.
 
@@ -204,11 +211,9 @@ def expert_path(config: MoEConfig, num_rows: int, local_experts: int) -> str:
   if config.expert_backend == "pallas":
     if kernel is not None:
       return "pallas"
-    reason = kernels_pallas.api.moe_mlp_unsupported_reason(
-      "triton", config.dtype, config.activation, biases=config.expert_bias
-    )
     warnings.warn(
-      f"expert_backend='pallas' falls back to the XLA tile loop: no kernel runs it ({reason})",
+      "expert_backend='pallas' falls back to the XLA tile loop: no kernel runs it "
+      f"({_why_not('triton', config)})",
       stacklevel=2,
     )
     return "tile_loop"
@@ -216,14 +221,8 @@ def expert_path(config: MoEConfig, num_rows: int, local_experts: int) -> str:
     measured = kernels_pallas.api.best_implementation(config.dtype, config.activation, num_rows)
     if measured == kernel:
       return "pallas"
-  ragged_dot_runs = (
-    kernels_pallas.api.moe_mlp_unsupported_reason(
-      "xla", config.dtype, config.activation, biases=config.expert_bias
-    )
-    is None
-  )
   if (
-    ragged_dot_runs
+    _why_not("xla", config) is None
     and not on_cpu()
     and local_experts <= RAGGED_DOT_MAX_LOCAL_EXPERTS
     and not decode_sized(num_rows, local_experts)
