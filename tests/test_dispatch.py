@@ -15,23 +15,10 @@ from jax.sharding import PartitionSpec as P
 
 from moejax import MoEConfig, dispatch, moe_apply
 from moejax.collectives import ragged_all_to_all
-from tests.helpers import SCHEMES, mesh_of, random_params, rank_mask, seed_of
+from tests.helpers import BASE, RICH, SCHEMES, mesh_of, random_params, rank_mask, seed_of
 
 ROWS_PER_RANK = 10
-CONFIG = MoEConfig(
-  num_experts=8,
-  top_k=3,
-  hidden_size=16,
-  intermediate_size=24,
-  chunk_size=4,
-  scoring="sigmoid",
-  renormalize=True,
-  use_routing_bias=True,
-  num_expert_groups=4,
-  topk_groups=2,
-  num_shared_experts=1,
-  shared_intermediate_size=8,
-)
+CONFIG = MoEConfig(**{**BASE, **RICH})  # grouped top-k, bias, sigmoid, a shared expert
 
 
 # --- The drop-in against ragged_all_to_all's documented semantics --------------------------

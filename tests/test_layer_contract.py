@@ -16,7 +16,10 @@ import pytest
 
 from moejax import MoEConfig, experts, moe_apply, reference_moe
 from tests.helpers import (
+  BASE,
   MESHES,
+  OPTIONS,
+  RICH,
   check_against_reference,
   count_compiles,
   mesh_id,
@@ -29,37 +32,6 @@ from tests.helpers import (
 )
 
 ROWS_PER_RANK = 9
-BASE = dict(num_experts=8, top_k=2, hidden_size=16, intermediate_size=24, chunk_size=4)
-# Grouped top-k with a selection bias, sigmoid scores and a shared expert: the richest routing.
-RICH = dict(
-  top_k=3,
-  scoring="sigmoid",
-  renormalize=True,
-  use_routing_bias=True,
-  num_expert_groups=4,
-  topk_groups=2,
-  num_shared_experts=1,
-  shared_intermediate_size=8,
-)
-OPTIONS = {
-  "softmax": {},
-  "sigmoid-renorm-scaled": dict(scoring="sigmoid", renormalize=True, routed_scaling_factor=2.5),
-  "grouped": dict(num_expert_groups=4, topk_groups=2, top_k=3),
-  "gelu-top1": dict(activation="gelu", top_k=1),
-  "all-experts": dict(top_k=8, chunk_size=3),
-  "gelu_tanh": dict(activation="gelu_tanh"),
-  "gpt_oss": dict(
-    activation="swiglu_oai",
-    swiglu_limit=1.0,  # small enough that the clamps bind on these inputs
-    expert_bias=True,
-    router_bias=True,
-    renormalize=True,
-  ),
-  "llama4": dict(top_k=1, apply_router_weight_on_input=True, scoring="sigmoid"),
-  "phimoe": dict(scoring="sparsemixer", sparsemixer_eps=0.2),
-  "qwen2_moe": dict(num_shared_experts=1, shared_intermediate_size=12, shared_expert_gate=True),
-  "longcat": dict(num_zero_experts=3, use_routing_bias=True, top_k=3, routed_scaling_factor=1.5),
-}
 UNEVEN = [0, 4, 9, 2, 0, 7, 1, 9]  # ranks 0 and 4 empty, ranks 2 and 7 full
 
 

@@ -11,6 +11,8 @@ from flax import nnx
 
 from moejax import MoEConfig, MoELayer, moe_apply, param_shapes, reference_moe, routing
 from tests.helpers import (
+  BASE,
+  OPTIONS,
   count_compiles,
   mesh_of,
   poison,
@@ -21,21 +23,6 @@ from tests.helpers import (
 )
 
 ROWS_PER_RANK = 9
-BASE = dict(num_experts=8, top_k=2, hidden_size=16, intermediate_size=24, chunk_size=4)
-OPTIONS = {
-  "gelu_tanh": dict(activation="gelu_tanh"),
-  "gpt_oss": dict(
-    activation="swiglu_oai",
-    swiglu_limit=1.0,  # small enough that the clamps bind on these inputs
-    expert_bias=True,
-    router_bias=True,
-    renormalize=True,
-  ),
-  "llama4": dict(top_k=1, apply_router_weight_on_input=True, scoring="sigmoid"),
-  "phimoe": dict(scoring="sparsemixer", sparsemixer_eps=0.2),
-  "qwen2_moe": dict(num_shared_experts=1, shared_intermediate_size=12, shared_expert_gate=True),
-  "longcat": dict(num_zero_experts=3, use_routing_bias=True, top_k=3, routed_scaling_factor=1.5),
-}
 
 
 def make_inputs(config: MoEConfig, name: str):
