@@ -152,44 +152,43 @@ def _zeros_of(token_mask: jax.Array, like: Any) -> Any:
   return jax.tree.map(lambda t: filled_like(token_mask, t.shape, 0, t.dtype), like)
 
 
-def _in_chunks(a: jax.Array, order: jax.Array) -> jax.Array:
-  """[L, ...] -> [chunks, C, ...] in chunk order: one gather before the loop, so that each
-  step reads its chunk as a contiguous slice."""
-  return a[order]
+def _rows_of(tree: Any, rows: jax.Array) -> Any:
+  """The chunk's rows of every leaf: [L, ...] -> [C, ...], a gather of C rows (no copy of
+  the whole buffer, so the loop's temporaries stay O(C) however many tokens there are)."""
+  return jax.tree.map(lambda a: a[rows], tree)
 
 
-def _from_chunks(a: jax.Array, order: jax.Array) -> jax.Array:
-  """[chunks, C, ...] in chunk order -> [L, ...] in row order, the inverse of `_in_chunks`.
-
-  A gather of rows by the inverse permutation (built by a scatter of row numbers only): on
-  XLA:CPU a scatter of whole rows is several times slower.
-  """
-  flat = order.reshape(-1)
-  inverse = jnp.zeros_like(flat).at[flat].set(jnp.arange(flat.shape[0], dtype=flat.dtype))
-  return a.reshape(flat.shape[0], *a.shape[2:])[inverse]
+def _put_rows(total: jax.Array, rows: jax.Array, update: jax.Array) -> jax.Array:
+  """total[rows] = update, in place in the loop carry (rows distinct: a chunk's own)."""
+  return total.at[rows].set(update, unique_indices=True, indices_are_sorted=False)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
 def _chunk_scan(stages, chunk_size, lockstep_axis, pipelined, weights, inputs, token_mask):
   order = _chunk_order(token_mask, chunk_size)  # [chunks, C]
   live = _live_chunks(token_mask, order, lockstep_axis)  # [chunks]
-  chunked = jax.tree.map(lambda a: _in_chunks(a, order), inputs)  # [chunks, C, ...]
-  take = lambda i: jax.tree.map(lambda a: a[i], chunked)
+  take = lambda i: _rows_of(inputs, order[i])
   out_type = jax.eval_shape(stages.whole, weights, take(0))
-  skipped = lambda: _zeros_of(token_mask, out_type)
+  out_rows = jax.ShapeDtypeStruct((token_mask.shape[0], *out_type.shape[1:]), out_type.dtype)
+  out = _zeros_of(token_mask, out_rows)  # the output, filled in place chunk by chunk
   if pipelined:
-    outs = _pipelined_steps(stages, weights, take, live, token_mask, out_type)
+    out = _pipelined_steps(stages, weights, take, order, live, token_mask, out, out_type)
   else:
-    step = lambda _, i: (
-      None,
-      jax.lax.cond(live[i], lambda: stages.whole(weights, take(i)), skipped),
-    )
-    outs = jax.lax.scan(step, None, jnp.arange(order.shape[0]))[1]
-  return _from_chunks(outs, order), jnp.sum(live, dtype=jnp.int32)
+
+    def step(out, i):
+      chunk_out = jax.lax.cond(
+        live[i],
+        lambda: stages.whole(weights, take(i)),
+        lambda: _zeros_of(token_mask, out_type),
+      )
+      return _put_rows(out, order[i], chunk_out), None
+
+    out = jax.lax.scan(step, out, jnp.arange(order.shape[0]))[0]
+  return out, jnp.sum(live, dtype=jnp.int32)
 
 
-def _pipelined_steps(stages, weights, take, live, token_mask, out_type) -> jax.Array:
-  """[chunks, C, ...] outputs of the loop in which step i finishes chunk i and sends i+1."""
+def _pipelined_steps(stages, weights, take, order, live, token_mask, out, out_type) -> jax.Array:
+  """The loop in which step i finishes chunk i and sends chunk i+1; returns `out` filled."""
   chunks = live.shape[0]
   in_flight_type = jax.eval_shape(stages.send, weights, take(0))
   send_or_skip = lambda run, i: jax.lax.cond(
@@ -197,16 +196,19 @@ def _pipelined_steps(stages, weights, take, live, token_mask, out_type) -> jax.A
   )
   next_live = jnp.append(live[1:], False)  # the last step sends nothing
 
-  def step(in_flight, i):
+  def step(carry, i):
+    out, in_flight = carry
     chunk_out = jax.lax.cond(
       live[i],
       lambda: stages.finish(weights, take(i), in_flight),
       lambda: _zeros_of(token_mask, out_type),
     )
     # The next chunk's exchange reads only inputs: it can overlap this chunk's compute.
-    return send_or_skip(next_live[i], jnp.minimum(i + 1, chunks - 1)), chunk_out
+    next_in_flight = send_or_skip(next_live[i], jnp.minimum(i + 1, chunks - 1))
+    return (_put_rows(out, order[i], chunk_out), next_in_flight), None
 
-  return jax.lax.scan(step, send_or_skip(live[0], 0), jnp.arange(chunks))[1]
+  (out, _), _ = jax.lax.scan(step, (out, send_or_skip(live[0], 0)), jnp.arange(chunks))
+  return out
 
 
 def _chunk_scan_fwd(stages, chunk_size, lockstep_axis, pipelined, weights, inputs, token_mask):
@@ -224,32 +226,34 @@ def _chunk_scan_bwd(stages, chunk_size, lockstep_axis, pipelined, residuals, cot
   """
   del pipelined
   weights, inputs, token_mask = residuals
+  d_out = cotangents[0]
   is_float = lambda a: jnp.issubdtype(a.dtype, jnp.inexact)
+  float_inputs = [a for a in jax.tree.leaves(inputs) if is_float(a)]
   order = _chunk_order(token_mask, chunk_size)
   live = _live_chunks(token_mask, order, lockstep_axis)
-  chunked = jax.tree.map(lambda a: _in_chunks(a, order), inputs)
-  d_out = _in_chunks(cotangents[0], order)  # [chunks, C, ...]
-  float_leaves = lambda tree: [a for a in jax.tree.leaves(tree) if is_float(a)]
-  d_skipped = [jnp.zeros_like(a[0]) for a in float_leaves(chunked)]
 
-  def step(d_weights, i):
-    chunk = jax.tree.map(lambda a: a[i], chunked)
+  def step(carry, i):
+    rows = order[i]
 
-    def accumulate():
-      _, vjp = jax.vjp(stages.whole, weights, chunk)
-      chunk_d_weights, chunk_d_inputs = vjp(d_out[i])
-      kept = [
+    def accumulate(carry):
+      d_weights, d_inputs = carry
+      _, vjp = jax.vjp(stages.whole, weights, _rows_of(inputs, rows))
+      chunk_d_weights, chunk_d_inputs = vjp(d_out[rows])
+      chunk_d_inputs = [
         c
-        for c, a in zip(jax.tree.leaves(chunk_d_inputs), jax.tree.leaves(chunk), strict=True)
+        for c, a in zip(jax.tree.leaves(chunk_d_inputs), jax.tree.leaves(inputs), strict=True)
         if is_float(a)
       ]
-      return jax.tree.map(jnp.add, d_weights, chunk_d_weights), kept
+      return (
+        jax.tree.map(jnp.add, d_weights, chunk_d_weights),
+        [_put_rows(d, rows, c) for d, c in zip(d_inputs, chunk_d_inputs, strict=True)],
+      )
 
-    return jax.lax.cond(live[i], accumulate, lambda: (d_weights, d_skipped))
+    return jax.lax.cond(live[i], accumulate, lambda carry: carry, carry), None
 
-  init = jax.tree.map(jnp.zeros_like, weights)
-  d_weights, d_chunked = jax.lax.scan(step, init, jnp.arange(order.shape[0]))
-  d_float_inputs = iter(_from_chunks(d, order) for d in d_chunked)
+  init = (jax.tree.map(jnp.zeros_like, weights), [jnp.zeros_like(a) for a in float_inputs])
+  (d_weights, d_float_inputs), _ = jax.lax.scan(step, init, jnp.arange(order.shape[0]))
+  d_float_inputs = iter(d_float_inputs)
   d_inputs = jax.tree.map(
     lambda a: next(d_float_inputs) if is_float(a) else np.zeros(a.shape, jax.dtypes.float0),
     inputs,
