@@ -5,8 +5,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from kernels_pallas import compat
 
-def activate(x: jax.Array, activation: str, erf=jax.lax.erf) -> jax.Array:
+
+def activate(x: jax.Array, activation: str, erf=compat.erf) -> jax.Array:
   """silu, or gelu in its exact form 0.5 x (1 + erf(x / sqrt 2)), with `erf` swappable."""
   if activation == "silu":
     return x / (1.0 + jnp.exp(-x))

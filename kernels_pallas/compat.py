@@ -29,6 +29,24 @@ def out_struct(shape: tuple[int, ...], dtype, like: jax.Array) -> jax.ShapeDtype
   return jax.ShapeDtypeStruct(shape, dtype, vma=aval.vma)
 
 
+@jax.custom_jvp
+def erf(x: jax.Array) -> jax.Array:
+  """`jax.lax.erf`, differentiable inside `shard_map` on every supported JAX.
+
+  JAX 0.12 computes erf with `lax.polynomial`, whose derivative mixes per-device values with
+  unmarked constants and fails shard_map's varying-axes check ("Primitive polynomial requires
+  varying manual axes to match"). The derivative here, 2/sqrt(pi) exp(-x^2), is erf's own,
+  written without differentiating that polynomial.
+  """
+  return jax.lax.erf(x)
+
+
+@erf.defjvp
+def _erf_jvp(primals, tangents):
+  (x,), (dx,) = primals, tangents
+  return erf(x), 1.1283791670955126 * jax.numpy.exp(-x * x) * dx
+
+
 def pallas_triton() -> ModuleType | None:
   """`jax.experimental.pallas.triton`, or None where the installed JAX no longer ships it.
 

@@ -15,6 +15,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from kernels_pallas.activations import activate
 from moejax.collectives import filled_like
 from moejax.config import MoEConfig
 
@@ -45,7 +46,9 @@ class GatedActivation:
       return (up + 1.0) * gate * jax.nn.sigmoid(1.702 * gate)
     if self.name == "silu":
       return jax.nn.silu(gate) * up
-    return jax.nn.gelu(gate, approximate=self.name == "gelu_tanh") * up
+    if self.name == "gelu":  # exact: erf, differentiable under shard_map on every JAX
+      return activate(gate, "gelu") * up
+    return jax.nn.gelu(gate, approximate=True) * up
 
 
 def gated_mlp(

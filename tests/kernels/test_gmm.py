@@ -160,3 +160,12 @@ def test_a_jax_without_pallas_triton_is_reported_not_an_import_error(monkeypatch
     gmm(lhs, rhs, jnp.array([3, 4], jnp.int32), implementation="triton")
   with pytest.raises(NotImplementedError, match="Pallas Triton was removed"):
     gmm_triton(lhs, rhs, jnp.array([3, 4], jnp.int32), blocks=TritonBlocks(16, 16, 16))
+
+
+def test_compat_erf_has_erfs_value_and_derivative():
+  from kernels_pallas.compat import erf
+
+  x = jnp.linspace(-5.0, 5.0, 2001)
+  chex_close = lambda a, b: assert_close(a, b, what="erf")
+  chex_close(erf(x), jax.lax.erf(x))
+  chex_close(jax.vmap(jax.grad(erf))(x), jax.vmap(jax.grad(jax.lax.erf))(x))
