@@ -1,0 +1,228 @@
+"""Expert-parallel load balancing: where each expert's replicas live (host NumPy).
+
+A `Placement` maps P = E + R physical expert slots (split over the expert axis, P / S per
+device) to E logical experts. `rebalance` computes one from measured per-expert load with
+DeepSeek's policy (deepseek-ai/EPLB, `rebalance_experts`), exactly: hierarchical when the
+expert groups divide evenly over nodes (pack groups onto nodes, replicate within each node,
+pack replicas onto devices), else the same with one group and one node.
+
+>>> load = np.array([90, 132, 40, 61, 104, 165, 39, 4, 73, 56, 183, 86])
+>>> placement = rebalance(load, num_physical=16, num_devices=8, num_groups=4, num_nodes=2)
+>>> placement.physical_to_logical.tolist()
+[5, 6, 5, 7, 8, 4, 3, 4, 10, 9, 10, 2, 0, 1, 11, 1]
+>>> placement.replica_counts.tolist()
+[1, 2, 1, 1, 2, 2, 1, 1, 1, 1, 2, 1]
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+
+class Placement(NamedTuple):
+  """Which logical expert each physical slot holds (a pytree of int32 arrays: data, never a
+  trainable parameter). With a leading layer axis L on every field for several layers.
+
+  Attributes:
+    physical_to_logical: [P] logical expert of each physical slot.
+    logical_to_physical: [E, R + 1] the slots of each expert's replicas, -1 padded.
+    replica_counts: [E] replicas of each expert (>= 1, summing to P).
+  """
+
+  physical_to_logical: np.ndarray
+  logical_to_physical: np.ndarray
+  replica_counts: np.ndarray
+
+
+def initial_placement(num_experts: int, num_redundant: int) -> Placement:
+  """A new layer's placement: slot e holds expert e, slot E + i holds expert i mod E.
+
+  >>> initial_placement(3, 2).physical_to_logical.tolist()
+  [0, 1, 2, 0, 1]
+  """
+  physical = np.arange(num_experts + num_redundant) % num_experts
+  return from_physical_to_logical(physical, num_experts)
+
+
+def from_physical_to_logical(physical_to_logical: np.ndarray, num_experts: int) -> Placement:
+  """The whole `Placement` of a [P] (or [L, P]) slot -> expert map, replicas in slot order.
+
+  Raises:
+    ValueError: an id outside [0, E), or an expert without a slot.
+  """
+  physical = np.asarray(physical_to_logical, np.int64)
+  if physical.min() < 0 or physical.max() >= num_experts:
+    raise ValueError(f"physical_to_logical holds ids outside [0, {num_experts}): {physical}")
+  layers = physical.reshape(-1, physical.shape[-1])
+  counts = np.stack([np.bincount(row, minlength=num_experts) for row in layers])
+  if np.any(counts == 0):
+    missing = sorted({int(e) for e in np.nonzero(counts == 0)[1]})
+    raise ValueError(f"physical_to_logical leaves experts {missing} without a slot")
+  width = physical.shape[-1] - num_experts + 1  # R + 1: at most one expert holds every spare
+  to_physical = np.full((len(layers), num_experts, width), -1, np.int64)
+  for layer, row in enumerate(layers):
+    filled = np.zeros(num_experts, np.int64)
+    for slot, expert in enumerate(row):
+      to_physical[layer, expert, filled[expert]] = slot
+      filled[expert] += 1
+  lead = physical.shape[:-1]
+  return Placement(
+    physical.astype(np.int32),
+    to_physical.reshape(*lead, num_experts, width).astype(np.int32),
+    counts.reshape(*lead, num_experts).astype(np.int32),
+  )
+
+
+def balanced_packing(weight: np.ndarray, num_packs: int) -> tuple[np.ndarray, np.ndarray]:
+  """Packs n weighted items into `num_packs` packs of n / num_packs items each: heaviest first,
+  each into the lightest pack that still has room (the lowest-numbered among equals).
+
+  Args:
+    weight: [X, n] item weights, per row independently.
+    num_packs: packs per row; must divide n.
+
+  Returns:
+    (pack [X, n], rank_in_pack [X, n]) int64.
+  """
+  rows, items = weight.shape
+  per_pack = items // num_packs
+  if per_pack == 1:
+    return np.tile(np.arange(items), (rows, 1)), np.zeros((rows, items), np.int64)
+  pack = np.full((rows, items), -1, np.int64)
+  rank = np.full((rows, items), -1, np.int64)
+  for row in range(rows):
+    pack_weight, pack_items = np.zeros(num_packs), np.zeros(num_packs, np.int64)
+    for item in np.argsort(-weight[row], kind="stable"):
+      open_packs = np.flatnonzero(pack_items < per_pack)
+      chosen = open_packs[np.argmin(pack_weight[open_packs])]
+      pack[row, item], rank[row, item] = chosen, pack_items[chosen]
+      pack_weight[chosen] += weight[row, item]
+      pack_items[chosen] += 1
+  return pack, rank
+
+
+def replicate_experts(weight: np.ndarray, num_physical: int):
+  """Gives each of the P - E spare slots to the expert with the largest load per replica.
+
+  Args:
+    weight: [X, E] loads.
+    num_physical: P >= E.
+
+  Returns:
+    (physical_to_logical [X, P], replica rank of each slot [X, P], replica counts [X, E]).
+  """
+  rows, experts = weight.shape
+  physical = np.tile(np.arange(num_physical), (rows, 1))
+  rank = np.zeros((rows, num_physical), np.int64)
+  counts = np.ones((rows, experts), np.int64)
+  every_row = np.arange(rows)
+  for slot in range(experts, num_physical):
+    busiest = np.argmax(weight / counts, axis=-1)  # the first among equals
+    physical[:, slot] = busiest
+    rank[:, slot] = counts[every_row, busiest]
+    counts[every_row, busiest] += 1
+  return physical, rank, counts
+
+
+def _inverse(permutation: np.ndarray) -> np.ndarray:
+  """The inverse of each row's permutation."""
+  inverse = np.empty_like(permutation)
+  np.put_along_axis(inverse, permutation, np.arange(permutation.shape[1])[None], axis=1)
+  return inverse
+
+
+def _hierarchical(weight, num_physical: int, num_groups: int, num_nodes: int, num_devices: int):
+  """DeepSeek's hierarchical policy on [L, E] loads: (physical_to_logical, rank, counts)."""
+  layers, experts = weight.shape
+  group_size = experts // num_groups
+  groups_per_node = num_groups // num_nodes
+  per_device = num_physical // num_devices
+  # 1. Expert groups onto nodes; "mlog" numbers the experts node by node.
+  group_load = weight.reshape(layers, num_groups, group_size).sum(-1)
+  group_pack, group_rank = balanced_packing(group_load, num_nodes)
+  first = (group_pack * groups_per_node + group_rank) * group_size  # [L, groups]
+  log_to_mlog = (first[..., None] + np.arange(group_size)).reshape(layers, experts)
+  mlog_to_log = _inverse(log_to_mlog)
+  # 2. Replicas within each node.
+  mlog_load = np.take_along_axis(weight, mlog_to_log, -1).reshape(-1, experts // num_nodes)
+  phy_to_mlog, phy_rank, mlog_count = replicate_experts(mlog_load, num_physical // num_nodes)
+  # 3. Replicas onto the node's devices, by load per replica.
+  phy_load = np.take_along_axis(mlog_load / mlog_count, phy_to_mlog, -1)
+  pack, rank_in_pack = balanced_packing(phy_load, num_devices // num_nodes)
+  pphy_to_phy = _inverse(pack * per_device + rank_in_pack)
+  pphy_to_mlog = np.take_along_axis(phy_to_mlog, pphy_to_phy, -1)
+  node_offset = np.arange(0, experts, experts // num_nodes).reshape(1, -1, 1)
+  pphy_to_mlog = (pphy_to_mlog.reshape(layers, num_nodes, -1) + node_offset).reshape(layers, -1)
+  physical = np.take_along_axis(mlog_to_log, pphy_to_mlog, -1)
+  rank = np.take_along_axis(phy_rank, pphy_to_phy, -1).reshape(layers, -1)
+  counts = np.take_along_axis(mlog_count.reshape(layers, -1), log_to_mlog, -1)
+  return physical, rank, counts
+
+
+def rebalance(
+  load: np.ndarray,
+  *,
+  num_physical: int,
+  num_devices: int,
+  num_groups: int = 1,
+  num_nodes: int = 1,
+) -> Placement:
+  """A placement balancing `load` over devices: DeepSeek's EPLB policy, exactly.
+
+  Args:
+    load: [E] or [L, E] measured load of each logical expert (per layer).
+    num_physical: P, physical slots (E + redundant), a multiple of `num_devices`.
+    num_devices: devices of the expert axis (a multiple of `num_nodes`).
+    num_groups: expert groups (grouped routing); groups stay within a node when they divide
+      evenly over the nodes.
+    num_nodes: nodes (devices linked faster within a node).
+
+  Returns:
+    A `Placement`, with a leading L if `load` has one; replicas of an expert in rank order.
+
+  Raises:
+    ValueError: a size that does not divide as required.
+  """
+  load = np.asarray(load, np.float32)
+  weight = load.reshape(-1, load.shape[-1])
+  experts = weight.shape[-1]
+  for name, value, divisor, of in (
+    ("num_physical", num_physical, num_devices, "num_devices"),
+    ("num_devices", num_devices, num_nodes, "num_nodes"),
+    ("num_experts", experts, num_groups, "num_groups"),
+  ):
+    if value % divisor:
+      raise ValueError(f"{name}={value} must be a multiple of {of}={divisor}")
+  if num_physical < experts:
+    raise ValueError(f"num_physical={num_physical} must be at least num_experts={experts}")
+  if num_groups % num_nodes:
+    num_groups, num_nodes = 1, 1  # the global policy
+  physical, rank, counts = _hierarchical(weight, num_physical, num_groups, num_nodes, num_devices)
+  width = num_physical - experts + 1
+  to_physical = np.full((len(weight), experts * width), -1, np.int64)
+  np.put_along_axis(to_physical, physical * width + rank, np.arange(num_physical)[None], axis=1)
+  lead = load.shape[:-1]
+  return Placement(
+    physical.reshape(*lead, num_physical).astype(np.int32),
+    to_physical.reshape(*lead, experts, width).astype(np.int32),
+    counts.reshape(*lead, experts).astype(np.int32),
+  )
+
+
+def balancedness(physical_counts: np.ndarray, num_devices: int) -> float:
+  """Mean over max of per-device load (vLLM's metric; 1.0 is perfect), slots split evenly.
+
+  Args:
+    physical_counts: [P] rows (or load) sent to each physical slot.
+    num_devices: devices of the expert axis; P / num_devices slots each, in order.
+
+  >>> balancedness(np.array([3, 1, 2, 2]), num_devices=2)
+  1.0
+  >>> balancedness(np.array([4, 2, 1, 1]), num_devices=2)
+  0.666...
+  """
+  per_device = np.asarray(physical_counts, np.float64).reshape(num_devices, -1).sum(-1)
+  peak = per_device.max()
+  return float(per_device.mean() / peak) if peak > 0 else 1.0
