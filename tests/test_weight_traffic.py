@@ -82,3 +82,15 @@ def test_the_walk_sees_a_read_outside_a_cond():
   reads = weight_reads(jaxpr, {jaxpr.invars[0]})
   chex.assert_equal(sorted({in_cond for _, in_cond in reads}), [False, True])
   assert np.any([not in_cond for _, in_cond in reads])
+
+
+def test_decode_sized_calls_never_take_ragged_dot(monkeypatch):
+  """On a GPU ragged_dot reads every local expert: a call with no more (row, choice) rows
+  than local experts takes the tile loop, whose reads follow the used experts."""
+  from moejax import experts
+
+  monkeypatch.setattr(experts, "on_cpu", lambda: False)  # as on a GPU
+  config = MoEConfig(num_experts=8, top_k=2, hidden_size=16, intermediate_size=24)
+  assert experts.expert_path(config, num_rows=8, local_experts=8) == "tile_loop"
+  assert experts.expert_path(config, num_rows=2, local_experts=8) == "tile_loop"
+  assert experts.expert_path(config, num_rows=9, local_experts=8) == "ragged_dot"
