@@ -73,6 +73,10 @@ class MoEConfig:
       row only to the devices holding its chosen experts) or "auto" (the one that sends fewer
       bytes on the platform: all_to_all where `ragged_all_to_all` runs, GPUs and TPUs;
       all_gather on a CPU). See `moejax.dispatch`.
+    num_redundant_experts: R, spare physical expert slots holding replicas of busy experts
+      (expert-parallel load balancing): the layer holds P = E + R physical experts, P
+      divisible by the expert-axis size, and computes by a `moejax.eplb.Placement` passed as
+      data (`moe_apply(..., placement=)`). Routing stays over the E logical experts.
 
   >>> MoEConfig(num_experts=8, top_k=2, hidden_size=64, intermediate_size=128).chunk_size
   256
@@ -109,6 +113,7 @@ class MoEConfig:
   expert_axis: str = "expert"
   expert_backend: ExpertBackend = "auto"
   dispatch: Dispatch = "auto"
+  num_redundant_experts: int = 0
 
   def __post_init__(self) -> None:
     self._check_sizes()
@@ -131,6 +136,9 @@ class MoEConfig:
       value = getattr(self, name)
       if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
+    redundant = self.num_redundant_experts
+    if not isinstance(redundant, int) or isinstance(redundant, bool) or redundant < 0:
+      raise ValueError(f"num_redundant_experts must be an int >= 0, got {redundant!r}")
     if not isinstance(self.top_k, int) or not 1 <= self.top_k <= self.num_experts:
       raise ValueError(f"top_k={self.top_k} must be in [1, num_experts={self.num_experts}]")
     if not self.routed_scaling_factor > 0:
@@ -199,6 +207,11 @@ class MoEConfig:
   def num_router_outputs(self) -> int:
     """E + Z: the router's outputs, the routed experts then the zero-computation experts."""
     return self.num_experts + self.num_zero_experts
+
+  @property
+  def num_physical_experts(self) -> int:
+    """P = E + R: the expert slots holding weights (E without redundant experts)."""
+    return self.num_experts + self.num_redundant_experts
 
   @property
   def has_shared_experts(self) -> bool:

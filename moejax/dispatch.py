@@ -337,8 +337,9 @@ def resolve_dispatch(dispatch: str, axis_size: int, platform_name: str) -> str:
 
 
 def make_exchange(config: MoEConfig, axis: str | None, axis_size: int) -> Exchange:
-  """The config's exchange on an expert axis of `axis_size` devices (None, 1: no mesh)."""
-  local_experts = config.num_experts // axis_size
+  """The config's exchange on an expert axis of `axis_size` devices (None, 1: no mesh), over
+  its physical experts (P = E + R; ids from P go to no device)."""
+  local_experts = config.num_physical_experts // axis_size
   ragged = platform_has_ragged_all_to_all()
   if resolve_dispatch(config.dispatch, axis_size, platform.platform()) == "all_gather":
     return AllGather(axis, axis_size, local_experts)

@@ -1,7 +1,9 @@
-"""Expert-parallel load balancing: where each expert's replicas live (host NumPy).
+"""Expert-parallel load balancing: where each expert's replicas live.
 
 A `Placement` maps P = E + R physical expert slots (split over the expert axis, P / S per
-device) to E logical experts. `rebalance` computes one from measured per-expert load with
+device) to E logical experts (`moejax.placement`); `place` moves weights to a placement and
+`sum_replicas` folds replica gradients back (`moejax.replicas`). `rebalance` computes a
+placement (host NumPy) from measured per-expert load with
 DeepSeek's policy (deepseek-ai/EPLB, `rebalance_experts`), exactly: hierarchical when the
 expert groups divide evenly over nodes (pack groups onto nodes, replicate within each node,
 pack replicas onto devices), else the same with one group and one node.
@@ -16,63 +18,22 @@ pack replicas onto devices), else the same with one group and one node.
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import numpy as np
 
+from moejax.placement import Placement, from_physical_to_logical, initial_placement
+from moejax.replicas import place, sum_replicas
 
-class Placement(NamedTuple):
-  """Which logical expert each physical slot holds (a pytree of int32 arrays: data, never a
-  trainable parameter). With a leading layer axis L on every field for several layers.
-
-  Attributes:
-    physical_to_logical: [P] logical expert of each physical slot.
-    logical_to_physical: [E, R + 1] the slots of each expert's replicas, -1 padded.
-    replica_counts: [E] replicas of each expert (>= 1, summing to P).
-  """
-
-  physical_to_logical: np.ndarray
-  logical_to_physical: np.ndarray
-  replica_counts: np.ndarray
-
-
-def initial_placement(num_experts: int, num_redundant: int) -> Placement:
-  """A new layer's placement: slot e holds expert e, slot E + i holds expert i mod E.
-
-  >>> initial_placement(3, 2).physical_to_logical.tolist()
-  [0, 1, 2, 0, 1]
-  """
-  physical = np.arange(num_experts + num_redundant) % num_experts
-  return from_physical_to_logical(physical, num_experts)
-
-
-def from_physical_to_logical(physical_to_logical: np.ndarray, num_experts: int) -> Placement:
-  """The whole `Placement` of a [P] (or [L, P]) slot -> expert map, replicas in slot order.
-
-  Raises:
-    ValueError: an id outside [0, E), or an expert without a slot.
-  """
-  physical = np.asarray(physical_to_logical, np.int64)
-  if physical.min() < 0 or physical.max() >= num_experts:
-    raise ValueError(f"physical_to_logical holds ids outside [0, {num_experts}): {physical}")
-  layers = physical.reshape(-1, physical.shape[-1])
-  counts = np.stack([np.bincount(row, minlength=num_experts) for row in layers])
-  if np.any(counts == 0):
-    missing = sorted({int(e) for e in np.nonzero(counts == 0)[1]})
-    raise ValueError(f"physical_to_logical leaves experts {missing} without a slot")
-  width = physical.shape[-1] - num_experts + 1  # R + 1: at most one expert holds every spare
-  to_physical = np.full((len(layers), num_experts, width), -1, np.int64)
-  for layer, row in enumerate(layers):
-    filled = np.zeros(num_experts, np.int64)
-    for slot, expert in enumerate(row):
-      to_physical[layer, expert, filled[expert]] = slot
-      filled[expert] += 1
-  lead = physical.shape[:-1]
-  return Placement(
-    physical.astype(np.int32),
-    to_physical.reshape(*lead, num_experts, width).astype(np.int32),
-    counts.reshape(*lead, num_experts).astype(np.int32),
-  )
+__all__ = [
+  "Placement",
+  "balanced_packing",
+  "balancedness",
+  "from_physical_to_logical",
+  "initial_placement",
+  "place",
+  "rebalance",
+  "replicate_experts",
+  "sum_replicas",
+]
 
 
 def balanced_packing(weight: np.ndarray, num_packs: int) -> tuple[np.ndarray, np.ndarray]:

@@ -266,7 +266,7 @@ def routed_mlp(
       b_gate_up,
       b_down,
       activation=GatedActivation.of(config),
-      tile_rows=default_tile_rows(expert_ids.size, config.num_experts),
+      tile_rows=default_tile_rows(expert_ids.size, config.num_physical_experts),
     )
   implementation = kernel_for(config) if path == "pallas" else "xla"
   return sorted_mlp(
@@ -289,7 +289,7 @@ def zero_experts(
 
   Args:
     rows: [C, D] in the compute dtype.
-    expert_ids: [C, K] global ids; zero experts are [E, E + Z).
+    expert_ids: [C, K] dispatched ids; zero experts are [P, P + Z) (`routing.is_zero_expert`).
     weights: [C, K] float32.
     config: the layer's config.
 

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
+from moejax import placement as placement_lib
 from moejax import routing, sharding
 from moejax.chunking import ChunkStages, TokenLayout, chunk_scan
 from moejax.collectives import sum_over, vary_over
@@ -39,6 +40,9 @@ class MoEAux(NamedTuple):
       destination device) pairs, the device itself among the destinations. With
       all_to_all, the ragged volume its routing causes; with all_gather, C times the
       expert-axis size per chunk run.
+    physical_counts: [P] int32 valid (token, choice) pairs sent to each physical expert slot
+      (P = E + R; equal to `expert_counts[:E]` without redundant experts). A device's load
+      is the sum over its P / S slots.
   """
 
   expert_counts: jax.Array
@@ -46,6 +50,7 @@ class MoEAux(NamedTuple):
   router_z_loss: jax.Array
   chunks_run: jax.Array
   dispatch_rows: jax.Array
+  physical_counts: jax.Array
 
 
 def moe_apply(
@@ -56,6 +61,7 @@ def moe_apply(
   mesh: Mesh | None = None,
   token_mask: jax.Array | None = None,
   router_logits: jax.Array | None = None,
+  placement: placement_lib.Placement | None = None,
 ) -> tuple[jax.Array, MoEAux]:
   """Runs the MoE layer: y = shared(x) + sum_k w_k * expert_{e_k}(x), per token.
 
@@ -68,25 +74,30 @@ def moe_apply(
     token_mask: [...] bool, True for real tokens; None means all real.
     router_logits: [..., E + Z] precomputed router logits (its bias, if any, included); then
       the router is not run again.
+    placement: with `config.num_redundant_experts` R > 0 (required then, rejected
+      otherwise), the `moejax.eplb.Placement` of the P = E + R physical experts in `params`.
+      Data: a new placement runs the same executable.
 
   Returns:
     (y, aux): y has x's shape and dtype, exactly 0 where the mask is False; aux is `MoEAux`.
   """
   _check_inputs(params, x, token_mask, router_logits, config, mesh)
+  placement_lib.check_placement(placement, config)
+  args = (params, x, token_mask, router_logits, placement)
   if mesh is not None and sharding.is_explicit(mesh):
-    return _apply_on_explicit_mesh(params, x, token_mask, router_logits, config, mesh)
-  return _moe_apply_jit(params, x, token_mask, router_logits, config=config, mesh=mesh)
+    return _apply_on_explicit_mesh(args, config, mesh)
+  return _moe_apply_jit(*args, config=config, mesh=mesh)
 
 
-def _apply_on_explicit_mesh(params, x, token_mask, router_logits, config, mesh):
+def _apply_on_explicit_mesh(args, config, mesh):
   """The layer on an explicit-axes mesh: y comes back sharded like x (`sharding.with_auto_axes`)."""
   specs = sharding.LayerSpecs.from_config(config)
   out_specs = (
-    jax.typeof(x).sharding.spec,
+    jax.typeof(args[1]).sharding.spec,
     MoEAux(*specs.aux(MoEAux._fields, per_device=_PER_DEVICE)),
   )
   apply = lambda auto_mesh, *args: _moe_apply_jit(*args, config=config, mesh=auto_mesh)
-  return sharding.with_auto_axes(apply, mesh, out_specs)(params, x, token_mask, router_logits)
+  return sharding.with_auto_axes(apply, mesh, out_specs)(*args)
 
 
 def compiled_executables() -> int:
@@ -122,7 +133,7 @@ def _check_inputs(params, x, token_mask, router_logits, config, mesh) -> None:
 
 
 @functools.partial(jax.jit, static_argnames=("config", "mesh"))
-def _moe_apply_jit(params, x, token_mask, router_logits, *, config, mesh):
+def _moe_apply_jit(params, x, token_mask, router_logits, placement, *, config, mesh):
   lead = x.shape[:-1]
   devices = 1 if mesh is None else mesh.shape[config.data_axis] * mesh.shape[config.expert_axis]
   layout = TokenLayout.plan(math.prod(lead), devices, config.chunk_size)
@@ -142,9 +153,9 @@ def _moe_apply_jit(params, x, token_mask, router_logits, *, config, mesh):
     all_axes=() if mesh is None else (config.data_axis, config.expert_axis),
   )
   if mesh is None:
-    y, stats, per_device = body(params, *inputs)
+    y, stats, slot_counts, per_device = body(params, placement, *inputs)
   else:
-    y, stats, per_device = _shard(body, mesh, config, params, inputs)
+    y, stats, slot_counts, per_device = _shard(body, mesh, config, params, placement, inputs)
   y = layout.unpad(y).reshape(x.shape).astype(x.dtype)
   aux = MoEAux(
     expert_counts=stats.expert_counts,
@@ -152,6 +163,7 @@ def _moe_apply_jit(params, x, token_mask, router_logits, *, config, mesh):
     router_z_loss=routing.router_z_loss(stats),
     chunks_run=per_device[:, 0],
     dispatch_rows=per_device[:, 1],
+    physical_counts=slot_counts,
   )
   return y, aux
 
@@ -160,8 +172,9 @@ def _moe_apply_jit(params, x, token_mask, router_logits, *, config, mesh):
 _PER_DEVICE = ("chunks_run", "dispatch_rows")
 
 
-def _shard(body, mesh: Mesh, config: MoEConfig, params: MoEParams, inputs):
-  """Runs `body` under `shard_map`: tokens over (data, expert), experts over expert."""
+def _shard(body, mesh: Mesh, config: MoEConfig, params: MoEParams, placement, inputs):
+  """Runs `body` under `shard_map`: tokens over (data, expert), experts over expert, the
+  placement everywhere."""
   specs = sharding.LayerSpecs.from_config(config)
   param_specs = specs.params(params)
   params = jax.tree.map(lambda a, s: sharding.constrain(a, mesh, s), params, param_specs)
@@ -170,12 +183,12 @@ def _shard(body, mesh: Mesh, config: MoEConfig, params: MoEParams, inputs):
   return jax.shard_map(
     body,
     mesh=mesh,
-    in_specs=(param_specs, specs.tokens_t, specs.tokens_t, specs.tokens_t),
-    out_specs=(specs.tokens_t, stats_specs, specs.tokens_t),
+    in_specs=(param_specs, specs.replicated, specs.tokens_t, specs.tokens_t, specs.tokens_t),
+    out_specs=(specs.tokens_t, stats_specs, specs.replicated, specs.tokens_t),
     # JAX 0.10's Pallas interpreter fails shard_map's varying-axes check ("dynamic_slice
     # requires varying manual axes to match"); JAX's suggested workaround is to turn it off.
     check_vma=not runs_interpreted_kernels(config),
-  )(params, *inputs)
+  )(params, placement, *inputs)
 
 
 def _zero_padding(x: jax.Array, token_mask: jax.Array) -> jax.Array:
@@ -185,6 +198,7 @@ def _zero_padding(x: jax.Array, token_mask: jax.Array) -> jax.Array:
 
 def local_forward(
   params: MoEParams,
+  placement: placement_lib.Placement | None,
   x: jax.Array,
   token_mask: jax.Array,
   router_logits: jax.Array | None,
@@ -197,7 +211,8 @@ def local_forward(
   """One device's part of the layer (the `shard_map` body).
 
   Args:
-    params: replicated router and shared weights; this device's El experts.
+    params: replicated router and shared weights; this device's El = P / S physical experts.
+    placement: the physical experts' `Placement` (replicated), or None without replicas.
     x: [L, D] this device's tokens, L a multiple of `chunk_size`.
     token_mask: [L] bool.
     router_logits: [L, E + Z] precomputed logits, or None to run the router here.
@@ -207,8 +222,9 @@ def local_forward(
     all_axes: every mesh axis the tokens are split over (to sum router stats).
 
   Returns:
-    (y [L, D] in the compute dtype, RouterStats summed over all devices,
-    [1, 2] int32: this device's chunks run and rows sent).
+    (y [L, D] in the compute dtype, RouterStats summed over all devices, [P] int32 pairs sent
+    to each physical expert summed over all devices, [1, 2] int32: this device's chunks run
+    and rows sent).
   """
   x = _zero_padding(x, token_mask)
   if router_logits is None:  # the router's only run
@@ -218,6 +234,9 @@ def local_forward(
   stats = jax.tree.map(
     lambda a: sum_over(a, all_axes), routing.router_stats(router_logits, route, token_mask)
   )
+  # Routing is logical; from here on ids are the physical slots the choices are sent to.
+  expert_ids = placement_lib.physical_ids(route.expert_ids, placement, config)
+  slot_counts = placement_lib.physical_counts(expert_ids, config.num_physical_experts)
   dtype = config.dtype
   # Expert weights already vary over the expert axis; they are the same on every data rank.
   data_axes = tuple(a for a in all_axes if a != exchange.axis)
@@ -232,15 +251,15 @@ def local_forward(
   y, chunks_run = chunk_scan(
     stages,
     chunk_weights,
-    (x.astype(dtype), route.expert_ids, route.weights),
+    (x.astype(dtype), expert_ids, route.weights),
     token_mask,
     chunk_size=chunk_size,
     lockstep_axis=exchange.axis,
     pipelined=crosses_devices(exchange),
   )
-  rows_sent = exchange.rows_sent(route.expert_ids, chunks_run, chunk_size)
+  rows_sent = exchange.rows_sent(expert_ids, chunks_run, chunk_size)
   per_device = jnp.stack([chunks_run, rows_sent.astype(jnp.int32)])[None]
-  return _zero_padding(y, token_mask), stats, per_device
+  return _zero_padding(y, token_mask), stats, sum_over(slot_counts, all_axes), per_device
 
 
 def _send_chunk(weights: dict[str, jax.Array], chunk, *, exchange: Exchange) -> Dispatched:
@@ -248,7 +267,7 @@ def _send_chunk(weights: dict[str, jax.Array], chunk, *, exchange: Exchange) -> 
 
   Args:
     weights: unused (the chunk loop passes every stage the same weights).
-    chunk: (rows [C, D] compute dtype, expert_ids [C, K], routing weights [C, K]).
+    chunk: (rows [C, D] compute dtype, physical expert_ids [C, K], routing weights [C, K]).
     exchange: the expert-axis exchange.
   """
   del weights

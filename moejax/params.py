@@ -14,7 +14,9 @@ class MoEParams(NamedTuple):
 
   Attributes:
     router_kernel: [D, E + Z] (Z = `num_zero_experts`, usually 0).
-    w_gate_up: [E, D, 2F]; gate = `[..., :F]`, up = `[..., F:]`.
+    w_gate_up: [E, D, 2F]; gate = `[..., :F]`, up = `[..., F:]`. With redundant experts
+      (`config.num_redundant_experts` R > 0) this and every expert parameter holds the
+      P = E + R physical slots, [P, ...] (`moejax.eplb.place`).
     w_down: [E, F, D].
     routing_bias: [E + Z] selection bias, or None unless `config.use_routing_bias`.
     shared_w_gate_up: [D, 2Fs], or None without shared experts.
@@ -62,8 +64,9 @@ def compute_weights(params: MoEParams, config: MoEConfig) -> dict[str, jax.Array
 
 
 def param_shapes(config: MoEConfig) -> dict[str, tuple[int, ...]]:
-  """Shape of every parameter the config needs, keyed by `MoEParams` field name."""
-  d, e, f = config.hidden_size, config.num_experts, config.intermediate_size
+  """Shape of every parameter the config needs, keyed by `MoEParams` field name (expert
+  parameters [P, ...], P = E + R physical experts)."""
+  d, e, f = config.hidden_size, config.num_physical_experts, config.intermediate_size
   outputs = config.num_router_outputs
   shapes = {"router_kernel": (d, outputs), "w_gate_up": (e, d, 2 * f), "w_down": (e, f, d)}
   if config.use_routing_bias:

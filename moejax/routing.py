@@ -19,9 +19,11 @@ def padding_id(config: MoEConfig) -> int:
   return config.num_router_outputs
 
 
-def is_zero_expert(expert_ids: jax.Array, config: MoEConfig) -> jax.Array:
-  """Whether each id is a zero-computation expert, in [E, E + Z) (LongCat-Flash)."""
-  return (expert_ids >= config.num_experts) & (expert_ids < config.num_router_outputs)
+def is_zero_expert(dispatched_ids: jax.Array, config: MoEConfig) -> jax.Array:
+  """Whether each id, numbered as the chunk loop dispatches (`moejax.placement.physical_ids`:
+  P = E + R slots first), is a zero-computation expert, in [P, P + Z) (LongCat-Flash)."""
+  first = config.num_physical_experts
+  return (dispatched_ids >= first) & (dispatched_ids < first + config.num_zero_experts)
 
 
 class Routing(NamedTuple):

@@ -72,7 +72,8 @@ def placement(mesh: Mesh, spec: P | None) -> NamedSharding:
 
 
 def check_mesh(mesh: Mesh, config: MoEConfig) -> None:
-  """Raises ValueError unless `mesh` has the config's axes and its expert axis divides E."""
+  """Raises ValueError unless `mesh` has the config's axes and its expert axis divides the
+  physical experts, P = E + R."""
   if not isinstance(mesh, Mesh):
     raise TypeError(f"mesh must be a jax.sharding.Mesh or None, got {type(mesh).__name__}")
   for field in ("data_axis", "expert_axis"):
@@ -83,9 +84,11 @@ def check_mesh(mesh: Mesh, config: MoEConfig) -> None:
         f"axes, e.g. jax.make_mesh((dp, ep), ({config.data_axis!r}, {config.expert_axis!r}))"
       )
   experts = mesh.shape[config.expert_axis]
-  if config.num_experts % experts:
+  if config.num_physical_experts % experts:
+    redundant = config.num_redundant_experts
+    physical = f" + num_redundant_experts={redundant}" if redundant else ""
     raise ValueError(
-      f"num_experts={config.num_experts} must be divisible by the size of mesh axis "
+      f"num_experts={config.num_experts}{physical} must be divisible by the size of mesh axis "
       f"{config.expert_axis!r}, {experts}"
     )
 
