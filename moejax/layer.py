@@ -6,17 +6,28 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+from moejax import eplb
 from moejax.config import MoEConfig
 from moejax.forward import MoEAux, moe_apply
-from moejax.params import BIAS_PARAMS, MoEParams, param_shapes
+from moejax.params import BIAS_PARAMS, EXPERT_PARAMS, MoEParams, param_shapes
+from moejax.placement import Placement, initial_placement, logical_load
 from moejax.sharding import check_mesh, param_sharding
 
 _AUX_NAMES = ("expert_counts", "load_balancing_loss", "router_z_loss")
 
 Initializer = Callable[[jax.Array, tuple[int, ...], jnp.dtype], jax.Array]
+
+
+class ExpertPlacement(nnx.Variable):
+  """A layer's `moejax.eplb.Placement` (non-trainable state: data the layer computes by)."""
+
+
+class ExpertLoad(nnx.Variable):
+  """[P] int32 (token, choice) pairs each physical expert received since the last rebalance."""
 
 
 def fan_in_init(key: jax.Array, shape: tuple[int, ...], dtype: jnp.dtype) -> jax.Array:
@@ -38,6 +49,13 @@ class MoELayer(nnx.Module):
   Under `nnx.capture(..., nnx.Intermediate)` each call sows its aux outputs: `expert_counts`
   [E], `load_balancing_loss` [], `router_z_loss` [] (a tuple of values per name, one per
   call). `moejax.moe_apply` returns the same values directly.
+
+  With `config.num_redundant_experts` R > 0 the expert parameters hold P = E + R physical
+  slots, and the layer keeps two non-trainable variables (optax, given `wrt=nnx.Param`, never
+  sees them): `placement` (`ExpertPlacement`, a `moejax.eplb.Placement`; a new layer holds
+  expert e at slot e and expert i mod E at slot E + i, each replica starting with the same
+  weights) and `expert_load` (`ExpertLoad`, [P] int32: the `physical_counts` of every call
+  since the last `rebalance`).
 
   Args:
     config: the layer's `MoEConfig`.
@@ -74,10 +92,18 @@ class MoELayer(nnx.Module):
     # to place it, and the metadata is kept for later use (nnx.get_partition_spec).
     placement = {"mesh": mesh} if mesh is not None else {"eager_sharding": False}
     names = param_sharding(config)
+    slots = initial_placement(config.num_experts, config.num_redundant_experts)
     for name, shape in param_shapes(config).items():
       init = bias_init if name in BIAS_PARAMS else kernel_init
-      value = init(rngs.params(), shape, config.param_dtype)
+      if name in EXPERT_PARAMS:  # logical experts, copied into their physical slots
+        logical = init(rngs.params(), (config.num_experts, *shape[1:]), config.param_dtype)
+        value = logical[jnp.asarray(slots.physical_to_logical)]
+      else:
+        value = init(rngs.params(), shape, config.param_dtype)
       setattr(self, name, nnx.Param(value, out_sharding=names[name], **placement))
+    if config.num_redundant_experts:
+      self.placement = ExpertPlacement(Placement(*map(jnp.asarray, slots)))
+      self.expert_load = ExpertLoad(jnp.zeros(config.num_physical_experts, jnp.int32))
 
   def moe_params(self) -> MoEParams:
     """The current weights as an `MoEParams` pytree (for `moejax.moe_apply`)."""
@@ -108,9 +134,52 @@ class MoELayer(nnx.Module):
       mesh=self.mesh,
       token_mask=token_mask,
       router_logits=router_logits,
+      placement=self._placement(),
     )
+    if self.config.num_redundant_experts:
+      self.expert_load.set_value(self.expert_load.get_value() + aux.physical_counts)
     self._sow_aux(aux)
     return y
+
+  def _placement(self) -> Placement | None:
+    if not self.config.num_redundant_experts:
+      return None
+    return Placement(*self.placement.get_value())
+
+  def rebalance(self, load: jax.Array | None = None) -> Placement:
+    """Re-places the experts by DeepSeek's policy (`moejax.eplb.rebalance`, one node, the
+    expert axis's devices) and moves their weights (`moejax.eplb.place`); resets
+    `expert_load`. Calls after it run the same executable.
+
+    Args:
+      load: [E] load of each logical expert; None for the load accumulated since the last
+        rebalance (`expert_load` summed over each expert's replicas).
+
+    Returns:
+      The new placement.
+
+    Raises:
+      ValueError: the layer has no redundant experts, or `load` is not [E].
+    """
+    config = self.config
+    if not config.num_redundant_experts:
+      raise ValueError("rebalance needs redundant experts: config.num_redundant_experts is 0")
+    current = self._placement()
+    if load is None:
+      load = logical_load(jax.device_get(self.expert_load.get_value()), current)
+    if np.shape(load) != (config.num_experts,):
+      raise ValueError(f"load has shape {np.shape(load)}, expected [E]=({config.num_experts},)")
+    devices = 1 if self.mesh is None else self.mesh.shape[config.expert_axis]
+    new = eplb.rebalance(
+      np.asarray(load), num_physical=config.num_physical_experts, num_devices=devices
+    )
+    moved = eplb.place(self.moe_params(), new, config, current=current)
+    for name in EXPERT_PARAMS:
+      if getattr(moved, name) is not None:
+        getattr(self, name).set_value(getattr(moved, name))
+    self.placement.set_value(Placement(*map(jnp.asarray, new)))
+    self.expert_load.set_value(jnp.zeros(config.num_physical_experts, jnp.int32))  # as new
+    return new
 
   def _sow_aux(self, aux: MoEAux) -> None:
     # Flax deprecates sow() outside nnx.capture(), and only capture reads the values: sow

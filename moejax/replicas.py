@@ -178,31 +178,35 @@ def _gather(experts, source: np.ndarray, mesh: Mesh | None, config: MoEConfig):
   take = lambda leaves, index: {name: value[index] for name, value in leaves.items()}
   if mesh is None:
     return jax.jit(take)(experts, jnp.asarray(source))
-  spec = P(config.expert_axis)
+  specs = _expert_specs(experts, config.expert_axis)
   if sharding.is_explicit(mesh):
-    return sharding.with_auto_axes(
-      lambda _, leaves, index: take(leaves, index), mesh, {name: spec for name in experts}
-    )(experts, jnp.asarray(source))
-  out = {name: NamedSharding(mesh, spec) for name in experts}
+    return sharding.with_auto_axes(lambda _, leaves, index: take(leaves, index), mesh, specs)(
+      experts, jnp.asarray(source)
+    )
+  out = {name: NamedSharding(mesh, spec) for name, spec in specs.items()}
   return jax.jit(take, out_shardings=out)(experts, jnp.asarray(source))
+
+
+def _expert_specs(experts: dict[str, jax.Array], axis: str) -> dict[str, P]:
+  """The layer's spec of each expert leaf, written out to its rank (as `MoELayer` creates
+  them: an equal but shorter spec would be another jit signature)."""
+  return {name: P(axis, *[None] * (np.ndim(value) - 1)) for name, value in experts.items()}
 
 
 def _move(experts, plan: MovePlan, *, mesh: Mesh, axis: str):
   """Runs `plan` on weights sharded over `axis`: every leaf, one program."""
-  spec = P(axis)
-  devices = mesh.shape[axis]
-  body = functools.partial(_move_local, axis=axis, devices=devices)
-  moved = jax.shard_map(
+  specs = _expert_specs(experts, axis)
+  body = functools.partial(_move_local, axis=axis, devices=mesh.shape[axis])
+  moved = lambda on_mesh, leaves, plan: jax.shard_map(
     body,
-    mesh=mesh,
-    in_specs=({name: spec for name in experts}, MovePlan(*[spec] * len(MovePlan._fields))),
-    out_specs={name: spec for name in experts},
-    check_vma=False,
-  )
+    mesh=on_mesh,
+    in_specs=(specs, MovePlan(*[P(axis)] * len(MovePlan._fields))),
+    out_specs=specs,
+  )(leaves, plan)
   if sharding.is_explicit(mesh):
-    auto = lambda _, leaves, plan: moved(leaves, plan)
-    return sharding.with_auto_axes(auto, mesh, {name: spec for name in experts})(experts, plan)
-  return jax.jit(moved)(experts, plan)
+    return sharding.with_auto_axes(moved, mesh, specs)(experts, plan)
+  out = {name: NamedSharding(mesh, spec) for name, spec in specs.items()}
+  return jax.jit(functools.partial(moved, mesh), out_shardings=out)(experts, plan)
 
 
 def _move_local(experts, plan: MovePlan, *, axis: str, devices: int):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import zlib
 from collections.abc import Iterator
 
@@ -14,7 +15,7 @@ import pytest
 from jax.sharding import Mesh
 
 from kernels_pallas import compat
-from moejax import MoEConfig, MoEParams, moe_apply, param_shapes, reference_moe
+from moejax import MoEConfig, MoEParams, eplb, moe_apply, param_shapes, reference_moe
 
 # (atol, rtol) per compute dtype; float32 differs from the reference only by summation order.
 TOLERANCES = {
@@ -157,23 +158,32 @@ def check_against_reference(
   *,
   seed: int,
   grads: bool = True,
+  placement: eplb.Placement | None = None,
 ) -> None:
   """The layer against `reference_moe` on NaN-poisoned padding: y (exactly 0 on padding) and,
   with `grads`, the gradients of every parameter and of x (0 on padding), at `tolerance`.
 
+  With a `placement` the layer runs on physical weights (`eplb.place`), and the gradients of
+  its expert weights, summed over replicas (`eplb.sum_replicas`), must be the reference's.
+
   Args:
-    params: the layer's parameters.
+    params: the layer's parameters (logical experts [E, ...] with a placement).
     x: [T, D] tokens (float32 or the compute dtype).
     config: the layer's config.
     mesh: a (data, expert) mesh, or None.
     mask: [T] bool.
     seed: draws the probe of the gradients' loss, sum(sin(y) * probe).
     grads: also compare gradients.
+    placement: with `config.num_redundant_experts`, the layer's placement.
   """
   tol = tolerance(config.dtype)
-  ours = lambda p, x: moe_apply(p, x, config=config, mesh=mesh, token_mask=mask)[0]
-  theirs = lambda p, x: reference_moe(p, x, config, mask)
-  y = ours(params, poison(x, mask))
+  ours = lambda p, x: moe_apply(
+    p, x, config=config, mesh=mesh, token_mask=mask, placement=placement
+  )[0]
+  logical = dataclasses.replace(config, num_redundant_experts=0)
+  theirs = lambda p, x: reference_moe(p, x, logical, mask)
+  physical = params if placement is None else eplb.place(params, placement, config)
+  y = ours(physical, poison(x, mask))
   chex.assert_trees_all_close(y.astype(jnp.float32), theirs(params, x), **tol)
   padding = ~np.asarray(mask)
   assert np.all(np.asarray(y, np.float32)[padding] == 0), "padding rows not zero"
@@ -181,7 +191,9 @@ def check_against_reference(
     return
   probe = jax.random.normal(jax.random.key(seed), x.shape)
   loss = lambda layer: lambda p, x: jnp.sum(jnp.sin(layer(p, x).astype(jnp.float32)) * probe)
-  got = jax.grad(loss(ours), argnums=(0, 1))(params, poison(x, mask))
+  got = jax.grad(loss(ours), argnums=(0, 1))(physical, poison(x, mask))
+  if placement is not None:
+    got = (eplb.sum_replicas(got[0], placement), got[1])
   want = jax.grad(loss(theirs), argnums=(0, 1))(params, x)
   chex.assert_tree_all_finite(got)
   chex.assert_trees_all_close(got, want, **tol)

@@ -3,10 +3,13 @@
 `LayerContract` holds the cases every implementation must pass: every mesh and token pattern
 (empty, full and uneven ranks, NaN-poisoned padding) against `reference_moe` with gradients,
 every routing and model-family option, the adversarial full exchange buffer, and one
-executable for every token pattern. A new scheme, path or feature is a subclass.
+executable for every token pattern. A new scheme, path or feature is a subclass: redundant
+experts run the whole contract on replicated, re-placed experts.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import chex
 import jax
@@ -14,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from moejax import MoEConfig, experts, moe_apply, reference_moe
+from moejax import MoEConfig, eplb, experts, moe_apply, reference_moe
 from tests.helpers import (
   BASE,
   MESHES,
@@ -50,14 +53,46 @@ class LayerContract:
   expert_backend = "auto"
   meshes = MESHES
   options = tuple(OPTIONS)
+  redundant_experts = 0
 
   def config(self, **overrides) -> MoEConfig:
     fields = {**BASE, **overrides}
-    return MoEConfig(**fields, dispatch=self.scheme, expert_backend=self.expert_backend)
+    return MoEConfig(
+      **fields,
+      dispatch=self.scheme,
+      expert_backend=self.expert_backend,
+      num_redundant_experts=self.redundant_experts,
+    )
+
+  def placement(self, config: MoEConfig) -> eplb.Placement | None:
+    """The placement the layer runs with: None without redundant experts."""
+    return None
+
+  def physical(self, params, config: MoEConfig):
+    """The logical `params` laid out by `placement` where there is one."""
+    placement = self.placement(config)
+    return params if placement is None else eplb.place(params, placement, config)
+
+  def apply(self, params, x, config: MoEConfig, mesh, **kwargs):
+    """`moe_apply` on the logical `params`, laid out by `placement` where there is one."""
+    return moe_apply(
+      self.physical(params, config),
+      x,
+      config=config,
+      mesh=mesh,
+      placement=self.placement(config),
+      **kwargs,
+    )
+
+  def check(self, params, x, config: MoEConfig, mesh, mask, **kwargs) -> None:
+    check_against_reference(
+      params, x, config, mesh, mask, placement=self.placement(config), **kwargs
+    )
 
   def inputs(self, config: MoEConfig, name: str):
+    """Logical parameters (E experts) and tokens, drawn from the test's name."""
     key = jax.random.key(seed_of(name))
-    params = random_params(config, key)
+    params = random_params(dataclasses.replace(config, num_redundant_experts=0), key)
     if config.use_routing_bias:
       outputs = config.num_router_outputs
       params = params._replace(routing_bias=0.1 * jax.random.normal(key, (outputs,)))
@@ -71,14 +106,14 @@ class LayerContract:
     seed = seed_of(request.node.name)
     for counts in ([0] * 8, [ROWS_PER_RANK] * 8):
       mask = rank_mask(counts, ROWS_PER_RANK)
-      check_against_reference(params, x, config, mesh, mask, seed=seed, grads=False)
-    check_against_reference(params, x, config, mesh, rank_mask(UNEVEN, ROWS_PER_RANK), seed=seed)
+      self.check(params, x, config, mesh, mask, seed=seed, grads=False)
+    self.check(params, x, config, mesh, rank_mask(UNEVEN, ROWS_PER_RANK), seed=seed)
 
   def test_expert_counts_match_numpy(self, request):
     config = self.config()
     params, x = self.inputs(config, request.node.name)
     mask = rank_mask(UNEVEN, ROWS_PER_RANK)
-    _, aux = moe_apply(params, poison(x, mask), config=config, mesh=mesh_of(2, 4), token_mask=mask)
+    _, aux = self.apply(params, poison(x, mask), config, mesh_of(2, 4), token_mask=mask)
     logits = np.asarray(x, np.float64) @ np.asarray(params.router_kernel, np.float64)
     ids = np.argsort(-logits, axis=-1, kind="stable")[:, : config.top_k][np.asarray(mask)]
     chex.assert_trees_all_equal(
@@ -89,7 +124,7 @@ class LayerContract:
     config = self.config(**OPTIONS[option])
     params, x = self.inputs(config, request.node.name)
     mask = rank_mask(UNEVEN, ROWS_PER_RANK)
-    check_against_reference(params, x, config, mesh_of(2, 4), mask, seed=seed_of(request.node.name))
+    self.check(params, x, config, mesh_of(2, 4), mask, seed=seed_of(request.node.name))
 
   def test_every_token_to_one_devices_experts(self, request):
     """Every row routes to expert 0, on expert rank 0, which receives C rows from each of its
@@ -98,9 +133,10 @@ class LayerContract:
     params, x = self.inputs(config, request.node.name)
     noise = jax.random.normal(jax.random.key(seed_of(request.node.name)), (x.shape[0], 8))
     logits = noise + jnp.array([[30.0, 0, 0, 0, 0, 0, 0, 0]])
-    y, aux = moe_apply(params, x, config=config, mesh=mesh_of(1, 8), router_logits=logits)
+    y, aux = self.apply(params, x, config, mesh_of(1, 8), router_logits=logits)
+    logical = dataclasses.replace(config, num_redundant_experts=0)
     chex.assert_trees_all_close(
-      y, reference_moe(params, x, config, router_logits=logits), **tolerance()
+      y, reference_moe(params, x, logical, router_logits=logits), **tolerance()
     )
     chex.assert_trees_all_equal(np.asarray(aux.expert_counts), np.eye(8, dtype=int)[0] * x.shape[0])
     # all_to_all sends each row once, to device 0; all_gather sends every chunk everywhere.
@@ -115,15 +151,22 @@ class LayerContract:
     params, x = self.inputs(config, request.node.name)
     rng = np.random.default_rng(seed_of(request.node.name))
     mesh = mesh_of(2, 4)
-    layer = jax.jit(lambda p, x, m: moe_apply(p, x, config=config, mesh=mesh, token_mask=m)[0])
+    placement = self.placement(config)
+    layer = jax.jit(
+      lambda p, x, m: moe_apply(
+        p, x, config=config, mesh=mesh, token_mask=m, placement=placement
+      )[0]
+    )
+    physical = self.physical(params, config)
     masks = [rank_mask(rng.integers(0, ROWS_PER_RANK + 1, 8), ROWS_PER_RANK) for _ in range(6)]
-    jax.block_until_ready(layer(params, x, masks[0]))
+    jax.block_until_ready(layer(physical, x, masks[0]))
     with count_compiles() as compiles:
-      got = [layer(params, poison(x, m), m) for m in masks]
+      got = [layer(physical, poison(x, m), m) for m in masks]
       jax.block_until_ready(got)
     assert compiles == [], f"{len(compiles)} compilations for new token patterns"
+    logical = dataclasses.replace(config, num_redundant_experts=0)
     for y, mask in zip(got, masks, strict=True):
-      chex.assert_trees_all_close(y, reference_moe(params, x, config, mask), **tolerance())
+      chex.assert_trees_all_close(y, reference_moe(params, x, logical, mask), **tolerance())
 
 
 class TestAllGather(LayerContract):
@@ -171,4 +214,69 @@ class TestPallasAllGather(PallasPath):
 
 
 class TestPallasAllToAll(PallasPath):
+  scheme = "all_to_all"
+
+
+class Replicated(LayerContract):
+  """Redundant experts: 8 spare slots on 8 experts, placed by `eplb.rebalance` from a skewed
+  load so that hot experts have replicas on several devices; every check runs on the
+  physical weights and compares with the logical reference."""
+
+  redundant_experts = 8
+  meshes = (None, (1, 8), (2, 4))
+  options = ("softmax", "grouped", "gpt_oss", "llama4", "qwen2_moe", "longcat")
+
+  def placement(self, config: MoEConfig) -> eplb.Placement:
+    load = np.random.default_rng(7).zipf(1.5, config.num_experts).astype(float)
+    return eplb.rebalance(load, num_physical=config.num_physical_experts, num_devices=8)
+
+  def test_placement_replicates_across_devices(self):
+    """The placement under test is not a trivial one: some expert has replicas on two devices."""
+    placement = self.placement(self.config())
+    devices = [set(row[row >= 0] // 2) for row in placement.logical_to_physical]
+    assert max(map(len, devices)) >= 2, placement
+
+  def test_physical_counts_follow_the_replica_rule(self, request):
+    """Choice k of local row l of expert e goes to replica (l*K + k) mod count[e], counted
+    only for valid rows: checked against NumPy on one device."""
+    config = self.config()
+    params, x = self.inputs(config, request.node.name)
+    mask = rank_mask([5, 9, 0, 9, 3, 1, 9, 7], ROWS_PER_RANK)
+    _, aux = self.apply(params, poison(x, mask), config, None, token_mask=mask)
+    placement = self.placement(config)
+    logits = np.asarray(x, np.float64) @ np.asarray(params.router_kernel, np.float64)
+    ids = np.argsort(-logits, axis=-1, kind="stable")[:, : config.top_k]  # [T, K]
+    position = np.arange(ids.size).reshape(ids.shape)
+    replica = position % placement.replica_counts[ids]
+    slots = placement.logical_to_physical[ids, replica][np.asarray(mask)]
+    expected = np.bincount(slots.ravel(), minlength=config.num_physical_experts)
+    chex.assert_trees_all_equal(np.asarray(aux.physical_counts), expected.astype(np.int32))
+    per_expert = np.bincount(placement.physical_to_logical, weights=expected, minlength=8)
+    chex.assert_trees_all_equal(np.asarray(aux.expert_counts), per_expert.astype(np.int32))
+
+  def test_one_executable_across_placements(self, request):
+    config = self.config(**RICH)
+    params, x = self.inputs(config, request.node.name)
+    mesh = mesh_of(2, 4)
+    layer = jax.jit(lambda p, x, pl: moe_apply(p, x, config=config, mesh=mesh, placement=pl)[0])
+    rng = np.random.default_rng(seed_of(request.node.name))
+    placements = [eplb.initial_placement(8, 8)] + [
+      eplb.rebalance(rng.random(8), num_physical=16, num_devices=4) for _ in range(3)
+    ]
+    laid_out = [eplb.place(params, placement, config) for placement in placements]
+    jax.block_until_ready(layer(laid_out[0], x, placements[0]))
+    with count_compiles() as compiles:
+      got = [layer(p, x, pl) for p, pl in zip(laid_out, placements, strict=True)]
+      jax.block_until_ready(got)
+    assert compiles == [], f"{len(compiles)} compilations for new placements"
+    want = reference_moe(params, x, dataclasses.replace(config, num_redundant_experts=0))
+    for y in got:
+      chex.assert_trees_all_close(y, want, **tolerance())
+
+
+class TestReplicatedAllGather(Replicated):
+  scheme = "all_gather"
+
+
+class TestReplicatedAllToAll(Replicated):
   scheme = "all_to_all"
