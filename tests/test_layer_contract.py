@@ -153,9 +153,9 @@ class LayerContract:
     mesh = mesh_of(2, 4)
     placement = self.placement(config)
     layer = jax.jit(
-      lambda p, x, m: moe_apply(
-        p, x, config=config, mesh=mesh, token_mask=m, placement=placement
-      )[0]
+      lambda p, x, m: moe_apply(p, x, config=config, mesh=mesh, token_mask=m, placement=placement)[
+        0
+      ]
     )
     physical = self.physical(params, config)
     masks = [rank_mask(rng.integers(0, ROWS_PER_RANK + 1, 8), ROWS_PER_RANK) for _ in range(6)]

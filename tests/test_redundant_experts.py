@@ -152,9 +152,7 @@ class TestLayer:
     load = np.bincount(np.arange(16) % 8, weights=np.asarray(aux.physical_counts), minlength=8)
     runs = compiled_executables()
     placement = layer.rebalance()
-    chex.assert_trees_all_equal(
-      placement, eplb.rebalance(load, num_physical=16, num_devices=4)
-    )
+    chex.assert_trees_all_equal(placement, eplb.rebalance(load, num_physical=16, num_devices=4))
     assert placement.replica_counts[3] > 1
     chex.assert_trees_all_equal(layer.expert_load.get_value(), jnp.zeros(16, jnp.int32))
     with count_compiles() as compiles:
@@ -178,7 +176,7 @@ class TestLayer:
 
     @nnx.jit
     def step(layer, optimizer, x):
-      loss, grads = nnx.value_and_grad(lambda layer: jnp.sum(layer(x) ** 2))(layer)
+      _, grads = nnx.value_and_grad(lambda layer: jnp.sum(layer(x) ** 2))(layer)
       optimizer.update(layer, grads)
       return grads
 
