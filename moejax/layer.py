@@ -55,7 +55,9 @@ class MoELayer(nnx.Module):
   sees them): `placement` (`ExpertPlacement`, a `moejax.eplb.Placement`; a new layer holds
   expert e at slot e and expert i mod E at slot E + i, each replica starting with the same
   weights) and `expert_load` (`ExpertLoad`, [P] int32: the `physical_counts` of every call
-  since the last `rebalance`).
+  since the last `rebalance`). Replicas must keep equal weights: an optimizer stepping the
+  physical slots independently lets them drift apart, so train on logical weights with
+  `moejax.eplb.sum_replicas` and `moejax.eplb.place` (docs/design.md, "Redundant experts").
 
   Args:
     config: the layer's `MoEConfig`.

@@ -95,3 +95,17 @@ def test_dispatch_benchmark_bytes_meet_the_targets_at_the_floor(tmp_path):
   for axis in (2, 4, 8):  # the drop-in sends all_gather's static bytes, plus the counts
     assert 0 <= cpu["all_to_all", axis] - cpu["all_gather", axis] < 0.001 * cpu["all_gather", axis]
   assert (tmp_path / "dispatch_scaling.png").stat().st_size > 0 and "target" in out
+
+
+def test_eplb_benchmark_reports_balancedness_from_the_layer(tmp_path):
+  out = run_script("benchmarks/eplb.py", "--smoke", out=tmp_path)
+  assert "balanced" in out
+  rows = json.loads((tmp_path / "eplb.json").read_text())["rows"]
+  assert [r["redundant"] for r in rows] == [0, 8]
+  plain, replicated = rows
+  assert 0 < plain["balancedness"] <= 1 and 0 < replicated["balancedness"] <= 1
+  # the busiest device carries at least the mean, and balancedness is mean over max
+  for r in rows:
+    assert r["busiest_per_chunk"] >= r["mean_per_chunk"]
+    assert abs(r["balancedness"] - r["mean_per_chunk"] / r["busiest_per_chunk"]) < 1e-6
+  assert (tmp_path / "eplb_balancedness.png").exists()
