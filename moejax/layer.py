@@ -97,7 +97,7 @@ class MoELayer(nnx.Module):
     slots = initial_placement(config.num_experts, config.num_redundant_experts)
     for name, shape in param_shapes(config).items():
       init = bias_init if name in BIAS_PARAMS else kernel_init
-      if name in EXPERT_PARAMS:  # logical experts, copied into their physical slots
+      if name in EXPERT_PARAMS and config.num_redundant_experts:  # each replica as its expert
         logical = init(rngs.params(), (config.num_experts, *shape[1:]), config.param_dtype)
         value = logical[jnp.asarray(slots.physical_to_logical)]
       else:
