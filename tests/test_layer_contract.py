@@ -223,7 +223,6 @@ class Replicated(LayerContract):
   physical weights and compares with the logical reference."""
 
   redundant_experts = 8
-  meshes = (None, (1, 8), (2, 4))
   options = ("softmax", "grouped", "gpt_oss", "llama4", "qwen2_moe", "longcat")
 
   def placement(self, config: MoEConfig) -> eplb.Placement:
