@@ -40,10 +40,12 @@ def unsupported_reason(
 
 
 def moe_mlp_unsupported_reason(
-  implementation: str, dtype, activation: str, *, biases: bool = False
+  implementation: str, dtype, activation: str, *, biases: bool = False, rhs_format=None
 ) -> str | None:
-  """Why `moe_mlp` on `implementation` cannot run an MLP of this dtype, activation and biases
-  (it has no bias epilogue), or None. The one answer to "can this kernel run this layer?".
+  """Why `moe_mlp` on `implementation` cannot run an MLP of this dtype, activation, biases (it
+  has no bias epilogue) and weight format (`rhs_format`: None for plain arrays, else a
+  `kernels_pallas.quantized.FORMATS` name), or None. The one answer to "can this kernel run
+  this layer?".
 
   >>> moe_mlp_unsupported_reason("xla", jnp.float32, "swiglu_oai")
   "activation='swiglu_oai' (moe_mlp has ('silu', 'gelu'))"
@@ -52,16 +54,21 @@ def moe_mlp_unsupported_reason(
     return f"activation={activation!r} (moe_mlp has {ACTIVATIONS})"
   if biases:
     return "expert biases (moe_mlp has no bias epilogue)"
+  if rhs_format is not None and rhs_format not in BACKENDS[implementation].quant_formats:
+    return f"{implementation} takes no {rhs_format} (BlockScaled) weights"
   return unsupported_reason(implementation, dtype, dtype, activation)
 
 
-def kernel_for(dtype, activation: str, *, biases: bool = False) -> str | None:
+def kernel_for(dtype, activation: str, *, biases: bool = False, rhs_format=None) -> str | None:
   """The Pallas kernel that runs `moe_mlp` for this case on the default device: its own
   (Mosaic on Hopper) when it can, else Triton (interpreted on a CPU), else None."""
   for implementation in (device_implementation(), "triton"):
     if implementation == "xla":
       continue
-    if moe_mlp_unsupported_reason(implementation, dtype, activation, biases=biases) is None:
+    reason = moe_mlp_unsupported_reason(
+      implementation, dtype, activation, biases=biases, rhs_format=rhs_format
+    )
+    if reason is None:
       return implementation
   return None
 

@@ -36,6 +36,8 @@ class Backend:
     tgmm_blocks: (M, K, N) -> the transposed kernel's blocks.
     tgmm_multiples: blocks -> (M, K, N) multiples `tgmm`'s operands must be padded to.
     unsupported_reason: (dtype, activation, precision) -> why it cannot run the case, or None.
+    quant_formats: the `kernels_pallas.quantized.FORMATS` its kernels take as a `BlockScaled`
+      rhs, dequantized tile by tile (none yet: quantized experts run moejax's XLA tile loop).
     gmm: `gmm(lhs, rhs, group_sizes, row_weights, *, blocks, activation, transpose_rhs,
       out_dtype, precision, interpret)` -> [M, N]; operands padded to whole blocks.
     tgmm: `tgmm(lhs, dout, group_sizes, *, blocks, out_dtype, precision, interpret)` ->
@@ -50,6 +52,7 @@ class Backend:
   unsupported_reason: Callable
   gmm: Callable
   tgmm: Callable
+  quant_formats: tuple[str, ...] = ()
 
 
 def _xla_gmm(

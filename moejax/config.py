@@ -7,6 +7,8 @@ from typing import Literal
 
 import jax.numpy as jnp
 
+from kernels_pallas.quantized import FORMATS
+
 Activation = Literal["silu", "gelu", "gelu_tanh", "swiglu_oai"]
 Scoring = Literal["softmax", "sigmoid", "sparsemixer"]
 ExpertBackend = Literal["xla", "pallas", "auto"]
@@ -77,6 +79,13 @@ class MoEConfig:
       (expert-parallel load balancing): the layer holds P = E + R physical experts, P
       divisible by the expert-axis size, and computes by a `moejax.eplb.Placement` passed as
       data (`moe_apply(..., placement=)`). Routing stays over the E logical experts.
+    expert_quant: None (float expert weights), "fp8_block" (float8_e4m3fn values with a
+      float32 scale per `quant_block_size` block, DeepSeek-V3's fine-grained fp8) or "mxfp4"
+      (float4_e2m1fn values with a float8_e8m0fnu scale per 32 values along the input axis,
+      OCP MX as GPT-OSS ships it): `w_gate_up` and `w_down` are then
+      `kernels_pallas.quantized.BlockScaled` (`moejax.quant`).
+    quant_block_size: (bi, bo), the fp8_block block over [in, out]; F must be a multiple of
+      bo so that no block straddles gate and up.
 
   >>> MoEConfig(num_experts=8, top_k=2, hidden_size=64, intermediate_size=128).chunk_size
   256
@@ -114,6 +123,8 @@ class MoEConfig:
   expert_backend: ExpertBackend = "auto"
   dispatch: Dispatch = "auto"
   num_redundant_experts: int = 0
+  expert_quant: Literal["fp8_block", "mxfp4"] | None = None
+  quant_block_size: tuple[int, int] = (128, 128)
 
   def __post_init__(self) -> None:
     self._check_sizes()
@@ -121,6 +132,7 @@ class MoEConfig:
     self._check_groups()
     self._check_shared()
     self._check_family_options()
+    self._check_quant()
     # Normalise dtypes so that equal configs hash equally (jnp.float32 vs np.dtype("float32")).
     object.__setattr__(self, "dtype", jnp.dtype(self.dtype))
     object.__setattr__(self, "param_dtype", jnp.dtype(self.param_dtype))
@@ -202,6 +214,39 @@ class MoEConfig:
       raise ValueError("num_zero_experts with num_expert_groups > 1 is not supported")
     if self.shared_expert_gate and not self.has_shared_experts:
       raise ValueError("shared_expert_gate needs shared experts (num_shared_experts >= 1)")
+
+  def _check_quant(self) -> None:
+    if self.expert_quant is None:
+      return
+    if self.expert_quant not in FORMATS:
+      raise ValueError(f"expert_quant must be one of {(None, *FORMATS)}, got {self.expert_quant!r}")
+    block = self.quant_block_size
+    if (
+      not isinstance(block, tuple)
+      or len(block) != 2
+      or not all(isinstance(b, int) and b >= 1 for b in block)
+    ):
+      raise ValueError(f"quant_block_size must be two positive ints (bi, bo), got {block!r}")
+    if self.expert_quant == "fp8_block" and self.intermediate_size % block[1]:
+      raise ValueError(
+        f"intermediate_size={self.intermediate_size} must be a multiple of quant_block_size[1]"
+        f"={block[1]} with expert_quant='fp8_block' (no block may straddle gate and up)"
+      )
+    if self.expert_quant == "mxfp4":
+      for name in ("hidden_size", "intermediate_size"):
+        if getattr(self, name) % 32:
+          raise ValueError(
+            f"{name}={getattr(self, name)} must be a multiple of 32 with expert_quant='mxfp4' "
+            "(one scale per 32 values along each matrix's input axis)"
+          )
+
+  @property
+  def quant_block(self) -> tuple[int, int] | None:
+    """(bi, bo) of the expert weights' scale blocks: `quant_block_size` for fp8_block, (32, 1)
+    for mxfp4, None without quantization."""
+    if self.expert_quant is None:
+      return None
+    return FORMATS[self.expert_quant].block or self.quant_block_size
 
   @property
   def num_router_outputs(self) -> int:

@@ -177,13 +177,19 @@ RAGGED_DOT_MAX_LOCAL_EXPERTS = 8
 def kernel_for(config: MoEConfig) -> str | None:
   """The Pallas kernel that can run the config's experts here, or None (`kernels_pallas`
   decides: its registry knows each kernel's dtypes, activations and epilogues)."""
-  return kernels_pallas.api.kernel_for(config.dtype, config.activation, biases=config.expert_bias)
+  return kernels_pallas.api.kernel_for(
+    config.dtype, config.activation, biases=config.expert_bias, rhs_format=config.expert_quant
+  )
 
 
 def _why_not(implementation: str, config: MoEConfig) -> str | None:
   """Why `kernels_pallas.moe_mlp` on `implementation` cannot run the config's experts."""
   return kernels_pallas.api.moe_mlp_unsupported_reason(
-    implementation, config.dtype, config.activation, biases=config.expert_bias
+    implementation,
+    config.dtype,
+    config.activation,
+    biases=config.expert_bias,
+    rhs_format=config.expert_quant,
   )
 
 

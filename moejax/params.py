@@ -6,6 +6,7 @@ from typing import NamedTuple
 
 import jax
 
+from kernels_pallas.quantized import FORMATS, BlockScaled, is_block_scaled
 from moejax.config import MoEConfig
 
 
@@ -25,11 +26,14 @@ class MoEParams(NamedTuple):
     b_gate_up: [E, 2F] expert biases, or None unless `config.expert_bias`.
     b_down: [E, D], or None unless `config.expert_bias`.
     shared_gate_kernel: [D, 1], or None unless `config.shared_expert_gate`.
+
+  With `config.expert_quant`, `w_gate_up` and `w_down` are `BlockScaled` (values of the
+  shapes above, their scales per block): constants for autodiff, never trained.
   """
 
   router_kernel: jax.Array
-  w_gate_up: jax.Array
-  w_down: jax.Array
+  w_gate_up: jax.Array | BlockScaled
+  w_down: jax.Array | BlockScaled
   routing_bias: jax.Array | None = None
   shared_w_gate_up: jax.Array | None = None
   shared_w_down: jax.Array | None = None
@@ -45,6 +49,8 @@ EXPERT_PARAMS = ("w_gate_up", "w_down", "b_gate_up", "b_down")
 BIAS_PARAMS = ("routing_bias", "router_bias", "b_gate_up", "b_down")
 
 
+# Expert matrices that `config.expert_quant` stores as `BlockScaled`.
+QUANTIZED_PARAMS = ("w_gate_up", "w_down")
 # Weights the chunk loop computes with, besides the expert parameters.
 SHARED_PARAMS = ("shared_w_gate_up", "shared_w_down", "shared_gate_kernel")
 
@@ -52,15 +58,18 @@ SHARED_PARAMS = ("shared_w_gate_up", "shared_w_down", "shared_gate_kernel")
 def compute_weights(params: MoEParams, config: MoEConfig) -> dict[str, jax.Array]:
   """The expert and shared-expert weights present, as the chunk loop computes with them.
 
-  The one place that decides a weight's compute form: today each is cast to `config.dtype`;
-  a weight that carries its own format (a quantized matrix with its scales) is to opt out of
-  the cast here, as a unit.
+  The one place that decides a weight's compute form: a float weight is cast to
+  `config.dtype`; a `BlockScaled` one keeps its format as a unit (the expert path expands it
+  tile by tile) and is a constant for autodiff (`stop_gradient` on values and scales).
   """
-  return {
-    name: getattr(params, name).astype(config.dtype)
-    for name in (*EXPERT_PARAMS, *SHARED_PARAMS)
-    if getattr(params, name) is not None
-  }
+  weights = {}
+  for name in (*EXPERT_PARAMS, *SHARED_PARAMS):
+    value = getattr(params, name)
+    if is_block_scaled(value):
+      weights[name] = jax.tree.map(jax.lax.stop_gradient, value)
+    elif value is not None:
+      weights[name] = value.astype(config.dtype)
+  return weights
 
 
 def param_shapes(config: MoEConfig) -> dict[str, tuple[int, ...]]:
@@ -86,7 +95,8 @@ def param_shapes(config: MoEConfig) -> dict[str, tuple[int, ...]]:
 
 
 def check_params(params: MoEParams, config: MoEConfig) -> None:
-  """Raises ValueError if a parameter is missing, unexpected, or of the wrong shape."""
+  """Raises ValueError if a parameter is missing, unexpected, of the wrong shape, or of
+  another format than `config.expert_quant` asks."""
   expected = param_shapes(config)
   for name in MoEParams._fields:
     value = getattr(params, name)
@@ -98,3 +108,34 @@ def check_params(params: MoEParams, config: MoEConfig) -> None:
       raise ValueError(f"params.{name} is missing; expected shape {expected[name]}")
     if tuple(value.shape) != expected[name]:
       raise ValueError(f"params.{name} has shape {tuple(value.shape)}, expected {expected[name]}")
+    _check_format(name, value, config)
+
+
+def _check_format(name: str, value, config: MoEConfig) -> None:
+  """A quantized parameter is a `BlockScaled` of the config's format; no other one is."""
+  quantized = config.expert_quant is not None and name in QUANTIZED_PARAMS
+  if not quantized:
+    if is_block_scaled(value):
+      raise ValueError(
+        f"params.{name} is a BlockScaled but the config does not quantize it "
+        f"(expert_quant={config.expert_quant!r})"
+      )
+    return
+  if not is_block_scaled(value):
+    raise ValueError(
+      f"params.{name} must be a BlockScaled (values and scales) with "
+      f"expert_quant={config.expert_quant!r}, got {type(value).__name__} "
+      "(see moejax.quant.quantize_experts)"
+    )
+  form = FORMATS[config.expert_quant]
+  found = {
+    "values dtype": (jax.numpy.result_type(value.values), form.values),
+    "scales dtype": (jax.numpy.result_type(value.scales), form.scales),
+    "block": (value.block, config.quant_block),
+    "scales shape": (tuple(value.scales.shape), value.expected_scales_shape()),
+  }
+  for what, (got, want) in found.items():
+    if got != want:
+      raise ValueError(
+        f"params.{name} has {what} {got}, expected {want} for expert_quant={config.expert_quant!r}"
+      )

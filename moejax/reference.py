@@ -9,6 +9,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from kernels_pallas.quantized import is_block_scaled
 from moejax.config import MoEConfig
 from moejax.params import MoEParams
 
@@ -102,7 +103,7 @@ def reference_moe(
   """The MoE layer computed densely in float32.
 
   Args:
-    params: `MoEParams`.
+    params: `MoEParams`; `BlockScaled` expert weights are dequantized first.
     x: [..., D] tokens.
     config: the layer's config.
     token_mask: [...] bool or None.
@@ -113,7 +114,8 @@ def reference_moe(
     [..., D] float32; rows whose mask is False are 0.
   """
   f32 = lambda a: None if a is None else jnp.asarray(a, jnp.float32)
-  p = jax.tree.map(f32, params)
+  as_float = lambda a: a.dequantize(jnp.float32) if is_block_scaled(a) else f32(a)
+  p = jax.tree.map(as_float, params, is_leaf=is_block_scaled)
   tokens = f32(x).reshape(-1, config.hidden_size)
   mask = jnp.ones(tokens.shape[0], bool) if token_mask is None else token_mask.reshape(-1)
   tokens = jnp.where(mask[:, None], tokens, 0.0)

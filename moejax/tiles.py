@@ -5,6 +5,10 @@ each index into a full-size zero tensor plus an add: O(El * D * F) memory traffi
 which made the backward pass ~40x slower than the forward. The backward here instead
 accumulates weight gradients in the scan carry with in-place dynamic-update-slices, touching
 only the tile's expert, and skips unused tiles like the forward does.
+
+Quantized expert weights (`BlockScaled`) are sliced per tile like float ones and dequantized
+to the compute dtype inside the tile: no copy of all experts' float weights ever exists. They
+are constants: the backward computes no gradient for them.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from kernels_pallas.activations import activate
+from kernels_pallas.quantized import is_block_scaled
 from moejax.collectives import filled_like
 from moejax.config import MoEConfig
 
@@ -84,6 +89,12 @@ def _index_or_none(a: jax.Array | None, index: jax.Array) -> jax.Array | None:
   return None if a is None else a[index]
 
 
+def expert_weight(w, expert: jax.Array, dtype) -> jax.Array:
+  """One expert's matrix in the compute dtype: a slice, dequantized if `w` is `BlockScaled`
+  (only this expert's values and scales are read)."""
+  return w[expert].dequantize(dtype) if is_block_scaled(w) else w[expert]
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(8,))
 def tile_mlp(
   x_padded, w_gate_up, w_down, b_gate_up, b_down, tile_tokens, tile_expert, num_used, activation
@@ -96,7 +107,7 @@ def tile_mlp(
 
   Args:
     x_padded: [N+1, D] rows in the compute dtype; row N is zero (empty tile slots point at it).
-    w_gate_up: [El, D, 2F].
+    w_gate_up: [El, D, 2F] in the compute dtype, or `BlockScaled` (then w_down is too).
     w_down: [El, F, D].
     b_gate_up: [El, 2F] biases, or None (no bias work at all).
     b_down: [El, D], or None with b_gate_up.
@@ -111,7 +122,12 @@ def tile_mlp(
   tile_rows, dim = tile_tokens.shape[1], x_padded.shape[1]
 
   def used_tile(tokens, expert):
-    weights = (w_gate_up[expert], w_down[expert], activation)
+    dtype = x_padded.dtype
+    weights = (
+      expert_weight(w_gate_up, expert, dtype),
+      expert_weight(w_down, expert, dtype),
+      activation,
+    )
     biases = (_index_or_none(b_gate_up, expert), _index_or_none(b_down, expert))
     return gated_mlp(x_padded[tokens], *weights, *biases)
 
@@ -135,13 +151,14 @@ def _tile_mlp_fwd(
   return tile_mlp(*params, activation), params
 
 
-def _tile_grads(x, w_gate_up, w_down, b_gate_up, d_out, activation):
+def _tile_grads(x, w_gate_up, w_down, b_gate_up, d_out, activation, weight_grads=True):
   """Gradients of one tile's gated MLP; recomputes the pre-activation.
 
   Args: x [B, D], w_gate_up [D, 2F], w_down [F, D] (compute dtype), b_gate_up [2F] or None,
-    d_out [B, D] float32.
+    d_out [B, D] float32; `weight_grads` False for constant (quantized) weights.
   Returns: (d_x [B, D], d_w_gate_up [D, 2F], d_w_down [F, D]) and, with a bias,
-    (d_b_gate_up [2F], d_b_down [D]); float32.
+    (d_b_gate_up [2F], d_b_down [D]); float32. Without `weight_grads`, None for both
+    weights' gradients.
   """
   f32 = jnp.float32
   gate_up = jnp.dot(x, w_gate_up, preferred_element_type=f32)
@@ -151,13 +168,13 @@ def _tile_grads(x, w_gate_up, w_down, b_gate_up, d_out, activation):
   hidden = hidden.astype(x.dtype)  # [B, F], as the forward pass rounded it
   d_out = d_out.astype(x.dtype)
   d_hidden = jnp.dot(d_out, w_down.T, preferred_element_type=f32)  # [B, F]
-  d_w_down = jnp.dot(hidden.T, d_out, preferred_element_type=f32)  # [F, D]
+  d_w_down = jnp.dot(hidden.T, d_out, preferred_element_type=f32) if weight_grads else None
   d_gate_up = jnp.concatenate(combine_vjp(d_hidden), axis=-1)  # [B, 2F] float32
   d_biases = (
     () if b_gate_up is None else (jnp.sum(d_gate_up, axis=0), jnp.sum(d_out, axis=0, dtype=f32))
   )
   d_gate_up = d_gate_up.astype(x.dtype)
-  d_w_gate_up = jnp.dot(x.T, d_gate_up, preferred_element_type=f32)  # [D, 2F]
+  d_w_gate_up = jnp.dot(x.T, d_gate_up, preferred_element_type=f32) if weight_grads else None
   d_x = jnp.dot(d_gate_up, w_gate_up.T, preferred_element_type=f32)  # [B, D]
   return (d_x, d_w_gate_up, d_w_down, *d_biases)
 
@@ -172,28 +189,37 @@ def _add_at(total: jax.Array, index: jax.Array, update: jax.Array) -> jax.Array:
 def _tile_mlp_bwd(activation, residuals, d_tiles):
   x_padded, w_gate_up, w_down, b_gate_up, b_down, tile_tokens, tile_expert, num_used = residuals
   biased = b_gate_up is not None
-  grads_of = (x_padded, w_gate_up, w_down, *((b_gate_up, b_down) if biased else ()))
-  init = tuple(jnp.zeros_like(a, jnp.float32) for a in grads_of)
+  trained = not is_block_scaled(w_gate_up)  # quantized weights are constants
+  # What gets a gradient, in the order `_tile_grads` returns them (None: nothing computed).
+  grads_of = (
+    x_padded,
+    w_gate_up if trained else None,
+    w_down if trained else None,
+    *((b_gate_up, b_down) if biased else ()),
+  )
+  init = tuple(None if a is None else jnp.zeros_like(a, jnp.float32) for a in grads_of)
 
   def tile_backward(carry, tile):
     index, tokens, expert, d_out = tile
 
     def accumulate(carry):
-      d_x, *d_expert = carry
+      d_x, *d_rest = carry
       bias = b_gate_up[expert] if biased else None
-      grads = _tile_grads(
-        x_padded[tokens], w_gate_up[expert], w_down[expert], bias, d_out, activation
-      )
+      weights = (expert_weight(w, expert, x_padded.dtype) for w in (w_gate_up, w_down))
+      grads = _tile_grads(x_padded[tokens], *weights, bias, d_out, activation, trained)
       return (
         d_x.at[tokens].add(grads[0]),
-        *[_add_at(total, expert, g) for total, g in zip(d_expert, grads[1:], strict=True)],
+        *[
+          None if g is None else _add_at(total, expert, g)
+          for total, g in zip(d_rest, grads[1:], strict=True)
+        ],
       )
 
     return jax.lax.cond(index < num_used, accumulate, lambda carry: carry, carry), None
 
   tiles = (jnp.arange(tile_tokens.shape[0]), tile_tokens, tile_expert, d_tiles)
   grads, _ = jax.lax.scan(tile_backward, init, tiles)
-  grads = [g.astype(a.dtype) for g, a in zip(grads, grads_of, strict=True)]
+  grads = [None if g is None else g.astype(a.dtype) for g, a in zip(grads, grads_of, strict=True)]
   d_biases = grads[3:] if biased else [None, None]
   return (*grads[:3], *d_biases, None, None, None)
 

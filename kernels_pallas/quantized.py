@@ -1,0 +1,110 @@
+"""`BlockScaled`: a weight stored in a narrow dtype with one scale per block, as checkpoints
+ship it (fine-grained fp8: float8_e4m3fn values, a float32 scale per 128x128 block; MXFP4:
+float4_e2m1fn values, a power-of-two float8_e8m0fnu scale per 32 values along the
+contraction axis).
+
+One value travels through the layer and into the kernels (no separate scale arguments):
+`values` and `scales` are its pytree leaves, `block` its static aux data. Indexing the leading
+axis (`w[e]`, `w[1:3]`) indexes both leaves, so a tile loop slices one expert's quantized
+weights and dequantizes only that slice.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+@jax.tree_util.register_pytree_node_class
+class BlockScaled:
+  """`values` [..., in, out] with `scales` [..., ceil(in/bi), ceil(out/bo)] for blocks
+  `block` = (bi, bo): the weight is `values * scales`, each scale broadcast over its block.
+
+  Attributes:
+    values: the quantized values (float8_e4m3fn, float4_e2m1fn, ...).
+    scales: one multiplier per block (float32, float8_e8m0fnu, ...), as DeepSeek's
+      `weight_scale_inv` is used: dequantized = values * scale.
+    block: (bi, bo) static block shape over the last two axes.
+
+  >>> w = BlockScaled(jnp.ones((2, 4, 6), jnp.float8_e4m3fn), jnp.full((2, 2, 1), 0.5), (2, 6))
+  >>> w.shape, w[1].shape, float(w.dequantize()[1, 3, 5])
+  ((2, 4, 6), (4, 6), 0.5)
+  """
+
+  def __init__(self, values, scales, block: tuple[int, int]):
+    self.values = values
+    self.scales = scales
+    self.block = tuple(int(b) for b in block)
+
+  def tree_flatten(self):
+    return (self.values, self.scales), self.block
+
+  @classmethod
+  def tree_unflatten(cls, block, leaves):
+    return cls(*leaves, block)
+
+  @property
+  def shape(self) -> tuple[int, ...]:
+    """The shape of the weight (that of `values`)."""
+    return tuple(self.values.shape)
+
+  @property
+  def ndim(self) -> int:
+    return len(self.shape)
+
+  def __getitem__(self, index) -> BlockScaled:
+    """Indexes the leading (expert) axes of both leaves; the last two axes stay whole."""
+    return BlockScaled(self.values[index], self.scales[index], self.block)
+
+  def __repr__(self) -> str:
+    return (
+      f"BlockScaled(values={_describe(self.values)}, scales={_describe(self.scales)}, "
+      f"block={self.block})"
+    )
+
+  def expected_scales_shape(self) -> tuple[int, ...]:
+    """[..., ceil(in/bi), ceil(out/bo)]: the scale shape `values` and `block` imply."""
+    *lead, rows, cols = self.shape
+    return (*lead, math.ceil(rows / self.block[0]), math.ceil(cols / self.block[1]))
+
+  def dequantize(self, dtype=jnp.float32) -> jax.Array:
+    """values.astype(float32) * scales, each scale broadcast over its block; in `dtype`."""
+    *_, rows, cols = self.shape
+    scales = jnp.asarray(self.scales).astype(jnp.float32)
+    scales = jnp.repeat(jnp.repeat(scales, self.block[0], axis=-2), self.block[1], axis=-1)
+    scales = scales[..., :rows, :cols]
+    return (jnp.asarray(self.values).astype(jnp.float32) * scales).astype(dtype)
+
+
+def _describe(a) -> str:
+  return f"{np.dtype(a.dtype).name}{list(a.shape)}"
+
+
+def is_block_scaled(a) -> bool:
+  """Whether `a` is a `BlockScaled` weight (else a plain array, or None)."""
+  return isinstance(a, BlockScaled)
+
+
+class QuantFormat(NamedTuple):
+  """A checkpoint format of `BlockScaled` weights.
+
+  Attributes:
+    values: dtype of the quantized values.
+    scales: dtype of the scales.
+    block: the fixed (bi, bo) block, or None where the checkpoint chooses it.
+  """
+
+  values: jnp.dtype
+  scales: jnp.dtype
+  block: tuple[int, int] | None
+
+
+# The formats by name: DeepSeek-V3's fine-grained fp8 and OCP MXFP4 (GPT-OSS).
+FORMATS = {
+  "fp8_block": QuantFormat(jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float32), None),
+  "mxfp4": QuantFormat(jnp.dtype(jnp.float4_e2m1fn), jnp.dtype(jnp.float8_e8m0fnu), (32, 1)),
+}

@@ -1,0 +1,105 @@
+"""Quantized expert weights: float experts to `BlockScaled` and back.
+
+`quantize_experts` stores `w_gate_up` and `w_down` in a checkpoint format
+(`MoEConfig.expert_quant`), rounding to nearest:
+
+- "fp8_block": float8_e4m3fn values, one float32 scale per (bi, bo) block, scale = the
+  block's largest magnitude / 448 (e4m3's largest finite value), as DeepSeek-V3 quantizes.
+- "mxfp4": float4_e2m1fn values, one power-of-two float8_e8m0fnu scale per 32 values along
+  the input axis, scale = 2^(floor(log2 amax) - 2) with values clamped to ±6 (OCP MX v1.0,
+  e2m1's largest exponent is 2).
+
+A block of zeros gets scale 1. `dequantize_experts` is the inverse map to float weights.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from kernels_pallas.quantized import FORMATS, BlockScaled, is_block_scaled
+from moejax.config import MoEConfig
+from moejax.params import QUANTIZED_PARAMS, MoEParams, check_params
+
+_E4M3_MAX = 448.0
+_E2M1_MAX = 6.0
+_E2M1_MAX_EXPONENT = 2
+
+
+def _blocks(w: jax.Array, block: tuple[int, int]) -> jax.Array:
+  """[..., in, out] -> [..., in/bi, bi, out/bo, bo], zero padded to whole blocks."""
+  *lead, rows, cols = w.shape
+  pad_rows, pad_cols = -rows % block[0], -cols % block[1]
+  w = jnp.pad(w, [(0, 0)] * len(lead) + [(0, pad_rows), (0, pad_cols)])
+  shape = (*lead, (rows + pad_rows) // block[0], block[0], (cols + pad_cols) // block[1], block[1])
+  return w.reshape(shape)
+
+
+def _divide(a: jax.Array, b: jax.Array) -> jax.Array:
+  """a / b (b broadcast to a's shape) rounded as one IEEE division. XLA rewrites division by a
+  constant or a broadcast value into multiplication by its reciprocal, an ulp off in half the
+  cases; an opaque full-shape divisor keeps the division."""
+  return a / jax.lax.optimization_barrier(jnp.broadcast_to(b, a.shape))
+
+
+def quantize(w: jax.Array, expert_quant: str, block: tuple[int, int]) -> BlockScaled:
+  """One float weight [..., in, out] in the named format (round to nearest).
+
+  >>> w = quantize(jnp.array([[1.0, -3.0], [0.5, 2.0]]), "fp8_block", (2, 2))
+  >>> w.scales.tolist(), w.values.astype(jnp.float32).tolist()  # 3 / 448; 149.3 -> 144
+  ([[0.006696428...]], [[144.0, -448.0], [72.0, 288.0]])
+  """
+  form = FORMATS[expert_quant]
+  *_, rows, cols = w.shape
+  blocks = _blocks(jnp.asarray(w, jnp.float32), block)
+  amax = jnp.max(jnp.abs(blocks), axis=(-3, -1), keepdims=True)
+  if expert_quant == "fp8_block":
+    scale = jnp.where(amax > 0, _divide(amax, jnp.float32(_E4M3_MAX)), 1.0)
+    values = _divide(blocks, scale)
+  else:
+    exponent = jnp.floor(jnp.log2(jnp.where(amax > 0, amax, 1.0))) - _E2M1_MAX_EXPONENT
+    scale = jnp.where(amax > 0, jnp.exp2(exponent), 1.0)
+    values = jnp.clip(blocks / scale, -_E2M1_MAX, _E2M1_MAX)  # a power of two: exact
+  values = values.reshape(*blocks.shape[:-4], blocks.shape[-4] * block[0], -1)[..., :rows, :cols]
+  return BlockScaled(values.astype(form.values), scale[..., 0, :, 0].astype(form.scales), block)
+
+
+def quantize_experts(
+  params: MoEParams, config: MoEConfig, expert_quant: str
+) -> tuple[MoEParams, MoEConfig]:
+  """`params` with `w_gate_up` and `w_down` quantized, and the config that reads them.
+
+  Args:
+    params: float parameters of `config` (not quantized already).
+    config: their config.
+    expert_quant: "fp8_block" (blocks of `config.quant_block_size`) or "mxfp4".
+
+  Returns:
+    (params, config with `expert_quant` set); the other parameters unchanged.
+
+  Raises:
+    ValueError: an unknown format, sizes the format cannot block (named by the config), or
+      params that do not fit `config`.
+  """
+  check_params(params, config)
+  if config.expert_quant is not None:
+    raise ValueError(f"params are quantized already (expert_quant={config.expert_quant!r})")
+  quantized = dataclasses.replace(config, expert_quant=expert_quant)
+  weights = {
+    name: quantize(getattr(params, name), expert_quant, quantized.quant_block)
+    for name in QUANTIZED_PARAMS
+  }
+  return params._replace(**weights), quantized
+
+
+def dequantize_experts(params: MoEParams, config: MoEConfig) -> tuple[MoEParams, MoEConfig]:
+  """Float expert weights (in `config.param_dtype`) and the config without `expert_quant`."""
+  check_params(params, config)
+  weights = {
+    name: getattr(params, name).dequantize(config.param_dtype)
+    for name in QUANTIZED_PARAMS
+    if is_block_scaled(getattr(params, name))
+  }
+  return params._replace(**weights), dataclasses.replace(config, expert_quant=None)

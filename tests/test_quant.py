@@ -1,0 +1,247 @@
+"""Quantized experts (`moejax.quant`, `BlockScaled`): the formats bit for bit against NumPy
+and ml_dtypes, the layer against a reference on independently dequantized weights, gradients,
+compiled memory, and bad input."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import chex
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from kernels_pallas.quantized import BlockScaled
+from moejax import MoEConfig, moe_apply, quant, reference_moe
+from tests.helpers import (
+  mesh_of,
+  poison,
+  random_params,
+  rank_mask,
+  seed_of,
+  tolerance,
+)
+
+BASE = dict(num_experts=8, top_k=2, hidden_size=64, intermediate_size=64, chunk_size=8)
+FP8 = dict(expert_quant="fp8_block", quant_block_size=(32, 32))
+MXFP4 = dict(expert_quant="mxfp4")
+
+
+def numpy_quantize(w: np.ndarray, expert_quant: str, block) -> tuple[np.ndarray, np.ndarray]:
+  """The formats written out in NumPy float32 with ml_dtypes: (values, scales)."""
+  w = np.asarray(w, np.float32)
+  *lead, rows, cols = w.shape
+  bi, bo = block
+  padded = np.zeros((*lead, -(-rows // bi) * bi, -(-cols // bo) * bo), np.float32)
+  padded[..., :rows, :cols] = w
+  blocks = padded.reshape(*lead, padded.shape[-2] // bi, bi, padded.shape[-1] // bo, bo)
+  amax = np.abs(blocks).max(axis=(-3, -1))  # [..., in/bi, out/bo]
+  if expert_quant == "fp8_block":
+    scales = np.where(amax > 0, amax / np.float32(448), np.float32(1)).astype(np.float32)
+    dtypes = (ml_dtypes.float8_e4m3fn, np.float32)
+  else:
+    exponent = np.floor(np.log2(np.where(amax > 0, amax, 1))) - 2
+    scales = np.where(amax > 0, np.exp2(exponent), 1).astype(np.float32)
+    dtypes = (ml_dtypes.float4_e2m1fn, ml_dtypes.float8_e8m0fnu)
+  full = np.repeat(np.repeat(scales, bi, axis=-2), bo, axis=-1)[..., :rows, :cols]
+  values = w / full
+  if expert_quant == "mxfp4":
+    values = np.clip(values, -6, 6)
+  return values.astype(dtypes[0]), scales.astype(dtypes[1])
+
+
+def numpy_dequantize(w: BlockScaled) -> np.ndarray:
+  """values * scales broadcast over blocks, in NumPy float64 (ml_dtypes casts)."""
+  values = np.asarray(w.values).astype(np.float64)
+  scales = np.asarray(w.scales).astype(np.float64)
+  *_, rows, cols = values.shape
+  full = np.repeat(np.repeat(scales, w.block[0], axis=-2), w.block[1], axis=-1)
+  return values * full[..., :rows, :cols]
+
+
+def as_bits(a) -> np.ndarray:
+  a = np.asarray(a)
+  return a.view(np.uint8) if a.dtype.itemsize == 1 else a.view(np.uint32)
+
+
+@pytest.mark.parametrize(
+  "expert_quant, block", [("fp8_block", (32, 32)), ("fp8_block", (16, 48)), ("mxfp4", (32, 1))]
+)
+def test_quantize_matches_numpy_bit_for_bit(expert_quant, block, request):
+  w = 3.0 * jax.random.normal(jax.random.key(seed_of(request.node.name)), (3, 64, 80))
+  w = w.at[1, :32, :].set(0.0)  # a block of zeros: scale 1
+  got = quant.quantize(w, expert_quant, block)
+  values, scales = numpy_quantize(np.asarray(w), expert_quant, block)
+  assert got.block == block
+  chex.assert_trees_all_equal(as_bits(got.values), as_bits(values))
+  chex.assert_trees_all_equal(as_bits(got.scales), as_bits(scales))
+  chex.assert_trees_all_close(
+    np.asarray(got.dequantize()), numpy_dequantize(got).astype(np.float32), rtol=0, atol=0
+  )
+
+
+def test_mxfp4_codes_and_scales_are_the_ocp_ones():
+  """Every e2m1 magnitude round-trips; scales are exact powers of two (e8m0 byte 127 + k)."""
+  codes = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6], np.float32)
+  w = 4 * np.concatenate([codes, -codes, codes, -codes]).reshape(32, 1)
+  got = quant.quantize(jnp.asarray(w), "mxfp4", (32, 1))
+  assert np.asarray(got.scales).view(np.uint8).tolist() == [[129]]  # amax 24: 2^(4-2)
+  chex.assert_trees_all_close(np.asarray(got.dequantize()), w, atol=0, rtol=0)
+
+
+class TestLayer:
+  """The layer on quantized experts against `reference_moe` on weights dequantized by NumPy."""
+
+  def check(self, config: MoEConfig, mesh_shape, name: str, grads=True):
+    """Quantizes random weights as `config` asks; compares y and the gradients of x and the
+    router with the float32 reference on NumPy-dequantized weights."""
+    key = jax.random.key(seed_of(name))
+    unquantized = dataclasses.replace(config, expert_quant=None)
+    params, config = quant.quantize_experts(
+      random_params(unquantized, key), unquantized, config.expert_quant
+    )
+    dequantized = params._replace(
+      w_gate_up=jnp.asarray(numpy_dequantize(params.w_gate_up), jnp.float32),
+      w_down=jnp.asarray(numpy_dequantize(params.w_down), jnp.float32),
+    )
+    float_config = dataclasses.replace(unquantized, dtype=jnp.float32)
+    x = 2.0 * jax.random.normal(jax.random.fold_in(key, 1), (8 * 9, config.hidden_size))
+    mask = rank_mask([0, 4, 9, 2, 0, 7, 1, 9], 9)
+    mesh = None if mesh_shape is None else mesh_of(*mesh_shape)
+    ours = lambda p, x: moe_apply(p, x, config=config, mesh=mesh, token_mask=mask)[0]
+    y = ours(params, poison(x, mask))
+    want = reference_moe(dequantized, x, float_config, mask)
+    chex.assert_trees_all_close(y.astype(jnp.float32), want, **tolerance(config.dtype))
+    if not grads:
+      return
+    probe = jax.random.normal(jax.random.fold_in(key, 2), x.shape)
+    loss = lambda f: lambda p, x: jnp.sum(jnp.sin(f(p, x).astype(jnp.float32)) * probe)
+    # Gradients of the float parameters, the quantized weights held fixed.
+    weights = {"w_gate_up": params.w_gate_up, "w_down": params.w_down}
+    with_weights = lambda p: p._replace(**weights)
+    trainable = params._replace(w_gate_up=None, w_down=None)
+    got = jax.grad(loss(lambda p, x: ours(with_weights(p), x)), argnums=(0, 1))(
+      trainable, poison(x, mask)
+    )
+    theirs = lambda p, x: reference_moe(p, x, float_config, mask)
+    wanted = jax.grad(loss(theirs), argnums=(0, 1))(dequantized, x)
+    chex.assert_trees_all_close(
+      got, (wanted[0]._replace(w_gate_up=None, w_down=None), wanted[1]), **tolerance(config.dtype)
+    )
+    if config.expert_quant == "fp8_block":  # constants: zero cotangents if asked for anyway
+      every = jax.grad(loss(ours))(params, x)
+      for leaf in jax.tree.leaves((every.w_gate_up, every.w_down)):
+        assert not np.any(np.asarray(leaf, np.float32)), "a quantized weight got a gradient"
+
+  @pytest.mark.parametrize("expert_quant", [FP8, MXFP4], ids=["fp8_block", "mxfp4"])
+  @pytest.mark.parametrize("mesh_shape", [None, (2, 4)], ids=["no mesh", "2x4"])
+  @pytest.mark.parametrize("dispatch", ["all_gather", "all_to_all"])
+  def test_matches_the_dequantized_reference(self, expert_quant, mesh_shape, dispatch, request):
+    config = MoEConfig(**BASE, **expert_quant, dispatch=dispatch)
+    self.check(config, mesh_shape, request.node.name)
+
+  @pytest.mark.parametrize("expert_quant", [FP8, MXFP4], ids=["fp8_block", "mxfp4"])
+  def test_bfloat16_compute(self, expert_quant, request):
+    config = MoEConfig(**BASE, **expert_quant, dtype=jnp.bfloat16)
+    self.check(config, (2, 4), request.node.name, grads=False)
+
+  def test_gpt_oss_mxfp4_with_biases_and_shared_experts(self, request):
+    config = MoEConfig(
+      **BASE,
+      **MXFP4,
+      activation="swiglu_oai",
+      swiglu_limit=1.0,
+      expert_bias=True,
+      router_bias=True,
+      renormalize=True,
+      num_shared_experts=1,
+      shared_intermediate_size=32,
+    )
+    self.check(config, (2, 4), request.node.name)
+
+  @pytest.mark.filterwarnings("ignore:expert_backend='pallas' falls back:UserWarning")
+  def test_kernels_say_they_take_no_quantized_weights(self, request):
+    config = MoEConfig(**BASE, **MXFP4, expert_backend="pallas")
+    with pytest.warns(UserWarning, match="takes no mxfp4"):
+      from moejax import experts
+
+      assert experts.expert_path(config, num_rows=64, local_experts=2) == "tile_loop"
+    self.check(config, (2, 4), request.node.name, grads=False)
+
+
+def test_compiled_temporaries_hold_no_dequantized_copy():
+  """E=32 experts of D=F=256: the compiled layer's temporary memory with quantized experts
+  stays well under the dequantized weights' size, and the parameters shrink as the formats
+  promise at their bit widths (fp8 ~0.5x of bf16, mxfp4 ~0.27x; XLA:CPU stores a 4-bit value
+  in a byte)."""
+  config = MoEConfig(num_experts=32, top_k=2, hidden_size=256, intermediate_size=256)
+  params = random_params(config, jax.random.key(0))
+  x = jnp.zeros((64, 256), jnp.float32)
+  bits = lambda leaf: leaf.size * jax.dtypes.itemsize_bits(leaf.dtype)
+  nbytes = lambda tree: sum(bits(leaf) for leaf in jax.tree.leaves(tree)) // 8
+  experts_bf16 = nbytes((params.w_gate_up, params.w_down)) // 2
+  for expert_quant, ratio in (("fp8_block", 0.5), ("mxfp4", 0.27)):
+    qparams, qconfig = quant.quantize_experts(params, config, expert_quant)
+    stored = nbytes((qparams.w_gate_up, qparams.w_down))
+    assert stored <= 1.05 * ratio * experts_bf16, (expert_quant, stored / experts_bf16)
+    run = jax.jit(lambda p, x, c=qconfig: moe_apply(p, x, config=c)[0])
+    temp = run.lower(qparams, x).compile().memory_analysis().temp_size_in_bytes
+    dequantized_f32 = 2 * experts_bf16
+    assert temp < 0.25 * dequantized_f32, (expert_quant, temp, dequantized_f32)
+
+
+def test_dequantize_experts_inverts_the_format(request):
+  config = MoEConfig(**BASE)
+  params = random_params(config, jax.random.key(seed_of(request.node.name)))
+  qparams, qconfig = quant.quantize_experts(params, config, "mxfp4")
+  back, back_config = quant.dequantize_experts(qparams, qconfig)
+  assert back_config == config
+  chex.assert_trees_all_close(back.w_down, numpy_dequantize(qparams.w_down).astype(np.float32))
+
+
+class TestBadInput:
+  def quantized(self):
+    config = MoEConfig(**BASE)
+    return quant.quantize_experts(random_params(config, jax.random.key(0)), config, "mxfp4")
+
+  def test_block_must_not_straddle_gate_and_up(self):
+    with pytest.raises(ValueError, match=r"intermediate_size=64 must be a multiple of"):
+      MoEConfig(**{**BASE, "intermediate_size": 64}, expert_quant="fp8_block",
+                quant_block_size=(32, 48))  # fmt: skip
+
+  def test_mxfp4_needs_multiples_of_32(self):
+    with pytest.raises(ValueError, match="hidden_size=48 must be a multiple of 32"):
+      MoEConfig(**{**BASE, "hidden_size": 48}, expert_quant="mxfp4")
+
+  def test_unknown_format(self):
+    with pytest.raises(ValueError, match="expert_quant must be one of"):
+      MoEConfig(**BASE, expert_quant="int4")
+
+  def test_plain_weights_under_a_quantized_config(self):
+    params, config = self.quantized()
+    plain = params._replace(w_down=jnp.ones((8, 64, 64)))
+    with pytest.raises(ValueError, match=r"params\.w_down must be a BlockScaled"):
+      moe_apply(plain, jnp.ones((4, 64)), config=config)
+
+  def test_quantized_weights_under_a_float_config(self):
+    params, config = self.quantized()
+    with pytest.raises(ValueError, match=r"params\.w_gate_up is a BlockScaled but the config"):
+      moe_apply(params, jnp.ones((4, 64)), config=dataclasses.replace(config, expert_quant=None))
+
+  @pytest.mark.parametrize(
+    "change, match",
+    [
+      (lambda w: BlockScaled(w.values, w.scales[:, :1], w.block), "scales shape"),
+      (lambda w: BlockScaled(w.values, w.scales.astype(jnp.float32), w.block), "scales dtype"),
+      (lambda w: BlockScaled(w.values.astype(jnp.float8_e4m3fn), w.scales, w.block), "values"),
+      (lambda w: BlockScaled(w.values, w.scales, (16, 1)), "block"),
+    ],
+    ids=["scale shape", "scale dtype", "value dtype", "block"],
+  )
+  def test_a_blockscaled_that_disagrees_with_the_config(self, change, match):
+    params, config = self.quantized()
+    bad = params._replace(w_gate_up=change(params.w_gate_up))
+    with pytest.raises(ValueError, match=f"params.w_gate_up has {match}"):
+      jax.jit(lambda p: moe_apply(p, jnp.ones((4, 64)), config=config))(bad)
