@@ -8,13 +8,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
+from kernels_pallas.quantized import BlockScaled
 from moejax import eplb
 from moejax.config import MoEConfig
 from moejax.forward import MoEAux, moe_apply
-from moejax.params import BIAS_PARAMS, EXPERT_PARAMS, MoEParams, param_shapes
+from moejax.params import BIAS_PARAMS, EXPERT_PARAMS, QUANTIZED_PARAMS, MoEParams, param_shapes
 from moejax.placement import Placement, initial_placement, logical_load
+from moejax.quant import quantize
 from moejax.sharding import check_mesh, param_sharding
 
 _AUX_NAMES = ("expert_counts", "load_balancing_loss", "router_z_loss")
@@ -23,7 +26,42 @@ Initializer = Callable[[jax.Array, tuple[int, ...], jnp.dtype], jax.Array]
 
 
 class ExpertPlacement(nnx.Variable):
-  """A layer's `moejax.eplb.Placement` (non-trainable state: data the layer computes by)."""
+  """A field of a layer's `moejax.eplb.Placement` (non-trainable state: data the layer
+  computes by)."""
+
+
+class PlacementState(nnx.Module):
+  """A `Placement` as one `ExpertPlacement` variable per field (plain arrays, so that
+  `nnx.get_partition_spec`, `shard_model` and orbax handle them like any variable)."""
+
+  def __init__(self, placement: Placement):
+    for name, value in zip(Placement._fields, placement, strict=True):
+      setattr(self, name, ExpertPlacement(jnp.asarray(value)))
+
+  def get_value(self) -> Placement:
+    return Placement(*(getattr(self, name).get_value() for name in Placement._fields))
+
+  def set_value(self, placement: Placement) -> None:
+    for name, value in zip(Placement._fields, placement, strict=True):
+      getattr(self, name).set_value(jnp.asarray(value))
+
+
+class QuantizedWeight(nnx.Variable):
+  """The values or the scales of a quantized expert matrix: computed with, never trained."""
+
+
+class QuantizedMatrix(nnx.Module):
+  """A `BlockScaled` expert matrix as two `QuantizedWeight` variables, each with the expert
+  axis's sharding metadata (so `nnx.get_partition_spec`, `shard_model` and orbax see plain
+  arrays). `get_value()` gives the `BlockScaled`, as `nnx.Param.get_value()` gives an array."""
+
+  def __init__(self, weight: BlockScaled, sharding: tuple[str | None, ...], on_mesh: dict):
+    self.values = QuantizedWeight(weight.values, out_sharding=sharding, **on_mesh)
+    self.scales = QuantizedWeight(weight.scales, out_sharding=sharding, **on_mesh)
+    self.block = weight.block
+
+  def get_value(self) -> BlockScaled:
+    return BlockScaled(self.values.get_value(), self.scales.get_value(), self.block)
 
 
 class ExpertLoad(nnx.Variable):
@@ -52,10 +90,13 @@ class MoELayer(nnx.Module):
 
   With `config.num_redundant_experts` R > 0 the expert parameters hold P = E + R physical
   slots, and the layer keeps two non-trainable variables (optax, given `wrt=nnx.Param`, never
-  sees them): `placement` (`ExpertPlacement`, a `moejax.eplb.Placement`; a new layer holds
+  sees them): `placement` (a `PlacementState` of `ExpertPlacement` variables, whose
+  `get_value()` is a `moejax.eplb.Placement`; a new layer holds
   expert e at slot e and expert i mod E at slot E + i, each replica starting with the same
   weights) and `expert_load` (`ExpertLoad`, [P] int32: the `physical_counts` of every call
-  since the last `rebalance`). Replicas must keep equal weights: an optimizer stepping the
+  since the last `rebalance`). With `config.expert_quant`, `w_gate_up` and `w_down` are
+  `QuantizedMatrix` modules (their values and scales `QuantizedWeight` variables) (quantized from `kernel_init`'s
+  draw; load real ones with `moejax.hf`), which optax never sees. Replicas must keep equal weights: an optimizer stepping the
   physical slots independently lets them drift apart, so train on logical weights with
   `moejax.eplb.sum_replicas` and `moejax.eplb.place` (docs/design.md, "Redundant experts").
 
@@ -92,7 +133,7 @@ class MoELayer(nnx.Module):
     self.mesh = mesh
     # With a mesh, flax places each parameter by its metadata; without one there is nowhere
     # to place it, and the metadata is kept for later use (nnx.get_partition_spec).
-    placement = {"mesh": mesh} if mesh is not None else {"eager_sharding": False}
+    on_mesh = {"mesh": mesh} if mesh is not None else {"eager_sharding": False}
     names = param_sharding(config)
     slots = initial_placement(config.num_experts, config.num_redundant_experts)
     for name, shape in param_shapes(config).items():
@@ -102,14 +143,29 @@ class MoELayer(nnx.Module):
         value = logical[jnp.asarray(slots.physical_to_logical)]
       else:
         value = init(rngs.params(), shape, config.param_dtype)
-      setattr(self, name, nnx.Param(value, out_sharding=names[name], **placement))
+      if config.expert_quant and name in QUANTIZED_PARAMS:
+        weight = quantize(value, config.expert_quant, config.quant_block)
+        setattr(self, name, QuantizedMatrix(weight, names[name], on_mesh))
+      else:
+        setattr(self, name, nnx.Param(value, out_sharding=names[name], **on_mesh))
     if config.num_redundant_experts:
-      self.placement = ExpertPlacement(Placement(*map(jnp.asarray, slots)))
-      self.expert_load = ExpertLoad(jnp.zeros(config.num_physical_experts, jnp.int32))
+      self.placement = PlacementState(self._replicated(slots))
+      self.expert_load = ExpertLoad(self._replicated(self._no_load()))
+
+  def _replicated(self, tree):
+    """Arrays on every device of the layer's mesh (on the default device without one), as
+    the parameters are: the layer's program takes all its arguments from one device set."""
+    if self.mesh is None:
+      return jax.tree.map(jnp.asarray, tree)
+    return jax.device_put(tree, NamedSharding(self.mesh, P()))
+
+  def _no_load(self) -> jax.Array:
+    return jnp.zeros(self.config.num_physical_experts, jnp.int32)
 
   def moe_params(self) -> MoEParams:
     """The current weights as an `MoEParams` pytree (for `moejax.moe_apply`)."""
-    return MoEParams(**{name: getattr(self, name)[...] for name in param_shapes(self.config)})
+    names = param_shapes(self.config)
+    return MoEParams(**{name: getattr(self, name).get_value() for name in names})
 
   def __call__(
     self,
@@ -146,7 +202,7 @@ class MoELayer(nnx.Module):
   def _placement(self) -> Placement | None:
     if not self.config.num_redundant_experts:
       return None
-    return Placement(*self.placement.get_value())
+    return self.placement.get_value()
 
   def rebalance(self, load: jax.Array | None = None) -> Placement:
     """Re-places the experts by DeepSeek's policy (`moejax.eplb.rebalance`, one node, the
@@ -177,10 +233,14 @@ class MoELayer(nnx.Module):
     )
     moved = eplb.place(self.moe_params(), new, config, current=current)
     for name in EXPERT_PARAMS:
-      if getattr(moved, name) is not None:
-        getattr(self, name).set_value(getattr(moved, name))
-    self.placement.set_value(Placement(*map(jnp.asarray, new)))
-    self.expert_load.set_value(jnp.zeros(config.num_physical_experts, jnp.int32))  # as new
+      value = getattr(moved, name)
+      if isinstance(value, BlockScaled):
+        getattr(self, name).values.set_value(value.values)
+        getattr(self, name).scales.set_value(value.scales)
+      elif value is not None:
+        getattr(self, name).set_value(value)
+    self.placement.set_value(self._replicated(new))
+    self.expert_load.set_value(self._replicated(self._no_load()))
     return new
 
   def _sow_aux(self, aux: MoEAux) -> None:

@@ -19,6 +19,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from kernels_pallas.quantized import is_block_scaled
 from moejax import sharding
 from moejax.collectives import filled_like, platform_has_ragged_all_to_all, ragged_all_to_all
 from moejax.config import MoEConfig
@@ -139,11 +140,14 @@ def place(
 
 def sum_replicas(grads: MoEParams, placement: Placement) -> MoEParams:
   """Gradients of physical expert parameters [P, ...] summed per logical expert [E, ...]:
-  the gradients of the logical weights that `place` replicated (the others unchanged)."""
+  the gradients of the logical weights that `place` replicated (the others unchanged;
+  quantized weights, constants, have none: None)."""
   experts = np.shape(placement.replica_counts)[-1]
   segments = jnp.asarray(placement.physical_to_logical)
   summed = {
-    name: jax.ops.segment_sum(value, segments, num_segments=experts)
+    name: None
+    if is_block_scaled(value)
+    else jax.ops.segment_sum(value, segments, num_segments=experts)
     for name, value in _expert_leaves(grads).items()
   }
   return grads._replace(**summed)
@@ -167,7 +171,7 @@ def _first_slot(physical_to_logical: np.ndarray, expert: int) -> int:
 
 def _mesh_of(experts: dict[str, jax.Array], config: MoEConfig) -> Mesh | None:
   """The mesh the expert weights are sharded on, if it has the config's expert axis."""
-  found = getattr(experts["w_gate_up"], "sharding", None)
+  found = getattr(jax.tree.leaves(experts["w_gate_up"])[0], "sharding", None)
   if isinstance(found, NamedSharding) and config.expert_axis in found.mesh.axis_names:
     return found.mesh
   return None
@@ -194,7 +198,15 @@ def _expert_specs(experts: dict[str, jax.Array], axis: str) -> dict[str, P]:
 
 
 def _move(experts, plan: MovePlan, *, mesh: Mesh, axis: str):
-  """Runs `plan` on weights sharded over `axis`: every leaf, one program."""
+  """Runs `plan` on weights sharded over `axis`: every leaf (a `BlockScaled`'s values and
+  scales alike), one program."""
+  leaves, structure = jax.tree.flatten(experts)
+  moved = _move_leaves(dict(enumerate(leaves)), plan, mesh=mesh, axis=axis)
+  return jax.tree.unflatten(structure, [moved[i] for i in range(len(leaves))])
+
+
+def _move_leaves(experts, plan: MovePlan, *, mesh: Mesh, axis: str):
+  """`_move` on a dict of arrays."""
   specs = _expert_specs(experts, axis)
   body = functools.partial(_move_local, axis=axis, devices=mesh.shape[axis])
   moved = lambda on_mesh, leaves, plan: jax.shard_map(

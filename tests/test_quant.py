@@ -11,10 +11,16 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+import optax
 import pytest
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from kernels_pallas.quantized import BlockScaled
-from moejax import MoEConfig, moe_apply, quant, reference_moe
+from moejax import MoEConfig, MoELayer, checkpoint, moe_apply, quant, reference_moe
+from moejax.layer import QuantizedWeight
+from moejax.models import shard_model
 from tests.helpers import (
   mesh_of,
   poison,
@@ -245,3 +251,44 @@ class TestBadInput:
     bad = params._replace(w_gate_up=change(params.w_gate_up))
     with pytest.raises(ValueError, match=f"params.w_gate_up has {match}"):
       jax.jit(lambda p: moe_apply(p, jnp.ones((4, 64)), config=config))(bad)
+
+
+class TestNNX:
+  """`MoELayer` with quantized experts: fixed weights out of optax's reach, sharded like float
+  ones, saved and restored by orbax, and re-placed with redundant experts."""
+
+  config = MoEConfig(**BASE, **MXFP4, num_redundant_experts=8)
+
+  def test_trains_only_the_float_parameters(self):
+    layer = MoELayer(self.config, rngs=nnx.Rngs(0))
+    before = jax.tree.map(np.asarray, nnx.state(layer, QuantizedWeight))
+    optimizer = nnx.Optimizer(layer, optax.adam(1e-2), wrt=nnx.Param)
+    x = jax.random.normal(jax.random.key(1), (16, 64))
+
+    @nnx.jit
+    def step(layer, optimizer):
+      _, grads = nnx.value_and_grad(lambda layer: jnp.sum(layer(x) ** 2))(layer)
+      optimizer.update(layer, grads)
+      return grads
+
+    grads = step(layer, optimizer)
+    assert {path[0] for path, _ in nnx.to_flat_state(grads)} == {"router_kernel"}
+    chex.assert_trees_all_equal(nnx.state(layer, QuantizedWeight), before)
+
+  def test_sharded_saved_restored_and_rebalanced(self, tmp_path):
+    mesh = mesh_of(2, 4)
+    layer = MoELayer(self.config, mesh=mesh, rngs=nnx.Rngs(0))
+    shard_model(layer, mesh)
+    expert_split = NamedSharding(mesh, P("expert", None, None))
+    for leaf in jax.tree.leaves(nnx.state(layer, QuantizedWeight)):
+      assert leaf.sharding.is_equivalent_to(expert_split, 3)
+    x = jax.device_put(jax.random.normal(jax.random.key(2), (64, 64)), NamedSharding(mesh, P()))
+    y = layer(x)
+    checkpoint.save(tmp_path / "ckpt", layer)
+    restored = MoELayer(self.config, mesh=mesh, rngs=nnx.Rngs(1))
+    checkpoint.restore(tmp_path / "ckpt", restored)
+    chex.assert_trees_all_close(restored(x), y, atol=0, rtol=0)
+    layer.rebalance()
+    chex.assert_trees_all_close(layer(x), y, **tolerance())
+    for leaf in jax.tree.leaves(nnx.state(layer, QuantizedWeight)):
+      assert leaf.sharding.is_equivalent_to(expert_split, 3)
