@@ -89,16 +89,18 @@ class MoELayer(nnx.Module):
   call). `moejax.moe_apply` returns the same values directly.
 
   With `config.num_redundant_experts` R > 0 the expert parameters hold P = E + R physical
-  slots, and the layer keeps two non-trainable variables (optax, given `wrt=nnx.Param`, never
-  sees them): `placement` (a `PlacementState` of `ExpertPlacement` variables, whose
-  `get_value()` is a `moejax.eplb.Placement`; a new layer holds
-  expert e at slot e and expert i mod E at slot E + i, each replica starting with the same
-  weights) and `expert_load` (`ExpertLoad`, [P] int32: the `physical_counts` of every call
-  since the last `rebalance`). With `config.expert_quant`, `w_gate_up` and `w_down` are
-  `QuantizedMatrix` modules (their values and scales `QuantizedWeight` variables) (quantized from `kernel_init`'s
-  draw; load real ones with `moejax.hf`), which optax never sees. Replicas must keep equal weights: an optimizer stepping the
-  physical slots independently lets them drift apart, so train on logical weights with
+  slots, and the layer keeps non-trainable state that optax (given `wrt=nnx.Param`) never
+  sees: `placement`, a `PlacementState` of `ExpertPlacement` variables whose `get_value()`
+  is a `moejax.eplb.Placement` (a new layer holds expert e at slot e and expert i mod E at
+  slot E + i, each replica starting with its expert's weights), and `expert_load`
+  (`ExpertLoad`, [P] int32: the `physical_counts` of every call since the last
+  `rebalance`). Replicas must keep equal weights: an optimizer stepping the physical slots
+  independently lets them drift apart, so train on logical weights with
   `moejax.eplb.sum_replicas` and `moejax.eplb.place` (docs/design.md, "Redundant experts").
+
+  With `config.expert_quant`, `w_gate_up` and `w_down` are `QuantizedMatrix` modules (values
+  and scales as `QuantizedWeight` variables, quantized from `kernel_init`'s draw; load real
+  ones with `moejax.hf`): fixed weights, never trained.
 
   Args:
     config: the layer's `MoEConfig`.
