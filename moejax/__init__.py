@@ -13,6 +13,7 @@ Shape letters, one meaning each, in names, docstrings and shape comments through
 `kernels_pallas` uses matmul letters of its own (lhs [M, K], rhs [G, K, N]).
 """
 
+from kernels_pallas.quantized import BlockScaled
 from moejax.config import MoEConfig
 from moejax.forward import MoEAux, moe_apply
 from moejax.layer import MoELayer, collect_aux
@@ -20,6 +21,7 @@ from moejax.params import MoEParams, param_shapes
 from moejax.reference import reference_moe
 
 __all__ = [
+  "BlockScaled",
   "MoEAux",
   "MoEConfig",
   "MoELayer",
