@@ -19,9 +19,11 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import ml_dtypes
 import numpy as np
 from jax.sharding import Mesh
 
+from kernels_pallas.quantized import BlockScaled, is_block_scaled
 from moejax.config import MoEConfig
 from moejax.params import MoEParams, check_params
 from moejax.sharding import LayerSpecs, check_mesh, placement
@@ -336,34 +338,60 @@ def config_from_hf(config: dict[str, Any], **overrides: Any) -> MoEConfig:
     config: the parsed config.json; `model_type` picks the family (see `FAMILIES`).
     **overrides: further `MoEConfig` fields (chunk_size, dtype, dispatch, ...).
 
+  A checkpoint's `quantization_config` sets `expert_quant`: `quant_method` "fp8" with a
+  `weight_block_size` [out, in] is "fp8_block" with `quant_block_size` (in, out); "mxfp4" is
+  "mxfp4".
+
   Raises:
     ValueError: for an unsupported model_type (the message lists the supported ones).
-    NotImplementedError: for quantized checkpoints and activations moejax lacks.
+    NotImplementedError: for quantization methods and activations moejax lacks.
   """
-  quantization = config.get("quantization_config")
-  if quantization:
-    method = quantization.get("quant_method", quantization)
-    raise NotImplementedError(
-      f"quantized checkpoints (quantization_config {method!r}, e.g. fp8 block scales) are not "
-      "supported yet: load a bf16 or fp32 checkpoint"
-    )
   options = {
     "hidden_size": config.get("hidden_size") or config["d_model"],
     "activation": _activation(config),
     **_family(config).config(config),  # a family's own activation (GPT-OSS) wins
+    **_quantization(config.get("quantization_config")),
   }
   return MoEConfig(**{**options, **overrides})
+
+
+def _quantization(quantization: dict | None) -> dict:
+  """`MoEConfig` fields of a checkpoint's `quantization_config`."""
+  if not quantization:
+    return {}
+  method = quantization.get("quant_method")
+  if method == "fp8" and quantization.get("weight_block_size"):
+    out_block, in_block = quantization["weight_block_size"]
+    return dict(expert_quant="fp8_block", quant_block_size=(int(in_block), int(out_block)))
+  if method == "mxfp4":
+    return dict(expert_quant="mxfp4")
+  raise NotImplementedError(
+    f"quantization_config with quant_method={method!r} is not supported: moejax reads "
+    "'fp8' with weight_block_size (fine-grained fp8) and 'mxfp4'"
+  )
+
+
+# safetensors dtypes NumPy lacks (safetensors' NumPy reader fails on them): read raw.
+_RAW_DTYPES = {
+  "F8_E4M3": ml_dtypes.float8_e4m3fn,
+  "F8_E5M2": ml_dtypes.float8_e5m2,
+  "F8_E8M0": ml_dtypes.float8_e8m0fnu,
+}
 
 
 class _Checkpoint(contextlib.ExitStack):
   """The tensors of a local safetensors checkpoint, single file or sharded, read lazily.
 
   A context manager: each file is opened once, on its first read, and closed on exit.
+  `get` returns a fine-grained fp8 weight dequantized with its `…_scale_inv` (blocks of
+  `fp8_block`, [out, in]); `get_raw` returns what the file holds.
   """
 
-  def __init__(self, path: Path):
+  def __init__(self, path: Path, fp8_block: tuple[int, int] | None = None):
     super().__init__()
+    self.fp8_block = fp8_block
     self._open: dict[Path, Any] = {}
+    self._headers: dict[Path, dict] = {}
     index = path / "model.safetensors.index.json"
     if index.exists():
       weight_map = json.loads(index.read_text())["weight_map"]
@@ -384,18 +412,51 @@ class _Checkpoint(contextlib.ExitStack):
   def __contains__(self, key: str) -> bool:
     return key in self.files
 
-  def get(self, key: str, shape: tuple[int, ...] | None = None) -> np.ndarray:
+  def _header(self, path: Path) -> dict:
+    """The safetensors header of a file: {key: {dtype, shape, data_offsets}}."""
+    if path not in self._headers:
+      with open(path, "rb") as file:
+        size = int.from_bytes(file.read(8), "little")
+        self._headers[path] = {"__size__": size, **json.loads(file.read(size))}
+    return self._headers[path]
+
+  def get_raw(self, key: str, shape: tuple[int, ...] | None = None) -> np.ndarray:
+    """The tensor as stored (fp8 as ml_dtypes arrays, memory-mapped)."""
     if key not in self.files:
       near = sorted(k for k in self.files if k.startswith(key.rsplit(".", 2)[0]))[:5]
       raise KeyError(f"checkpoint has no tensor {key!r} (keys near it: {near})")
-    value = self._file(self.files[key]).get_tensor(key)
+    path = self.files[key]
+    header = self._header(path)
+    info = header[key]
+    if info["dtype"] in _RAW_DTYPES:
+      start, end = info["data_offsets"]
+      raw = np.memmap(path, np.uint8, "r", offset=8 + header["__size__"] + start, shape=end - start)
+      value = raw.view(_RAW_DTYPES[info["dtype"]]).reshape(info["shape"])
+    else:
+      value = self._file(path).get_tensor(key)
     if shape is not None and value.shape != shape:
       raise ValueError(f"checkpoint tensor {key!r} has shape {value.shape}, expected {shape}")
     return value
 
+  def get(self, key: str, shape: tuple[int, ...] | None = None) -> np.ndarray:
+    """The tensor; an fp8 weight with a `…_scale_inv` comes dequantized, in float32."""
+    value = self.get_raw(key, shape)
+    if f"{key}_scale_inv" not in self:
+      return value
+    if self.fp8_block is None:
+      raise ValueError(f"{key} has a scale_inv but config.json has no weight_block_size")
+    scales = np.asarray(self.get_raw(f"{key}_scale_inv"), np.float32)
+    block = (self.fp8_block[1], self.fp8_block[0])  # as (in, out) of the transposed weight
+    return np.asarray(BlockScaled(value.T, scales.T, block).dequantize()).T
+
 
 def load_layer(
-  path: str | Path, layer: int, config: MoEConfig | None = None, *, mesh: Mesh | None = None
+  path: str | Path,
+  layer: int,
+  config: MoEConfig | None = None,
+  *,
+  mesh: Mesh | None = None,
+  dequantize: bool = False,
 ) -> MoEParams:
   """One MoE layer's weights from a local Hugging Face checkpoint folder.
 
@@ -406,23 +467,34 @@ def load_layer(
     mesh: place each parameter on this mesh as `MoELayer` does (experts split over the expert
       axis): each device receives only its slice, though each tensor is read whole into host
       memory first; None gives host NumPy arrays.
+    dequantize: with a quantized checkpoint (`config.expert_quant`), return float expert
+      weights (for the config with `expert_quant=None`) instead of `BlockScaled` ones in the
+      checkpoint's format. Quantized shared experts are always dequantized.
 
   Returns:
-    `MoEParams` in the config's `param_dtype`.
+    `MoEParams` in the config's `param_dtype` (quantized experts kept as stored).
 
   Raises:
     KeyError: a tensor the layer needs is missing (the message names the key).
     ValueError: a tensor has another shape than the config implies, or the family is unknown.
+    NotImplementedError: a quantized layout moejax does not read (named).
   """
   path = Path(path)
   hf = json.loads((path / "config.json").read_text())
   family = _family(hf)
   config = config_from_hf(hf) if config is None else config
   block = family.block.format(layer=layer)
-  with _Checkpoint(path) as checkpoint:
+  fp8_block = (hf.get("quantization_config") or {}).get("weight_block_size")
+  with _Checkpoint(path, fp8_block) as checkpoint:
     values = _read_layer(checkpoint, block, family, config)
   dtype = np.dtype(config.param_dtype)
-  params = MoEParams(**{name: value.astype(dtype) for name, value in values.items()})
+  as_stored = lambda v: v if is_block_scaled(v) else np.asarray(v).astype(dtype)
+  params = MoEParams(**{name: as_stored(value) for name, value in values.items()})
+  if dequantize and config.expert_quant is not None:
+    config = dataclasses.replace(config, expert_quant=None)
+    params = params._replace(
+      **{name: np.asarray(v.dequantize(dtype)) for name, v in values.items() if is_block_scaled(v)}
+    )
   try:
     check_params(params, config)
   except ValueError as error:
@@ -433,7 +505,12 @@ def load_layer(
   place = lambda value, spec: jax.make_array_from_callback(
     value.shape, placement(mesh, spec), value.__getitem__
   )  # each device gets only its slice
-  return jax.tree.map(place, params, LayerSpecs.from_config(config).params(params))
+  return jax.tree.map(  # a spec per parameter, for each of its leaves
+    lambda spec, value: jax.tree.map(lambda leaf: place(leaf, spec), value),
+    LayerSpecs.from_config(config).params(params),
+    params,
+    is_leaf=lambda spec: isinstance(spec, jax.sharding.PartitionSpec),
+  )
 
 
 def _read_layer(checkpoint: _Checkpoint, block: str, family: Family, config: MoEConfig) -> dict:
@@ -452,7 +529,12 @@ def _read_layer(checkpoint: _Checkpoint, block: str, family: Family, config: MoE
         f"{key(family.selection_bias)} has shape {bias.shape}, expected {(outputs,)}"
       )
     values["routing_bias"] = bias.reshape(outputs)
-  values.update(_read_experts(checkpoint, key, family, e, d, f))
+  if config.expert_quant == "mxfp4":
+    values.update(_read_mxfp4_experts(checkpoint, key, config))
+  elif config.expert_quant == "fp8_block":
+    values.update(_read_fp8_experts(checkpoint, key, family, config))
+  else:
+    values.update(_read_experts(checkpoint, key, family, e, d, f))
   if config.has_shared_experts and family.shared:
     fs = config.shared_intermediate_size
     gate, up, down = (
@@ -501,6 +583,81 @@ def _read_experts(checkpoint: _Checkpoint, key, family: Family, e: int, d: int, 
   )
   values["w_down"] = np.stack([weight(i, down_name, (d, f)).T for i in range(e)])
   return values
+
+
+def _read_fp8_experts(checkpoint: _Checkpoint, key, family: Family, config: MoEConfig) -> dict:
+  """Fine-grained fp8 per-expert linear layers (DeepSeek-V3, Kimi-K2, Qwen3-MoE FP8) as
+  `BlockScaled` w_gate_up [E, D, 2F] and w_down [E, F, D], transposed to [in, out]."""
+  if family.flat_experts or family.expert_names is None:
+    raise NotImplementedError(
+      "fp8 checkpoints are read from per-expert linear layers; this family stores its experts fused"
+    )
+  d, f = config.hidden_size, config.intermediate_size
+  block = config.quant_block  # (in, out)
+  scales_of = lambda rows, cols: (-(-rows // block[1]), -(-cols // block[0]))  # [out, in]
+
+  def expert(i: int, name: str, shape: tuple[int, int]):
+    weight = f"{key(f'experts.{i}.{name}')}.weight"
+    values = np.asarray(checkpoint.get_raw(weight, shape))
+    scales = np.asarray(checkpoint.get_raw(f"{weight}_scale_inv", scales_of(*shape)))
+    if values.dtype != ml_dtypes.float8_e4m3fn or scales.dtype != np.float32:
+      raise ValueError(
+        f"{weight}: expected float8_e4m3fn values with float32 scale_inv, got "
+        f"{values.dtype} and {scales.dtype}"
+      )
+    return values.T, scales.T  # [in, out], [in blocks, out blocks]
+
+  gate_name, up_name, down_name = family.expert_names
+  gate_up, down = [], []
+  for i in range(config.num_experts):
+    (gate_v, gate_s), (up_v, up_s) = (expert(i, n, (f, d)) for n in (gate_name, up_name))
+    gate_up.append((np.concatenate([gate_v, up_v], 1), np.concatenate([gate_s, up_s], 1)))
+    down.append(expert(i, down_name, (d, f)))
+  stacked = lambda pairs: BlockScaled(
+    np.stack([v for v, _ in pairs]), np.stack([s for _, s in pairs]), block
+  )
+  return {"w_gate_up": stacked(gate_up), "w_down": stacked(down)}
+
+
+# e2m1 codes 0..15 (sign in bit 3) as the values they stand for.
+_E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float32)
+
+
+def unpack_mxfp4(blocks: np.ndarray) -> np.ndarray:
+  """[..., n, 16] uint8 -> [..., 32 n] float4_e2m1fn: value 2j of each block is byte j's low
+  nibble, 2j + 1 its high nibble (GPT-OSS's `*_blocks`).
+
+  >>> unpack_mxfp4(np.array([[0x21, 0xF7] + [0] * 14], np.uint8)).astype(float)[:4].tolist()
+  [0.5, 1.0, 6.0, -6.0]
+  """
+  codes = np.stack([blocks & 0x0F, blocks >> 4], axis=-1)  # [..., n, 16, 2]
+  codes = codes.reshape(*blocks.shape[:-2], -1)
+  return _E2M1[codes].astype(ml_dtypes.float4_e2m1fn)
+
+
+def _read_mxfp4_experts(checkpoint: _Checkpoint, key, config: MoEConfig) -> dict:
+  """GPT-OSS's MXFP4 experts as `BlockScaled` (values and e8m0 scales transposed to
+  [in, out], gate/up de-interleaved), and their float biases."""
+  e, d, f = config.num_experts, config.hidden_size, config.intermediate_size
+
+  def matrix(name: str, rows: int, cols: int) -> BlockScaled:
+    """[E, rows=out, cols=in] stored -> [E, in, out] with scales [E, in/32, out]."""
+    blocks = checkpoint.get_raw(key(f"experts.{name}_blocks"), (e, rows, cols // 32, 16))
+    scales = checkpoint.get_raw(key(f"experts.{name}_scales"), (e, rows, cols // 32))
+    values = unpack_mxfp4(np.asarray(blocks)).transpose(0, 2, 1)
+    scales = np.asarray(scales).view(ml_dtypes.float8_e8m0fnu).transpose(0, 2, 1)
+    return BlockScaled(values, scales, (32, 1))
+
+  gate_up = matrix("gate_up_proj", 2 * f, d)
+  f32 = lambda name, shape: np.asarray(checkpoint.get(key(f"experts.{name}"), shape), np.float32)
+  return {
+    "w_gate_up": BlockScaled(
+      _halves(gate_up.values, True), _halves(gate_up.scales, True), gate_up.block
+    ),
+    "w_down": matrix("down_proj", d, f),
+    "b_gate_up": _halves(f32("gate_up_proj_bias", (e, 2 * f)), True),
+    "b_down": f32("down_proj_bias", (e, d)),
+  }
 
 
 def _halves(gate_up: np.ndarray, interleaved: bool) -> np.ndarray:

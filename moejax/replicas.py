@@ -184,9 +184,8 @@ def _gather(experts, source: np.ndarray, mesh: Mesh | None, config: MoEConfig):
     return jax.jit(take)(experts, jnp.asarray(source))
   specs = _expert_specs(experts, config.expert_axis)
   if sharding.is_explicit(mesh):
-    return sharding.with_auto_axes(lambda _, leaves, index: take(leaves, index), mesh, specs)(
-      experts, jnp.asarray(source)
-    )
+    gather = sharding.with_auto_axes(lambda _, leaves, index: take(leaves, index), mesh, specs)
+    return jax.jit(gather)(experts, jnp.asarray(source))
   out = {name: NamedSharding(mesh, spec) for name, spec in specs.items()}
   return jax.jit(take, out_shardings=out)(experts, jnp.asarray(source))
 
@@ -216,7 +215,7 @@ def _move_leaves(experts, plan: MovePlan, *, mesh: Mesh, axis: str):
     out_specs=specs,
   )(leaves, plan)
   if sharding.is_explicit(mesh):
-    return sharding.with_auto_axes(moved, mesh, specs)(experts, plan)
+    return jax.jit(sharding.with_auto_axes(moved, mesh, specs))(experts, plan)
   out = {name: NamedSharding(mesh, spec) for name, spec in specs.items()}
   return jax.jit(functools.partial(moved, mesh), out_shardings=out)(experts, plan)
 

@@ -223,7 +223,8 @@ class Replicated(LayerContract):
   physical weights and compares with the logical reference."""
 
   redundant_experts = 8
-  options = ("softmax", "grouped", "gpt_oss", "llama4", "qwen2_moe", "longcat")
+  meshes = (None, (1, 8), (2, 4))  # every shape: tests/test_redundant_experts.py
+  options = ("gpt_oss", "llama4", "qwen2_moe", "longcat")  # RICH covers grouped top-k
 
   def placement(self, config: MoEConfig) -> eplb.Placement:
     load = np.random.default_rng(7).zipf(1.5, config.num_experts).astype(float)

@@ -141,9 +141,16 @@ class TestLayer:
       for leaf in jax.tree.leaves((every.w_gate_up, every.w_down)):
         assert not np.any(np.asarray(leaf, np.float32)), "a quantized weight got a gradient"
 
-  @pytest.mark.parametrize("expert_quant", [FP8, MXFP4], ids=["fp8_block", "mxfp4"])
-  @pytest.mark.parametrize("mesh_shape", [None, (2, 4)], ids=["no mesh", "2x4"])
-  @pytest.mark.parametrize("dispatch", ["all_gather", "all_to_all"])
+  @pytest.mark.parametrize(
+    "expert_quant, mesh_shape, dispatch",
+    [
+      (FP8, None, "all_gather"),
+      (FP8, (2, 4), "all_to_all"),
+      (MXFP4, (2, 4), "all_gather"),
+      (MXFP4, (1, 8), "all_to_all"),
+    ],
+    ids=["fp8-no mesh", "fp8-2x4-all_to_all", "mxfp4-2x4-all_gather", "mxfp4-1x8-all_to_all"],
+  )
   def test_matches_the_dequantized_reference(self, expert_quant, mesh_shape, dispatch, request):
     config = MoEConfig(**BASE, **expert_quant, dispatch=dispatch)
     self.check(config, mesh_shape, request.node.name)

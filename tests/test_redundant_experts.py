@@ -103,13 +103,14 @@ def test_sum_replicas_adds_each_experts_slots(request):
   chex.assert_trees_all_equal(summed.router_kernel, grads.router_kernel)
 
 
-def test_replicated_layer_equals_the_unreplicated_one(request):
+@pytest.mark.parametrize("mesh_shape", [(2, 4), (4, 2), (8, 1)], ids=str)
+def test_replicated_layer_equals_the_unreplicated_one(mesh_shape, request):
   """Same logical weights, replicas placed at random: y and dL/dx equal to float rounding."""
   params = random_params(LOGICAL, jax.random.key(seed_of(request.node.name)))
   x = jax.random.normal(jax.random.key(1), (50, 16))
   placement = random_placement(np.random.default_rng(seed_of(request.node.name)))
   physical = eplb.place(params, placement, CONFIG)
-  mesh = mesh_of(2, 4)
+  mesh = mesh_of(*mesh_shape)
   ours = lambda x: moe_apply(physical, x, config=CONFIG, mesh=mesh, placement=placement)[0]
   plain = lambda x: moe_apply(params, x, config=LOGICAL, mesh=mesh)[0]
   chex.assert_trees_all_close(ours(x), plain(x), atol=1e-6, rtol=1e-6)
