@@ -478,9 +478,3 @@ def test_shape_mismatch_names_the_key_and_shapes(tmp_path):
 def test_unsupported_family_lists_the_supported_ones():
   with pytest.raises(ValueError, match=r"model_type='bert'.*'mixtral'"):
     hf.config_from_hf({"model_type": "bert", "hidden_size": 8})
-
-
-def test_quantized_checkpoint_is_not_implemented_yet():
-  fp8 = {"quant_method": "fp8", "weight_block_size": [128, 128]}
-  with pytest.raises(NotImplementedError, match="fp8"):
-    hf.config_from_hf({"model_type": "deepseek_v3", "quantization_config": fp8, **DEEPSEEK})
