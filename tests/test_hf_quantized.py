@@ -51,7 +51,7 @@ class TestDeepSeekFp8:
   def checkpoint(self, path, seed):
     """DeepSeek-V3's layer with every expert and shared-expert linear in fp8; returns the
     config.json dict and the dequantized float tensors by name."""
-    fields, prefix, make, _ = FAMILIES["deepseek_v3"]
+    fields, _, make, _ = FAMILIES["deepseek_v3"]
     rng = np.random.default_rng(seed)
     floats = {name: 0.3 * v for name, v in make(rng).items()}
     stored, dequantized = {}, {}
