@@ -49,10 +49,12 @@ def test_notebook_is_committed_without_outputs(path):
       assert not cell.outputs and cell.execution_count is None, f"{path.name} has outputs"
 
 
-def test_there_are_four_notebooks():
+def test_every_notebook_is_listed():
   assert [p.name for p in NOTEBOOKS] == [
     "01_quickstart.ipynb",
     "02_chunking.ipynb",
     "03_training.ipynb",
     FROM_TRANSFORMERS,
+    "05_quantized.ipynb",
+    "06_load_balancing.ipynb",
   ]
