@@ -11,6 +11,9 @@ Sections (each prints a table; all rows go to `results/bench.json`, the chunk sw
   decode      decode-size calls (T per device 1 ... 128, E=32, K=2, D=1024, F=2048) against two
               baselines that read only the used experts, and on the 2x4 mesh (both schemes)
   padding     100 / 50 / 10 / 0 % valid tokens, and one busy rank among idle ones
+  quant       the layer with fp8_block and mxfp4 experts vs float32 experts (T=512 and 4096,
+              one device): time ratio, expert-weight bytes at each format's bit width and
+              the compiled temporaries (no dequantized copy of all experts)
   compiles    executables compiled across 20 token-count patterns (must be 1)
 
 What the expert-axis exchange sends (both dispatch schemes) is `benchmarks/dispatch.py`'s.
@@ -33,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from moejax import MoEConfig, MoEParams, moe_apply, param_shapes, routing
+from moejax import MoEConfig, MoEParams, moe_apply, param_shapes, quant, routing
 from moejax.experts import default_tile_rows, grouped_mlp
 from moejax.forward import compiled_executables
 from moejax.sharding import LayerSpecs, placement
@@ -451,6 +454,44 @@ def steps_section(repeats: int) -> list[dict]:
   return rows
 
 
+QUANT_TOKENS = (512, 4096)
+
+
+def quant_section(repeats: int) -> list[dict]:
+  """Quantized experts vs float32 ones on one device (E=32, K=2, C=512): forward time, timed
+  interleaved, weight bytes and compiled temporaries."""
+  config = config_of(32, 2, 512)
+  params = make_params(config)
+  layers = {"float32": (params, config)}
+  for expert_quant in ("fp8_block", "mxfp4"):
+    layers[expert_quant] = quant.quantize_experts(params, config, expert_quant)
+  bits = lambda tree: sum(a.size * jax.dtypes.itemsize_bits(a.dtype) for a in jax.tree.leaves(tree))
+  rows, calls = [], {}
+  for tokens in QUANT_TOKENS:
+    x = jax.random.normal(jax.random.key(7), (tokens, D))
+    for name, (p, c) in layers.items():
+      calls[tokens, name] = (jax.jit(moejax_forward(c)), p, x)
+  best = interleaved_best(calls, rounds=3 * repeats)
+  for (tokens, name), (fn, p, x) in calls.items():
+    rows.append(
+      dict(
+        section="quant",
+        T=tokens,
+        experts=name,
+        fwd_ms=best[tokens, name] * 1e3,
+        time_of_float32=best[tokens, name] / best[tokens, "float32"],
+        weight_mb=bits((p.w_gate_up, p.w_down)) / 8 / 2**20,
+        temp_mb=peak_temp_bytes(fn, p, x) / 2**20,
+      )
+    )
+  _table(
+    f"quant: one device, E=32, K=2, C=512, float32 compute (interleaved, min of {3 * repeats})",
+    rows,
+    ["T", "experts", "fwd_ms", "time_of_float32", "weight_mb", "temp_mb"],
+  )
+  return rows
+
+
 def padding_section(repeats: int) -> list[dict]:
   tokens = 8192
   config = config_of(32, 2, 256)
@@ -545,7 +586,9 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument("--repeats", type=int, default=3)
   parser.add_argument("--out", default="results", help="folder for bench.json and the plot")
   parser.add_argument(
-    "--sections", default="layer,chunks,steps,decode,padding,compiles", help="comma-separated"
+    "--sections",
+    default="layer,chunks,steps,decode,padding,quant,compiles",
+    help="comma-separated",
   )
   args = parser.parse_args(argv)
   sections = args.sections.split(",")
@@ -569,6 +612,8 @@ def main(argv: list[str] | None = None) -> None:
     rows += steps_section(args.repeats)
   if "padding" in sections:
     rows += padding_section(args.repeats)
+  if "quant" in sections:
+    rows += quant_section(args.repeats)
   if "compiles" in sections:
     rows += compile_section()
   (out / "bench.json").write_text(json.dumps(rows, indent=1))

@@ -79,6 +79,17 @@ def test_bench_suite_compiles_once(tmp_path):
   assert [r["executables"] for r in bench if r["section"] == "compiles"] == [1]
 
 
+def test_bench_suite_quant_section_reports_formats(tmp_path):
+  run_script("-m", "moejax", "bench", "--sections", "quant", "--repeats", "1", out=tmp_path)
+  rows = [r for r in json.loads((tmp_path / "bench.json").read_text()) if r["section"] == "quant"]
+  weights = {r["experts"]: r["weight_mb"] for r in rows if r["T"] == 512}
+  assert set(weights) == {"float32", "fp8_block", "mxfp4"}
+  # fp8: a byte per value plus one f32 scale per block; mxfp4: half a byte plus 1/32 byte
+  assert 0.25 <= weights["fp8_block"] / weights["float32"] < 0.26
+  assert 0.125 <= weights["mxfp4"] / weights["float32"] < 0.14
+  assert all(r["time_of_float32"] > 0 and r["temp_mb"] > 0 for r in rows)
+
+
 def test_dispatch_benchmark_bytes_meet_the_targets_at_the_floor(tmp_path):
   """Bytes, not time: the scaling numbers are deterministic for a given routing."""
   out = run_script(
