@@ -274,9 +274,8 @@ class Replicated(LayerContract):
       chex.assert_trees_all_close(y, want, **tolerance())
 
 
-class TestReplicatedAllGather(Replicated):
-  scheme = "all_gather"
-
-
 class TestReplicatedAllToAll(Replicated):
+  """all_to_all, whose packing sees the physical ids; all_gather with replicas:
+  tests/test_redundant_experts.py (equality with the unreplicated layer)."""
+
   scheme = "all_to_all"

@@ -21,7 +21,16 @@ from jax.sharding import PartitionSpec as P
 from moejax import MoEConfig, MoELayer, checkpoint, eplb, moe_apply
 from moejax.forward import compiled_executables
 from moejax.replicas import move_plan
-from tests.helpers import BASE, count_compiles, mesh_of, random_params, seed_of, tolerance
+from tests.helpers import (
+  BASE,
+  count_compiles,
+  mesh_of,
+  poison,
+  random_params,
+  rank_mask,
+  seed_of,
+  tolerance,
+)
 
 CONFIG = MoEConfig(**BASE, num_redundant_experts=8, expert_bias=True)
 LOGICAL = dataclasses.replace(CONFIG, num_redundant_experts=0)
@@ -103,20 +112,35 @@ def test_sum_replicas_adds_each_experts_slots(request):
   chex.assert_trees_all_equal(summed.router_kernel, grads.router_kernel)
 
 
-@pytest.mark.parametrize("mesh_shape", [(2, 4), (4, 2), (8, 1)], ids=str)
-def test_replicated_layer_equals_the_unreplicated_one(mesh_shape, request):
-  """Same logical weights, replicas placed at random: y and dL/dx equal to float rounding."""
-  params = random_params(LOGICAL, jax.random.key(seed_of(request.node.name)))
-  x = jax.random.normal(jax.random.key(1), (50, 16))
+@pytest.mark.parametrize(
+  "dispatch, mesh_shape",
+  [("all_gather", (2, 4)), ("all_gather", (8, 1)), ("all_to_all", (4, 2))],
+  ids=str,
+)
+def test_replicated_layer_equals_the_unreplicated_one(dispatch, mesh_shape, request):
+  """Same logical weights, replicas placed at random, shared and zero-computation experts,
+  chunks, empty ranks and NaN padding: y and dL/dx equal to float rounding."""
+  logical = dataclasses.replace(
+    LOGICAL,
+    dispatch=dispatch,
+    top_k=3,
+    num_zero_experts=2,
+    num_shared_experts=1,
+    shared_intermediate_size=8,
+  )
+  config = dataclasses.replace(logical, num_redundant_experts=8)
+  params = random_params(logical, jax.random.key(seed_of(request.node.name)))
+  x = jax.random.normal(jax.random.key(1), (8 * 7, 16))
+  mask = rank_mask([0, 7, 3, 0, 5, 7, 1, 2], 7)
   placement = random_placement(np.random.default_rng(seed_of(request.node.name)))
-  physical = eplb.place(params, placement, CONFIG)
+  physical = eplb.place(params, placement, config)
   mesh = mesh_of(*mesh_shape)
-  ours = lambda x: moe_apply(physical, x, config=CONFIG, mesh=mesh, placement=placement)[0]
-  plain = lambda x: moe_apply(params, x, config=LOGICAL, mesh=mesh)[0]
-  chex.assert_trees_all_close(ours(x), plain(x), atol=1e-6, rtol=1e-6)
+  run = lambda p, c, **kw: lambda x: moe_apply(p, x, config=c, mesh=mesh, token_mask=mask, **kw)[0]
+  ours, plain = run(physical, config, placement=placement), run(params, logical)
+  chex.assert_trees_all_close(ours(poison(x, mask)), plain(x), atol=1e-6, rtol=1e-6)
   loss = lambda layer: lambda x: jnp.sum(jnp.sin(layer(x)))
   chex.assert_trees_all_close(
-    jax.grad(loss(ours))(x), jax.grad(loss(plain))(x), atol=1e-6, rtol=1e-6
+    jax.grad(loss(ours))(poison(x, mask)), jax.grad(loss(plain))(x), atol=1e-6, rtol=1e-6
   )
 
 
