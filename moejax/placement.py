@@ -140,7 +140,9 @@ def check_placement(placement: Placement | None, config: MoEConfig) -> None:
       raise ValueError(f"placement.{name} must be integer, got dtype {jnp.result_type(value)}")
 
 
-def physical_ids(expert_ids: jax.Array, placement: Placement | None, config: MoEConfig):
+def physical_ids(
+  expert_ids: jax.Array, placement: Placement | None, config: MoEConfig
+) -> jax.Array:
   """The slot each choice is dispatched to: [N, K] logical ids -> [N, K] physical ids.
 
   Choice k of row n of expert e < E goes to `logical_to_physical[e, (n·K + k) mod
