@@ -17,6 +17,7 @@ from kernels_pallas import autotune, platform
 from kernels_pallas.activations import activate
 from kernels_pallas.backends import BACKENDS
 from kernels_pallas.ops import KernelSettings, gmm_vjp, moe_mlp_vjp
+from kernels_pallas.quantized import format_of, is_block_scaled
 
 IMPLEMENTATIONS = tuple(BACKENDS)
 ACTIVATIONS = ("silu", "gelu")
@@ -31,10 +32,17 @@ def device_implementation() -> str:
 
 
 def unsupported_reason(
-  implementation: str, lhs_dtype, rhs_dtype, activation=None, precision=None
+  implementation: str, lhs_dtype, rhs_dtype, activation=None, precision=None, *, rhs_format=None
 ) -> str | None:
-  """Why `implementation` cannot run a case with these dtypes, epilogue and precision, or None."""
-  if jnp.dtype(lhs_dtype) != jnp.dtype(rhs_dtype):
+  """Why `implementation` cannot run a case with these dtypes, epilogue and precision, or None.
+
+  `rhs_format` names the `kernels_pallas.quantized.FORMATS` format of a `BlockScaled` rhs
+  (then `rhs_dtype` is not used: the kernel dequantizes to lhs's dtype).
+  """
+  if rhs_format is not None:
+    if rhs_format not in BACKENDS[implementation].quant_formats:
+      return f"{implementation} takes no {rhs_format} (BlockScaled) weights"
+  elif jnp.dtype(lhs_dtype) != jnp.dtype(rhs_dtype):
     return f"{implementation} needs lhs and rhs of one dtype, got {lhs_dtype} and {rhs_dtype}"
   return BACKENDS[implementation].unsupported_reason(lhs_dtype, activation, precision)
 
@@ -54,9 +62,7 @@ def moe_mlp_unsupported_reason(
     return f"activation={activation!r} (moe_mlp has {ACTIVATIONS})"
   if biases:
     return "expert biases (moe_mlp has no bias epilogue)"
-  if rhs_format is not None and rhs_format not in BACKENDS[implementation].quant_formats:
-    return f"{implementation} takes no {rhs_format} (BlockScaled) weights"
-  return unsupported_reason(implementation, dtype, dtype, activation)
+  return unsupported_reason(implementation, dtype, dtype, activation, rhs_format=rhs_format)
 
 
 def kernel_for(dtype, activation: str, *, biases: bool = False, rhs_format=None) -> str | None:
@@ -102,6 +108,8 @@ def _settings(op, implementation, lhs, rhs, config, precision, out_dtype, interp
     )
   key = autotune.cache_key(op, implementation, (num_rows, k, n, groups), lhs.dtype)
   blocks = config or autotune.lookup(key) or backend.default_blocks(num_rows, k, n)
+  if is_block_scaled(rhs):
+    blocks = backend.fit_blocks(blocks, rhs)
   return KernelSettings(
     implementation=implementation,
     blocks=blocks,
@@ -113,17 +121,30 @@ def _settings(op, implementation, lhs, rhs, config, precision, out_dtype, interp
 
 
 def _resolve(implementation: str | None, lhs, rhs, activation=None, precision=None) -> str:
+  """The backend a call runs on: the named one (raising if it cannot), or for None the
+  measured best, else the device's kernel or triton for a `BlockScaled` rhs (XLA takes
+  none), else xla."""
   if implementation is not None and implementation not in IMPLEMENTATIONS:
     raise ValueError(
       f"implementation must be one of {IMPLEMENTATIONS} or None, got {implementation!r}"
     )
+  rhs_format = format_of(rhs)
+  rhs_dtype = None if rhs_format else rhs.dtype
+  reason = lambda name: unsupported_reason(
+    name, lhs.dtype, rhs_dtype, activation, precision, rhs_format=rhs_format
+  )
   if implementation is None:
-    chosen = best_implementation(lhs.dtype, activation, lhs.shape[0])
-    fits = unsupported_reason(chosen, lhs.dtype, rhs.dtype, activation, precision) is None
-    return chosen if fits else "xla"
-  reason = unsupported_reason(implementation, lhs.dtype, rhs.dtype, activation, precision)
-  if reason is not None:
-    raise NotImplementedError(reason)
+    candidates = [best_implementation(lhs.dtype, activation, lhs.shape[0])]
+    candidates += [device_implementation(), "triton"] if rhs_format else ["xla"]
+    for name in candidates:
+      if reason(name) is None:
+        return name
+    if rhs_format is None:
+      return "xla"  # jax.lax.ragged_dot's own dtype rules
+    implementation = candidates[-1]
+  why = reason(implementation)
+  if why is not None:
+    raise NotImplementedError(why)
   return implementation
 
 
@@ -156,7 +177,8 @@ def gmm(
 
   Args:
     lhs: [M, K].
-    rhs: [G, K, N].
+    rhs: [G, K, N], or a `BlockScaled` (fp8_block, mxfp4) for a backend that lists its
+      format in `quant_formats`: dequantized tile by tile in the kernel, no gradient.
     group_sizes: [G] int, sum <= M.
     precision: `jax.lax.Precision` of the products.
     preferred_element_type: output dtype (default lhs's).
@@ -205,7 +227,8 @@ def moe_mlp(
   Args:
     x_sorted: [M, D] rows grouped by expert in order.
     w_gate_up: [G, D, 2F]; gate = `[..., :F]`, up = `[..., F:]`.
-    w_down: [G, F, D].
+    w_down: [G, F, D]. Both may be `BlockScaled` of one format (as for `gmm`'s rhs): then
+      they are constants, and gradients reach x and row_weights only.
     group_sizes: [G] int, sum <= M; rows past the sum give 0.
     row_weights: [M] routing weight of each row, or None for 1.
     activation: "silu" or "gelu" (exact erf).
@@ -220,6 +243,11 @@ def moe_mlp(
   if activation not in ACTIVATIONS:
     raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
   _check_gmm_shapes(x_sorted, w_gate_up, group_sizes)
+  if format_of(w_gate_up) != format_of(w_down):
+    raise ValueError(
+      f"w_gate_up and w_down must share a format, got {format_of(w_gate_up)} and "
+      f"{format_of(w_down)}"
+    )
   f = w_gate_up.shape[-1] // 2
   if w_gate_up.shape[-1] % 2 or w_down.shape != (w_gate_up.shape[0], f, x_sorted.shape[1]):
     raise ValueError(

@@ -37,11 +37,13 @@ class Backend:
     tgmm_multiples: blocks -> (M, K, N) multiples `tgmm`'s operands must be padded to.
     unsupported_reason: (dtype, activation, precision) -> why it cannot run the case, or None.
     quant_formats: the `kernels_pallas.quantized.FORMATS` its kernels take as a `BlockScaled`
-      rhs, dequantized tile by tile (none yet: quantized experts run moejax's XLA tile loop).
+      rhs, dequantized tile by tile in registers (`kernels_pallas.dequant`). XLA takes none:
+      its ragged_dot would need every expert's weights dequantized at once.
     gmm: `gmm(lhs, rhs, group_sizes, row_weights, *, blocks, activation, transpose_rhs,
       out_dtype, precision, interpret)` -> [M, N]; operands padded to whole blocks.
     tgmm: `tgmm(lhs, dout, group_sizes, *, blocks, out_dtype, precision, interpret)` ->
       [G, K, N]; operands padded to `tgmm_multiples`.
+    fit_blocks: (blocks, BlockScaled rhs) -> the blocks its kernels run that rhs with.
   """
 
   name: str
@@ -53,6 +55,7 @@ class Backend:
   gmm: Callable
   tgmm: Callable
   quant_formats: tuple[str, ...] = ()
+  fit_blocks: Callable = lambda blocks, rhs: blocks
 
 
 def _xla_gmm(
@@ -134,6 +137,8 @@ BACKENDS: dict[str, Backend] = {
     unsupported_reason=gmm_triton.unsupported_reason,
     gmm=gmm_triton.gmm_triton,
     tgmm=gmm_triton.tgmm_triton,
+    quant_formats=("fp8_block", "mxfp4"),
+    fit_blocks=gmm_triton.fit_blocks,
   ),
   "mosaic": Backend(
     name="mosaic",

@@ -29,7 +29,9 @@ from jax.experimental import pallas as pl
 
 from kernels_pallas.activations import activate, erf_in_kernel
 from kernels_pallas.compat import out_struct, pallas_triton, triton_missing_reason
+from kernels_pallas.dequant import decode, kernel_rhs
 from kernels_pallas.metadata import GroupTiles, group_tiles, max_visits
+from kernels_pallas.quantized import BlockScaled, format_of, is_block_scaled
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +67,100 @@ def default_blocks(num_rows: int, k: int, n: int) -> TritonBlocks:
   return TritonBlocks(block_m=block_m, block_n=64 if n <= 1024 else 128, block_k=32)
 
 
+def fit_blocks(blocks: TritonBlocks, rhs: BlockScaled) -> TritonBlocks:
+  """`blocks` shrunk (by powers of two) so that every tile of `rhs` has one scale row.
+
+  A tile spans block_k rows of the stored [in, out] weight and block_n columns read
+  forward, the other way round read transposed (the backward pass), so both must divide the
+  scale block's bi, and its bo unless bo is 1 (a scale per column). An mxfp4 tile splits
+  its columns into even and odd halves, each at least 16 wide (Triton's smallest dot).
+
+  >>> values = jnp.ones((1, 64, 64), jnp.float4_e2m1fn)
+  >>> mxfp4 = BlockScaled(values, jnp.ones((1, 2, 64), jnp.float8_e8m0fnu), (32, 1))
+  >>> fit_blocks(TritonBlocks(64, 128, 16), mxfp4)
+  TritonBlocks(block_m=64, block_n=32, block_k=32, num_warps=4, num_stages=2)
+
+  Raises:
+    NotImplementedError: no power-of-two tile of at least 16 (32 for mxfp4) fits the block.
+  """
+  bi, bo = rhs.block
+  smallest = 32 if format_of(rhs) == "mxfp4" else 16
+
+  def fit(size: int) -> int:
+    size = _dividing(max(size, smallest), bi)
+    return _dividing(size, bo) if bo > 1 else size
+
+  sizes = dict(block_k=fit(blocks.block_k), block_n=fit(blocks.block_n))
+  if min(sizes.values()) < smallest:
+    raise NotImplementedError(
+      f"triton needs tiles of >= {smallest} rows and columns within a {rhs.block} scale block"
+    )
+  return dataclasses.replace(blocks, **sizes)
+
+
+def _dividing(size: int, block: int) -> int:
+  """The largest power of two <= size that divides block (0 if only 1 does)."""
+  while size > 1 and block % size:
+    size //= 2
+  return size if size > 1 else 0
+
+
+def _rhs_products(
+  lhs_ref, rhs_ref, scales_ref, lhs, k0, col, *, rows, in_group, group, blocks, rhs_format,
+  quant_block, transpose_rhs, precision, dtype,
+):  # fmt: skip
+  """The tile's partial products lhs[rows, k0:k0+bk] @ rhs[group][k0:k0+bk, col:col+bn].
+
+  Returns a list: one [bm, bn] product, or for an mxfp4 rhs read forward two [bm, bn/2] ones
+  (even and odd output columns, as its bytes pack them).
+  """
+  bm, bn, bk = blocks.block_m, blocks.block_n, blocks.block_k
+  dot = functools.partial(plgpu.dot, trans_b=transpose_rhs, precision=precision)
+  # The stored [in, out] tile: (bk, bn) read forward, (bn, bk) read transposed.
+  (in0, in_size), (out0, out_size) = (
+    ((col, bn), (k0, bk)) if transpose_rhs else ((k0, bk), (col, bn))
+  )
+  if rhs_format is None:
+    return [dot(lhs, plgpu.load(rhs_ref.at[group, pl.ds(in0, in_size), pl.ds(out0, out_size)]))]
+  scale_row = in0 // quant_block[0]
+  if rhs_format == "fp8_block":
+    bits = plgpu.load(rhs_ref.at[group, pl.ds(in0, in_size), pl.ds(out0, out_size)])
+    scale = scales_ref[group, scale_row, out0 // quant_block[1]]  # one per tile
+    return [dot(lhs, (decode(bits, rhs_format) * scale).astype(dtype))]
+  # mxfp4: byte j holds stored columns out0 + 2j (low nibble) and out0 + 2j + 1 (high), one
+  # scale per column, kept by parity (`KernelRhs.scales` [G, in/32, 2, out/2]).
+  half = out_size // 2
+  bits = plgpu.load(rhs_ref.at[group, pl.ds(in0, in_size), pl.ds(out0 // 2, half)])
+  even, odd = (
+    (
+      v
+      * plgpu.load(scales_ref.at[group, scale_row, jnp.int32(parity), pl.ds(out0 // 2, half)])[
+        None, :
+      ]
+    ).astype(dtype)
+    for parity, v in enumerate(decode(bits, rhs_format))
+  )
+  if not transpose_rhs:
+    return [dot(lhs, even), dot(lhs, odd)]
+  # Read transposed, the pairs run along the contraction: lhs's columns come by parity
+  # (`_by_parity`), the even ones in the first half.
+  mask = jnp.broadcast_to(in_group[:, None], (bm, half))
+  lhs_half = lambda parity: plgpu.load(
+    lhs_ref.at[rows, pl.ds(parity * (lhs_ref.shape[1] // 2) + k0 // 2, half)], mask=mask, other=0
+  )  # [bm, bk/2]
+  return [dot(lhs_half(0), even) + dot(lhs_half(1), odd)]
+
+
+def _by_parity(x: jax.Array) -> jax.Array:
+  """[M, 2n] -> [M, 2n] with the even columns first, then the odd ones."""
+  return x.reshape(x.shape[0], -1, 2).swapaxes(1, 2).reshape(x.shape)
+
+
+def _from_parity(x: jax.Array) -> jax.Array:
+  """The inverse of `_by_parity`."""
+  return x.reshape(x.shape[0], 2, -1).swapaxes(1, 2).reshape(x.shape)
+
+
 def _gmm_kernel(
   tile_group_ref,
   tile_block_ref,
@@ -81,16 +177,23 @@ def _gmm_kernel(
   weighted: bool,
   transpose_rhs: bool,
   precision,
+  rhs_format: str | None,
+  quant_block: tuple[int, int] | None,
 ):
   """One (row-tile visit, column block) of out = epilogue(lhs @ rhs[g]).
 
-  Refs: metadata (`GroupTiles`), lhs [Mp, K], rhs [G, K, N] (or [G, N, K] transposed),
+  Refs: metadata (`GroupTiles`), lhs [Mp, K], rhs [G, K, N] (or [G, N, K] transposed; the
+  uint8 bits of a `KernelRhs` when `rhs_format` is set, then its float32 scales follow),
   optional row_weights [Mp], the zero-filled output it aliases, then out [Mp, N'].
   """
+  scales_ref = refs[0] if rhs_format else None
+  refs = refs[1:] if rhs_format else refs
   row_weights_ref = refs[0] if weighted else None
   out_ref = refs[-1]
   bm, bn, bk = blocks.block_m, blocks.block_n, blocks.block_k
   visit, col_block = pl.program_id(0), pl.program_id(1)
+  # mxfp4 read forward computes even and odd output columns apart (its bytes pack pairs).
+  parities = 2 if rhs_format == "mxfp4" and not transpose_rhs else 1
 
   @pl.when(visit < num_active_ref[0])
   def _():
@@ -102,30 +205,32 @@ def _gmm_kernel(
     if gate_up_offset is not None:
       col_starts.append(gate_up_offset + col_block * bn)  # the up half of [gate | up]
 
-    def k_step(k_block, accs):
-      ks = pl.ds(k_block * bk, bk)
-      lhs = plgpu.load(
-        lhs_ref.at[rows, ks], mask=jnp.broadcast_to(in_group[:, None], (bm, bk)), other=0
-      )  # [bm, bk]
-      new_accs = []
-      for acc, col in zip(accs, col_starts, strict=True):
-        if transpose_rhs:
-          rhs = plgpu.load(rhs_ref.at[group, pl.ds(col, bn), ks])  # [bn, bk]
-          acc += plgpu.dot(lhs, rhs, trans_b=True, precision=precision)
-        else:
-          rhs = plgpu.load(rhs_ref.at[group, ks, pl.ds(col, bn)])  # [bk, bn]
-          acc += plgpu.dot(lhs, rhs, precision=precision)
-        new_accs.append(acc)
-      return tuple(new_accs)
+    rhs_products = functools.partial(
+      _rhs_products, lhs_ref, rhs_ref, scales_ref, rows=rows, in_group=in_group, group=group,
+      blocks=blocks, rhs_format=rhs_format, quant_block=quant_block,
+      transpose_rhs=transpose_rhs, precision=precision, dtype=lhs_ref.dtype,
+    )  # fmt: skip
 
-    zero = jnp.zeros((bm, bn), jnp.float32)
-    accs = jax.lax.fori_loop(0, num_k_blocks, k_step, (zero,) * len(col_starts))
-    out = accs[0] if activation is None else activate(accs[0], activation, erf_in_kernel) * accs[1]
-    if weighted:
-      weights = plgpu.load(row_weights_ref.at[rows], mask=in_group, other=0)  # [bm]
-      out = out * weights[:, None].astype(jnp.float32)
-    mask = jnp.broadcast_to(in_group[:, None], (bm, bn))
-    plgpu.store(out_ref.at[rows, pl.ds(col_block * bn, bn)], out.astype(out_ref.dtype), mask=mask)
+    def k_step(k_block, accs):
+      k0 = k_block * bk
+      lhs = plgpu.load(
+        lhs_ref.at[rows, pl.ds(k0, bk)], mask=jnp.broadcast_to(in_group[:, None], (bm, bk)), other=0
+      )  # [bm, bk]
+      products = [p for col in col_starts for p in rhs_products(lhs, k0, col)]
+      return tuple(acc + p for acc, p in zip(accs, products, strict=True))
+
+    zero = jnp.zeros((bm, bn // parities), jnp.float32)
+    accs = jax.lax.fori_loop(0, num_k_blocks, k_step, (zero,) * (len(col_starts) * parities))
+    for parity in range(parities):
+      acc = accs[parity::parities]  # gate (and up) of these columns
+      out = acc[0] if activation is None else activate(acc[0], activation, erf_in_kernel) * acc[1]
+      if weighted:
+        weights = plgpu.load(row_weights_ref.at[rows], mask=in_group, other=0)  # [bm]
+        out = out * weights[:, None].astype(jnp.float32)
+      width = bn // parities  # mxfp4's output columns come by parity (`_by_parity`)
+      mask = jnp.broadcast_to(in_group[:, None], (bm, width))
+      cols = pl.ds(parity * (out_ref.shape[1] // parities) + col_block * width, width)
+      plgpu.store(out_ref.at[rows, cols], out.astype(out_ref.dtype), mask=mask)
 
 
 @functools.partial(
@@ -134,7 +239,7 @@ def _gmm_kernel(
 )
 def gmm_triton(
   lhs: jax.Array,
-  rhs: jax.Array,
+  rhs: jax.Array | BlockScaled,
   group_sizes: jax.Array,
   row_weights: jax.Array | None = None,
   *,
@@ -150,7 +255,10 @@ def gmm_triton(
   Args:
     lhs: [M, K], M a multiple of block_m, K of block_k.
     rhs: [G, K, N] ([G, N, K] with `transpose_rhs`); N a multiple of block_n. With
-      `activation`, the columns are [gate | up] and the output has N/2 columns.
+      `activation`, the columns are [gate | up] and the output has N/2 columns. A
+      `BlockScaled` rhs (fp8_block or mxfp4) is dequantized tile by tile in registers, to
+      lhs's dtype, before each dot (`kernels_pallas.dequant`); `blocks` shrink to fit its
+      scale blocks (`fit_blocks`; `api` pads operands to the fitted blocks).
     group_sizes: [G] int32, sum <= M.
     row_weights: [M] or None; multiplies each output row.
     blocks: `TritonBlocks`.
@@ -168,11 +276,18 @@ def gmm_triton(
   groups = rhs.shape[0]
   n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
   out_cols = n // 2 if activation is not None else n
+  quantized = kernel_rhs(rhs) if is_block_scaled(rhs) else None
+  if quantized is not None:
+    blocks = fit_blocks(blocks, rhs)
+  paired = quantized is not None and quantized.values_per_byte == 2
+  if paired and transpose_rhs:
+    lhs = _by_parity(lhs)
   _check_divisible(num_rows=num_rows, k=k, out_cols=out_cols, blocks=blocks)
   tiles: GroupTiles = group_tiles(group_sizes, num_rows, blocks.block_m)
   visits = max_visits(num_rows, groups, blocks.block_m)
   out_dtype = jnp.dtype(out_dtype or lhs.dtype)
-  operands = [*tiles, lhs, rhs]
+  operands = [*tiles, lhs]
+  operands += [rhs] if quantized is None else [quantized.bits, quantized.scales]
   if row_weights is not None:
     operands.append(row_weights)
   # The zero-filled buffer the output aliases; built from lhs so that inside shard_map it
@@ -187,8 +302,10 @@ def gmm_triton(
     weighted=row_weights is not None,
     transpose_rhs=transpose_rhs,
     precision=precision,
+    rhs_format=None if quantized is None else quantized.format,
+    quant_block=None if quantized is None else quantized.block,
   )
-  return pl.pallas_call(
+  out = pl.pallas_call(
     kernel,
     out_shape=out_struct((num_rows, out_cols), out_dtype, like=lhs),
     grid=(visits, out_cols // blocks.block_n),
@@ -197,6 +314,7 @@ def gmm_triton(
     interpret=interpret,
     name="gmm_triton",
   )(*operands)
+  return _from_parity(out) if paired and not transpose_rhs else out
 
 
 def _tgmm_kernel(

@@ -3,7 +3,8 @@
 Backward passes reuse the forward kernels: d(lhs) = dout @ rhs[g]^T is the grouped matmul
 reading rhs transposed, and d(rhs)[g] = lhs[rows of g]^T @ dout[rows of g] is the transposed
 grouped matmul `tgmm`. The fused MLP does not store its [M, 2F] pre-activation; the backward
-pass recomputes it with one grouped matmul.
+pass recomputes it with one grouped matmul. A `BlockScaled` rhs is a constant: the backward
+computes d(lhs), reading it quantized and transposed, and no weight gradient.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import jax.numpy as jnp
 
 from kernels_pallas.activations import activate
 from kernels_pallas.backends import BACKENDS
+from kernels_pallas.quantized import BlockScaled, format_of, is_block_scaled
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,26 +41,36 @@ class KernelSettings:
   interpret: bool = False
 
 
-def _pad(x: jax.Array, axis: int, multiple: int) -> jax.Array:
+def _pad(x: jax.Array | BlockScaled, axis: int, multiple: int) -> jax.Array | BlockScaled:
   """Zero-pads `axis` of x up to a multiple of `multiple` (no copy when it already is one)."""
   extra = -x.shape[axis] % multiple
   if not extra:
     return x
+  if is_block_scaled(x):
+    return x.pad(axis, x.shape[axis] + extra)
   widths = [(0, 0)] * x.ndim
   widths[axis] = (0, extra)
   return jnp.pad(x, widths)
 
 
-def _pad_gate_up(rhs: jax.Array, axis: int, multiple: int) -> jax.Array:
-  """Pads each half of a [gate | up] axis separately, so the halves stay aligned."""
-  gate, up = jnp.split(rhs, 2, axis=axis)
-  return jnp.concatenate([_pad(gate, axis, multiple), _pad(up, axis, multiple)], axis=axis)
+def _pad_gate_up(rhs: jax.Array | BlockScaled, multiple: int) -> jax.Array | BlockScaled:
+  """Pads each half of the [gate | up] last axis separately, so the halves stay aligned."""
+  if (rhs.shape[-1] // 2) % multiple == 0:
+    return rhs
+  if is_block_scaled(rhs):
+    return BlockScaled.concatenate_columns([_pad(h, -1, multiple) for h in rhs.split_columns(2)])
+  gate, up = jnp.split(rhs, 2, axis=-1)
+  return jnp.concatenate([_pad(gate, -1, multiple), _pad(up, -1, multiple)], axis=-1)
 
 
-def _check_supported(settings: KernelSettings, dtype, activation: str | None = None) -> None:
-  reason = BACKENDS[settings.implementation].unsupported_reason(
-    dtype, activation, settings.precision
-  )
+def _check_supported(
+  settings: KernelSettings, dtype, activation: str | None = None, rhs=None
+) -> None:
+  backend = BACKENDS[settings.implementation]
+  reason = backend.unsupported_reason(dtype, activation, settings.precision)
+  rhs_format = format_of(rhs)
+  if reason is None and rhs_format is not None and rhs_format not in backend.quant_formats:
+    reason = f"{backend.name} takes no {rhs_format} (BlockScaled) rhs"
   if reason is not None:
     raise NotImplementedError(reason)
 
@@ -78,6 +90,7 @@ def grouped_matmul(
   Args:
     lhs: [M, K].
     rhs: [G, K, N] ([G, N, K] with `transpose_rhs`); with `activation`, N = 2N' ([gate | up]).
+      A `BlockScaled` rhs in a format the backend lists in `quant_formats`.
     group_sizes: [G] int32.
     settings: the kernel choice.
     transpose_rhs: read rhs as [G, N, K].
@@ -87,16 +100,14 @@ def grouped_matmul(
   Returns:
     [M, N] ([M, N'] with `activation`).
   """
-  _check_supported(settings, lhs.dtype, activation)
+  _check_supported(settings, lhs.dtype, activation, rhs)
   blocks = settings.blocks
   num_rows = lhs.shape[0]
   n_axis, k_axis = (1, 2) if transpose_rhs else (2, 1)
   out_cols = rhs.shape[n_axis] // (2 if activation else 1)
   lhs = _pad(_pad(lhs, 0, blocks.block_m), 1, blocks.block_k)
   rhs = _pad(rhs, k_axis, blocks.block_k)
-  rhs = (
-    _pad_gate_up(rhs, n_axis, blocks.block_n) if activation else _pad(rhs, n_axis, blocks.block_n)
-  )
+  rhs = _pad_gate_up(rhs, blocks.block_n) if activation else _pad(rhs, n_axis, blocks.block_n)
   if row_weights is not None:
     row_weights = _pad(row_weights, 0, blocks.block_m)
   out = BACKENDS[settings.implementation].gmm(
@@ -173,6 +184,8 @@ def _gmm_bwd(settings, residuals, dout):
   f32 = dataclasses.replace(settings, out_dtype=jnp.float32)
   parts = split_in_parts(dout, lhs.dtype)
   d_lhs = sum(grouped_matmul(p, rhs, group_sizes, f32, transpose_rhs=True) for p in parts)
+  if is_block_scaled(rhs):  # quantized weights are constants
+    return d_lhs.astype(lhs.dtype), None, None
   # d(rhs) of every part in one call: the parts side by side as columns, summed after.
   d_rhs = transposed_grouped_matmul(lhs, jnp.concatenate(parts, axis=1), group_sizes, settings)
   d_rhs = sum(jnp.split(d_rhs, len(parts), axis=2))
@@ -205,20 +218,17 @@ def _moe_mlp_bwd(activation, settings, residuals, d_out):
   q = grouped_matmul(d_out, w_down, group_sizes, f32, transpose_rhs=True)  # [M, F]
   d_row_weights = jnp.sum(hidden * q, axis=-1)  # [M]
   d_hidden = q * row_weights[:, None].astype(jnp.float32)
-  d_scaled = (d_out * row_weights[:, None]).astype(x.dtype)
-  d_w_down = transposed_grouped_matmul(hidden.astype(x.dtype), d_scaled, group_sizes, settings)
   # 3. Through the gated activation and the gate/up projection.
   d_gate_up = jnp.concatenate([act_vjp(d_hidden * up)[0], d_hidden * act], axis=-1)  # [M, 2F]
   d_gate_up = d_gate_up.astype(x.dtype)
   d_x = grouped_matmul(d_gate_up, w_gate_up, group_sizes, f32, transpose_rhs=True)
-  d_w_gate_up = transposed_grouped_matmul(x, d_gate_up, group_sizes, settings)
-  return (
-    d_x.astype(x.dtype),
-    d_w_gate_up.astype(w_gate_up.dtype),
-    d_w_down.astype(w_down.dtype),
-    None,
-    d_row_weights.astype(row_weights.dtype),
-  )
+  d_weights = (None, None)  # quantized weights are constants
+  if not is_block_scaled(w_gate_up):
+    d_scaled = (d_out * row_weights[:, None]).astype(x.dtype)
+    d_w_down = transposed_grouped_matmul(hidden.astype(x.dtype), d_scaled, group_sizes, settings)
+    d_w_gate_up = transposed_grouped_matmul(x, d_gate_up, group_sizes, settings)
+    d_weights = (d_w_gate_up.astype(w_gate_up.dtype), d_w_down.astype(w_down.dtype))
+  return (d_x.astype(x.dtype), *d_weights, None, d_row_weights.astype(row_weights.dtype))
 
 
 moe_mlp_vjp.defvjp(_moe_mlp_fwd, _moe_mlp_bwd)

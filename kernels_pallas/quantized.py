@@ -71,6 +71,32 @@ class BlockScaled:
     *lead, rows, cols = self.shape
     return (*lead, math.ceil(rows / self.block[0]), math.ceil(cols / self.block[1]))
 
+  def pad(self, axis: int, size: int) -> BlockScaled:
+    """Zero values appended along `axis` (-2 or -1, or its positive index) up to `size`; the
+    scales grow to cover them (with 1: a zero value is zero under any scale)."""
+    axis = axis % self.ndim
+    block = self.block[axis - self.ndim + 2]
+    values = _pad_axis(self.values, axis, size, 0)
+    return BlockScaled(values, _pad_axis(self.scales, axis, -(-size // block), 1), self.block)
+
+  def split_columns(self, parts: int) -> list[BlockScaled]:
+    """The weight cut into `parts` equal column ranges ([gate | up] halves for 2); each range
+    must hold whole scale blocks."""
+    cols, block_cols = self.shape[-1], self.block[1]
+    if cols % parts or (cols // parts) % block_cols:
+      raise ValueError(
+        f"cannot split {cols} columns into {parts} parts of whole {block_cols}-column blocks"
+      )
+    values = jnp.split(self.values, parts, axis=-1)
+    scales = jnp.split(self.scales, parts, axis=-1)
+    return [BlockScaled(v, s, self.block) for v, s in zip(values, scales, strict=True)]
+
+  @staticmethod
+  def concatenate_columns(parts: list[BlockScaled]) -> BlockScaled:
+    """The inverse of `split_columns`: the parts side by side (each of whole scale blocks)."""
+    values = jnp.concatenate([p.values for p in parts], axis=-1)
+    return BlockScaled(values, jnp.concatenate([p.scales for p in parts], -1), parts[0].block)
+
   def dequantize(self, dtype=jnp.float32) -> jax.Array:
     """values.astype(float32) * scales, each scale broadcast over its block; in `dtype`."""
     *_, rows, cols = self.shape
@@ -78,6 +104,12 @@ class BlockScaled:
     scales = jnp.repeat(jnp.repeat(scales, self.block[0], axis=-2), self.block[1], axis=-1)
     scales = scales[..., :rows, :cols]
     return (jnp.asarray(self.values).astype(jnp.float32) * scales).astype(dtype)
+
+
+def _pad_axis(a, axis: int, size: int, fill) -> jax.Array:
+  widths = [(0, 0)] * a.ndim
+  widths[axis] = (0, size - a.shape[axis])
+  return jnp.pad(a, widths, constant_values=jnp.asarray(fill, a.dtype))
 
 
 def _describe(a) -> str:
@@ -108,3 +140,22 @@ FORMATS = {
   "fp8_block": QuantFormat(jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float32), None),
   "mxfp4": QuantFormat(jnp.dtype(jnp.float4_e2m1fn), jnp.dtype(jnp.float8_e8m0fnu), (32, 1)),
 }
+
+
+def format_of(w) -> str | None:
+  """The `FORMATS` name of a `BlockScaled` weight, None for a plain array.
+
+  >>> format_of(BlockScaled(jnp.ones((2, 64, 8), jnp.float4_e2m1fn),
+  ...                       jnp.ones((2, 2, 8), jnp.float8_e8m0fnu), (32, 1)))
+  'mxfp4'
+
+  Raises:
+    ValueError: a `BlockScaled` of dtypes or a block no format has.
+  """
+  if not is_block_scaled(w):
+    return None
+  dtypes = (jnp.dtype(w.values.dtype), jnp.dtype(w.scales.dtype))
+  for name, form in FORMATS.items():
+    if dtypes == (form.values, form.scales) and form.block in (None, w.block):
+      return name
+  raise ValueError(f"{w!r} is in none of the formats {sorted(FORMATS)}")

@@ -17,6 +17,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from kernels_pallas.compat import triton_missing_reason
 from kernels_pallas.quantized import BlockScaled
 from moejax import MoEConfig, MoELayer, checkpoint, moe_apply, quant, reference_moe
 from moejax.layer import QuantizedWeight
@@ -174,14 +175,20 @@ class TestLayer:
     )
     self.check(config, (2, 4), request.node.name)
 
-  @pytest.mark.filterwarnings("ignore:expert_backend='pallas' falls back:UserWarning")
-  def test_kernels_say_they_take_no_quantized_weights(self, request):
-    config = MoEConfig(**BASE, **MXFP4, expert_backend="pallas")
-    with pytest.warns(UserWarning, match="takes no mxfp4"):
-      from moejax import experts
+  @pytest.mark.filterwarnings("ignore:expert_backend='pallas' on a CPU:UserWarning")
+  @pytest.mark.parametrize(
+    "expert_quant, mesh_shape", [(FP8, None), (MXFP4, (2, 4))], ids=["fp8_block", "mxfp4"]
+  )
+  def test_pallas_kernels_dequantize_tile_by_tile(self, expert_quant, mesh_shape, request):
+    """expert_backend="pallas" runs the kernel that takes the format (Triton, interpreted
+    here), not the tile loop: y and the gradients of x and the router match the reference."""
+    from moejax import experts
 
-      assert experts.expert_path(config, num_rows=64, local_experts=2) == "tile_loop"
-    self.check(config, (2, 4), request.node.name, grads=False)
+    config = MoEConfig(**BASE, **expert_quant, expert_backend="pallas")
+    if experts.kernel_for(config) is None:
+      pytest.skip(str(triton_missing_reason()))
+    assert experts.expert_path(config, num_rows=64, local_experts=2) == "pallas"
+    self.check(config, mesh_shape, request.node.name)
 
 
 def test_compiled_temporaries_hold_no_dequantized_copy():

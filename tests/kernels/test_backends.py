@@ -19,9 +19,10 @@ import numpy as np
 import pytest
 
 from kernels_pallas import MosaicBlocks, TritonBlocks, gmm, moe_mlp
-from kernels_pallas.api import moe_mlp_reference
+from kernels_pallas.api import moe_mlp_reference, unsupported_reason
 from kernels_pallas.backends import BACKENDS
 from kernels_pallas.ops import KernelSettings, transposed_grouped_matmul
+from kernels_pallas.quantized import BlockScaled
 from tests.helpers import seed_of
 
 ON_GPU = jax.devices()[0].platform == "gpu"
@@ -68,6 +69,27 @@ def reference_gmm(lhs, rhs, sizes) -> jax.Array:
   return jax.lax.ragged_dot(f32(lhs), f32(rhs), sizes, precision=jax.lax.Precision.HIGHEST)
 
 
+def random_block_scaled(key, shape, rhs_format: str, block) -> tuple[BlockScaled, np.ndarray]:
+  """Random weights [G, in, out] in a format (every value code, scales around 1/sqrt(in)),
+  and their float32 values dequantized by NumPy + ml_dtypes, apart from moejax's code."""
+  k1, k2 = jax.random.split(key)
+  groups, rows, cols = shape
+  scales_shape = (groups, -(-rows // block[0]), -(-cols // block[1]))
+  if rhs_format == "fp8_block":
+    values = (jax.random.normal(k1, shape) * 100).astype(jnp.float8_e4m3fn)
+    scales = jax.random.uniform(k2, scales_shape, minval=0.5, maxval=2.0) / (100 * rows**0.5)
+  else:
+    values = (jax.random.normal(k1, shape) * 2).astype(jnp.float4_e2m1fn)
+    exponents = jax.random.randint(k2, scales_shape, -2, 2) - int(np.log2(rows)) // 2
+    scales = jnp.exp2(exponents.astype(jnp.float32)).astype(jnp.float8_e8m0fnu)
+  np_scales = np.asarray(scales).astype(np.float32)
+  np_scales = np_scales.repeat(block[0], axis=1).repeat(block[1], axis=2)[:, :rows, :cols]
+  return BlockScaled(values, scales, block), np.asarray(values).astype(np.float32) * np_scales
+
+
+QUANTIZED = [("fp8_block", (64, 32)), ("mxfp4", (32, 1))]
+
+
 class GroupedMatmulTestBase:
   """The contract of `gmm`, `moe_mlp` and `tgmm` that every backend must meet."""
 
@@ -84,9 +106,11 @@ class GroupedMatmulTestBase:
       config=self.blocks if INTERPRET and small_blocks else None,
     )
 
-  def skip_unsupported(self, call, dtype, activation=None, precision=None) -> bool:
+  def skip_unsupported(self, call, dtype, activation=None, precision=None, rhs_format=None) -> bool:
     """If the backend cannot run the case, checks that `call()` says so; returns whether."""
-    reason = BACKENDS[self.implementation].unsupported_reason(dtype, activation, precision)
+    reason = unsupported_reason(
+      self.implementation, dtype, dtype, activation, precision, rhs_format=rhs_format
+    )
     if reason is not None:
       with pytest.raises(NotImplementedError):
         call()
@@ -203,6 +227,63 @@ class GroupedMatmulTestBase:
     loss = lambda mlp: lambda *a: jnp.sum(mlp(*a).astype(jnp.float32) * probe)
     got = jax.jit(jax.grad(loss(kernel), argnums=(0, 1, 2, 3)))(*args)
     want = jax.jit(jax.grad(loss(reference), argnums=(0, 1, 2, 3)))(*args)
+    for g, w in zip(got, want, strict=True):
+      scale = float(jnp.max(jnp.abs(w)))
+      assert_close(g.astype(jnp.float32) / scale, w / scale, GRAD_ATOL, 0.0)
+
+  @pytest.mark.parametrize("rhs_format, block", QUANTIZED, ids=[q[0] for q in QUANTIZED])
+  def test_block_scaled_rhs_matches_its_dequantized_weights(self, rhs_format, block, request):
+    """gmm on a `BlockScaled` rhs, forward and d(lhs) (the kernel reading it transposed),
+    equals ragged_dot on the weights dequantized apart (NumPy + ml_dtypes) to float32
+    rounding: no bit is lost to a narrower dtype. Rows past the groups' sum are NaN."""
+    m, k, n, groups = 96, 64, 64, 4
+    keys = jax.random.split(jax.random.key(seed_of(request.node.name)), 4)
+    rhs, dequantized = random_block_scaled(keys[0], (groups, k, n), rhs_format, block)
+    sizes = random_sizes(keys[1], groups, m)
+    lhs = past_sum_poisoned(jax.random.normal(keys[2], (m, k)), sizes)
+    highest = jax.lax.Precision.HIGHEST
+    kernel = jax.jit(lambda a: gmm(a, rhs, sizes, precision=highest, **self.kwargs()))
+    if self.skip_unsupported(lambda: kernel(lhs), F32, precision=highest, rhs_format=rhs_format):
+      return
+    total = int(jnp.sum(sizes))
+    reference = lambda a: reference_gmm(a, jnp.asarray(dequantized), sizes)
+    got, kernel_vjp = jax.vjp(kernel, lhs)
+    assert np.all(np.asarray(got)[total:] == 0)
+    assert_close(got[:total], reference(lhs)[:total], 1e-5, 1e-5)
+    d_out = jax.random.normal(keys[3], got.shape)
+    want = jax.vjp(reference, jnp.where(jnp.isnan(lhs), 0.0, lhs))[1](d_out)
+    assert_close(jax.jit(kernel_vjp)(d_out)[0], want[0], 1e-5, 1e-5)
+
+  @pytest.mark.parametrize("rhs_format, block", QUANTIZED, ids=[q[0] for q in QUANTIZED])
+  def test_moe_mlp_with_block_scaled_weights(self, rhs_format, block, request):
+    """The fused MLP in bf16 on `BlockScaled` weights: output and the gradients of x and the
+    row weights match the float32 reference on the independently dequantized weights."""
+    m, d, f, groups = 64, 64, 64, 4
+    keys = jax.random.split(jax.random.key(seed_of(request.node.name)), 6)
+    w_gate_up, gate_up_values = random_block_scaled(keys[0], (groups, d, 2 * f), rhs_format, block)
+    w_down, down_values = random_block_scaled(keys[1], (groups, f, d), rhs_format, block)
+    x = jax.random.normal(keys[2], (m, d)).astype(BF16)
+    weights = jax.random.uniform(keys[3], (m,), minval=0.1).astype(BF16)
+    sizes = random_sizes(keys[4], groups, m)
+    probe = jax.random.normal(keys[5], (m, d))
+
+    def kernel(x, weights):
+      return moe_mlp(x, w_gate_up, w_down, sizes, row_weights=weights, **self.kwargs())
+
+    def reference(x, weights):
+      f32 = lambda a: jnp.asarray(a, jnp.float32)
+      return moe_mlp_reference(
+        f32(x), f32(gate_up_values), f32(down_values), sizes, f32(weights), "silu",
+        jax.lax.Precision.HIGHEST,
+      )  # fmt: skip
+
+    run = jax.jit(kernel)
+    if self.skip_unsupported(lambda: run(x, weights), BF16, "silu", rhs_format=rhs_format):
+      return
+    assert_close(run(x, weights), reference(x, weights), *TOLERANCE[BF16])
+    loss = lambda mlp: lambda *a: jnp.sum(mlp(*a).astype(jnp.float32) * probe)
+    got = jax.jit(jax.grad(loss(kernel), argnums=(0, 1)))(x, weights)
+    want = jax.jit(jax.grad(loss(reference), argnums=(0, 1)))(x, weights)
     for g, w in zip(got, want, strict=True):
       scale = float(jnp.max(jnp.abs(w)))
       assert_close(g.astype(jnp.float32) / scale, w / scale, GRAD_ATOL, 0.0)

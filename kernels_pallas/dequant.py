@@ -1,0 +1,101 @@
+"""A `BlockScaled` rhs inside a kernel: integer bits in, exact float32 tiles out.
+
+Kernels cannot count on their compiler to convert the narrow floats (Pallas Triton casts
+float8_e4m3fn only on sm89+ and has no float4 or e8m0 type at all), so a quantized rhs
+reaches a kernel as its integer bits, and each tile is decoded with shifts and masks into
+exactly the float32 values `BlockScaled.dequantize` gives, then multiplied by its scales.
+
+- fp8_block: the float8_e4m3fn values bitcast to uint8, one code per byte, same shape.
+- mxfp4: the float4_e2m1fn values bitcast in pairs along the last axis to uint8 [..., out/2]:
+  byte j of a row holds value 2j in its low nibble and value 2j+1 in its high one (the
+  layout of JAX's float4 bitcast and of GPT-OSS's checkpoints).
+
+Scales go in as float32 (e8m0 scales are powers of two: exact); they are 1/32 of the values
+or fewer, so this copy is small next to the weights. An mxfp4 scale row is kept by column
+parity ([..., 2, out/2]: the even columns' scales, then the odd ones'), so that a kernel
+loads the scales of each nibble's columns contiguously.
+
+>>> w = BlockScaled(jnp.array([[[0.5, -6.0]]], jnp.float4_e2m1fn),
+...                 jnp.ones((1, 1, 2), jnp.float8_e8m0fnu), (32, 1))
+>>> rhs = kernel_rhs(w)
+>>> rhs.bits.tolist(), [h.tolist() for h in decode(rhs.bits, "mxfp4")]
+([[[241]]], [[[[0.5]]], [[[-6.0]]]])
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from kernels_pallas.quantized import BlockScaled, format_of
+
+
+class KernelRhs(NamedTuple):
+  """A `BlockScaled` weight as a kernel loads it.
+
+  Attributes:
+    bits: uint8 [G, in, out] (fp8_block) or [G, in, out/2] (mxfp4, two values a byte).
+    scales: float32 [G, ceil(in/bi), ceil(out/bo)] (fp8_block) or [G, in/32, 2, out/2]
+      (mxfp4: by column parity).
+    format: its `FORMATS` name.
+    block: (bi, bo).
+  """
+
+  bits: jax.Array
+  scales: jax.Array
+  format: str
+  block: tuple[int, int]
+
+  @property
+  def values_per_byte(self) -> int:
+    return 2 if self.format == "mxfp4" else 1
+
+
+def kernel_rhs(w: BlockScaled) -> KernelRhs:
+  """The bits and float32 scales of `w` (no float copy of its values is made)."""
+  name = format_of(w)
+  values = w.values
+  if name == "mxfp4":
+    if values.shape[-1] % 2:
+      raise ValueError(f"mxfp4 values need an even number of columns, got {values.shape}")
+    values = values.reshape(*values.shape[:-1], values.shape[-1] // 2, 2)
+  bits = jax.lax.bitcast_convert_type(values, jnp.uint8)
+  scales = w.scales.astype(jnp.float32)
+  if name == "mxfp4":
+    scales = jnp.swapaxes(scales.reshape(*scales.shape[:-1], -1, 2), -1, -2)
+  return KernelRhs(bits, scales, name, w.block)
+
+
+def _minifloat(code: jax.Array, exponent_bits: int, mantissa_bits: int) -> jax.Array:
+  """float32 value of IEEE-style codes (sign, exponent, mantissa; no inf; bias 2^(e-1) - 1).
+
+  A normal code becomes a float32 bit pattern (the exponent rebased, the mantissa shifted
+  up); a subnormal one is mantissa * 2^(1 - bias - mantissa_bits). Both are exact.
+  """
+  bias = (1 << (exponent_bits - 1)) - 1
+  sign = code >> (exponent_bits + mantissa_bits)
+  exponent = (code >> mantissa_bits) & ((1 << exponent_bits) - 1)
+  mantissa = code & ((1 << mantissa_bits) - 1)
+  normal = jax.lax.bitcast_convert_type(
+    (sign << 31) | ((exponent + 127 - bias) << 23) | (mantissa << (23 - mantissa_bits)),
+    jnp.float32,
+  )
+  subnormal = mantissa.astype(jnp.float32) * (2.0 ** (1 - bias - mantissa_bits))
+  subnormal = jnp.where(sign == 1, -subnormal, subnormal)
+  return jnp.where(exponent == 0, subnormal, normal)
+
+
+def decode(bits: jax.Array, format: str):
+  """Exact float32 values of a tile of `KernelRhs.bits`.
+
+  Returns:
+    fp8_block: one array shaped like `bits`. mxfp4: (even, odd), each shaped like `bits`:
+    the values of the low nibbles (columns 2j) and of the high nibbles (columns 2j+1).
+  """
+  code = bits.astype(jnp.int32)
+  if format == "fp8_block":  # float8_e4m3fn: 4 exponent bits, 3 mantissa bits, NaN = S.1111.111
+    value = _minifloat(code, 4, 3)
+    return jnp.where((code & 0x7F) == 0x7F, jnp.float32(jnp.nan), value)
+  return _minifloat(code & 0xF, 2, 1), _minifloat(code >> 4, 2, 1)  # float4_e2m1fn
