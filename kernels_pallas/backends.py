@@ -149,5 +149,7 @@ BACKENDS: dict[str, Backend] = {
     unsupported_reason=gmm_mosaic.unsupported_reason,
     gmm=gmm_mosaic.gmm_mosaic,
     tgmm=gmm_mosaic.tgmm_mosaic,
+    quant_formats=("fp8_block",),
+    fit_blocks=gmm_mosaic.fit_blocks,
   ),
 }

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -34,7 +35,9 @@ from kernels_pallas.compat import (
   out_struct,
   target_num_sms,
 )
+from kernels_pallas.dequant import decode, kernel_rhs
 from kernels_pallas.metadata import aligned_rows, max_visits
+from kernels_pallas.quantized import BlockScaled, is_block_scaled
 
 _WGMMA_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _INTERPRETED_SMS = 4  # programs the interpreter simulates: each one is slow on a CPU
@@ -125,24 +128,31 @@ def _gmm_aligned_kernel(
   tile_ends_gmem,
   lhs_gmem,
   rhs_gmem,
-  out_gmem,
-  *,
+  *refs,
   blocks: MosaicBlocks,
   num_tiles: int,
   gated: bool,
   transpose_rhs: bool,
+  quant_block: tuple[int, int] | None,
 ):
   """out tile (t, n) = epilogue(lhs tile t @ rhs[group(t)][:, n-block]), tiles past used skipped.
 
   Refs: tile_ends [G], lhs [R, K] (tile-aligned), rhs [G, K, N] ([G, N, K] with
-  `transpose_rhs`), out [R, N'] (N' = N/2 gated).
+  `transpose_rhs`), then with `quant_block` the rhs's float32 scales (rhs holds the uint8
+  bits of fp8_block values, `kernels_pallas.dequant`), then out [R, N'] (N' = N/2 gated).
   """
+  scales_gmem = refs[0] if quant_block else None
+  out_gmem = refs[-1]
   bm, bn, bk = blocks.block_m, blocks.block_n, blocks.block_k
   num_groups = rhs_gmem.shape[0]
   k = lhs_gmem.shape[1]
   out_cols = out_gmem.shape[1]
   col_blocks = out_cols // bn
   transforms = _swizzled(lhs_gmem.dtype, bk)
+  # A quantized rhs tile arrives as bytes and is decoded into a tile of lhs's dtype.
+  rhs_transforms = (
+    _swizzled(rhs_gmem.dtype, bk if transpose_rhs else bn) if quant_block else transforms
+  )
   used_tiles = tile_ends_gmem[num_groups - 1]
 
   @plgpu.nd_loop((num_tiles * col_blocks,), collective_axes="sm")
@@ -158,24 +168,44 @@ def _gmm_aligned_kernel(
       if transpose_rhs:  # rhs[g] is [N, K]: load [bn, bk] tiles, multiply by their transpose
         rhs_specs = [
           plgpu.BlockSpec(
-            (bn, bk), lambda kb, o=o: (col_block + o, kb), transforms=transforms, delay_release=1
+            (bn, bk),
+            lambda kb, o=o: (col_block + o, kb),
+            transforms=rhs_transforms,
+            delay_release=1,
           )
           for o in col_offsets
         ]
       else:
         rhs_specs = [
           plgpu.BlockSpec(
-            (bk, bn), lambda kb, o=o: (kb, col_block + o), transforms=transforms, delay_release=1
+            (bk, bn),
+            lambda kb, o=o: (kb, col_block + o),
+            transforms=rhs_transforms,
+            delay_release=1,
           )
           for o in col_offsets
         ]
 
-      def accumulate(*acc_refs):
-        def step(_, lhs_smem, *rhs_smems):
-          for acc_ref, rhs_smem in zip(acc_refs, rhs_smems, strict=True):
+      def dequantized(rhs_smem, tile_smem, k_index, col_offset):
+        """tile_smem <- the rhs tile's values times its scale (one per tile), lhs's dtype."""
+        stored_rows, stored_cols = (col_block + col_offset) * bn, k_index * bk
+        if not transpose_rhs:
+          stored_rows, stored_cols = stored_cols, stored_rows
+        scale = scales_gmem[group, stored_rows // quant_block[0], stored_cols // quant_block[1]]
+        tile_smem[...] = (decode(rhs_smem[...], "fp8_block") * scale).astype(tile_smem.dtype)
+        plgpu.commit_smem()
+        return tile_smem
+
+      def accumulate(*acc_refs, tile_smems=()):
+
+        def step(indices, lhs_smem, *rhs_smems):
+          for i, (acc_ref, rhs_smem) in enumerate(zip(acc_refs, rhs_smems, strict=True)):
+            if quant_block:
+              rhs_smem = dequantized(rhs_smem, tile_smems[i], indices[0], col_offsets[i])
             rhs_tile = rhs_smem.transpose((1, 0)) if transpose_rhs else rhs_smem
             plgpu.wgmma(acc_ref, lhs_smem, rhs_tile)
-          plgpu.wgmma_wait(1)
+          # A decoded tile is rewritten next step: its wgmma must be done by then.
+          plgpu.wgmma_wait(0 if quant_block else 1)
 
         plgpu.emit_pipeline(
           step,
@@ -190,7 +220,17 @@ def _gmm_aligned_kernel(
         )(lhs_gmem, *[rhs_gmem.at[group]] * len(col_offsets))
         return tuple(acc_ref[...] for acc_ref in acc_refs)
 
-      accs = pl.run_scoped(accumulate, *[plgpu.ACC((bm, bn), jnp.float32)] * len(col_offsets))
+      acc_types = [plgpu.ACC((bm, bn), jnp.float32)] * len(col_offsets)
+      if quant_block:  # decoded tiles in shared memory, scoped apart from the registers
+        tile_shape = (bn, bk) if transpose_rhs else (bk, bn)
+        accs = pl.run_scoped(
+          lambda *tile_smems: pl.run_scoped(
+            functools.partial(accumulate, tile_smems=tile_smems), *acc_types
+          ),
+          *[plgpu.SMEM(tile_shape, lhs_gmem.dtype, transforms=transforms)] * len(col_offsets),
+        )
+      else:
+        accs = pl.run_scoped(accumulate, *acc_types)
       out = accs[0] / (1.0 + jnp.exp(-accs[0])) * accs[1] if gated else accs[0]  # silu(g) * u
       _store_tile(out, out_gmem.at[pl.ds(tile * bm, bm), pl.ds(col_block * bn, bn)])
 
@@ -217,7 +257,9 @@ def gmm_mosaic(
   Args:
     lhs: [M, K] bf16/f16; K a multiple of block_k.
     rhs: [G, K, N] ([G, N, K] with `transpose_rhs`, read transposed in shared memory), lhs's
-      dtype; N (N/2 gated) a multiple of block_n.
+      dtype; N (N/2 gated) a multiple of block_n. Or an fp8_block `BlockScaled`: each tile's
+      bytes are decoded in registers (`kernels_pallas.dequant`), scaled and stored to shared
+      memory in lhs's dtype for the wgmma; `blocks` shrink to fit its scale blocks.
     group_sizes: [G] int32, sum <= M.
     row_weights: [M] or None; scales the output rows (applied while gathering them back).
     blocks: `MosaicBlocks`.
@@ -233,7 +275,12 @@ def gmm_mosaic(
   """
   del precision
   if transpose_rhs and not mosaic_operands_transposed_in_smem(interpret):
-    rhs, transpose_rhs = jnp.swapaxes(rhs, 1, 2), False
+    rhs, transpose_rhs = _swap_last_axes(rhs), False
+  quantized = kernel_rhs(rhs) if is_block_scaled(rhs) else None
+  if quantized is not None:
+    if quantized.format != "fp8_block":
+      raise NotImplementedError(f"mosaic takes fp8_block weights, not {quantized.format}")
+    blocks = fit_blocks(blocks, rhs)
   num_rows, k = lhs.shape
   groups = rhs.shape[0]
   n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
@@ -253,14 +300,47 @@ def gmm_mosaic(
       num_tiles=num_tiles,
       gated=activation is not None,
       transpose_rhs=transpose_rhs,
+      quant_block=None if quantized is None else quantized.block,
     ),
     out_type=out_struct((num_tiles * blocks.block_m, out_cols), out_dtype, like=lhs_aligned),
     **_launch(interpret),
   )
-  out = _gather_rows(kernel(rows.tile_ends, lhs_aligned, rhs), rows.source_row)
+  rhs_operands = (rhs,) if quantized is None else (quantized.bits, quantized.scales)
+  out = _gather_rows(kernel(rows.tile_ends, lhs_aligned, *rhs_operands), rows.source_row)
   if row_weights is not None:
     out = (out.astype(jnp.float32) * row_weights[:, None].astype(jnp.float32)).astype(out_dtype)
   return out
+
+
+def fit_blocks(blocks: MosaicBlocks, rhs: BlockScaled) -> MosaicBlocks:
+  """`blocks` shrunk so that every tile of an fp8_block `rhs` lies in one scale block.
+
+  A tile spans block_k rows and block_n columns of the stored weight read forward, the other
+  way round read transposed (the backward pass), so both must divide the scale block's bi
+  and bo; then one scale per tile multiplies the decoded tile.
+
+  >>> fp8 = BlockScaled(jnp.ones((1, 64, 64), jnp.float8_e4m3fn), jnp.ones((1, 1, 2)), (64, 32))
+  >>> fit_blocks(MosaicBlocks(), fp8)
+  MosaicBlocks(block_m=128, block_n=32, block_k=32, max_concurrent_steps=4)
+
+  Raises:
+    NotImplementedError: no block of at least 16 fits the scale block.
+  """
+  limit = math.gcd(*rhs.block)
+  block_k = next((b for b in (64, 32, 16) if b <= blocks.block_k and limit % b == 0), 0)
+  block_n = next((b for b in range(blocks.block_n, 15, -8) if limit % b == 0), 0)
+  if not (block_k and block_n):
+    raise NotImplementedError(f"mosaic needs tiles of >= 16 within a {rhs.block} scale block")
+  return dataclasses.replace(blocks, block_k=block_k, block_n=block_n)
+
+
+def _swap_last_axes(rhs: jax.Array | BlockScaled) -> jax.Array | BlockScaled:
+  """rhs [G, a, b] as [G, b, a] (a BlockScaled's scales and block too)."""
+  if is_block_scaled(rhs):
+    return BlockScaled(
+      jnp.swapaxes(rhs.values, 1, 2), jnp.swapaxes(rhs.scales, 1, 2), rhs.block[::-1]
+    )
+  return jnp.swapaxes(rhs, 1, 2)
 
 
 def _gather_rows(x: jax.Array, rows: jax.Array) -> jax.Array:

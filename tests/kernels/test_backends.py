@@ -76,11 +76,11 @@ def random_block_scaled(key, shape, rhs_format: str, block) -> tuple[BlockScaled
   groups, rows, cols = shape
   scales_shape = (groups, -(-rows // block[0]), -(-cols // block[1]))
   if rhs_format == "fp8_block":
-    values = (jax.random.normal(k1, shape) * 100).astype(jnp.float8_e4m3fn)
+    values = jnp.clip(jax.random.normal(k1, shape) * 100, -448, 448).astype(jnp.float8_e4m3fn)
     scales = jax.random.uniform(k2, scales_shape, minval=0.5, maxval=2.0) / (100 * rows**0.5)
   else:
     values = (jax.random.normal(k1, shape) * 2).astype(jnp.float4_e2m1fn)
-    exponents = jax.random.randint(k2, scales_shape, -2, 2) - int(np.log2(rows)) // 2
+    exponents = jax.random.randint(k2, scales_shape, -2, 0) - int(np.log2(rows)) // 2
     scales = jnp.exp2(exponents.astype(jnp.float32)).astype(jnp.float8_e8m0fnu)
   np_scales = np.asarray(scales).astype(np.float32)
   np_scales = np_scales.repeat(block[0], axis=1).repeat(block[1], axis=2)[:, :rows, :cols]
@@ -257,7 +257,8 @@ class GroupedMatmulTestBase:
   @pytest.mark.parametrize("rhs_format, block", QUANTIZED, ids=[q[0] for q in QUANTIZED])
   def test_moe_mlp_with_block_scaled_weights(self, rhs_format, block, request):
     """The fused MLP in bf16 on `BlockScaled` weights: output and the gradients of x and the
-    row weights match the float32 reference on the independently dequantized weights."""
+    row weights match the float32 reference on the independently dequantized weights,
+    rounded to bf16 as the kernel's matmuls take them."""
     m, d, f, groups = 64, 64, 64, 4
     keys = jax.random.split(jax.random.key(seed_of(request.node.name)), 6)
     w_gate_up, gate_up_values = random_block_scaled(keys[0], (groups, d, 2 * f), rhs_format, block)
@@ -271,7 +272,7 @@ class GroupedMatmulTestBase:
       return moe_mlp(x, w_gate_up, w_down, sizes, row_weights=weights, **self.kwargs())
 
     def reference(x, weights):
-      f32 = lambda a: jnp.asarray(a, jnp.float32)
+      f32 = lambda a: jnp.asarray(a, BF16).astype(jnp.float32)
       return moe_mlp_reference(
         f32(x), f32(gate_up_values), f32(down_values), sizes, f32(weights), "silu",
         jax.lax.Precision.HIGHEST,

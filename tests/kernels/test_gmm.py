@@ -1,6 +1,8 @@
 """What the backend test base (test_backends.py) does not cover: the registry, the choice of
 backend, bad arguments, and the CUDA lowering of every kernel with jax.export (no GPU needed)."""
 
+import itertools
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -12,6 +14,7 @@ from kernels_pallas.backends import BACKENDS
 from kernels_pallas.compat import cuda_target, triton_missing_reason
 from kernels_pallas.gmm_mosaic import gmm_mosaic, tgmm_mosaic
 from kernels_pallas.gmm_triton import gmm_triton, tgmm_triton
+from kernels_pallas.quantized import FORMATS, BlockScaled
 from tests.helpers import assert_close, expect_triton_deprecation
 
 
@@ -91,23 +94,44 @@ def test_triton_kernels_lower_for_cuda():
       lambda a, d, s: tgmm_triton(a, d, s, blocks=blocks),
       (lhs, jax.ShapeDtypeStruct((256, 256), jnp.bfloat16), sizes),
     ),
+    *[  # BlockScaled rhs, forward gated and read transposed
+      (
+        lambda a, b, s, t=transpose: gmm_triton(
+          a, b, s, blocks=blocks, transpose_rhs=t, activation=None if t else "silu"
+        ),
+        (lhs, block_scaled_spec(shape, rhs_format), sizes),
+      )
+      for rhs_format in ("fp8_block", "mxfp4")
+      for transpose, shape in ((False, (4, 128, 256)), (True, (4, 256, 128)))
+    ],
   ]:
     with expect_triton_deprecation():
       mlir = cuda_custom_calls(fn, *args, disabled=[TRITON_CUSTOM_CALL], device_kind="NVIDIA A100")
     assert "__gpu$xla.gpu.triton" in mlir
 
 
+def block_scaled_spec(shape: tuple[int, ...], rhs_format: str) -> BlockScaled:
+  """Abstract `BlockScaled` weights [G, in, out] in a format (fp8_block with 128x128 blocks)."""
+  form = FORMATS[rhs_format]
+  block = form.block or (128, 128)
+  scales = (shape[0], -(-shape[1] // block[0]), -(-shape[2] // block[1]))
+  spec = jax.ShapeDtypeStruct
+  return BlockScaled(spec(shape, form.values), spec(scales, form.scales), block)
+
+
 def test_mosaic_kernels_lower_for_cuda():
-  """The forward kernel (plain, gated, reading rhs transposed in shared memory) and tgmm."""
+  """The forward kernel (plain, gated, reading rhs transposed in shared memory; bf16 and
+  fp8_block weights) and tgmm."""
   lhs = jax.ShapeDtypeStruct((512, 256), jnp.bfloat16)
   sizes = jax.ShapeDtypeStruct((8,), jnp.int32)
   blocks = MosaicBlocks()
-  for activation, transpose, rhs_shape in [
-    (None, False, (8, 256, 512)),
-    ("silu", False, (8, 256, 1024)),
-    (None, True, (8, 512, 256)),
-  ]:
+  for (activation, transpose, rhs_shape), rhs_format in itertools.product(
+    [(None, False, (8, 256, 512)), ("silu", False, (8, 256, 1024)), (None, True, (8, 512, 256))],
+    [None, "fp8_block"],
+  ):
     rhs = jax.ShapeDtypeStruct(rhs_shape, jnp.bfloat16)
+    if rhs_format:
+      rhs = block_scaled_spec(rhs_shape, rhs_format)
     fn = lambda a, b, s, act=activation, t=transpose: gmm_mosaic(
       a, b, s, blocks=blocks, activation=act, transpose_rhs=t
     )
