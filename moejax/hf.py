@@ -586,30 +586,43 @@ def _read_experts(checkpoint: _Checkpoint, key, family: Family, e: int, d: int, 
 
 
 def _read_fp8_experts(checkpoint: _Checkpoint, key, family: Family, config: MoEConfig) -> dict:
-  """Fine-grained fp8 per-expert linear layers (DeepSeek-V3, Kimi-K2, Qwen3-MoE FP8) as
-  `BlockScaled` w_gate_up [E, D, 2F] and w_down [E, F, D], transposed to [in, out]."""
-  if family.flat_experts or family.expert_names is None:
+  """Fine-grained fp8 experts as `BlockScaled` w_gate_up [E, D, 2F] and w_down [E, F, D],
+  transposed to [in, out]: per-expert linear layers (DeepSeek-V3, Kimi-K2, Qwen3-MoE FP8)
+  or transformers' fused `FP8Experts` tensors (`experts.gate_up_proj` [E, 2F, D] with
+  `experts.gate_up_proj_scale_inv`, `experts.down_proj` [E, D, F])."""
+  if family.flat_experts or family.interleaved or family.fused_input_major:
     raise NotImplementedError(
-      "fp8 checkpoints are read from per-expert linear layers; this family stores its experts fused"
+      "fp8 experts are read from per-expert linear layers or transformers' fused [E, out, in] "
+      "tensors; this family stores its experts another way"
     )
-  d, f = config.hidden_size, config.intermediate_size
+  e, d, f = config.num_experts, config.hidden_size, config.intermediate_size
   block = config.quant_block  # (in, out)
-  scales_of = lambda rows, cols: (-(-rows // block[1]), -(-cols // block[0]))  # [out, in]
 
-  def expert(i: int, name: str, shape: tuple[int, int]):
-    weight = f"{key(f'experts.{i}.{name}')}.weight"
+  def read(weight: str, shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """(values, scales) of `weight` [..., out, in], as [..., in, out] and its blocks."""
+    *lead, rows, cols = shape
+    scales_shape = (*lead, -(-rows // block[1]), -(-cols // block[0]))
     values = np.asarray(checkpoint.get_raw(weight, shape))
-    scales = np.asarray(checkpoint.get_raw(f"{weight}_scale_inv", scales_of(*shape)))
+    scales = np.asarray(checkpoint.get_raw(f"{weight}_scale_inv", scales_shape))
     if values.dtype != ml_dtypes.float8_e4m3fn or scales.dtype != np.float32:
       raise ValueError(
         f"{weight}: expected float8_e4m3fn values with float32 scale_inv, got "
         f"{values.dtype} and {scales.dtype}"
       )
-    return values.T, scales.T  # [in, out], [in blocks, out blocks]
+    return np.swapaxes(values, -1, -2), np.swapaxes(scales, -1, -2)
 
+  fused_gate_up, fused_down = (key(name) for name in family.fused)
+  if fused_gate_up in checkpoint:
+    return {
+      "w_gate_up": BlockScaled(*read(fused_gate_up, (e, 2 * f, d)), block),
+      "w_down": BlockScaled(*read(fused_down, (e, d, f)), block),
+    }
+  if family.expert_names is None:
+    raise NotImplementedError("this family's fp8 experts are neither fused nor per-expert")
+  expert = lambda i, name, shape: read(f"{key(f'experts.{i}.{name}')}.weight", shape)
   gate_name, up_name, down_name = family.expert_names
   gate_up, down = [], []
-  for i in range(config.num_experts):
+  for i in range(e):
     (gate_v, gate_s), (up_v, up_s) = (expert(i, n, (f, d)) for n in (gate_name, up_name))
     gate_up.append((np.concatenate([gate_v, up_v], 1), np.concatenate([gate_s, up_s], 1)))
     down.append(expert(i, down_name, (d, f)))

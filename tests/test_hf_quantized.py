@@ -1,7 +1,8 @@
-"""Quantized Hugging Face checkpoints: a DeepSeek-V3 fine-grained fp8 layer and a GPT-OSS
-MXFP4 layer, written here in their real key names and layouts, read without dequantizing
-and run against the NumPy blocks of `tests/test_hf.py` on weights dequantized here in NumPy
-(and, with the `hf` extra, GPT-OSS's unpacking against transformers' own)."""
+"""Quantized Hugging Face checkpoints: a DeepSeek-V3 fine-grained fp8 layer (per-expert or
+fused) and a GPT-OSS MXFP4 layer, written here in their real key names and layouts, read
+without dequantizing and run against the NumPy blocks of `tests/test_hf.py` on weights
+dequantized here in NumPy (and, with the `hf` extra, against transformers' own fp8
+dequantization and MXFP4 unpacking)."""
 
 import importlib.util
 import json
@@ -47,10 +48,26 @@ def write(path, config: dict, tensors: dict, prefix: str) -> None:
   save_file(stored, str(path / "model.safetensors"))
 
 
+def fuse_experts(stored: dict, experts: int) -> dict:
+  """Per-expert fp8 linears as transformers' fused `FP8Experts` tensors: gate_up [E, 2F, D]
+  (gate rows, then up rows) and down [E, D, F], each with its [E, out blocks, in blocks]
+  scale_inv."""
+  fused = {k: v for k, v in stored.items() if not k.startswith("experts.")}
+  stack = lambda name, suffix: np.stack(
+    [stored[f"experts.{i}.{name}.weight{suffix}"] for i in range(experts)]
+  )
+  for suffix in ("", "_scale_inv"):
+    gate_up = [stack(name, suffix) for name in ("gate_proj", "up_proj")]
+    fused[f"experts.gate_up_proj{suffix}"] = np.concatenate(gate_up, axis=1)
+    fused[f"experts.down_proj{suffix}"] = stack("down_proj", suffix)
+  return fused
+
+
 class TestDeepSeekFp8:
-  def checkpoint(self, path, seed):
-    """DeepSeek-V3's layer with every expert and shared-expert linear in fp8; returns the
-    config.json dict and the dequantized float tensors by name."""
+  def checkpoint(self, path, seed, fused: bool = False):
+    """DeepSeek-V3's layer with every expert and shared-expert linear in fp8 (the routed
+    experts per expert, or `fused` as transformers saves them); returns the config.json
+    dict, the stored tensors and the dequantized float tensors by name."""
     fields, _, make, _ = FAMILIES["deepseek_v3"]
     rng = np.random.default_rng(seed)
     floats = {name: 0.3 * v for name, v in make(rng).items()}
@@ -68,11 +85,14 @@ class TestDeepSeekFp8:
       model_type="deepseek_v3", hidden_size=16, hidden_act="silu", **fields,
       quantization_config=quantization,
     )  # fmt: skip
+    if fused:
+      stored = fuse_experts(stored, fields["n_routed_experts"])
     write(path, config, stored, "mlp")
-    return config, dequantized.__getitem__
+    return config, stored, dequantized.__getitem__
 
-  def test_loads_quantized_and_matches_the_numpy_block(self, tmp_path, request):
-    hf_config, get = self.checkpoint(tmp_path, seed_of(request.node.name))
+  @pytest.mark.parametrize("fused", [False, True], ids=["per_expert", "fused"])
+  def test_loads_quantized_and_matches_the_numpy_block(self, fused, tmp_path, request):
+    hf_config, _, get = self.checkpoint(tmp_path, seed_of(request.node.name), fused)
     config = hf.config_from_hf(hf_config, chunk_size=5)
     assert (config.expert_quant, config.quant_block_size) == ("fp8_block", (8, 4))
     params = hf.load_layer(tmp_path, LAYER, config)
@@ -89,6 +109,28 @@ class TestDeepSeekFp8:
     chex.assert_trees_all_close(floats.w_gate_up[3][:, :12], gate.astype(np.float32))
     on_mesh = hf.load_layer(tmp_path, LAYER, config, mesh=mesh_of(2, 4))
     assert on_mesh.w_gate_up.scales.sharding.spec[0] == "expert"
+
+  @pytest.mark.skipif(
+    not all(importlib.util.find_spec(m) for m in ("torch", "transformers")),
+    reason="needs the hf extra (torch, transformers)",
+  )
+  def test_dequantization_matches_transformers(self, tmp_path, request):
+    """The loaded blocks, dequantized, equal transformers' fine-grained fp8 dequantization
+    of the fused tensors as stored ([E, out, in], block [out, in])."""
+    import torch
+    from transformers.integrations.finegrained_fp8 import _dequantize_fp8_weight
+
+    hf_config, stored, _ = self.checkpoint(tmp_path, seed_of(request.node.name), fused=True)
+    params = hf.load_layer(tmp_path, LAYER, hf.config_from_hf(hf_config))
+    theirs = lambda name: _dequantize_fp8_weight(
+      torch.from_numpy(stored[name].view(np.uint8)).view(torch.float8_e4m3fn),
+      torch.from_numpy(stored[f"{name}_scale_inv"]),
+      FP8_BLOCK,
+      torch.float32,
+    ).numpy()
+    ours = lambda w: np.swapaxes(np.asarray(w.dequantize()), -1, -2)
+    chex.assert_trees_all_equal(ours(params.w_gate_up), theirs("experts.gate_up_proj"))
+    chex.assert_trees_all_equal(ours(params.w_down), theirs("experts.down_proj"))
 
   def test_config(self):
     fp8 = {"quant_method": "fp8", "weight_block_size": [128, 64]}
