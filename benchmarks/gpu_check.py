@@ -13,11 +13,13 @@ stop the others), each writing `DIR/<part>.json` as it goes:
              local experts: the measurement behind `moejax.experts.expert_path`
   decode     every expert path (ragged_dot, tile loop, the device's kernel) at T = 1, 8, 64,
              256 rows, El = 32, against the bytes floor: the measurement `decode_sized` awaits
+  quant      gmm and moe_mlp on fp8_block and mxfp4 weights against bf16 per kernel, at 128,
+             512 and 4096 tokens on DeepSeek-V3's expert shard (`gpu_kernels.run_quant`)
 
 The run ends with `DIR/gpu_check.json` (status per part) and `DIR/gpu_check.md` (tables), and
 exits non-zero if any part failed, crashed or timed out, saying which.
 
-  PYTHONPATH=. python benchmarks/gpu_check.py --out DIR           # on a GPU, < 8 minutes
+  PYTHONPATH=. python benchmarks/gpu_check.py --out DIR           # on a GPU, < 9 minutes
   PYTHONPATH=. python benchmarks/gpu_check.py --out DIR --smoke   # every code path, on a CPU
 """
 
@@ -38,8 +40,15 @@ from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-# Part -> time limit on a GPU, in seconds (together under 8 minutes with start-up).
-LIMITS = {"test_base": 130, "layer": 50, "bench": 150, "xla_paths": 45, "decode": 60}
+# Part -> time limit on a GPU, in seconds (together under 9 minutes with start-up).
+LIMITS = {
+  "test_base": 130,
+  "layer": 50,
+  "bench": 150,
+  "xla_paths": 45,
+  "decode": 60,
+  "quant": 60,
+}
 
 
 class Recorder:
@@ -174,7 +183,20 @@ def part_bench(out: Path, smoke: bool, record: Recorder) -> None:
   sys.path.insert(0, str(ROOT / "benchmarks"))
   import gpu_kernels
 
-  gpu_kernels.run(smoke, lambda row: record(dict(row, status="FAILED" if "error" in row else "ok")))
+  gpu_kernels.run(smoke, _with_status(record), quant=False)
+
+
+def part_quant(out: Path, smoke: bool, record: Recorder) -> None:
+  """benchmarks/gpu_kernels.py's quantized-weight cases, one row per timed call."""
+  sys.path.insert(0, str(ROOT / "benchmarks"))
+  import gpu_kernels
+
+  gpu_kernels.run_quant(smoke, _with_status(record))
+
+
+def _with_status(record: Recorder) -> Callable[[dict], None]:
+  """Records a benchmark row with status "FAILED" where it holds an error, else "ok"."""
+  return lambda row: record(dict(row, status="FAILED" if "error" in row else "ok"))
 
 
 def part_xla_paths(out: Path, smoke: bool, record: Recorder) -> None:
@@ -286,6 +308,7 @@ PARTS = {
   "bench": part_bench,
   "xla_paths": part_xla_paths,
   "decode": part_decode,
+  "quant": part_quant,
 }
 
 

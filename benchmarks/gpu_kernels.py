@@ -4,8 +4,10 @@ On named MoE shapes, bf16, for each backend ("xla" is `jax.lax.ragged_dot`): the
 matmul (`gmm`, [T*K, D] x [E, D, 2F]) forward and forward+backward, the whole fused expert MLP
 (`moe_mlp`) forward and forward+backward, and the weight-gradient product `tgmm`; plus jax's
 own Hopper `ragged_dot_mgpu` (a peer baseline) and a dense matmul of the same FLOPs (the
-measured ceiling, forward and forward+backward). Group sizes are balanced or skewed (half the
-rows to one expert). Times are medians of device-synchronised calls after a compile call.
+measured ceiling, forward and forward+backward). Group sizes are balanced or skewed (half
+the rows to one expert). Then gmm and moe_mlp on quantized (`BlockScaled`) weights against
+bf16 at 128, 512 and 4096 tokens (`run_quant`). Times are medians of device-synchronised
+calls after a compile call.
 
   python benchmarks/gpu_kernels.py            # on a GPU: the table, JSON under results/
   python benchmarks/gpu_kernels.py --tune     # also autotune Mosaic block sizes (cached JSON)
@@ -29,6 +31,7 @@ import numpy as np
 from kernels_pallas import MosaicBlocks, TritonBlocks, autotune, gmm, moe_mlp
 from kernels_pallas.backends import BACKENDS
 from kernels_pallas.ops import KernelSettings, transposed_grouped_matmul
+from kernels_pallas.quantized import FORMATS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,7 +55,11 @@ CASES = (
   (MIXTRAL, 256, False),
   (DEEPSEEK, 512, False),
 )
-SMOKE_CASES = ((Shape("smoke", d=64, f=32, experts=4, top_k=2), 64, False),)
+SMOKE = Shape("smoke", d=64, f=32, experts=4, top_k=2)
+SMOKE_CASES = ((SMOKE, 64, False),)
+# Quantized weights: DeepSeek-V3's expert shard at decode to training token counts (weight
+# streaming bounds the small ones: fp8 reads half the bytes of bf16, mxfp4 about a quarter).
+QUANT_TOKENS = (128, 512, 4096)
 # Ops without a dense twin of their own compare with the dense rate of the same FLOPs.
 CEILING_OF = {"moe_mlp_fwd_bwd": "gmm_fwd_bwd", "tgmm": "gmm"}
 
@@ -214,6 +221,50 @@ def run_case(
     record(row)
 
 
+def run_quant(smoke: bool, record: Callable[[dict], None]) -> None:
+  """gmm and moe_mlp forward on `BlockScaled` weights against bf16 ones, per backend and
+  format the backend takes (`Backend.quant_formats`), balanced groups. Each row's
+  `of_bf16_time` is its time over the same backend's bf16 time (below 1: faster)."""
+  from moejax.quant import quantize
+
+  shape, token_counts = (SMOKE, (64,)) if smoke else (DEEPSEEK, QUANT_TOKENS)
+  block = (32, 32) if smoke else (128, 128)  # fp8_block's; mxfp4's is fixed
+  keys = jax.random.split(jax.random.key(7), 3)
+  floats = dict(
+    w_gate_up=jax.random.normal(keys[0], (shape.experts, shape.d, 2 * shape.f)) / shape.d**0.5,
+    w_down=jax.random.normal(keys[1], (shape.experts, shape.f, shape.d)) / shape.f**0.5,
+  )
+  for name, kw in backend_kwargs(smoke).items():
+    formats = BACKENDS[name].quant_formats
+    weights = {None: {k: w.astype(jnp.bfloat16) for k, w in floats.items()}}
+    weights |= {
+      fmt: {k: quantize(w, fmt, FORMATS[fmt].block or block) for k, w in floats.items()}
+      for fmt in formats
+    }
+    for tokens in token_counts if formats else ():
+      rows = tokens * shape.top_k
+      x = jax.random.normal(keys[2], (rows, shape.d), jnp.bfloat16)
+      sizes = group_sizes(rows, shape.experts, skewed=False)
+      ops = dict(
+        gmm=lambda w, kw=kw, x=x, sizes=sizes: gmm(x, w["w_gate_up"], sizes, **kw),
+        moe_mlp=lambda w, kw=kw, x=x, sizes=sizes: moe_mlp(
+          x, w["w_gate_up"], w["w_down"], sizes, **kw
+        ),
+      )
+      for op, fn in ops.items():
+        bf16_seconds = None
+        for fmt, w in weights.items():
+          row = dict(section="quant", shape=shape.name, tokens=tokens, op=op, backend=name)
+          row["weights"] = fmt or "bf16"
+          try:
+            seconds = median_seconds(jax.jit(fn), w, repeats=1 if smoke else 10)
+            bf16_seconds = bf16_seconds or seconds
+            row.update(ms=seconds * 1e3, of_bf16_time=seconds / bf16_seconds)
+          except Exception as error:  # a failing case is a result to report
+            row.update(error=f"{type(error).__name__}: {str(error)[:300]}")
+          record(row)
+
+
 def tune(cases) -> None:
   """Autotunes the Mosaic forward kernel's blocks for each case's gmm shape."""
   candidates = [
@@ -231,8 +282,26 @@ def tune(cases) -> None:
     print(f"tuned {key}: {autotune.autotune(key, candidates, make_call)}")
 
 
+def format_quant_table(rows: list[dict]) -> str:
+  """A markdown table of `run_quant`'s rows."""
+  lines = [
+    "| shape | tokens | op | backend | weights | ms | x bf16 time |",
+    "|---|---:|---|---|---|---:|---:|",
+  ]
+  for r in rows:
+    measured = f"failed: {r['error'][:80]} | " if "error" in r else (
+      f"{r['ms']:.3f} | {r['of_bf16_time']:.2f}"
+    )  # fmt: skip
+    lines.append(
+      f"| {r['shape']} | {r['tokens']} | {r['op']} | {r['backend']} | {r['weights']} | {measured} |"
+    )
+  return "\n".join(lines)
+
+
 def format_table(rows: list[dict]) -> str:
-  """A markdown table of the rows."""
+  """A markdown table of the rows (`run_quant`'s in a table of their own)."""
+  quant = [r for r in rows if r.get("section") == "quant"]
+  rows = [r for r in rows if r.get("section") != "quant"]
   lines = [
     "| shape | tokens | skewed | op | backend | ms | TFLOP/s | x ceiling |",
     "|---|---:|---|---|---|---:|---:|---:|",
@@ -249,17 +318,22 @@ def format_table(rows: list[dict]) -> str:
       f"| {r['shape']} | {r['tokens']} | {'yes' if r['skewed'] else 'no'} | {r['op']} | "
       f"{r['backend']} | {r['ms']:.3f} | {r['tflops']:.1f} | {ratio} |"
     )
-  return "\n".join(lines)
+  return "\n".join(lines) + ("\n\n" + format_quant_table(quant) if quant else "")
 
 
-def run(smoke: bool, record: Callable[[dict], None], tune_first: bool = False) -> None:
-  """Runs every case, handing each measured row to `record` as soon as it exists."""
+def run(
+  smoke: bool, record: Callable[[dict], None], tune_first: bool = False, quant: bool = True
+) -> None:
+  """Runs every case (with `quant`, `run_quant`'s too), handing each measured row to
+  `record` as soon as it exists."""
   cases = SMOKE_CASES if smoke else CASES
   if tune_first:
     tune(cases)
   kwargs_by_backend = backend_kwargs(smoke)
   for shape, tokens, skewed in cases:
     run_case(shape, tokens, skewed, kwargs_by_backend, smoke, record)
+  if quant:
+    run_quant(smoke, record)
 
 
 def main() -> None:

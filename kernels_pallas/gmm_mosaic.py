@@ -317,7 +317,8 @@ def fit_blocks(blocks: MosaicBlocks, rhs: BlockScaled) -> MosaicBlocks:
 
   A tile spans block_k rows and block_n columns of the stored weight read forward, the other
   way round read transposed (the backward pass), so both must divide the scale block's bi
-  and bo; then one scale per tile multiplies the decoded tile.
+  and bo; then one scale per tile multiplies the decoded tile. Both are at least 32: a tile
+  of bytes needs rows of 32+ bytes for a shared-memory swizzle.
 
   >>> fp8 = BlockScaled(jnp.ones((1, 64, 64), jnp.float8_e4m3fn), jnp.ones((1, 1, 2)), (64, 32))
   >>> fit_blocks(MosaicBlocks(), fp8)
@@ -327,10 +328,10 @@ def fit_blocks(blocks: MosaicBlocks, rhs: BlockScaled) -> MosaicBlocks:
     NotImplementedError: no block of at least 16 fits the scale block.
   """
   limit = math.gcd(*rhs.block)
-  block_k = next((b for b in (64, 32, 16) if b <= blocks.block_k and limit % b == 0), 0)
-  block_n = next((b for b in range(blocks.block_n, 15, -8) if limit % b == 0), 0)
+  block_k = next((b for b in (64, 32) if b <= max(blocks.block_k, 32) and limit % b == 0), 0)
+  block_n = next((b for b in range(max(blocks.block_n, 32), 31, -8) if limit % b == 0), 0)
   if not (block_k and block_n):
-    raise NotImplementedError(f"mosaic needs tiles of >= 16 within a {rhs.block} scale block")
+    raise NotImplementedError(f"mosaic needs tiles of >= 32 within a {rhs.block} scale block")
   return dataclasses.replace(blocks, block_k=block_k, block_n=block_n)
 
 

@@ -1,5 +1,6 @@
 """The benchmark scripts stay runnable: each runs on tiny shapes and prints its table."""
 
+import itertools
 import json
 import os
 import subprocess
@@ -32,6 +33,10 @@ def test_gpu_kernel_benchmark_smoke_times_every_backend_and_op(tmp_path):
     for op in ("gmm", "gmm_fwd_bwd", "moe_mlp", "moe_mlp_fwd_bwd", "tgmm"):
       assert (op, backend) in timed
   assert ("gmm", "dense (ceiling)") in timed
+  quant = {(r["op"], r["backend"], r["weights"]) for r in rows if r.get("section") == "quant"}
+  for backend, formats in (("triton", ("fp8_block", "mxfp4")), ("mosaic", ("fp8_block",))):
+    for op, weights in itertools.product(("gmm", "moe_mlp"), ("bf16", *formats)):
+      assert (op, backend, weights) in quant
 
 
 def test_gpu_check_smoke_runs_every_part(tmp_path):
@@ -44,6 +49,7 @@ def test_gpu_check_smoke_runs_every_part(tmp_path):
     "bench": "passed",
     "xla_paths": "passed",
     "decode": "passed",
+    "quant": "passed",
   }
   layer = json.loads((tmp_path / "layer.json").read_text())["rows"]
   assert len(layer) == 12 and all(r["status"] == "ok" for r in layer)

@@ -193,3 +193,29 @@ def test_compat_erf_has_erfs_value_and_derivative():
   chex_close = lambda a, b: assert_close(a, b, what="erf")
   chex_close(erf(x), jax.lax.erf(x))
   chex_close(jax.vmap(jax.grad(erf))(x), jax.vmap(jax.grad(jax.lax.erf))(x))
+
+
+def test_block_scaled_bad_input():
+  """A format a backend lacks, weights of two formats, an unknown format and a scale block
+  no tile fits in each raise, naming the problem."""
+  lhs = jnp.ones((32, 64), jnp.bfloat16)
+  sizes = jnp.array([16, 16], jnp.int32)
+  values = jnp.ones((2, 64, 64), jnp.float8_e4m3fn)
+  fp8 = BlockScaled(values, jnp.ones((2, 2, 2)), (32, 32))
+  with pytest.raises(NotImplementedError, match="xla takes no fp8_block"):
+    gmm(lhs, fp8, sizes, implementation="xla")
+  mxfp4 = BlockScaled(
+    jnp.ones((2, 64, 64), jnp.float4_e2m1fn), jnp.ones((2, 2, 64), jnp.float8_e8m0fnu), (32, 1)
+  )
+  with pytest.raises(NotImplementedError, match="mosaic takes no mxfp4"):
+    gmm(lhs, mxfp4, sizes, implementation="mosaic", interpret=True)
+  down = jnp.ones((2, 32, 64), jnp.bfloat16)
+  with pytest.raises(ValueError, match="must share a format, got fp8_block and None"):
+    moe_mlp(lhs, fp8, down, sizes, implementation="triton", interpret=True)
+  unknown = BlockScaled(values.astype(jnp.float16), jnp.ones((2, 2, 2)), (32, 32))
+  with pytest.raises(ValueError, match="in none of the formats"):
+    gmm(lhs, unknown, sizes, implementation="triton", interpret=True)
+  tiny_blocks = BlockScaled(values, jnp.ones((2, 8, 8)), (8, 8))
+  for implementation in ("triton", "mosaic"):
+    with pytest.raises(NotImplementedError, match=r"tiles of >= \d+ .*\(8, 8\) scale block"):
+      gmm(lhs, tiny_blocks, sizes, implementation=implementation, interpret=True)
