@@ -17,7 +17,7 @@ from kernels_pallas import autotune, platform
 from kernels_pallas.activations import activate
 from kernels_pallas.backends import BACKENDS
 from kernels_pallas.ops import KernelSettings, gmm_vjp, moe_mlp_vjp
-from kernels_pallas.quantized import format_of, is_block_scaled
+from kernels_pallas.quantized import format_of, from_qarray, is_block_scaled, is_qarray
 
 IMPLEMENTATIONS = tuple(BACKENDS)
 ACTIVATIONS = ("silu", "gelu")
@@ -178,7 +178,8 @@ def gmm(
   Args:
     lhs: [M, K].
     rhs: [G, K, N], or a `BlockScaled` (fp8_block, mxfp4) for a backend that lists its
-      format in `quant_formats`: dequantized tile by tile in the kernel, no gradient.
+      format in `quant_formats`: dequantized tile by tile in the kernel, no gradient. A
+      qwix `QArray` in one of those formats is taken as its `BlockScaled`.
     group_sizes: [G] int, sum <= M.
     precision: `jax.lax.Precision` of the products.
     preferred_element_type: output dtype (default lhs's).
@@ -193,6 +194,7 @@ def gmm(
   >>> gmm(lhs, rhs, jnp.array([1, 3]), implementation="xla")[:, 0].tolist()
   [2.0, 2.0, 2.0, 2.0, 0.0]
   """
+  rhs = from_qarray(rhs) if is_qarray(rhs) else rhs
   _check_gmm_shapes(lhs, rhs, group_sizes)
   implementation = _resolve(implementation, lhs, rhs, precision=precision)
   if implementation == "xla":
@@ -242,6 +244,7 @@ def moe_mlp(
   """
   if activation not in ACTIVATIONS:
     raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+  w_gate_up, w_down = (from_qarray(w) if is_qarray(w) else w for w in (w_gate_up, w_down))
   _check_gmm_shapes(x_sorted, w_gate_up, group_sizes)
   if format_of(w_gate_up) != format_of(w_down):
     raise ValueError(

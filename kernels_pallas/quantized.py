@@ -159,3 +159,37 @@ def format_of(w) -> str | None:
     if dtypes == (form.values, form.scales) and form.block in (None, w.block):
       return name
   raise ValueError(f"{w!r} is in none of the formats {sorted(FORMATS)}")
+
+
+def from_qarray(q) -> BlockScaled:
+  """A qwix `QArray` rhs [G, in, out] as the `BlockScaled` it is, so that tokamax-style
+  callers pass their quantized weights to `gmm` / `moe_mlp` as they are.
+
+  Symmetric, one scale tile per group: fp8 (float8_e4m3fn values, their scales widened to
+  float32, any tile) becomes fp8_block; qwix's "mxfp4" (float4_e2m1fn values, power-of-two
+  scales per 32 inputs) becomes mxfp4 with its scales as float8_e8m0fnu (exact).
+
+  Raises:
+    ValueError: an asymmetric QArray, scales shared across groups, or another format.
+  """
+  tiles = tuple(getattr(q, "scale_tile_shape", ()))
+  if q.zero_point is not None or len(tiles) != 3 or tiles[0] != 1:
+    raise ValueError(
+      f"a QArray rhs must be symmetric with one scale tile per group; got tiles {tiles} and "
+      f"zero_point {'set' if q.zero_point is not None else None}"
+    )
+  block = tiles[1:]
+  values, scales = q.qvalue, q.scale
+  if q.qtype == "mxfp4" and block == FORMATS["mxfp4"].block:
+    return BlockScaled(values, scales.astype(FORMATS["mxfp4"].scales), block)
+  if jnp.dtype(values.dtype) == FORMATS["fp8_block"].values:
+    return BlockScaled(values, scales.astype(jnp.float32), block)
+  raise ValueError(
+    f"a QArray of qtype {q.qtype!r} ({jnp.dtype(values.dtype)} values, tiles {block}) is in "
+    f"none of the formats {sorted(FORMATS)}"
+  )
+
+
+def is_qarray(a) -> bool:
+  """Whether `a` is a qwix `QArray` (checked by its fields: qwix need not be installed)."""
+  return all(hasattr(a, name) for name in ("qvalue", "scale", "zero_point", "qtype"))

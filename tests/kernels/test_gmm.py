@@ -3,6 +3,7 @@ backend, bad arguments, and the CUDA lowering of every kernel with jax.export (n
 
 import itertools
 
+import chex
 import jax
 import jax.numpy as jnp
 import pytest
@@ -14,7 +15,7 @@ from kernels_pallas.backends import BACKENDS
 from kernels_pallas.compat import cuda_target, triton_missing_reason
 from kernels_pallas.gmm_mosaic import gmm_mosaic, tgmm_mosaic
 from kernels_pallas.gmm_triton import gmm_triton, tgmm_triton
-from kernels_pallas.quantized import FORMATS, BlockScaled
+from kernels_pallas.quantized import FORMATS, BlockScaled, from_qarray
 from tests.helpers import assert_close, expect_triton_deprecation
 
 
@@ -219,3 +220,26 @@ def test_block_scaled_bad_input():
   for implementation in ("triton", "mosaic"):
     with pytest.raises(NotImplementedError, match=r"tiles of >= \d+ .*\(8, 8\) scale block"):
       gmm(lhs, tiny_blocks, sizes, implementation=implementation, interpret=True)
+
+
+@pytest.mark.parametrize("qtype, tiles", [(jnp.float8_e4m3fn, {1: 32, 2: 32}), ("mxfp4", {1: 32})])
+def test_qwix_qarray_rhs_is_taken_as_its_block_scaled(qtype, tiles):
+  """A qwix QArray (as tokamax's ragged_dot takes) runs as the BlockScaled it holds: the
+  same result as passing that BlockScaled, and as ragged_dot on qwix's own dequantization."""
+  qwix = pytest.importorskip("qwix")
+  keys = jax.random.split(jax.random.key(5), 2)
+  w = jax.random.normal(keys[0], (2, 64, 64)) / 8
+  q = qwix.quantize(w, qtype, tiled_axes=tiles, channelwise_axes=[0] if len(tiles) > 1 else [0, 2])
+  lhs = jax.random.normal(keys[1], (32, 64))
+  sizes = jnp.array([12, 16], jnp.int32)
+  run = lambda rhs: jax.jit(
+    lambda a: gmm(a, rhs, sizes, implementation="triton", interpret=True,
+                  precision=jax.lax.Precision.HIGHEST)
+  )(lhs)  # fmt: skip
+  if triton_missing_reason() is not None:
+    pytest.skip(triton_missing_reason())
+  chex.assert_trees_all_equal(run(q), run(from_qarray(q)))
+  want = jax.lax.ragged_dot(lhs, qwix.dequantize(q), sizes, precision=jax.lax.Precision.HIGHEST)
+  chex.assert_trees_all_close(run(q), want, atol=1e-5, rtol=1e-5)
+  with pytest.raises(ValueError, match="symmetric with one scale tile per group"):
+    from_qarray(qwix.quantize(w, jnp.float8_e4m3fn, tiled_axes={0: 2, 1: 32, 2: 32}))
