@@ -131,15 +131,12 @@ def _rhs_products(
   # scale per column, kept by parity (`KernelRhs.scales` [G, in/32, 2, out/2]).
   half = out_size // 2
   bits = plgpu.load(rhs_ref.at[group, pl.ds(in0, in_size), pl.ds(out0 // 2, half)])
-  even, odd = (
-    (
-      v
-      * plgpu.load(scales_ref.at[group, scale_row, jnp.int32(parity), pl.ds(out0 // 2, half)])[
-        None, :
-      ]
-    ).astype(dtype)
-    for parity, v in enumerate(decode(bits, rhs_format))
-  )
+
+  def scaled(values, parity):  # one nibble's values times their columns' scales
+    scales = scales_ref.at[group, scale_row, jnp.int32(parity), pl.ds(out0 // 2, half)]
+    return (values * plgpu.load(scales)[None, :]).astype(dtype)
+
+  even, odd = (scaled(v, parity) for parity, v in enumerate(decode(bits, rhs_format)))
   if not transpose_rhs:
     return [dot(lhs, even), dot(lhs, odd)]
   # Read transposed, the pairs run along the contraction: lhs's columns come by parity
@@ -213,9 +210,10 @@ def _gmm_kernel(
 
     def k_step(k_block, accs):
       k0 = k_block * bk
-      lhs = plgpu.load(
-        lhs_ref.at[rows, pl.ds(k0, bk)], mask=jnp.broadcast_to(in_group[:, None], (bm, bk)), other=0
-      )  # [bm, bk]
+      lhs = None  # mxfp4 read transposed loads lhs's columns by parity itself
+      if not (rhs_format == "mxfp4" and transpose_rhs):
+        mask = jnp.broadcast_to(in_group[:, None], (bm, bk))
+        lhs = plgpu.load(lhs_ref.at[rows, pl.ds(k0, bk)], mask=mask, other=0)  # [bm, bk]
       products = [p for col in col_starts for p in rhs_products(lhs, k0, col)]
       return tuple(acc + p for acc, p in zip(accs, products, strict=True))
 
