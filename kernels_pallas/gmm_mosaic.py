@@ -197,7 +197,6 @@ def _gmm_aligned_kernel(
         return tile_smem
 
       def accumulate(*acc_refs, tile_smems=()):
-
         def step(indices, lhs_smem, *rhs_smems):
           for i, (acc_ref, rhs_smem) in enumerate(zip(acc_refs, rhs_smems, strict=True)):
             if quant_block:
