@@ -19,7 +19,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from kernels_pallas import gmm_mosaic, gmm_triton
+from kernels_pallas import gmm_mosaic, gmm_triton, mosaic_quant
 from kernels_pallas.activations import activate
 from kernels_pallas.gmm_mosaic import MosaicBlocks
 from kernels_pallas.gmm_triton import TritonBlocks
@@ -149,7 +149,7 @@ BACKENDS: dict[str, Backend] = {
     unsupported_reason=gmm_mosaic.unsupported_reason,
     gmm=gmm_mosaic.gmm_mosaic,
     tgmm=gmm_mosaic.tgmm_mosaic,
-    quant_formats=("fp8_block",),
-    fit_blocks=gmm_mosaic.fit_blocks,
+    quant_formats=("fp8_block", "mxfp4"),
+    fit_blocks=mosaic_quant.fit_blocks,
   ),
 }

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import inspect
 from collections.abc import Iterator
 from types import ModuleType
 
@@ -117,3 +118,30 @@ def mosaic_operands_transposed_in_smem(interpret: bool) -> bool:
   the CUDA lowering test.
   """
   return not interpret
+
+
+def mosaic_registers(ref, index: tuple, layout, interpret: bool):
+  """`ref[index]` loaded from shared memory into registers of the given layout.
+
+  On a GPU: `plgpu.load`, whose explicit layout Mosaic's layout inference may need. JAX 0.10
+  requires the index as its argument (a ref already indexed with `.at` fails there), 0.11
+  deprecates that for `.at`, 0.12 takes only `.at`. The Mosaic GPU interpreter cannot run
+  `plgpu.load` (it binds it to arrays) and has no layouts to place: there a plain read.
+  """
+  if interpret:
+    return ref[index]
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+
+  index_argument = inspect.signature(plgpu.load).parameters.get("idx")
+  if index_argument is not None and index_argument.default is inspect.Parameter.empty:
+    return plgpu.load(ref, index, layout=layout)  # JAX 0.10
+  return plgpu.load(ref.at[index], layout=layout)
+
+
+def mosaic_iota(shape: tuple[int, ...], dimension: int, layout, interpret: bool) -> jax.Array:
+  """int32 indices along `dimension`, in registers of `layout` (plain in the interpreter)."""
+  if interpret:
+    return jax.lax.broadcasted_iota(jax.numpy.int32, shape, dimension)
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+
+  return plgpu.broadcasted_iota(jax.numpy.int32, shape, dimension, layout=layout)

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -35,9 +34,16 @@ from kernels_pallas.compat import (
   out_struct,
   target_num_sms,
 )
-from kernels_pallas.dequant import decode, kernel_rhs
+from kernels_pallas.dequant import kernel_rhs
 from kernels_pallas.metadata import aligned_rows, max_visits
-from kernels_pallas.quantized import BlockScaled, is_block_scaled
+from kernels_pallas.mosaic_quant import (
+  QuantTiles,
+  by_parity,
+  fit_blocks,
+  from_parity,
+  swizzled,
+)
+from kernels_pallas.quantized import is_block_scaled
 
 _WGMMA_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _INTERPRETED_SMS = 4  # programs the interpreter simulates: each one is slow on a CPU
@@ -98,13 +104,6 @@ def unsupported_reason(dtype, activation: str | None, precision=None) -> str | N
   return None
 
 
-def _swizzled(dtype, minor: int) -> tuple:
-  """Shared-memory transforms of a tile whose minor dimension holds `minor` elements."""
-  itemsize = jnp.dtype(dtype).itemsize
-  swizzle = plgpu.find_swizzle(minor * itemsize * 8)
-  return plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle)
-
-
 def _store_tile(value: jax.Array, out_gmem_tile) -> None:
   """Writes a [rows, cols] register tile to global memory through shared memory (TMA)."""
 
@@ -133,26 +132,22 @@ def _gmm_aligned_kernel(
   num_tiles: int,
   gated: bool,
   transpose_rhs: bool,
-  quant_block: tuple[int, int] | None,
+  quant: QuantTiles | None,
 ):
   """out tile (t, n) = epilogue(lhs tile t @ rhs[group(t)][:, n-block]), tiles past used skipped.
 
   Refs: tile_ends [G], lhs [R, K] (tile-aligned), rhs [G, K, N] ([G, N, K] with
-  `transpose_rhs`), then with `quant_block` the rhs's float32 scales (rhs holds the uint8
-  bits of fp8_block values, `kernels_pallas.dequant`), then out [R, N'] (N' = N/2 gated).
+  `transpose_rhs`), then with `quant` the rhs's float32 scales (rhs holds the uint8 bits of
+  a `kernels_pallas.dequant.KernelRhs`), then out [R, N'] (N' = N/2 gated).
   """
-  scales_gmem = refs[0] if quant_block else None
+  scales_gmem = refs[0] if quant else None
   out_gmem = refs[-1]
   bm, bn, bk = blocks.block_m, blocks.block_n, blocks.block_k
   num_groups = rhs_gmem.shape[0]
   k = lhs_gmem.shape[1]
   out_cols = out_gmem.shape[1]
   col_blocks = out_cols // bn
-  transforms = _swizzled(lhs_gmem.dtype, bk)
-  # A quantized rhs tile arrives as bytes and is decoded into a tile of lhs's dtype.
-  rhs_transforms = (
-    _swizzled(rhs_gmem.dtype, bk if transpose_rhs else bn) if quant_block else transforms
-  )
+  transforms = swizzled(lhs_gmem.dtype, bk)
   used_tiles = tile_ends_gmem[num_groups - 1]
 
   @plgpu.nd_loop((num_tiles * col_blocks,), collective_axes="sm")
@@ -165,68 +160,66 @@ def _gmm_aligned_kernel(
       group = _tile_group(tile_ends_gmem, tile, num_groups)
       # Gate columns [n*bn, (n+1)*bn); with the gated epilogue also up columns at +N'.
       col_offsets = (0, out_cols // bn) if gated else (0,)
-      if transpose_rhs:  # rhs[g] is [N, K]: load [bn, bk] tiles, multiply by their transpose
-        rhs_specs = [
-          plgpu.BlockSpec(
-            (bn, bk),
-            lambda kb, o=o: (col_block + o, kb),
-            transforms=rhs_transforms,
-            delay_release=1,
-          )
-          for o in col_offsets
-        ]
+      # The stored tile (row block, column block) of step kb: rhs[g] is [N, K] read
+      # transposed (loaded as [bn, bk] tiles, multiplied by their transpose), else [K, N].
+      stored_index = [
+        (lambda kb, o=o: (col_block + o, kb))
+        if transpose_rhs
+        else (lambda kb, o=o: (kb, col_block + o))
+        for o in col_offsets
+      ]
+      lhs_specs = [
+        plgpu.BlockSpec((bm, bk), lambda kb: (tile, kb), transforms=transforms, delay_release=1)
+      ]
+      if quant:
+        lhs_specs = quant.lhs_specs(bm, tile, k, lhs_gmem.dtype)
+        rhs_specs = [spec for index in stored_index for spec in quant.rhs_specs(index)]
       else:
+        tile_shape = (bn, bk) if transpose_rhs else (bk, bn)
         rhs_specs = [
-          plgpu.BlockSpec(
-            (bk, bn),
-            lambda kb, o=o: (kb, col_block + o),
-            transforms=rhs_transforms,
-            delay_release=1,
-          )
-          for o in col_offsets
+          plgpu.BlockSpec(tile_shape, index, transforms=transforms, delay_release=1)
+          for index in stored_index
         ]
-
-      def dequantized(rhs_smem, tile_smem, k_index, col_offset):
-        """tile_smem <- the rhs tile's values times its scale (one per tile), lhs's dtype."""
-        stored_rows, stored_cols = (col_block + col_offset) * bn, k_index * bk
-        if not transpose_rhs:
-          stored_rows, stored_cols = stored_cols, stored_rows
-        scale = scales_gmem[group, stored_rows // quant_block[0], stored_cols // quant_block[1]]
-        tile_smem[...] = (decode(rhs_smem[...], "fp8_block") * scale).astype(tile_smem.dtype)
-        plgpu.commit_smem()
-        return tile_smem
+      per_tile = len(rhs_specs) // len(col_offsets)  # refs per rhs tile (bits and scales)
 
       def accumulate(*acc_refs, tile_smems=()):
-        def step(indices, lhs_smem, *rhs_smems):
-          for i, (acc_ref, rhs_smem) in enumerate(zip(acc_refs, rhs_smems, strict=True)):
-            if quant_block:
-              rhs_smem = dequantized(rhs_smem, tile_smems[i], indices[0], col_offsets[i])
-            rhs_tile = rhs_smem.transpose((1, 0)) if transpose_rhs else rhs_smem
-            plgpu.wgmma(acc_ref, lhs_smem, rhs_tile)
+        def step(indices, *smems):
+          lhs_smems, rhs_smems = smems[: len(lhs_specs)], smems[len(lhs_specs) :]
+          for i, acc_ref in enumerate(acc_refs):
+            rhs_smem, *scales_smem = rhs_smems[i * per_tile : (i + 1) * per_tile]
+            if not quant:
+              rhs_tile = rhs_smem.transpose((1, 0)) if transpose_rhs else rhs_smem
+              plgpu.wgmma(acc_ref, lhs_smems[0], rhs_tile)
+              continue
+            scales = scales_smem or [
+              quant.tile_scale(scales_gmem, group, stored_index[i](indices[0]))
+            ]
+            quant.decode_into(tile_smems[i], rhs_smem, scales[0])
+            quant.multiply(acc_ref, lhs_smems, tile_smems[i])
           # A decoded tile is rewritten next step: its wgmma must be done by then.
-          plgpu.wgmma_wait(0 if quant_block else 1)
+          plgpu.wgmma_wait(0 if quant else 1)
 
+        rhs_operands = [rhs_gmem.at[group]] + ([scales_gmem.at[group]] if per_tile == 2 else [])
         plgpu.emit_pipeline(
           step,
           grid=(k // bk,),
-          in_specs=[
-            plgpu.BlockSpec(
-              (bm, bk), lambda kb: (tile, kb), transforms=transforms, delay_release=1
-            ),
-            *rhs_specs,
-          ],
+          in_specs=[*lhs_specs, *rhs_specs],
           max_concurrent_steps=blocks.max_concurrent_steps,
-        )(lhs_gmem, *[rhs_gmem.at[group]] * len(col_offsets))
+        )(*[lhs_gmem] * len(lhs_specs), *rhs_operands * len(col_offsets))
         return tuple(acc_ref[...] for acc_ref in acc_refs)
 
       acc_types = [plgpu.ACC((bm, bn), jnp.float32)] * len(col_offsets)
-      if quant_block:  # decoded tiles in shared memory, scoped apart from the registers
-        tile_shape = (bn, bk) if transpose_rhs else (bk, bn)
+      if quant:  # decoded tiles in shared memory, scoped apart from the registers
+        per_acc = len(quant.tile_types(lhs_gmem.dtype))
         accs = pl.run_scoped(
-          lambda *tile_smems: pl.run_scoped(
-            functools.partial(accumulate, tile_smems=tile_smems), *acc_types
+          lambda *tiles: pl.run_scoped(
+            functools.partial(
+              accumulate,
+              tile_smems=[tiles[i : i + per_acc] for i in range(0, len(tiles), per_acc)],
+            ),
+            *acc_types,
           ),
-          *[plgpu.SMEM(tile_shape, lhs_gmem.dtype, transforms=transforms)] * len(col_offsets),
+          *quant.tile_types(lhs_gmem.dtype) * len(col_offsets),
         )
       else:
         accs = pl.run_scoped(accumulate, *acc_types)
@@ -256,9 +249,9 @@ def gmm_mosaic(
   Args:
     lhs: [M, K] bf16/f16; K a multiple of block_k.
     rhs: [G, K, N] ([G, N, K] with `transpose_rhs`, read transposed in shared memory), lhs's
-      dtype; N (N/2 gated) a multiple of block_n. Or an fp8_block `BlockScaled`: each tile's
-      bytes are decoded in registers (`kernels_pallas.dequant`), scaled and stored to shared
-      memory in lhs's dtype for the wgmma; `blocks` shrink to fit its scale blocks.
+      dtype; N (N/2 gated) a multiple of block_n. Or a `BlockScaled` (fp8_block, mxfp4): each
+      tile's bytes are decoded in registers, scaled and stored to shared memory in lhs's
+      dtype for the wgmma (`kernels_pallas.mosaic_quant`); `blocks` fit its scale blocks.
     group_sizes: [G] int32, sum <= M.
     row_weights: [M] or None; scales the output rows (applied while gathering them back).
     blocks: `MosaicBlocks`.
@@ -273,13 +266,9 @@ def gmm_mosaic(
     [M, N] (or [M, N/2] gated); rows outside every group are 0.
   """
   del precision
-  if transpose_rhs and not mosaic_operands_transposed_in_smem(interpret):
-    rhs, transpose_rhs = _swap_last_axes(rhs), False
   quantized = kernel_rhs(rhs) if is_block_scaled(rhs) else None
-  if quantized is not None:
-    if quantized.format != "fp8_block":
-      raise NotImplementedError(f"mosaic takes fp8_block weights, not {quantized.format}")
-    blocks = fit_blocks(blocks, rhs)
+  if transpose_rhs and not mosaic_operands_transposed_in_smem(interpret) and quantized is None:
+    rhs, transpose_rhs = jnp.swapaxes(rhs, 1, 2), False
   num_rows, k = lhs.shape
   groups = rhs.shape[0]
   n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
@@ -292,6 +281,19 @@ def gmm_mosaic(
   rows = aligned_rows(group_sizes, num_rows, blocks.block_m)
   num_tiles = max_visits(num_rows, groups, blocks.block_m)
   lhs_aligned = _gather_rows(lhs, rows.row_source)
+  quant = None
+  if quantized is not None:
+    blocks = fit_blocks(blocks, rhs)
+    quant = QuantTiles(
+      quantized.format,
+      quantized.block,
+      blocks.block_k,
+      blocks.block_n,
+      transpose_rhs,
+      interpret,
+    )
+    if quant.split_contraction:  # the contraction's pairs: lhs's columns by parity
+      lhs_aligned = by_parity(lhs_aligned, k)
   kernel = plgpu.kernel(
     functools.partial(
       _gmm_aligned_kernel,
@@ -299,48 +301,19 @@ def gmm_mosaic(
       num_tiles=num_tiles,
       gated=activation is not None,
       transpose_rhs=transpose_rhs,
-      quant_block=None if quantized is None else quantized.block,
+      quant=quant,
     ),
     out_type=out_struct((num_tiles * blocks.block_m, out_cols), out_dtype, like=lhs_aligned),
     **_launch(interpret),
   )
   rhs_operands = (rhs,) if quantized is None else (quantized.bits, quantized.scales)
-  out = _gather_rows(kernel(rows.tile_ends, lhs_aligned, *rhs_operands), rows.source_row)
+  out = kernel(rows.tile_ends, lhs_aligned, *rhs_operands)
+  if quant and quant.paired and not transpose_rhs:  # output columns came by parity
+    out = from_parity(out, blocks.block_n)
+  out = _gather_rows(out, rows.source_row)
   if row_weights is not None:
     out = (out.astype(jnp.float32) * row_weights[:, None].astype(jnp.float32)).astype(out_dtype)
   return out
-
-
-def fit_blocks(blocks: MosaicBlocks, rhs: BlockScaled) -> MosaicBlocks:
-  """`blocks` shrunk so that every tile of an fp8_block `rhs` lies in one scale block.
-
-  A tile spans block_k rows and block_n columns of the stored weight read forward, the other
-  way round read transposed (the backward pass), so both must divide the scale block's bi
-  and bo; then one scale per tile multiplies the decoded tile. Both are at least 32: a tile
-  of bytes needs rows of 32+ bytes for a shared-memory swizzle.
-
-  >>> fp8 = BlockScaled(jnp.ones((1, 64, 64), jnp.float8_e4m3fn), jnp.ones((1, 1, 2)), (64, 32))
-  >>> fit_blocks(MosaicBlocks(), fp8)
-  MosaicBlocks(block_m=128, block_n=32, block_k=32, max_concurrent_steps=4)
-
-  Raises:
-    NotImplementedError: no block of at least 16 fits the scale block.
-  """
-  limit = math.gcd(*rhs.block)
-  block_k = next((b for b in (64, 32) if b <= max(blocks.block_k, 32) and limit % b == 0), 0)
-  block_n = next((b for b in range(max(blocks.block_n, 32), 31, -8) if limit % b == 0), 0)
-  if not (block_k and block_n):
-    raise NotImplementedError(f"mosaic needs tiles of >= 32 within a {rhs.block} scale block")
-  return dataclasses.replace(blocks, block_k=block_k, block_n=block_n)
-
-
-def _swap_last_axes(rhs: jax.Array | BlockScaled) -> jax.Array | BlockScaled:
-  """rhs [G, a, b] as [G, b, a] (a BlockScaled's scales and block too)."""
-  if is_block_scaled(rhs):
-    return BlockScaled(
-      jnp.swapaxes(rhs.values, 1, 2), jnp.swapaxes(rhs.scales, 1, 2), rhs.block[::-1]
-    )
-  return jnp.swapaxes(rhs, 1, 2)
 
 
 def _gather_rows(x: jax.Array, rows: jax.Array) -> jax.Array:
@@ -398,14 +371,14 @@ def _tgmm_aligned_kernel(
       lhs_spec = plgpu.BlockSpec(
         (bm, bk),
         lambda t: (k_block, first_tile + t),
-        transforms=_swizzled(lhs_gmem.dtype, bk),
+        transforms=swizzled(lhs_gmem.dtype, bk),
         delay_release=1,
       )
     else:  # lhs tiles [bk, bm], read transposed in shared memory
       lhs_spec = plgpu.BlockSpec(
         (bk, bm),
         lambda t: (first_tile + t, k_block),
-        transforms=_swizzled(lhs_gmem.dtype, bm),
+        transforms=swizzled(lhs_gmem.dtype, bm),
         delay_release=1,
       )
 
@@ -425,7 +398,7 @@ def _tgmm_aligned_kernel(
             plgpu.BlockSpec(
               (bk, bn),
               lambda t: (first_tile + t, n_block),
-              transforms=_swizzled(lhs_gmem.dtype, bn),
+              transforms=swizzled(lhs_gmem.dtype, bn),
               delay_release=1,
             ),
           ],

@@ -34,9 +34,10 @@ def test_gpu_kernel_benchmark_smoke_times_every_backend_and_op(tmp_path):
       assert (op, backend) in timed
   assert ("gmm", "dense (ceiling)") in timed
   quant = {(r["op"], r["backend"], r["weights"]) for r in rows if r.get("section") == "quant"}
-  for backend, formats in (("triton", ("fp8_block", "mxfp4")), ("mosaic", ("fp8_block",))):
-    for op, weights in itertools.product(("gmm", "moe_mlp"), ("bf16", *formats)):
-      assert (op, backend, weights) in quant
+  for backend, op, weights in itertools.product(
+    ("triton", "mosaic"), ("gmm", "moe_mlp"), ("bf16", "fp8_block", "mxfp4")
+  ):
+    assert (op, backend, weights) in quant
 
 
 def test_gpu_check_smoke_runs_every_part(tmp_path):

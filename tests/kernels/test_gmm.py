@@ -121,14 +121,14 @@ def block_scaled_spec(shape: tuple[int, ...], rhs_format: str) -> BlockScaled:
 
 
 def test_mosaic_kernels_lower_for_cuda():
-  """The forward kernel (plain, gated, reading rhs transposed in shared memory; bf16 and
-  fp8_block weights) and tgmm."""
+  """The forward kernel (plain, gated, reading rhs transposed in shared memory; bf16,
+  fp8_block and mxfp4 weights) and tgmm."""
   lhs = jax.ShapeDtypeStruct((512, 256), jnp.bfloat16)
   sizes = jax.ShapeDtypeStruct((8,), jnp.int32)
   blocks = MosaicBlocks()
   for (activation, transpose, rhs_shape), rhs_format in itertools.product(
     [(None, False, (8, 256, 512)), ("silu", False, (8, 256, 1024)), (None, True, (8, 512, 256))],
-    [None, "fp8_block"],
+    [None, "fp8_block", "mxfp4"],
   ):
     rhs = jax.ShapeDtypeStruct(rhs_shape, jnp.bfloat16)
     if rhs_format:
@@ -205,11 +205,8 @@ def test_block_scaled_bad_input():
   fp8 = BlockScaled(values, jnp.ones((2, 2, 2)), (32, 32))
   with pytest.raises(NotImplementedError, match="xla takes no fp8_block"):
     gmm(lhs, fp8, sizes, implementation="xla")
-  mxfp4 = BlockScaled(
-    jnp.ones((2, 64, 64), jnp.float4_e2m1fn), jnp.ones((2, 2, 64), jnp.float8_e8m0fnu), (32, 1)
-  )
-  with pytest.raises(NotImplementedError, match="mosaic takes no mxfp4"):
-    gmm(lhs, mxfp4, sizes, implementation="mosaic", interpret=True)
+  with pytest.raises(NotImplementedError, match="mosaic runs bf16/f16 wgmma only"):
+    gmm(lhs.astype(jnp.float32), fp8, sizes, implementation="mosaic", interpret=True)
   down = jnp.ones((2, 32, 64), jnp.bfloat16)
   with pytest.raises(ValueError, match="must share a format, got fp8_block and None"):
     moe_mlp(lhs, fp8, down, sizes, implementation="triton", interpret=True)
