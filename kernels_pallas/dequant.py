@@ -99,3 +99,20 @@ def decode(bits: jax.Array, format: str):
     value = _minifloat(code, 4, 3)
     return jnp.where((code & 0x7F) == 0x7F, jnp.float32(jnp.nan), value)
   return _minifloat(code & 0xF, 2, 1), _minifloat(code >> 4, 2, 1)  # float4_e2m1fn
+
+
+def by_parity(x: jax.Array, tile: int) -> jax.Array:
+  """[M, N] with each `tile` columns reordered: the even ones first, then the odd ones (how
+  kernels lay out columns that an mxfp4 byte pairs).
+
+  >>> by_parity(jnp.arange(8)[None], 4).tolist()
+  [[0, 2, 1, 3, 4, 6, 5, 7]]
+  """
+  m, n = x.shape
+  return x.reshape(m, n // tile, tile // 2, 2).swapaxes(2, 3).reshape(m, n)
+
+
+def from_parity(x: jax.Array, tile: int) -> jax.Array:
+  """The inverse of `by_parity`."""
+  m, n = x.shape
+  return x.reshape(m, n // tile, 2, tile // 2).swapaxes(2, 3).reshape(m, n)

@@ -34,15 +34,9 @@ from kernels_pallas.compat import (
   out_struct,
   target_num_sms,
 )
-from kernels_pallas.dequant import kernel_rhs
+from kernels_pallas.dequant import by_parity, from_parity, kernel_rhs
 from kernels_pallas.metadata import aligned_rows, max_visits
-from kernels_pallas.mosaic_quant import (
-  QuantTiles,
-  by_parity,
-  fit_blocks,
-  from_parity,
-  swizzled,
-)
+from kernels_pallas.mosaic_quant import QuantTiles, fit_blocks, swizzled
 from kernels_pallas.quantized import is_block_scaled
 
 _WGMMA_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))

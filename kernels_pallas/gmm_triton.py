@@ -29,7 +29,7 @@ from jax.experimental import pallas as pl
 
 from kernels_pallas.activations import activate, erf_in_kernel
 from kernels_pallas.compat import out_struct, pallas_triton, triton_missing_reason
-from kernels_pallas.dequant import decode, kernel_rhs
+from kernels_pallas.dequant import by_parity, decode, from_parity, kernel_rhs
 from kernels_pallas.metadata import GroupTiles, group_tiles, max_visits
 from kernels_pallas.quantized import BlockScaled, format_of, is_block_scaled
 
@@ -140,22 +140,12 @@ def _rhs_products(
   if not transpose_rhs:
     return [dot(lhs, even), dot(lhs, odd)]
   # Read transposed, the pairs run along the contraction: lhs's columns come by parity
-  # (`_by_parity`), the even ones in the first half.
+  # (`by_parity` over all K), the even ones in the first half.
   mask = jnp.broadcast_to(in_group[:, None], (bm, half))
   lhs_half = lambda parity: plgpu.load(
     lhs_ref.at[rows, pl.ds(parity * (lhs_ref.shape[1] // 2) + k0 // 2, half)], mask=mask, other=0
   )  # [bm, bk/2]
   return [dot(lhs_half(0), even) + dot(lhs_half(1), odd)]
-
-
-def _by_parity(x: jax.Array) -> jax.Array:
-  """[M, 2n] -> [M, 2n] with the even columns first, then the odd ones."""
-  return x.reshape(x.shape[0], -1, 2).swapaxes(1, 2).reshape(x.shape)
-
-
-def _from_parity(x: jax.Array) -> jax.Array:
-  """The inverse of `_by_parity`."""
-  return x.reshape(x.shape[0], 2, -1).swapaxes(1, 2).reshape(x.shape)
 
 
 def _gmm_kernel(
@@ -225,7 +215,7 @@ def _gmm_kernel(
       if weighted:
         weights = plgpu.load(row_weights_ref.at[rows], mask=in_group, other=0)  # [bm]
         out = out * weights[:, None].astype(jnp.float32)
-      width = bn // parities  # mxfp4's output columns come by parity (`_by_parity`)
+      width = bn // parities  # mxfp4's output columns come by parity (`by_parity`)
       mask = jnp.broadcast_to(in_group[:, None], (bm, width))
       cols = pl.ds(parity * (out_ref.shape[1] // parities) + col_block * width, width)
       plgpu.store(out_ref.at[rows, cols], out.astype(out_ref.dtype), mask=mask)
@@ -279,7 +269,7 @@ def gmm_triton(
     blocks = fit_blocks(blocks, rhs)
   paired = quantized is not None and quantized.values_per_byte == 2
   if paired and transpose_rhs:
-    lhs = _by_parity(lhs)
+    lhs = by_parity(lhs, k)
   _check_divisible(num_rows=num_rows, k=k, out_cols=out_cols, blocks=blocks)
   tiles: GroupTiles = group_tiles(group_sizes, num_rows, blocks.block_m)
   visits = max_visits(num_rows, groups, blocks.block_m)
@@ -312,7 +302,7 @@ def gmm_triton(
     interpret=interpret,
     name="gmm_triton",
   )(*operands)
-  return _from_parity(out) if paired and not transpose_rhs else out
+  return from_parity(out, out_cols) if paired and not transpose_rhs else out
 
 
 def _tgmm_kernel(

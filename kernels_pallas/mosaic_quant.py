@@ -18,6 +18,7 @@ then reads. Per format:
 The mxfp4 path gives its row index and scales explicit layouts (the wgmma layout, and its
 columns' reduction for a row of scales), which is what Mosaic's layout inference needs to
 place the broadcast; the decoded bytes follow from them.
+
 The interpreter cannot hand wgmma a transposed shared-memory tile
 (`compat.mosaic_operands_transposed_in_smem`), so there a tile read transposed is decoded,
 transposed in registers and stored as [K, N].
@@ -39,6 +40,7 @@ from kernels_pallas.compat import (
   mosaic_registers,
 )
 from kernels_pallas.dequant import decode
+from kernels_pallas.quantized import format_of
 
 _MXFP4_ROWS = 32  # rows of one mxfp4 scale
 
@@ -187,7 +189,7 @@ def fit_blocks(blocks, rhs):
   Raises:
     NotImplementedError: no such blocks fit the scale block.
   """
-  if rhs.block == (_MXFP4_ROWS, 1):
+  if format_of(rhs) == "mxfp4":
     block_n = max(64, blocks.block_n // 64 * 64)
     return dataclasses.replace(blocks, block_k=64, block_n=block_n)
   limit = math.gcd(*rhs.block)
@@ -196,15 +198,3 @@ def fit_blocks(blocks, rhs):
   if not (block_k and block_n):
     raise NotImplementedError(f"mosaic needs tiles of >= 32 within a {rhs.block} scale block")
   return dataclasses.replace(blocks, block_k=block_k, block_n=block_n)
-
-
-def by_parity(x: jax.Array, tile: int) -> jax.Array:
-  """[M, N] with each `tile` columns reordered: even ones first, then odd ones."""
-  m, n = x.shape
-  return x.reshape(m, n // tile, tile // 2, 2).swapaxes(2, 3).reshape(m, n)
-
-
-def from_parity(x: jax.Array, tile: int) -> jax.Array:
-  """The inverse of `by_parity`."""
-  m, n = x.shape
-  return x.reshape(m, n // tile, 2, tile // 2).swapaxes(2, 3).reshape(m, n)
