@@ -177,18 +177,26 @@ class TestLayer:
 
   @pytest.mark.filterwarnings("ignore:expert_backend='pallas' on a CPU:UserWarning")
   @pytest.mark.parametrize(
-    "expert_quant, mesh_shape", [(FP8, None), (MXFP4, (2, 4))], ids=["fp8_block", "mxfp4"]
+    "expert_quant, mesh_shape, dtype",
+    [
+      (FP8, None, jnp.float32),
+      (MXFP4, (2, 4), jnp.float32),
+      (FP8, (2, 4), jnp.bfloat16),
+      (MXFP4, None, jnp.bfloat16),
+    ],
+    ids=["fp8_block", "mxfp4", "fp8_block-bf16", "mxfp4-bf16"],
   )
-  def test_pallas_kernels_dequantize_tile_by_tile(self, expert_quant, mesh_shape, request):
+  def test_pallas_kernels_dequantize_tile_by_tile(self, expert_quant, mesh_shape, dtype, request):
     """expert_backend="pallas" runs the kernel that takes the format (Triton, interpreted
-    here), not the tile loop: y and the gradients of x and the router match the reference."""
+    here), not the tile loop: y (and in float32 the gradients of x and the router) match the
+    reference."""
     from moejax import experts
 
-    config = MoEConfig(**BASE, **expert_quant, expert_backend="pallas")
+    config = MoEConfig(**BASE, **expert_quant, expert_backend="pallas", dtype=dtype)
     if experts.kernel_for(config) is None:
       pytest.skip(str(triton_missing_reason()))
     assert experts.expert_path(config, num_rows=64, local_experts=2) == "pallas"
-    self.check(config, mesh_shape, request.node.name)
+    self.check(config, mesh_shape, request.node.name, grads=dtype == jnp.float32)
 
 
 def test_compiled_temporaries_hold_no_dequantized_copy():
