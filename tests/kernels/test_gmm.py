@@ -6,6 +6,8 @@ import itertools
 import chex
 import jax
 import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
 import pytest
 from jax import export
 
@@ -13,6 +15,7 @@ from kernels_pallas import MosaicBlocks, TritonBlocks, gmm, moe_mlp
 from kernels_pallas.api import best_implementation, unsupported_reason
 from kernels_pallas.backends import BACKENDS
 from kernels_pallas.compat import cuda_target, triton_missing_reason
+from kernels_pallas.dequant import decode
 from kernels_pallas.gmm_mosaic import gmm_mosaic, tgmm_mosaic
 from kernels_pallas.gmm_triton import gmm_triton, tgmm_triton
 from kernels_pallas.quantized import FORMATS, BlockScaled, from_qarray
@@ -240,3 +243,21 @@ def test_qwix_qarray_rhs_is_taken_as_its_block_scaled(qtype, tiles):
   chex.assert_trees_all_close(run(q), want, atol=1e-5, rtol=1e-5)
   with pytest.raises(ValueError, match="symmetric with one scale tile per group"):
     from_qarray(qwix.quantize(w, jnp.float8_e4m3fn, tiled_axes={0: 2, 1: 32, 2: 32}))
+
+
+def test_kernel_decode_matches_ml_dtypes_for_every_code():
+  """The kernels' bit decode gives exactly ml_dtypes' value for each of the 256 float8_e4m3fn
+  codes (NaN included) and, in both nibbles of a byte, each of the 16 float4_e2m1fn codes."""
+  codes = np.arange(256, dtype=np.uint8)
+  fp8 = np.asarray(decode(jnp.asarray(codes), "fp8_block"))
+  want = codes.view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+  np.testing.assert_array_equal(fp8, want)  # NaN where ml_dtypes has NaN
+  assert np.array_equal(np.signbit(fp8[~np.isnan(want)]), np.signbit(want[~np.isnan(want)]))
+  pairs = jax.lax.bitcast_convert_type(
+    jnp.asarray(codes, jnp.uint8), jnp.float4_e2m1fn
+  )  # [256, 2]: (low nibble, high nibble) of each byte
+  even, odd = (np.asarray(v) for v in decode(jnp.asarray(codes), "mxfp4"))
+  for got, nibble in ((even, 0), (odd, 1)):
+    want = np.asarray(pairs[:, nibble]).astype(np.float32)
+    np.testing.assert_array_equal(got, want)
+    assert np.array_equal(np.signbit(got), np.signbit(want))
