@@ -6,6 +6,8 @@
   frozen record of its blocks, limits, `gmm` and `tgmm`. `interpret=True` runs a Pallas
   backend on a CPU in its interpreter.
 - `TritonBlocks`, `MosaicBlocks`: block sizes; `autotune` picks and caches them per device.
+- `BlockScaled`: a quantized rhs (fp8_block, mxfp4) that both kernels dequantize tile by
+  tile (`dequant`, `mosaic_quant`); a qwix `QArray` is taken as one.
 """
 
 from kernels_pallas import autotune
@@ -13,5 +15,14 @@ from kernels_pallas.api import gmm, moe_mlp
 from kernels_pallas.backends import BACKENDS
 from kernels_pallas.gmm_mosaic import MosaicBlocks
 from kernels_pallas.gmm_triton import TritonBlocks
+from kernels_pallas.quantized import BlockScaled
 
-__all__ = ["BACKENDS", "MosaicBlocks", "TritonBlocks", "autotune", "gmm", "moe_mlp"]
+__all__ = [
+  "BACKENDS",
+  "BlockScaled",
+  "MosaicBlocks",
+  "TritonBlocks",
+  "autotune",
+  "gmm",
+  "moe_mlp",
+]
