@@ -261,6 +261,8 @@ def gmm_mosaic(
   """
   del precision
   quantized = kernel_rhs(rhs) if is_block_scaled(rhs) else None
+  if quantized is not None:
+    blocks = fit_blocks(blocks, rhs)
   if transpose_rhs and not mosaic_operands_transposed_in_smem(interpret) and quantized is None:
     rhs, transpose_rhs = jnp.swapaxes(rhs, 1, 2), False
   num_rows, k = lhs.shape
@@ -277,7 +279,6 @@ def gmm_mosaic(
   lhs_aligned = _gather_rows(lhs, rows.row_source)
   quant = None
   if quantized is not None:
-    blocks = fit_blocks(blocks, rhs)
     quant = QuantTiles(
       quantized.format,
       quantized.block,
