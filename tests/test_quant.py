@@ -89,6 +89,28 @@ def test_quantize_matches_numpy_bit_for_bit(expert_quant, block, request):
   )
 
 
+@pytest.mark.parametrize("expert_quant, block", [("fp8_block", (32, 32)), ("mxfp4", (32, 1))])
+def test_padding_and_column_halves_keep_the_weight(expert_quant, block, request):
+  """`BlockScaled.pad` appends zeros (any scale covers them) and `split_columns` /
+  `concatenate_columns` cut and rejoin whole scale blocks: dequantized, each equals the
+  same operation on the NumPy-dequantized weight."""
+  w = jax.random.normal(jax.random.key(seed_of(request.node.name)), (2, 80, 128))
+  q = quant.quantize(w, expert_quant, block)
+  plain = numpy_dequantize(q).astype(np.float32)
+  padded = q.pad(-2, 96).pad(-1, 160)
+  assert padded.scales.shape == padded.expected_scales_shape()
+  want = np.zeros((2, 96, 160), np.float32)
+  want[:, :80, :128] = plain
+  np.testing.assert_array_equal(np.asarray(padded.dequantize()), want)
+  halves = q.split_columns(2)
+  for half, columns in zip(halves, np.split(plain, 2, axis=-1), strict=True):
+    np.testing.assert_array_equal(np.asarray(half.dequantize()), columns)
+  joined = BlockScaled.concatenate_columns(halves)
+  np.testing.assert_array_equal(np.asarray(joined.dequantize()), plain)
+  with pytest.raises(ValueError, match="whole 32-column blocks"):
+    quant.quantize(w[..., :96], "fp8_block", (32, 32)).split_columns(2)
+
+
 def test_mxfp4_codes_and_scales_are_the_ocp_ones():
   """Every e2m1 magnitude round-trips; scales are exact powers of two (e8m0 byte 127 + k)."""
   codes = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6], np.float32)

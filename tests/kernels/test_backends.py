@@ -236,7 +236,7 @@ class GroupedMatmulTestBase:
     """gmm on a `BlockScaled` rhs, forward and d(lhs) (the kernel reading it transposed),
     equals ragged_dot on the weights dequantized apart (NumPy + ml_dtypes) to float32
     rounding: no bit is lost to a narrower dtype. Rows past the groups' sum are NaN."""
-    m, k, n, groups = 96, 64, 64, 4
+    m, k, n, groups = 96, 64, 80, 4  # n: padded to whole column blocks
     keys = jax.random.split(jax.random.key(seed_of(request.node.name)), 4)
     rhs, dequantized = random_block_scaled(keys[0], (groups, k, n), rhs_format, block)
     sizes = random_sizes(keys[1], groups, m)
