@@ -7,7 +7,8 @@ Sections (each prints a table; all rows go to `results/bench.json`, the chunk sw
   chunks      time and compiled peak temporary memory vs total tokens, per chunk size, on one
               device and on the 2x4 mesh
   steps       the chunk loop's cost per step: T=4096 on one device as 1, 8 and 32 chunks,
-              forward and forward+backward, timed interleaved
+              forward and forward+backward, timed interleaved in a process of its own that
+              has one CPU device (see `one_device_process`)
   decode      decode-size calls (T per device 1 ... 128, E=32, K=2, D=1024, F=2048) against two
               baselines that read only the used experts, and on the 2x4 mesh (both schemes)
   padding     100 / 50 / 10 / 0 % valid tokens, and one busy rank among idle ones
@@ -28,6 +29,11 @@ import dataclasses
 import functools
 import json
 import math
+import os
+import re
+import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -423,8 +429,27 @@ STEP_TOKENS = 4096
 STEP_CHUNKS = (1, 8, 32)
 
 
+def one_device_process(section: str, repeats: int) -> list[dict]:
+  """Runs `section` in a child process that has one CPU device; returns its rows.
+
+  Simulated devices share this machine's cores, and with more of them than cores XLA:CPU's
+  multithreaded matmuls slow down: on 2 cores a [32, 256] x [256, 1024] dot in a loop takes
+  ~44 us with 1 or 2 simulated devices and ~70 us with 8 (docs/performance.md, "Chunk
+  loop"). A program on one device in an 8-device process pays that per matmul, which no
+  one-device machine does, and more so the smaller its matmuls are.
+  """
+  flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", ""))
+  env = dict(os.environ, XLA_FLAGS=flags.strip(), JAX_PLATFORMS="cpu")
+  with tempfile.TemporaryDirectory() as out:
+    command = [sys.executable, __file__, f"--sections={section}", f"--repeats={repeats}"]
+    subprocess.run([*command, f"--out={out}"], env=env, check=True)
+    return json.loads((Path(out) / "bench.json").read_text())
+
+
 def steps_section(repeats: int) -> list[dict]:
   """The chunk loop's cost per step: one device, T=4096 as 1, 8 and 32 chunks, interleaved."""
+  if len(jax.devices("cpu")) > 1 and jax.default_backend() == "cpu":
+    return one_device_process("steps", repeats)
   calls = {}
   x = jax.random.normal(jax.random.key(6), (STEP_TOKENS, D))
   params = make_params(config_of(32, 2, STEP_TOKENS))

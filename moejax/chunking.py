@@ -79,19 +79,54 @@ class TokenLayout:
 
 
 class ChunkStages(NamedTuple):
-  """The two stages of one chunk; `finish(w, c, send(w, c))` is the chunk's whole output.
+  """The two stages of one chunk; `finish(w, c, send(w, c), None)` is the chunk's whole output.
+
+  Gradient seeds: the backward pass sums the weights' gradients over chunks. For the weights
+  named in `seeded`, `finish` receives the running sum as `grad_seeds[name]` and promises
+  that its gradient with respect to `weights[name]` is that seed plus the chunk's own, so that
+  a stage which accumulates gradients in place (the tile loop) starts from the running sum
+  instead of adding a fresh weight-sized gradient per chunk (`seed_gradient` keeps the
+  promise for any other use). In the forward pass `grad_seeds` is None.
 
   Attributes:
     send: (weights, chunk) -> in-flight pytree: the outbound exchange.
-    finish: (weights, chunk, in-flight) -> [C, ...]: compute and the return exchange.
+    finish: (weights, chunk, in-flight, grad_seeds) -> [C, ...]: compute and the return
+      exchange.
+    seeded: names of the weights whose gradient seeds `finish` takes.
   """
 
-  send: Callable[[Any, Any], Any]
-  finish: Callable[[Any, Any, Any], jax.Array]
+  send: Callable[[dict[str, Any], Any], Any]
+  finish: Callable[[dict[str, Any], Any, Any, dict[str, jax.Array] | None], jax.Array]
+  seeded: tuple[str, ...] = ()
 
-  def whole(self, weights: Any, chunk: Any) -> jax.Array:
+  def whole(
+    self, weights: dict[str, Any], chunk: Any, grad_seeds: dict[str, jax.Array] | None = None
+  ) -> jax.Array:
     """Both stages of one chunk, unpipelined."""
-    return self.finish(weights, chunk, self.send(weights, chunk))
+    return self.finish(weights, chunk, self.send(weights, chunk), grad_seeds)
+
+
+@jax.custom_vjp
+def seed_gradient(value: jax.Array, seed: jax.Array) -> jax.Array:
+  """`value`, whose gradient gets `seed` added (and `seed` none): keeps `ChunkStages`'s
+  promise for a weight that no in-place accumulation consumes.
+
+  >>> jax.grad(lambda w: seed_gradient(w, jnp.float32(5.0)) * 3.0)(jnp.float32(1.0)).item()
+  8.0
+  """
+  del seed
+  return value
+
+
+def _seed_gradient_fwd(value, seed):
+  return value, seed
+
+
+def _seed_gradient_bwd(seed, cotangent):
+  return cotangent + seed.astype(cotangent.dtype), None
+
+
+seed_gradient.defvjp(_seed_gradient_fwd, _seed_gradient_bwd)
 
 
 def chunk_scan(
@@ -112,7 +147,7 @@ def chunk_scan(
   Args:
     stages: the chunk's `ChunkStages`. They may run collectives over `lockstep_axis`, and
       must close over no traced value (pass those in `weights`).
-    weights: pytree of arrays every chunk uses.
+    weights: name -> array (or pytree of arrays) every chunk uses.
     inputs: pytree of [L, ...] arrays, L a multiple of C.
     token_mask: [L] bool, True for valid rows.
     chunk_size: C.
@@ -200,7 +235,7 @@ def _pipelined_steps(stages, weights, take, order, live, token_mask, out, out_ty
     out, in_flight = carry
     chunk_out = jax.lax.cond(
       live[i],
-      lambda: stages.finish(weights, take(i), in_flight),
+      lambda: stages.finish(weights, take(i), in_flight, None),
       lambda: _zeros_of(token_mask, out_type),
     )
     # The next chunk's exchange reads only inputs: it can overlap this chunk's compute.
@@ -221,8 +256,10 @@ def _chunk_scan_bwd(stages, chunk_size, lockstep_axis, pipelined, residuals, cot
 
   Left to autodiff, the scan would stack per-chunk residuals (copies of the weights among
   them, through the cond) and add full-size weight cotangents per chunk. Here the only saved
-  values are the inputs; each live chunk is recomputed (one extra forward pass, unpipelined),
-  and the collectives' transposes run inside the same lockstep cond as the forward pass.
+  values are the inputs; each live chunk is differentiated again (what its backward pass
+  needs of the forward pass is recomputed, unpipelined), the collectives' transposes run
+  inside the same lockstep cond as the forward pass, and the `stages.seeded` weights'
+  gradients accumulate in place across chunks.
   """
   del pipelined
   weights, inputs, token_mask = residuals
@@ -237,7 +274,9 @@ def _chunk_scan_bwd(stages, chunk_size, lockstep_axis, pipelined, residuals, cot
 
     def accumulate(carry):
       d_weights, d_inputs = carry
-      _, vjp = jax.vjp(stages.whole, weights, _rows_of(inputs, rows))
+      seeds = {name: d_weights[name] for name in stages.seeded}
+      whole = lambda weights, chunk: stages.whole(weights, chunk, seeds)
+      _, vjp = jax.vjp(whole, weights, _rows_of(inputs, rows))
       chunk_d_weights, chunk_d_inputs = vjp(d_out[rows])
       chunk_d_inputs = [
         c
@@ -245,7 +284,10 @@ def _chunk_scan_bwd(stages, chunk_size, lockstep_axis, pipelined, residuals, cot
         if is_float(a)
       ]
       return (
-        jax.tree.map(jnp.add, d_weights, chunk_d_weights),
+        {
+          name: g if name in seeds else jax.tree.map(jnp.add, d_weights[name], g)
+          for name, g in chunk_d_weights.items()
+        },
         [_put_rows(d, rows, c) for d, c in zip(d_inputs, chunk_d_inputs, strict=True)],
       )
 

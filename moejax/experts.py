@@ -30,7 +30,9 @@ import kernels_pallas
 from kernels_pallas.metadata import aligned_rows
 from kernels_pallas.platform import on_cpu
 from moejax import routing
+from moejax.chunking import seed_gradient
 from moejax.config import MoEConfig
+from moejax.params import EXPERT_PARAMS
 from moejax.tiles import GatedActivation, gated_mlp, tile_mlp
 
 _MIN_TILE_ROWS = 8
@@ -88,6 +90,7 @@ def grouped_mlp(
   *,
   activation: GatedActivation,
   tile_rows: int,
+  grad_seeds: dict[str, jax.Array] | None = None,
 ) -> jax.Array:
   """Weighted sum of each row's chosen local experts: y[n] = sum_k w[n,k] * mlp_{e[n,k]}(x[n]).
 
@@ -102,6 +105,8 @@ def grouped_mlp(
     b_down: [El, D], or None.
     activation: the gate/up combination.
     tile_rows: B, rows per tile (see `default_tile_rows`).
+    grad_seeds: gradient seeds by parameter name ("w_gate_up", "w_down", "b_gate_up",
+      "b_down"; see `moejax.chunking.ChunkStages`), or None.
 
   Returns:
     [N, D] float32.
@@ -113,11 +118,13 @@ def grouped_mlp(
   # Aligned row r holds assignment order[row_source[r]]; its row of x is that // K (row N, the
   # zero row, for empty slots).
   assignment = order[jnp.minimum(layout.row_source, expert_ids.size - 1)]
-  row_of = jnp.where(layout.row_source < expert_ids.size, assignment // top_k, rows)
+  filled = layout.row_source < expert_ids.size
+  row_of = jnp.where(filled, assignment // top_k, rows)
   tile_tokens = row_of.reshape(-1, tile_rows)  # [tiles, B]
   tiles = jnp.arange(tile_tokens.shape[0])
   tile_expert = jnp.searchsorted(layout.tile_ends, tiles, side="right")
   tile_expert = jnp.minimum(tile_expert, local_experts - 1).astype(jnp.int32)
+  tile_weights = jnp.where(filled, weights.reshape(-1)[assignment], 0.0).reshape(tile_tokens.shape)
   x_padded = jnp.concatenate([x, jnp.zeros((1, dim), x.dtype)])  # row N is the empty row
 
   tiled_out = tile_mlp(
@@ -127,14 +134,15 @@ def grouped_mlp(
     b_gate_up,
     b_down,
     tile_tokens,
+    tile_weights,
     tile_expert,
     layout.tile_ends[-1],
+    tuple((grad_seeds or {}).get(name) for name in EXPERT_PARAMS),
     activation,
-  )  # [tiles, B, D]
+  )  # [tiles, B, D], weighted
   tiled_out = jnp.concatenate([tiled_out.reshape(-1, dim), jnp.zeros((1, dim), jnp.float32)])
   assignment_row = jnp.zeros_like(order).at[order].set(layout.source_row)  # [N*K]
-  per_choice = tiled_out[assignment_row].reshape(rows, top_k, dim)  # [N, K, D]
-  return jnp.einsum("nk,nkd->nd", weights, per_choice)
+  return jnp.sum(tiled_out[assignment_row].reshape(rows, top_k, dim), axis=1)
 
 
 def sorted_mlp(
@@ -256,6 +264,7 @@ def routed_mlp(
   b_down: jax.Array | None,
   *,
   config: MoEConfig,
+  grad_seeds: dict[str, jax.Array] | None = None,
 ) -> jax.Array:
   """The local experts' weighted output on rows routed to them, by `expert_path`'s choice.
 
@@ -263,7 +272,8 @@ def routed_mlp(
   its expert, and the output is not weighted.
 
   Args and returns: as `grouped_mlp` (without `tile_rows` and `activation`); the biases are
-  None without `config.expert_bias`.
+  None without `config.expert_bias`. The tile loop accumulates onto `grad_seeds` in place;
+  the other paths add them (`moejax.chunking.seed_gradient`).
   """
   local_experts = w_gate_up.shape[0]
   if config.apply_router_weight_on_input:
@@ -282,6 +292,12 @@ def routed_mlp(
       b_down,
       activation=GatedActivation.of(config),
       tile_rows=default_tile_rows(expert_ids.size, config.num_physical_experts),
+      grad_seeds=grad_seeds,
+    )
+  if grad_seeds:
+    w_gate_up, w_down = (
+      seed_gradient(w, grad_seeds[name]) if name in grad_seeds else w
+      for name, w in (("w_gate_up", w_gate_up), ("w_down", w_down))
     )
   implementation = kernel_for(config) if path == "pallas" else "xla"
   return sorted_mlp(

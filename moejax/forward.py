@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
+from kernels_pallas.quantized import is_block_scaled
 from moejax import placement as placement_lib
 from moejax import routing, sharding
 from moejax.chunking import ChunkStages, TokenLayout, chunk_scan
@@ -252,6 +253,11 @@ def local_forward(
   stages = ChunkStages(
     send=functools.partial(_send_chunk, exchange=exchange),
     finish=functools.partial(_finish_chunk, exchange=exchange, config=config),
+    seeded=tuple(
+      name
+      for name in EXPERT_PARAMS
+      if name in chunk_weights and not is_block_scaled(chunk_weights[name])
+    ),
   )
   y, chunks_run = chunk_scan(
     stages,
@@ -283,6 +289,7 @@ def _finish_chunk(
   weights: dict[str, jax.Array],
   chunk,
   dispatched: Dispatched,
+  grad_seeds: dict[str, jax.Array] | None,
   *,
   exchange: Exchange,
   config: MoEConfig,
@@ -295,6 +302,7 @@ def _finish_chunk(
       compute dtype.
     chunk: as `_send_chunk`'s.
     dispatched: what this device received for the chunk.
+    grad_seeds: the float expert parameters' gradient seeds (`ChunkStages`), or None.
     exchange: the expert-axis exchange.
     config: the layer's config.
 
@@ -310,6 +318,7 @@ def _finish_chunk(
     weights.get("b_gate_up"),
     weights.get("b_down"),
     config=config,
+    grad_seeds=grad_seeds,
   )
   out = exchange.combine(expert_out.astype(config.dtype), dispatched).astype(jnp.float32)
   rows, expert_ids, routing_weights = chunk

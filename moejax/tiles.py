@@ -95,11 +95,26 @@ def expert_weight(w, expert: jax.Array, dtype) -> jax.Array:
   return w[expert].dequantize(dtype) if is_block_scaled(w) else w[expert]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(8,))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(10,))
 def tile_mlp(
-  x_padded, w_gate_up, w_down, b_gate_up, b_down, tile_tokens, tile_expert, num_used, activation
+  x_padded,
+  w_gate_up,
+  w_down,
+  b_gate_up,
+  b_down,
+  tile_tokens,
+  tile_weights,
+  tile_expert,
+  num_used,
+  grad_seeds,
+  activation,
 ):
-  """Runs each used tile's rows through its expert's gated MLP.
+  """Runs each used tile's rows through its expert's gated MLP, scaled by their row weights.
+
+  The row weights are applied here, not by the caller, so that the backward pass needs no
+  output of the forward pass: their gradient comes from values the backward computes anyway
+  (see `_tile_grads`), and a caller that recomputes the forward to differentiate it (the
+  chunk loop's backward) has that recomputation removed as dead code.
 
   A tile past `num_used` reads nothing: its expert's weights are sliced inside the taken
   branch of its `lax.cond`, so a call's weight traffic follows the experts that have rows
@@ -112,16 +127,20 @@ def tile_mlp(
     b_gate_up: [El, 2F] biases, or None (no bias work at all).
     b_down: [El, D], or None with b_gate_up.
     tile_tokens: [tiles, B] int32 row of each tile slot.
+    tile_weights: [tiles, B] float32 weight of each tile slot's output (0 for empty slots).
     tile_expert: [tiles] int32 expert of each tile.
     num_used: [] int32 tiles in use; the rest are skipped and give 0.
+    grad_seeds: (w_gate_up, w_down, b_gate_up, b_down) gradient seeds, each an array shaped
+      like that parameter or None (`moejax.chunking.ChunkStages`): the backward pass
+      accumulates the parameter's gradient onto it in place. Gets no gradient itself.
     activation: the `GatedActivation`.
 
   Returns:
-    [tiles, B, D] float32.
+    [tiles, B, D] float32: `tile_weights[t, b] * mlp_{tile_expert[t]}(x_padded[tile_tokens[t, b]])`.
   """
   tile_rows, dim = tile_tokens.shape[1], x_padded.shape[1]
 
-  def used_tile(tokens, expert):
+  def used_tile(tokens, row_weights, expert):
     dtype = x_padded.dtype
     weights = (
       expert_weight(w_gate_up, expert, dtype),
@@ -129,54 +148,73 @@ def tile_mlp(
       activation,
     )
     biases = (_index_or_none(b_gate_up, expert), _index_or_none(b_down, expert))
-    return gated_mlp(x_padded[tokens], *weights, *biases)
+    return gated_mlp(x_padded[tokens], *weights, *biases) * row_weights[:, None]
 
   def run_tile(_, tile):
-    index, tokens, expert = tile
+    index, tokens, row_weights, expert = tile
     out = jax.lax.cond(
       index < num_used,
-      lambda: used_tile(tokens, expert),
+      lambda: used_tile(tokens, row_weights, expert),
       lambda: filled_like(x_padded, (tile_rows, dim), 0, jnp.float32),
     )
     return None, out
 
-  tiles = (jnp.arange(tile_tokens.shape[0]), tile_tokens, tile_expert)
+  tiles = (jnp.arange(tile_tokens.shape[0]), tile_tokens, tile_weights, tile_expert)
   return jax.lax.scan(run_tile, None, tiles)[1]
 
 
 def _tile_mlp_fwd(
-  x_padded, w_gate_up, w_down, b_gate_up, b_down, tile_tokens, tile_expert, num_used, activation
+  x_padded,
+  w_gate_up,
+  w_down,
+  b_gate_up,
+  b_down,
+  tile_tokens,
+  tile_weights,
+  tile_expert,
+  num_used,
+  grad_seeds,
+  activation,
 ):
-  params = (x_padded, w_gate_up, w_down, b_gate_up, b_down, tile_tokens, tile_expert, num_used)
+  params = (
+    x_padded, w_gate_up, w_down, b_gate_up, b_down, tile_tokens, tile_weights, tile_expert,
+    num_used, grad_seeds,
+  )  # fmt: skip
   return tile_mlp(*params, activation), params
 
 
-def _tile_grads(x, w_gate_up, w_down, b_gate_up, d_out, activation, weight_grads=True):
-  """Gradients of one tile's gated MLP; recomputes the pre-activation.
+def _tile_grads(x, w_gate_up, w_down, biases, row_weights, d_out, activation, weight_grads):
+  """Gradients of one tile's weighted gated MLP `r * mlp(x)`; recomputes the pre-activation.
 
-  Args: x [B, D], w_gate_up [D, 2F], w_down [F, D] (compute dtype), b_gate_up [2F] or None,
-    d_out [B, D] float32; `weight_grads` False for constant (quantized) weights.
-  Returns: (d_x [B, D], d_w_gate_up [D, 2F], d_w_down [F, D]) and, with a bias,
-    (d_b_gate_up [2F], d_b_down [D]); float32. Without `weight_grads`, None for both
+  The row weights' gradient <d_out, mlp(x)> needs no forward output: with g = d_out @ W_down^T
+  it is sum(g * hidden) (+ d_out . b_down), and g times the row weight is d(hidden).
+
+  Args: x [B, D], w_gate_up [D, 2F], w_down [F, D] (compute dtype), biases
+    (b_gate_up [2F], b_down [D]) or None, row_weights [B] float32, d_out [B, D] float32;
+    `weight_grads` False for constant (quantized) weights.
+  Returns: (d_x [B, D], d_row_weights [B], d_w_gate_up [D, 2F], d_w_down [F, D]) and, with
+    biases, (d_b_gate_up [2F], d_b_down [D]); float32. Without `weight_grads`, None for both
     weights' gradients.
   """
   f32 = jnp.float32
   gate_up = jnp.dot(x, w_gate_up, preferred_element_type=f32)
-  if b_gate_up is not None:
-    gate_up = gate_up + b_gate_up.astype(f32)[None, :]
+  if biases is not None:
+    gate_up = gate_up + biases[0].astype(f32)[None, :]
   hidden, combine_vjp = jax.vjp(activation, *jnp.split(gate_up, 2, axis=-1))
   hidden = hidden.astype(x.dtype)  # [B, F], as the forward pass rounded it
-  d_out = d_out.astype(x.dtype)
-  d_hidden = jnp.dot(d_out, w_down.T, preferred_element_type=f32)  # [B, F]
-  d_w_down = jnp.dot(hidden.T, d_out, preferred_element_type=f32) if weight_grads else None
-  d_gate_up = jnp.concatenate(combine_vjp(d_hidden), axis=-1)  # [B, 2F] float32
-  d_biases = (
-    () if b_gate_up is None else (jnp.sum(d_gate_up, axis=0), jnp.sum(d_out, axis=0, dtype=f32))
-  )
+  g = jnp.dot(d_out.astype(x.dtype), w_down.T, preferred_element_type=f32)  # [B, F]
+  d_row_weights = jnp.sum(g * hidden.astype(f32), axis=-1)
+  if biases is not None:
+    d_row_weights = d_row_weights + d_out @ biases[1].astype(f32)
+  d_mlp = d_out * row_weights[:, None]  # [B, D] cotangent of the unweighted MLP output
+  d_gate_up = jnp.concatenate(combine_vjp(g * row_weights[:, None]), axis=-1)  # [B, 2F]
+  d_biases = () if biases is None else (jnp.sum(d_gate_up, axis=0), jnp.sum(d_mlp, axis=0))
+  d_mlp = d_mlp.astype(x.dtype)
+  d_w_down = jnp.dot(hidden.T, d_mlp, preferred_element_type=f32) if weight_grads else None
   d_gate_up = d_gate_up.astype(x.dtype)
   d_w_gate_up = jnp.dot(x.T, d_gate_up, preferred_element_type=f32) if weight_grads else None
   d_x = jnp.dot(d_gate_up, w_gate_up.T, preferred_element_type=f32)  # [B, D]
-  return (d_x, d_w_gate_up, d_w_down, *d_biases)
+  return (d_x, d_row_weights, d_w_gate_up, d_w_down, *d_biases)
 
 
 def _add_at(total: jax.Array, index: jax.Array, update: jax.Array) -> jax.Array:
@@ -186,42 +224,59 @@ def _add_at(total: jax.Array, index: jax.Array, update: jax.Array) -> jax.Array:
   return jax.lax.dynamic_update_slice(total, current + update[None], start)
 
 
+def _accumulator(param: jax.Array | None, seed: jax.Array | None) -> jax.Array | None:
+  """Where a float32 gradient accumulation for `param` starts: its seed, else zeros (None
+  where nothing is accumulated)."""
+  if param is None:
+    return None
+  return jnp.zeros_like(param, jnp.float32) if seed is None else seed.astype(jnp.float32)
+
+
 def _tile_mlp_bwd(activation, residuals, d_tiles):
-  x_padded, w_gate_up, w_down, b_gate_up, b_down, tile_tokens, tile_expert, num_used = residuals
+  (
+    x_padded, w_gate_up, w_down, b_gate_up, b_down, tile_tokens, tile_weights, tile_expert,
+    num_used, grad_seeds,
+  ) = residuals  # fmt: skip
   biased = b_gate_up is not None
   trained = not is_block_scaled(w_gate_up)  # quantized weights are constants
-  # What gets a gradient, in the order `_tile_grads` returns them (None: nothing computed).
+  # What gets a gradient, in the order `_tile_grads` returns them (None: nothing computed),
+  # and where its accumulation starts.
   grads_of = (
     x_padded,
     w_gate_up if trained else None,
     w_down if trained else None,
     *((b_gate_up, b_down) if biased else ()),
   )
-  init = tuple(None if a is None else jnp.zeros_like(a, jnp.float32) for a in grads_of)
+  seeds = (None, *grad_seeds[: len(grads_of) - 1])  # x gets none
+  init = tuple(_accumulator(a, seed) for a, seed in zip(grads_of, seeds, strict=True))
 
   def tile_backward(carry, tile):
-    index, tokens, expert, d_out = tile
+    index, tokens, row_weights, expert, d_out = tile
 
     def accumulate(carry):
       d_x, *d_rest = carry
-      bias = b_gate_up[expert] if biased else None
+      biases = (b_gate_up[expert], b_down[expert]) if biased else None
       weights = (expert_weight(w, expert, x_padded.dtype) for w in (w_gate_up, w_down))
-      grads = _tile_grads(x_padded[tokens], *weights, bias, d_out, activation, trained)
-      return (
-        d_x.at[tokens].add(grads[0]),
+      d_tile_x, d_row_weights, *grads = _tile_grads(
+        x_padded[tokens], *weights, biases, row_weights, d_out, activation, trained
+      )
+      carry = (
+        d_x.at[tokens].add(d_tile_x),
         *[
           None if g is None else _add_at(total, expert, g)
-          for total, g in zip(d_rest, grads[1:], strict=True)
+          for total, g in zip(d_rest, grads, strict=True)
         ],
       )
+      return carry, d_row_weights
 
-    return jax.lax.cond(index < num_used, accumulate, lambda carry: carry, carry), None
+    skip = lambda carry: (carry, jnp.zeros_like(row_weights))
+    return jax.lax.cond(index < num_used, accumulate, skip, carry)
 
-  tiles = (jnp.arange(tile_tokens.shape[0]), tile_tokens, tile_expert, d_tiles)
-  grads, _ = jax.lax.scan(tile_backward, init, tiles)
+  tiles = (jnp.arange(tile_tokens.shape[0]), tile_tokens, tile_weights, tile_expert, d_tiles)
+  grads, d_tile_weights = jax.lax.scan(tile_backward, init, tiles)
   grads = [None if g is None else g.astype(a.dtype) for g, a in zip(grads, grads_of, strict=True)]
   d_biases = grads[3:] if biased else [None, None]
-  return (*grads[:3], *d_biases, None, None, None)
+  return (*grads[:3], *d_biases, None, d_tile_weights, None, None, None)
 
 
 tile_mlp.defvjp(_tile_mlp_fwd, _tile_mlp_bwd)

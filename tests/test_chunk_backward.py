@@ -1,0 +1,80 @@
+"""The chunk loop's backward pass: gradient seeds accumulate in place, and the tile loop's
+forward is not run again to differentiate a chunk."""
+
+import re
+
+import chex
+import jax
+import jax.numpy as jnp
+import pytest
+
+from moejax import MoEConfig, moe_apply
+from moejax.chunking import seed_gradient
+from moejax.experts import grouped_mlp
+from moejax.tiles import GatedActivation
+from tests.helpers import random_params, seed_of
+
+EXPERTS, DIM, WIDTH, ROWS, TOP_K = 8, 16, 24, 12, 2
+
+
+@pytest.mark.parametrize("biases", [False, True])
+def test_tile_loop_accumulates_onto_its_gradient_seeds(biases, request):
+  """With seeds, each expert parameter's gradient is its seed plus the unseeded gradient;
+  the other gradients (rows, routing weights) do not change."""
+  keys = iter(jax.random.split(jax.random.key(seed_of(request.node.name)), 12))
+  x = jax.random.normal(next(keys), (ROWS, DIM))
+  ids = jax.random.randint(next(keys), (ROWS, TOP_K), 0, EXPERTS)
+  weights = jax.random.uniform(next(keys), (ROWS, TOP_K))
+  params = {
+    "w_gate_up": jax.random.normal(next(keys), (EXPERTS, DIM, 2 * WIDTH)),
+    "w_down": jax.random.normal(next(keys), (EXPERTS, WIDTH, DIM)),
+  }
+  if biases:
+    params["b_gate_up"] = jax.random.normal(next(keys), (EXPERTS, 2 * WIDTH))
+    params["b_down"] = jax.random.normal(next(keys), (EXPERTS, DIM))
+  seeds = {name: jax.random.normal(next(keys), p.shape) for name, p in params.items()}
+  d_out = jax.random.normal(next(keys), (ROWS, DIM))
+  activation = GatedActivation("silu")
+
+  def layer(params, x, weights, grad_seeds):
+    biases = (params.get("b_gate_up"), params.get("b_down"))
+    out = grouped_mlp(
+      x, ids, weights, params["w_gate_up"], params["w_down"], *biases,
+      activation=activation, tile_rows=8, grad_seeds=grad_seeds,
+    )  # fmt: skip
+    return jnp.sum(out * d_out)
+
+  grad = jax.jit(jax.grad(layer, argnums=(0, 1, 2)))
+  plain, seeded = grad(params, x, weights, None), grad(params, x, weights, seeds)
+  expected = ({name: seeds[name] + g for name, g in plain[0].items()}, *plain[1:])
+  chex.assert_trees_all_close(seeded, expected, rtol=1e-5, atol=1e-5)
+  assert all(float(jnp.max(jnp.abs(g))) > 0 for g in jax.tree.leaves(plain))
+
+
+def test_seed_gradient_adds_its_seed_to_the_gradient(request):
+  key = jax.random.key(seed_of(request.node.name))
+  w, seed, scale = jax.random.normal(key, (3, 4, 5))
+  d_w, d_seed = jax.grad(lambda w, s: jnp.sum(seed_gradient(w, s) * scale), argnums=(0, 1))(w, seed)
+  chex.assert_trees_all_close(d_w, seed + scale, rtol=1e-6)
+  chex.assert_trees_all_close(d_seed, jnp.zeros_like(seed))
+
+
+def _dots_shaped(hlo: str, shape: tuple[int, ...]) -> int:
+  """How many dot instructions of the optimized HLO produce a float32 array of `shape`."""
+  dims = ",".join(map(str, shape))
+  return len(re.findall(rf"= f32\[{dims}\]\{{[0-9,]*\}} dot\(", hlo))
+
+
+def test_chunk_backward_runs_no_tile_forward(request):
+  """The tile loop's backward needs no forward output, so a chunk's recomputed forward is
+  dead code: the gate/up matmul ([tile rows, 2F]) is compiled once for the forward pass and
+  once for the backward pass's recomputed pre-activation, not a third time."""
+  config = MoEConfig(
+    num_experts=EXPERTS, top_k=TOP_K, hidden_size=DIM, intermediate_size=WIDTH, chunk_size=8
+  )
+  params = random_params(config, jax.random.key(seed_of(request.node.name)))
+  x = jax.random.normal(jax.random.key(1), (32, DIM))
+  loss = lambda params, x: jnp.sum(moe_apply(params, x, config=config)[0] ** 2)
+  hlo = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(params, x).compile().as_text()
+  tile_rows = 8  # `experts.default_tile_rows(8 * 2, 8)`
+  chex.assert_equal(_dots_shaped(hlo, (tile_rows, 2 * WIDTH)), 2)
