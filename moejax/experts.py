@@ -33,7 +33,7 @@ from moejax import routing
 from moejax.chunking import seed_gradient
 from moejax.config import MoEConfig
 from moejax.params import EXPERT_PARAMS
-from moejax.tiles import GatedActivation, gated_mlp, tile_mlp
+from moejax.tiles import GatedActivation, Tiles, gated_mlp, tile_mlp
 
 _MIN_TILE_ROWS = 8
 _MAX_TILE_ROWS = 512
@@ -120,11 +120,13 @@ def grouped_mlp(
   assignment = order[jnp.minimum(layout.row_source, expert_ids.size - 1)]
   filled = layout.row_source < expert_ids.size
   row_of = jnp.where(filled, assignment // top_k, rows)
-  tile_tokens = row_of.reshape(-1, tile_rows)  # [tiles, B]
-  tiles = jnp.arange(tile_tokens.shape[0])
-  tile_expert = jnp.searchsorted(layout.tile_ends, tiles, side="right")
-  tile_expert = jnp.minimum(tile_expert, local_experts - 1).astype(jnp.int32)
-  tile_weights = jnp.where(filled, weights.reshape(-1)[assignment], 0.0).reshape(tile_tokens.shape)
+  tile_expert = jnp.searchsorted(layout.tile_ends, jnp.arange(row_of.size // tile_rows), "right")
+  tiles = Tiles(
+    tokens=row_of.reshape(-1, tile_rows),  # [tiles, B]
+    weights=jnp.where(filled, weights.reshape(-1)[assignment], 0.0).reshape(-1, tile_rows),
+    expert=jnp.minimum(tile_expert, local_experts - 1).astype(jnp.int32),
+    num_used=layout.tile_ends[-1],
+  )
   x_padded = jnp.concatenate([x, jnp.zeros((1, dim), x.dtype)])  # row N is the empty row
 
   tiled_out = tile_mlp(
@@ -133,10 +135,7 @@ def grouped_mlp(
     w_down,
     b_gate_up,
     b_down,
-    tile_tokens,
-    tile_weights,
-    tile_expert,
-    layout.tile_ends[-1],
+    tiles,
     tuple((grad_seeds or {}).get(name) for name in EXPERT_PARAMS),
     activation,
   )  # [tiles, B, D], weighted

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -95,20 +96,24 @@ def expert_weight(w, expert: jax.Array, dtype) -> jax.Array:
   return w[expert].dequantize(dtype) if is_block_scaled(w) else w[expert]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(10,))
-def tile_mlp(
-  x_padded,
-  w_gate_up,
-  w_down,
-  b_gate_up,
-  b_down,
-  tile_tokens,
-  tile_weights,
-  tile_expert,
-  num_used,
-  grad_seeds,
-  activation,
-):
+class Tiles(NamedTuple):
+  """Which rows each tile of the tile loop runs, with what weights, through which expert.
+
+  Attributes:
+    tokens: [tiles, B] int32 row of each tile slot (the zero row for empty slots).
+    weights: [tiles, B] float32 weight of each slot's output (0 for empty slots).
+    expert: [tiles] int32 expert of each tile.
+    num_used: [] int32 tiles in use; the rest are skipped and give 0.
+  """
+
+  tokens: jax.Array
+  weights: jax.Array
+  expert: jax.Array
+  num_used: jax.Array
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+def tile_mlp(x_padded, w_gate_up, w_down, b_gate_up, b_down, tiles, grad_seeds, activation):
   """Runs each used tile's rows through its expert's gated MLP, scaled by their row weights.
 
   The row weights are applied here, not by the caller, so that the backward pass needs no
@@ -116,7 +121,7 @@ def tile_mlp(
   (see `_tile_grads`), and a caller that recomputes the forward to differentiate it (the
   chunk loop's backward) has that recomputation removed as dead code.
 
-  A tile past `num_used` reads nothing: its expert's weights are sliced inside the taken
+  A tile past `tiles.num_used` reads nothing: its expert's weights are sliced inside the taken
   branch of its `lax.cond`, so a call's weight traffic follows the experts that have rows
   (at T=1, K=2 that is two experts' weights, not El).
 
@@ -126,19 +131,17 @@ def tile_mlp(
     w_down: [El, F, D].
     b_gate_up: [El, 2F] biases, or None (no bias work at all).
     b_down: [El, D], or None with b_gate_up.
-    tile_tokens: [tiles, B] int32 row of each tile slot.
-    tile_weights: [tiles, B] float32 weight of each tile slot's output (0 for empty slots).
-    tile_expert: [tiles] int32 expert of each tile.
-    num_used: [] int32 tiles in use; the rest are skipped and give 0.
+    tiles: the `Tiles`.
     grad_seeds: (w_gate_up, w_down, b_gate_up, b_down) gradient seeds, each an array shaped
       like that parameter or None (`moejax.chunking.ChunkStages`): the backward pass
       accumulates the parameter's gradient onto it in place. Gets no gradient itself.
     activation: the `GatedActivation`.
 
   Returns:
-    [tiles, B, D] float32: `tile_weights[t, b] * mlp_{tile_expert[t]}(x_padded[tile_tokens[t, b]])`.
+    [tiles, B, D] float32: slot (t, b) holds `tiles.weights[t, b] * mlp_e(x_padded[row])`,
+    e = `tiles.expert[t]`, row = `tiles.tokens[t, b]`.
   """
-  tile_rows, dim = tile_tokens.shape[1], x_padded.shape[1]
+  tile_rows, dim = tiles.tokens.shape[1], x_padded.shape[1]
 
   def used_tile(tokens, row_weights, expert):
     dtype = x_padded.dtype
@@ -153,33 +156,18 @@ def tile_mlp(
   def run_tile(_, tile):
     index, tokens, row_weights, expert = tile
     out = jax.lax.cond(
-      index < num_used,
+      index < tiles.num_used,
       lambda: used_tile(tokens, row_weights, expert),
       lambda: filled_like(x_padded, (tile_rows, dim), 0, jnp.float32),
     )
     return None, out
 
-  tiles = (jnp.arange(tile_tokens.shape[0]), tile_tokens, tile_weights, tile_expert)
-  return jax.lax.scan(run_tile, None, tiles)[1]
+  steps = (jnp.arange(tiles.tokens.shape[0]), tiles.tokens, tiles.weights, tiles.expert)
+  return jax.lax.scan(run_tile, None, steps)[1]
 
 
-def _tile_mlp_fwd(
-  x_padded,
-  w_gate_up,
-  w_down,
-  b_gate_up,
-  b_down,
-  tile_tokens,
-  tile_weights,
-  tile_expert,
-  num_used,
-  grad_seeds,
-  activation,
-):
-  params = (
-    x_padded, w_gate_up, w_down, b_gate_up, b_down, tile_tokens, tile_weights, tile_expert,
-    num_used, grad_seeds,
-  )  # fmt: skip
+def _tile_mlp_fwd(x_padded, w_gate_up, w_down, b_gate_up, b_down, tiles, grad_seeds, activation):
+  params = (x_padded, w_gate_up, w_down, b_gate_up, b_down, tiles, grad_seeds)
   return tile_mlp(*params, activation), params
 
 
@@ -233,10 +221,7 @@ def _accumulator(param: jax.Array | None, seed: jax.Array | None) -> jax.Array |
 
 
 def _tile_mlp_bwd(activation, residuals, d_tiles):
-  (
-    x_padded, w_gate_up, w_down, b_gate_up, b_down, tile_tokens, tile_weights, tile_expert,
-    num_used, grad_seeds,
-  ) = residuals  # fmt: skip
+  x_padded, w_gate_up, w_down, b_gate_up, b_down, tiles, grad_seeds = residuals
   biased = b_gate_up is not None
   trained = not is_block_scaled(w_gate_up)  # quantized weights are constants
   # What gets a gradient, in the order `_tile_grads` returns them (None: nothing computed),
@@ -270,13 +255,14 @@ def _tile_mlp_bwd(activation, residuals, d_tiles):
       return carry, d_row_weights
 
     skip = lambda carry: (carry, jnp.zeros_like(row_weights))
-    return jax.lax.cond(index < num_used, accumulate, skip, carry)
+    return jax.lax.cond(index < tiles.num_used, accumulate, skip, carry)
 
-  tiles = (jnp.arange(tile_tokens.shape[0]), tile_tokens, tile_weights, tile_expert, d_tiles)
-  grads, d_tile_weights = jax.lax.scan(tile_backward, init, tiles)
+  steps = (jnp.arange(tiles.tokens.shape[0]), tiles.tokens, tiles.weights, tiles.expert, d_tiles)
+  grads, d_tile_weights = jax.lax.scan(tile_backward, init, steps)
   grads = [None if g is None else g.astype(a.dtype) for g, a in zip(grads, grads_of, strict=True)]
   d_biases = grads[3:] if biased else [None, None]
-  return (*grads[:3], *d_biases, None, d_tile_weights, None, None, None)
+  d_tiles = Tiles(None, d_tile_weights, None, None)
+  return (*grads[:3], *d_biases, d_tiles, None)
 
 
 tile_mlp.defvjp(_tile_mlp_fwd, _tile_mlp_bwd)
