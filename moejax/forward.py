@@ -16,7 +16,6 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from kernels_pallas.quantized import is_block_scaled
 from moejax import placement as placement_lib
 from moejax import routing, sharding
 from moejax.chunking import ChunkStages, TokenLayout, chunk_scan
@@ -24,7 +23,13 @@ from moejax.collectives import sum_over, vary_over
 from moejax.config import MoEConfig
 from moejax.dispatch import Dispatched, Exchange, crosses_devices, make_exchange
 from moejax.experts import routed_mlp, runs_interpreted_kernels, shared_mlp, zero_experts
-from moejax.params import EXPERT_PARAMS, MoEParams, check_params, compute_weights
+from moejax.params import (
+  EXPERT_PARAMS,
+  MoEParams,
+  check_params,
+  compute_weights,
+  trained_expert_weights,
+)
 
 
 class MoEAux(NamedTuple):
@@ -253,11 +258,7 @@ def local_forward(
   stages = ChunkStages(
     send=functools.partial(_send_chunk, exchange=exchange),
     finish=functools.partial(_finish_chunk, exchange=exchange, config=config),
-    seeded=tuple(
-      name
-      for name in EXPERT_PARAMS
-      if name in chunk_weights and not is_block_scaled(chunk_weights[name])
-    ),
+    seeded=trained_expert_weights(chunk_weights),
   )
   y, chunks_run = chunk_scan(
     stages,

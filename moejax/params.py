@@ -72,6 +72,19 @@ def compute_weights(params: MoEParams, config: MoEConfig) -> dict[str, jax.Array
   return weights
 
 
+def trained_expert_weights(weights: dict[str, jax.Array]) -> tuple[str, ...]:
+  """The expert parameters among `compute_weights`' that get a gradient: the float ones (a
+  `BlockScaled` one is a constant).
+
+  >>> import jax.numpy as jnp
+  >>> trained_expert_weights({"w_gate_up": jnp.ones((2, 4, 6)), "shared_w_down": jnp.ones(3)})
+  ('w_gate_up',)
+  """
+  return tuple(
+    name for name in EXPERT_PARAMS if name in weights and not is_block_scaled(weights[name])
+  )
+
+
 def param_shapes(config: MoEConfig) -> dict[str, tuple[int, ...]]:
   """Shape of every parameter the config needs, keyed by `MoEParams` field name (expert
   parameters [P, ...], P = E + R physical experts)."""
