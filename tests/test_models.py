@@ -1,17 +1,21 @@
 """The layer in users' hands: a transformer that trains, checkpoints across meshes, Linen."""
 
+import dataclasses
 import json
 import os
 import subprocess
 import sys
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from flax import linen as nn
 from flax import nnx
 
-from moejax import MoEConfig, MoELayer, checkpoint
+from kernels_pallas.quantized import BlockScaled
+from moejax import MoEConfig, MoELayer, MoEParams, checkpoint, reference_moe
 from moejax.linen import moe_linen
 from moejax.models import ClusterTask, MoETransformer, TransformerConfig, shard_model
 from moejax.train import train_step
@@ -102,3 +106,40 @@ def test_linen_model_matches_the_nnx_layer(request):
   hidden = x @ params["proj"]["kernel"] + params["proj"]["bias"][None, None, :]
   assert_close(y, layer(hidden, mask), what="linen vs nnx")
   assert np.all(np.asarray(y)[~np.asarray(mask)] == 0)
+
+
+@pytest.mark.parametrize(
+  "extra", [dict(num_redundant_experts=3), dict(expert_quant="mxfp4")], ids=["redundant", "mxfp4"]
+)
+def test_linen_bridge_carries_the_layers_state(request, extra):
+  """Replica placement and load, and quantized weights, in their own Linen collections."""
+  config = dataclasses.replace(MOE, **extra)
+  key = jax.random.key(seed_of(request.node.name))
+  mask = jax.random.bernoulli(jax.random.fold_in(key, 1), 0.7, (24,))
+  x = jnp.where(mask[:, None], jax.random.normal(key, (24, 32)), jnp.nan)  # padding poisoned
+  module = moe_linen(config)
+  variables = module.init(jax.random.fold_in(key, 2), x, mask)
+  y, updated = module.apply(variables, x, mask, mutable=["ExpertLoad"])
+  variables = nn.unbox(variables)
+  params = variables["params"]
+  experts = config.num_experts
+  if config.num_redundant_experts:
+    assert set(variables) == {"params", "ExpertPlacement", "ExpertLoad"}
+    slot_of = variables["ExpertPlacement"]["placement"]["physical_to_logical"]
+    for name in ("w_gate_up", "w_down"):  # each replica starts as its expert
+      np.testing.assert_array_equal(params[name], params[name][:experts][slot_of])
+    load = updated["ExpertLoad"]["expert_load"]
+    assert int(load.sum()) == config.top_k * int(mask.sum())
+    w_gate_up, w_down = params["w_gate_up"][:experts], params["w_down"][:experts]
+    config = dataclasses.replace(config, num_redundant_experts=0)
+  else:
+    assert set(params) == {"router_kernel"}  # quantized weights are not trained
+    quantized = variables["QuantizedWeight"]
+    w_gate_up, w_down = (
+      BlockScaled(quantized[name]["values"], quantized[name]["scales"], config.quant_block)
+      for name in ("w_gate_up", "w_down")
+    )
+  expected = reference_moe(
+    MoEParams(params["router_kernel"], w_gate_up, w_down), x, config, token_mask=mask
+  )
+  assert_close(y, expected, what="linen vs reference")
