@@ -5,7 +5,9 @@
 Joins a 2-process JAX runtime on 127.0.0.1:PORT with gloo CPU collectives, 4 CPU devices per
 process, builds a 2x4 (data, expert) mesh spanning both, runs the layer with each dispatch
 scheme (all_gather, all_to_all) on uneven per-rank token counts (one rank empty) and checks
-this process's output shards against the reference. Prints "OK ..." and exits 0 on success.
+this process's output shards against the reference; then an `MoELayer` with redundant experts
+on the same mesh, before and after `rebalance` (the load summed over both processes, the
+weights moved across them). Prints "OK ..." and exits 0 on success.
 """
 
 import dataclasses
@@ -30,10 +32,11 @@ def main() -> None:
     initialization_timeout=timeout,
   )
   import numpy as np
+  from flax import nnx
   from jax.sharding import Mesh, NamedSharding
   from jax.sharding import PartitionSpec as P
 
-  from moejax import MoEConfig, moe_apply, param_shapes, reference_moe
+  from moejax import MoEConfig, MoELayer, moe_apply, param_shapes, reference_moe
   from moejax.params import MoEParams
 
   base = MoEConfig(num_experts=8, top_k=2, hidden_size=16, intermediate_size=32, chunk_size=4)
@@ -53,23 +56,41 @@ def main() -> None:
   x = jax.make_array_from_callback(x_host.shape, tokens, lambda index: x_host[index])
   mask = jax.make_array_from_callback(mask_host.shape, tokens, lambda index: mask_host[index])
   expected = np.asarray(reference_moe(params, x_host, base, mask_host))
-  for dispatch in ("all_gather", "all_to_all"):
-    config = dataclasses.replace(base, dispatch=dispatch)
-    y, _ = jax.jit(lambda p, x, m, c=config: moe_apply(p, x, config=c, mesh=mesh, token_mask=m))(
-      params, x, mask
-    )
+
+  def check(y, expected, what: str) -> None:
     errors = [
       float(np.max(np.abs(np.asarray(shard.data) - expected[shard.index])))
       for shard in y.addressable_shards
     ]
     worst = max(errors)
     if worst > 1e-4 or len(errors) != 4:
-      print(f"FAIL process {process_id} ({dispatch}): shard errors {errors}", flush=True)
+      print(f"FAIL process {process_id} ({what}): shard errors {errors}", flush=True)
       sys.exit(1)
-    print(
-      f"OK process {process_id} ({dispatch}): {len(errors)} shards, max error {worst:.2e}",
-      flush=True,
+    print(f"OK process {process_id} ({what}): {len(errors)} shards, max error {worst:.2e}")
+
+  for dispatch in ("all_gather", "all_to_all"):
+    config = dataclasses.replace(base, dispatch=dispatch)
+    y, _ = jax.jit(lambda p, x, m, c=config: moe_apply(p, x, config=c, mesh=mesh, token_mask=m))(
+      params, x, mask
     )
+    check(y, expected, dispatch)
+
+  layer = MoELayer(dataclasses.replace(base, num_redundant_experts=4), mesh=mesh, rngs=nnx.Rngs(0))
+  on_host = jax.jit(lambda a: a, out_shardings=NamedSharding(mesh, P()))  # whole on each process
+  weights = layer.moe_params()
+  logical = MoEParams(
+    on_host(weights.router_kernel),
+    *(on_host(w)[: base.num_experts] for w in (weights.w_gate_up, weights.w_down)),
+  )
+  expected = np.asarray(reference_moe(jax.device_get(logical), x_host, base, mask_host))
+  check(layer(x, mask), expected, "redundant experts")
+  load = np.asarray(jax.device_get(layer.expert_load.get_value()))
+  if load.sum() != base.top_k * mask_host.sum():
+    print(f"FAIL process {process_id}: expert load {load.tolist()}", flush=True)
+    sys.exit(1)
+  placement = layer.rebalance()
+  check(layer(x, mask), expected, "rebalanced")
+  print(f"placement {np.asarray(placement.physical_to_logical).tolist()}", flush=True)
   jax.distributed.shutdown()
 
 
