@@ -66,7 +66,9 @@ def main() -> None:
     if worst > 1e-4 or len(errors) != 4:
       print(f"FAIL process {process_id} ({what}): shard errors {errors}", flush=True)
       sys.exit(1)
-    print(f"OK process {process_id} ({what}): {len(errors)} shards, max error {worst:.2e}")
+    print(
+      f"OK process {process_id} ({what}): {len(errors)} shards, max error {worst:.2e}", flush=True
+    )
 
   for dispatch in ("all_gather", "all_to_all"):
     config = dataclasses.replace(base, dispatch=dispatch)
@@ -88,7 +90,11 @@ def main() -> None:
   if load.sum() != base.top_k * mask_host.sum():
     print(f"FAIL process {process_id}: expert load {load.tolist()}", flush=True)
     sys.exit(1)
+  before = np.asarray(layer.placement.get_value().physical_to_logical)
   placement = layer.rebalance()
+  if np.array_equal(np.asarray(placement.physical_to_logical), before):
+    print(f"FAIL process {process_id}: rebalance moved no expert", flush=True)
+    sys.exit(1)
   check(layer(x, mask), expected, "rebalanced")
   print(f"placement {np.asarray(placement.physical_to_logical).tolist()}", flush=True)
   jax.distributed.shutdown()
