@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from moejax.config import MoEConfig
+from moejax.params import MoEParams
 from moejax.placement import Placement, from_physical_to_logical, initial_placement
-from moejax.replicas import place, sum_replicas
+from moejax.replicas import expert_axis_devices, place, sum_replicas
 
 __all__ = [
   "Placement",
@@ -31,6 +33,7 @@ __all__ = [
   "initial_placement",
   "place",
   "rebalance",
+  "rebalance_weights",
   "replicate_experts",
   "sum_replicas",
 ]
@@ -187,3 +190,33 @@ def balancedness(physical_counts: np.ndarray, num_devices: int) -> float:
   per_device = np.asarray(physical_counts, np.float64).reshape(num_devices, -1).sum(-1)
   peak = per_device.max()
   return float(per_device.mean() / peak) if peak > 0 else 1.0
+
+
+def rebalance_weights(
+  params: MoEParams, config: MoEConfig, *, current: Placement, load: np.ndarray
+) -> tuple[MoEParams, Placement]:
+  """`rebalance` for one node of the expert axis's devices, then `place`: new slots for the
+  experts by their load, and the weights moved there (what `MoELayer.rebalance` and
+  `moejax.linen.rebalance` run).
+
+  Args:
+    params: physical expert weights [P, ...] laid out by `current`, sharded over the config's
+      expert axis (its size is the device count) or on one device.
+    config: the layer's config (with `num_redundant_experts`).
+    current: the placement `params` are laid out by.
+    load: [E] load of each logical expert.
+
+  Returns:
+    (the params with their expert weights moved, the new placement).
+
+  Raises:
+    ValueError: `load` is not [E], or what `rebalance` and `place` raise.
+  """
+  if np.shape(load) != (config.num_experts,):
+    raise ValueError(f"load has shape {np.shape(load)}, expected [E]=({config.num_experts},)")
+  new = rebalance(
+    np.asarray(load),
+    num_physical=config.num_physical_experts,
+    num_devices=expert_axis_devices(params, config),
+  )
+  return place(params, new, config, current=current), new

@@ -6,7 +6,6 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -227,13 +226,7 @@ class MoELayer(nnx.Module):
     current = self._placement()
     if load is None:
       load = logical_load(jax.device_get(self.expert_load.get_value()), current)
-    if np.shape(load) != (config.num_experts,):
-      raise ValueError(f"load has shape {np.shape(load)}, expected [E]=({config.num_experts},)")
-    devices = 1 if self.mesh is None else self.mesh.shape[config.expert_axis]
-    new = eplb.rebalance(
-      np.asarray(load), num_physical=config.num_physical_experts, num_devices=devices
-    )
-    moved = eplb.place(self.moe_params(), new, config, current=current)
+    moved, new = eplb.rebalance_weights(self.moe_params(), config, current=current, load=load)
     for name in EXPERT_PARAMS:
       value = getattr(moved, name)
       if isinstance(value, BlockScaled):

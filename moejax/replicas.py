@@ -128,7 +128,7 @@ def place(
     old = check_values(current, config)
     _check_leading(experts, config.num_physical_experts, "P = E + R (laid out by current)")
     mesh = _mesh_of(experts, config)
-    devices = 1 if mesh is None else mesh.shape[config.expert_axis]
+    devices = expert_axis_devices(params, config)
     if devices == 1:
       source = [_first_slot(old.physical_to_logical, e) for e in new.physical_to_logical]
       moved = _gather(experts, np.array(source), mesh, config)
@@ -167,6 +167,13 @@ def _check_leading(experts: dict[str, jax.Array], size: int, what: str) -> None:
 
 def _first_slot(physical_to_logical: np.ndarray, expert: int) -> int:
   return int(np.flatnonzero(physical_to_logical == expert)[0])
+
+
+def expert_axis_devices(params: MoEParams, config: MoEConfig) -> int:
+  """Devices of the config's expert axis on the mesh the expert weights are sharded on; 1
+  for weights on one device."""
+  mesh = _mesh_of(_expert_leaves(params), config)
+  return 1 if mesh is None else mesh.shape[config.expert_axis]
 
 
 def _mesh_of(experts: dict[str, jax.Array], config: MoEConfig) -> Mesh | None:

@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,9 +16,10 @@ from flax import linen as nn
 from flax import nnx
 
 from kernels_pallas.quantized import BlockScaled
-from moejax import MoEConfig, MoELayer, MoEParams, checkpoint, reference_moe
+from moejax import MoEConfig, MoELayer, MoEParams, checkpoint, eplb, linen, reference_moe
 from moejax.linen import moe_linen
 from moejax.models import ClusterTask, MoETransformer, TransformerConfig, shard_model
+from moejax.placement import initial_placement, logical_load
 from moejax.train import train_step
 from tests.helpers import assert_close, mesh_of, seed_of
 
@@ -143,3 +145,86 @@ def test_linen_bridge_carries_the_layers_state(request, extra):
     MoEParams(params["router_kernel"], w_gate_up, w_down), x, config, token_mask=mask
   )
   assert_close(y, expected, what="linen vs reference")
+
+
+class MoEBlock(nn.Module):
+  """A Linen model with the MoE layer one level down, as in a real model."""
+
+  config: MoEConfig
+  mesh: jax.sharding.Mesh | None = None
+
+  @nn.compact
+  def __call__(self, x, mask):
+    return moe_linen(self.config, mesh=self.mesh, name="moe")(x, mask)
+
+
+def _expert_leaves(variables, config):
+  """{name: array} of the module's expert weights (values and scales of quantized ones)."""
+  if config.expert_quant:
+    quantized = variables["QuantizedWeight"]["moe"]
+    return {
+      f"{n}.{part}": quantized[n][part] for n in ("w_gate_up", "w_down") for part in quantized[n]
+    }
+  return {n: variables["params"]["moe"][n] for n in ("w_gate_up", "w_down")}
+
+
+@pytest.mark.parametrize(
+  "extra, mesh_shape",
+  [
+    (dict(num_redundant_experts=4), (2, 4)),
+    (dict(num_redundant_experts=2, expert_quant="mxfp4"), None),
+  ],
+  ids=["2x4", "mxfp4"],
+)
+def test_linen_rebalance_moves_experts_by_the_counted_load(request, extra, mesh_shape):
+  """`linen.rebalance` on a nested module: DeepSeek's placement of the counted load, each slot
+  holding its new expert's weights, the load zeroed, and the same output as before."""
+  config = dataclasses.replace(MOE, **extra)
+  mesh = None if mesh_shape is None else mesh_of(*mesh_shape)
+  key = jax.random.key(seed_of(request.node.name))
+  mask = jax.random.bernoulli(jax.random.fold_in(key, 1), 0.7, (32,))
+  x = jnp.where(mask[:, None], jax.random.normal(key, (32, 32)), jnp.nan)  # padding poisoned
+  model = MoEBlock(config, mesh)
+  variables = model.init(jax.random.fold_in(key, 2), x, mask)
+  _, counted = model.apply(variables, x, mask, mutable=["ExpertLoad"])
+  variables = {**variables, **counted}
+  load = np.asarray(nn.unbox(counted)["ExpertLoad"]["moe"]["expert_load"])
+  with pytest.raises(ValueError, match="no module at path=\\('block',\\)"):
+    linen.rebalance(variables, config, path=("block",))
+
+  moved, placement = linen.rebalance(variables, config, path=("moe",))
+
+  current = initial_placement(config.num_experts, config.num_redundant_experts)
+  devices = 1 if mesh is None else mesh.shape["expert"]
+  expected = eplb.rebalance(
+    logical_load(load, current), num_physical=config.num_physical_experts, num_devices=devices
+  )
+  chex.assert_trees_all_equal(placement, expected)
+  assert not np.array_equal(placement.physical_to_logical, current.physical_to_logical)
+  before, after = nn.unbox(variables), nn.unbox(moved)
+  chex.assert_trees_all_equal(
+    tuple(after["ExpertPlacement"]["moe"]["placement"][f] for f in placement._fields),
+    tuple(placement),
+  )
+  np.testing.assert_array_equal(after["ExpertLoad"]["moe"]["expert_load"], np.zeros_like(load))
+  old, new = _expert_leaves(before, config), _expert_leaves(after, config)
+  for name in old:  # slot p now holds expert physical_to_logical[p], first laid out at slot e
+    np.testing.assert_array_equal(
+      np.asarray(new[name]).view(np.uint8),
+      np.asarray(old[name])[placement.physical_to_logical].view(np.uint8),
+      err_msg=name,
+    )
+    assert new[name].sharding == old[name].sharding, name
+  for field in ("ExpertPlacement", "ExpertLoad"):
+    old_leaves, new_leaves = jax.tree.leaves(before[field]), jax.tree.leaves(after[field])
+    assert [a.sharding for a in new_leaves] == [a.sharding for a in old_leaves], field
+
+  y, recounted = model.apply(moved, x, mask, mutable=["ExpertLoad"])
+  assert int(nn.unbox(recounted)["ExpertLoad"]["moe"]["expert_load"].sum()) == 2 * int(mask.sum())
+  assert_close(y, model.apply(variables, x, mask), what="after vs before rebalance")
+  chex.assert_tree_all_finite(y)
+
+
+def test_linen_rebalance_needs_redundant_experts():
+  with pytest.raises(ValueError, match="num_redundant_experts is 0"):
+    linen.rebalance({}, MOE)
