@@ -307,17 +307,12 @@ def format_table(rows: list[dict]) -> str:
     "|---|---:|---|---|---|---:|---:|---:|",
   ]
   for r in rows:
+    case = f"| {r['shape']} | {r['tokens']} | {'yes' if r['skewed'] else 'no'} | {r['op']} | "
     if "error" in r:
-      lines.append(
-        f"| {r['shape']} | {r['tokens']} | {r['skewed']} | {r['op']} | "
-        f"{r['backend']} | failed: {r['error'][:80]} | | |"
-      )
+      lines.append(f"{case}{r['backend']} | failed: {r['error'][:80]} | | |")
       continue
     ratio = "" if r["of_ceiling"] is None else f"{r['of_ceiling']:.2f}"
-    lines.append(
-      f"| {r['shape']} | {r['tokens']} | {'yes' if r['skewed'] else 'no'} | {r['op']} | "
-      f"{r['backend']} | {r['ms']:.3f} | {r['tflops']:.1f} | {ratio} |"
-    )
+    lines.append(f"{case}{r['backend']} | {r['ms']:.3f} | {r['tflops']:.1f} | {ratio} |")
   return "\n".join(lines) + ("\n\n" + format_quant_table(quant) if quant else "")
 
 

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).parent.parent
 
 
@@ -25,22 +27,9 @@ def run_script(*args: str, out: Path) -> str:
   return result.stdout
 
 
-def test_gpu_kernel_benchmark_smoke_times_every_backend_and_op(tmp_path):
-  run_script("benchmarks/gpu_kernels.py", "--smoke", out=tmp_path / "out.json")
-  rows = json.loads((tmp_path / "out.json").read_text())["rows"]
-  timed = {(r["op"], r["backend"]) for r in rows if "error" not in r}
-  for backend in ("xla", "triton", "mosaic"):
-    for op in ("gmm", "gmm_fwd_bwd", "moe_mlp", "moe_mlp_fwd_bwd", "tgmm"):
-      assert (op, backend) in timed
-  assert ("gmm", "dense (ceiling)") in timed
-  quant = {(r["op"], r["backend"], r["weights"]) for r in rows if r.get("section") == "quant"}
-  for backend, op, weights in itertools.product(
-    ("triton", "mosaic"), ("gmm", "moe_mlp"), ("bf16", "fp8_block", "mxfp4")
-  ):
-    assert (op, backend, weights) in quant
-
-
 def test_gpu_check_smoke_runs_every_part(tmp_path):
+  """benchmarks/gpu_check.py on tiny shapes: every part runs, the layer's cases pass, and its
+  bench and quant parts (benchmarks/gpu_kernels.py's cases) time every backend and op."""
   run_script("benchmarks/gpu_check.py", "--smoke", out=tmp_path)
   summary = json.loads((tmp_path / "gpu_check.json").read_text())
   assert summary["device"] and summary["jax"] and summary["date"]
@@ -53,11 +42,48 @@ def test_gpu_check_smoke_runs_every_part(tmp_path):
     "quant": "passed",
   }
   layer = json.loads((tmp_path / "layer.json").read_text())["rows"]
-  assert len(layer) == 12 and all(r["status"] == "ok" for r in layer)
+  assert {r["case"].split()[1] for r in layer} == {"xla", "pallas", "auto"}
+  assert all(r["status"] == "ok" for r in layer)
   decode = json.loads((tmp_path / "decode.json").read_text())["rows"]
   assert {r["path"] for r in decode} >= {"ragged_dot", "tile_loop"}
   assert all(r["status"] == "ok" and r["floor_gb_per_s"] > 0 for r in decode)
+  bench = json.loads((tmp_path / "bench.json").read_text())["rows"]
+  timed = {(r["op"], r["backend"]) for r in bench if r["status"] == "ok"}
+  assert set(itertools.product(OPS, BACKENDS)) | {("gmm", "dense (ceiling)")} <= timed
+  quant = json.loads((tmp_path / "quant.json").read_text())["rows"]
+  assert {(r["op"], r["backend"], r["weights"]) for r in quant if r["status"] == "ok"} >= set(
+    itertools.product(("gmm", "moe_mlp"), ("triton", "mosaic"), ("bf16", "fp8_block", "mxfp4"))
+  )
   assert "| case |" in (tmp_path / "gpu_check.md").read_text()
+
+
+OPS = ("gmm", "gmm_fwd_bwd", "moe_mlp", "moe_mlp_fwd_bwd", "tgmm")
+BACKENDS = ("xla", "triton", "mosaic")
+
+
+def test_gpu_kernel_benchmark_writes_its_rows_and_fails_on_a_failed_case(
+  tmp_path, monkeypatch, capsys
+):
+  """benchmarks/gpu_kernels.py's command line around `run` (whose cases the gpu_check smoke
+  test runs): both tables printed, the rows in --out, exit status 1 on a failed case."""
+  import benchmarks.gpu_kernels as gpu_kernels
+
+  timed = dict(shape="smoke", tokens=64, skewed=False, op="gmm", backend="xla", ms=0.5)
+  quant = dict(section="quant", shape="smoke", tokens=64, op="gmm", backend="triton")
+  rows = [
+    dict(timed, tflops=1.5, of_ceiling=0.25),
+    dict(timed, backend="mosaic", error="NotImplementedError: no"),
+    dict(quant, weights="mxfp4", ms=0.75, of_bf16_time=1.25),
+  ]
+  monkeypatch.setattr(gpu_kernels, "run", lambda smoke, record, tune_first: [*map(record, rows)])
+  monkeypatch.setattr(sys, "argv", ["gpu_kernels.py", "--smoke", "--out", str(tmp_path / "o.json")])
+  with pytest.raises(SystemExit, match="some cases failed"):
+    gpu_kernels.main()
+  assert json.loads((tmp_path / "o.json").read_text())["rows"] == rows
+  printed = capsys.readouterr().out
+  assert "| smoke | 64 | no | gmm | xla | 0.500 | 1.5 | 0.25 |" in printed
+  assert "| smoke | 64 | no | gmm | mosaic | failed: NotImplementedError: no |" in printed
+  assert "| smoke | 64 | gmm | triton | mxfp4 | 0.750 | 1.25 |" in printed
 
 
 def test_layer_benchmark_prints_ratios(tmp_path):
