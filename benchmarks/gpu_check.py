@@ -7,8 +7,8 @@ stop the others), each writing `DIR/<part>.json` as it goes:
              processes when pytest-xdist is installed, since compiling dominates)
   layer      `moe_apply` with expert_backend "xla", "pallas" and "auto" (f32 and bf16, silu
              and gelu, NaN-poisoned padding) against `reference_moe`, forward and gradients
-             (the CPU smoke run: 4 of the 12 cases, the ones no other test runs among them:
-             every backend, and the kernels with bf16 and both activations)
+             (the CPU smoke run: 4 of the 12 cases, every backend and the kernels in bf16
+             with both activations; the suite's layer tests cover the others)
   bench      benchmarks/gpu_kernels.py: gmm, moe_mlp, tgmm, forward and forward+backward, vs
              jax.lax.ragged_dot, jax's ragged_dot_mgpu and a dense matmul of the same FLOPs
   xla_paths  the layer's two XLA expert paths (sort + ragged_dot, the tile loop) by number of
