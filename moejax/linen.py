@@ -134,14 +134,14 @@ def _collections(config: MoEConfig) -> tuple[str, ...]:
 
 def _module_of(variables: dict, collection: str, path: Sequence[str]) -> dict:
   """The module's variables in one collection (the same dict: writes reach `variables`)."""
-  tree = variables.get(collection)
+  given = "pass every collection, as init and apply(..., mutable=...) give them"
+  if collection not in variables:
+    raise ValueError(f"variables has no {collection!r} collection: {given}")
+  tree = variables[collection]
   for name in path:
     tree = tree.get(name) if isinstance(tree, dict) else None
   if not isinstance(tree, dict):
-    raise ValueError(
-      f"variables[{collection!r}] has no module at path={tuple(path)!r}: pass the variables "
-      "of a redundant-expert moe_linen module as init and apply(..., mutable=...) give them"
-    )
+    raise ValueError(f"variables[{collection!r}] has no module at path={tuple(path)!r}")
   return tree
 
 

@@ -191,6 +191,8 @@ def test_linen_rebalance_moves_experts_by_the_counted_load(request, extra, mesh_
   load = np.asarray(nn.unbox(counted)["ExpertLoad"]["moe"]["expert_load"])
   with pytest.raises(ValueError, match="no module at path=\\('block',\\)"):
     linen.rebalance(variables, config, path=("block",))
+  with pytest.raises(ValueError, match="no 'ExpertLoad' collection"):
+    linen.rebalance({k: v for k, v in variables.items() if k != "ExpertLoad"}, config)
 
   moved, placement = linen.rebalance(variables, config, path=("moe",))
 
