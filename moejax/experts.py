@@ -293,6 +293,9 @@ def routed_mlp(
       tile_rows=default_tile_rows(expert_ids.size, config.num_physical_experts),
       grad_seeds=grad_seeds,
     )
+  if b_gate_up is not None or set(grad_seeds or ()) - {"w_gate_up", "w_down"}:
+    # `expert_path` sends biases to the tile loop only: here they would be dropped silently.
+    raise NotImplementedError(f"the {path} expert path takes no expert biases")
   if grad_seeds:
     w_gate_up, w_down = (
       seed_gradient(w, grad_seeds[name]) if name in grad_seeds else w

@@ -150,3 +150,21 @@ def test_pallas_backend_without_any_kernel_runs_the_tile_loop_checked(monkeypatc
   with pytest.warns(UserWarning, match="Pallas Triton was removed"):
     y, _ = moe_apply(params, x, config=config, mesh=mesh_of(2, 4), token_mask=mask)
   chex.assert_trees_all_close(y, reference_moe(params, x, config, mask), **tolerance())
+
+
+def test_expert_biases_never_reach_a_path_without_them(monkeypatch):
+  """Only the tile loop takes expert biases (`expert_path` sends every biased config there):
+  another path given them raises rather than dropping them."""
+  from moejax import experts
+
+  config = MoEConfig(**{**BASE, "expert_bias": True})
+  params = random_params(config, jax.random.key(0))
+  x = jax.random.normal(jax.random.key(1), (6, config.hidden_size))
+  ids = jax.random.randint(jax.random.key(2), (6, config.top_k), 0, config.num_experts)
+  monkeypatch.setattr(experts, "expert_path", lambda *_: "ragged_dot")
+  with pytest.raises(NotImplementedError, match="ragged_dot expert path takes no expert biases"):
+    experts.routed_mlp(
+      *(x, ids, jnp.full(ids.shape, 0.5), params.w_gate_up, params.w_down),
+      *(params.b_gate_up, params.b_down),
+      config=config,
+    )
