@@ -128,7 +128,7 @@ def place(
     old = check_values(current, config)
     _check_leading(experts, config.num_physical_experts, "P = E + R (laid out by current)")
     mesh = _mesh_of(experts, config)
-    devices = expert_axis_devices(params, config)
+    devices = 1 if mesh is None else mesh.shape[config.expert_axis]
     if devices == 1:
       source = [_first_slot(old.physical_to_logical, e) for e in new.physical_to_logical]
       moved = _gather(experts, np.array(source), mesh, config)
