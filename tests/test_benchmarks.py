@@ -27,6 +27,11 @@ def run_script(*args: str, out: Path) -> str:
   return result.stdout
 
 
+# benchmarks/gpu_kernels.py's ops and backends, each timed by the smoke run
+OPS = ("gmm", "gmm_fwd_bwd", "moe_mlp", "moe_mlp_fwd_bwd", "tgmm")
+BACKENDS = ("xla", "triton", "mosaic")
+
+
 def test_gpu_check_smoke_runs_every_part(tmp_path):
   """benchmarks/gpu_check.py on tiny shapes: every part runs, the layer's cases pass, and its
   bench and quant parts (benchmarks/gpu_kernels.py's cases) time every backend and op."""
@@ -55,10 +60,6 @@ def test_gpu_check_smoke_runs_every_part(tmp_path):
     itertools.product(("gmm", "moe_mlp"), ("triton", "mosaic"), ("bf16", "fp8_block", "mxfp4"))
   )
   assert "| case |" in (tmp_path / "gpu_check.md").read_text()
-
-
-OPS = ("gmm", "gmm_fwd_bwd", "moe_mlp", "moe_mlp_fwd_bwd", "tgmm")
-BACKENDS = ("xla", "triton", "mosaic")
 
 
 def test_gpu_kernel_benchmark_writes_its_rows_and_fails_on_a_failed_case(
