@@ -8,7 +8,7 @@ from typing import Any
 import jax
 import numpy as np
 from flax import linen as nn
-from flax.core import unfreeze
+from flax.core import FrozenDict, freeze, unfreeze
 from flax.nnx import bridge
 from jax.sharding import Mesh
 
@@ -62,7 +62,8 @@ def rebalance(
 
   Returns:
     (the variables with the module's expert weights moved, its `ExpertPlacement` the new
-    placement and its `ExpertLoad` zero, the rest as given; the new placement).
+    placement and its `ExpertLoad` zero, the rest as given, a `FrozenDict` if they came as
+    one; the new placement).
 
   Raises:
     ValueError: the config has no redundant experts, a collection lacks the module at `path`,
@@ -78,6 +79,7 @@ def rebalance(
   """
   if not config.num_redundant_experts:
     raise ValueError("rebalance needs redundant experts: config.num_redundant_experts is 0")
+  frozen = isinstance(variables, FrozenDict)
   variables = unfreeze(variables)
   own = {collection: _module_of(variables, collection, path) for collection in _collections(config)}
   params, current, counted = _read(own, config)
@@ -85,7 +87,7 @@ def rebalance(
     load = logical_load(counted, current)
   moved, new = eplb.rebalance_weights(params, config, current=current, load=load)
   _write(own, moved, new, config)
-  return variables, new
+  return (freeze(variables) if frozen else variables), new
 
 
 def _read(own: dict[str, dict], config: MoEConfig) -> tuple[MoEParams, Placement, np.ndarray]:

@@ -14,6 +14,7 @@ import optax
 import pytest
 from flax import linen as nn
 from flax import nnx
+from flax.core import FrozenDict, freeze, unfreeze
 
 from kernels_pallas.quantized import BlockScaled
 from moejax import MoEConfig, MoELayer, MoEParams, checkpoint, eplb, linen, reference_moe
@@ -195,6 +196,9 @@ def test_linen_rebalance_moves_experts_by_the_counted_load(request, extra, mesh_
     linen.rebalance({k: v for k, v in variables.items() if k != "ExpertLoad"}, config)
 
   moved, placement = linen.rebalance(variables, config, path=("moe",))
+  frozen_moved, frozen_placement = linen.rebalance(freeze(variables), config, path=("moe",))
+  assert isinstance(frozen_moved, FrozenDict)  # Linen's other variables type, kept
+  chex.assert_trees_all_equal((unfreeze(frozen_moved), frozen_placement), (moved, placement))
 
   current = initial_placement(config.num_experts, config.num_redundant_experts)
   devices = 1 if mesh is None else mesh.shape["expert"]
