@@ -37,7 +37,7 @@ from kernels_pallas.compat import (
 from kernels_pallas.dequant import by_parity, from_parity, kernel_rhs
 from kernels_pallas.metadata import aligned_rows, max_visits
 from kernels_pallas.mosaic_quant import QuantTiles, fit_blocks, swizzled
-from kernels_pallas.quantized import is_block_scaled
+from kernels_pallas.quantized import BlockScaled, is_block_scaled
 
 _WGMMA_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _INTERPRETED_SMS = 4  # programs the interpreter simulates: each one is slow on a CPU
@@ -227,7 +227,7 @@ def _gmm_aligned_kernel(
 )
 def gmm_mosaic(
   lhs: jax.Array,
-  rhs: jax.Array,
+  rhs: jax.Array | BlockScaled,
   group_sizes: jax.Array,
   row_weights: jax.Array | None = None,
   *,
