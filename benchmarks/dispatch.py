@@ -48,7 +48,7 @@ import numpy as np
 from jax import export
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
-from suite import best_time, make_params  # benchmarks/suite.py, beside this script
+from suite import best_time, make_params, sections_of  # benchmarks/suite.py, beside this script
 
 from moejax import MoEConfig, dispatch, moe_apply, routing
 
@@ -378,16 +378,21 @@ def _fmt(value) -> str:
   return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
+SECTIONS = ("hlo", "scaling", "time", "timing")
+
+
 def main(argv: list[str] | None = None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument(
-    "--sections", default="hlo,scaling,time", help="comma-separated; 'timing' on multi-GPU"
+    "--sections",
+    default="hlo,scaling,time",
+    help=f"comma-separated, of: {','.join(SECTIONS)} ('timing' on multi-GPU)",
   )
   parser.add_argument("--tokens", type=int, default=4096, help="tokens for the scaling section")
   parser.add_argument("--repeats", type=int, default=5)
   parser.add_argument("--out", default="results", help="folder for dispatch.json and the plot")
   args = parser.parse_args(argv)
-  sections = args.sections.split(",")
+  sections = sections_of(parser, args.sections, SECTIONS)
   out = Path(args.out)
   out.mkdir(parents=True, exist_ok=True)
   print(f"moejax dispatch benchmark: {jax.devices()[0].device_kind}, JAX {jax.__version__}")

@@ -49,6 +49,7 @@ from moejax.sharding import LayerSpecs, placement
 from moejax.tiles import GatedActivation
 
 D, F = 256, 512
+SECTIONS = ("layer", "chunks", "steps", "decode", "padding", "quant", "compiles")
 
 
 def best_time(fn, *args, repeats: int) -> float:
@@ -60,6 +61,15 @@ def best_time(fn, *args, repeats: int) -> float:
     jax.block_until_ready(fn(*args))
     best = min(best, time.perf_counter() - start)
   return best
+
+
+def sections_of(parser: argparse.ArgumentParser, text: str, known: tuple[str, ...]) -> list[str]:
+  """The comma-separated `--sections` value as a list; a name not in `known` is a usage
+  error (exit 2), not a section silently skipped."""
+  sections = text.split(",")
+  if unknown := sorted(set(sections) - set(known)):
+    parser.error(f"--sections: unknown {', '.join(unknown)}; expected some of {','.join(known)}")
+  return sections
 
 
 def interleaved_best(calls: dict[str, tuple], rounds: int) -> dict[str, float]:
@@ -606,17 +616,19 @@ def plot_chunks(rows: list[dict], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-  parser = argparse.ArgumentParser(prog="python -m moejax bench", description=__doc__)
+  parser = argparse.ArgumentParser(
+    prog="python -m moejax bench",
+    description=__doc__,
+    formatter_class=argparse.RawDescriptionHelpFormatter,
+  )
   parser.add_argument("--full", action="store_true", help="more shapes and token counts")
-  parser.add_argument("--repeats", type=int, default=3)
+  parser.add_argument("--repeats", type=int, default=3, help="timed calls per case (default 3)")
   parser.add_argument("--out", default="results", help="folder for bench.json and the plot")
   parser.add_argument(
-    "--sections",
-    default="layer,chunks,steps,decode,padding,quant,compiles",
-    help="comma-separated",
+    "--sections", default=",".join(SECTIONS), help=f"comma-separated, of: {','.join(SECTIONS)}"
   )
   args = parser.parse_args(argv)
-  sections = args.sections.split(",")
+  sections = sections_of(parser, args.sections, SECTIONS)
   start = time.perf_counter()
   print(
     f"moejax bench: {jax.devices()[0].device_kind}, {len(jax.devices())} devices, "

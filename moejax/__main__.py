@@ -47,8 +47,10 @@ def _parser() -> argparse.ArgumentParser:
     command.add_argument(
       "--platform", default="cpu", help="'cpu' simulates the mesh's devices (default); else as is"
     )
-  commands.add_parser(
-    "bench", help="the benchmark suite (benchmarks/suite.py); its flags: bench --help"
+  commands.add_parser(  # no help flag of its own: `bench --help` reaches the suite's
+    "bench",
+    help="the benchmark suite (benchmarks/suite.py); its flags: bench --help",
+    add_help=False,
   )
   return parser
 

@@ -12,16 +12,21 @@ import pytest
 ROOT = Path(__file__).parent.parent
 
 
-def run_script(*args: str, out: Path) -> str:
-  """Runs a benchmark with `--out out`; checks it succeeded and wrote there."""
-  result = subprocess.run(
-    [sys.executable, *args, "--out", str(out)],
+def run_python(*args: str) -> subprocess.CompletedProcess:
+  """`python *args` from the repository root, as a user runs it (no inherited XLA_FLAGS)."""
+  return subprocess.run(
+    [sys.executable, *args],
     capture_output=True,
     text=True,
     timeout=600,
     cwd=ROOT,
     env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"},
   )
+
+
+def run_script(*args: str, out: Path) -> str:
+  """Runs a benchmark with `--out out`; checks it succeeded and wrote there."""
+  result = run_python(*args, "--out", str(out))
   assert result.returncode == 0, result.stderr[-3000:]
   assert out.exists()
   return result.stdout
@@ -105,6 +110,21 @@ def test_layer_benchmark_prints_ratios(tmp_path):
     out=tmp_path / "out.json",
   )
   assert "moejax layer, chunk_size=64" in out and "x ceiling" in out
+
+
+def test_bench_help_lists_the_suites_flags():
+  result = run_python("-m", "moejax", "bench", "--help")
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert all(flag in result.stdout for flag in ("--sections", "--full", "--repeats")), result.stdout
+
+
+@pytest.mark.parametrize(
+  "command, typo", [(("-m", "moejax", "bench"), "step"), (("benchmarks/dispatch.py",), "timings")]
+)
+def test_an_unknown_section_is_a_usage_error(command, typo):
+  result = run_python(*command, "--sections", typo)
+  assert result.returncode == 2, result.stderr[-3000:]
+  assert f"--sections: unknown {typo}" in result.stderr, result.stderr
 
 
 def test_bench_suite_compiles_once(tmp_path):
