@@ -1,7 +1,10 @@
 """Test set-up: 8 simulated CPU devices (set before JAX is imported) and strict JAX checks."""
 
+import atexit
 import gc
 import os
+import shutil
+import tempfile
 
 os.environ["XLA_FLAGS"] = (
   os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
@@ -13,6 +16,14 @@ import pytest
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
 jax.config.update("jax_enable_x64", False)
+
+# A compilation cache for this run only: the same programs recur across test classes (each
+# ends by clearing JAX's in-memory caches, below), and are then read back, not recompiled.
+_compilation_cache = tempfile.mkdtemp(prefix="moejax-tests-compilation-cache-")
+atexit.register(shutil.rmtree, _compilation_cache, ignore_errors=True)
+jax.config.update("jax_compilation_cache_dir", _compilation_cache)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
 @pytest.fixture(autouse=True, scope="class")

@@ -122,7 +122,8 @@ def poison(x: jax.Array, mask: jax.Array) -> jax.Array:
 
 @contextlib.contextmanager
 def count_compiles() -> Iterator[list[str]]:
-  """Collects one entry per XLA backend compilation inside the block."""
+  """Collects one entry per executable built inside the block: compiled by XLA, or read back
+  from the run's compilation cache (tests/conftest.py; JAX times both as a backend compile)."""
   events: list[str] = []
 
   def listener(event: str, duration: float, **kwargs) -> None:
