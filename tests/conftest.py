@@ -1,4 +1,5 @@
-"""Test set-up: 8 simulated CPU devices (set before JAX is imported) and strict JAX checks."""
+"""Test set-up: 8 simulated CPU devices (set before JAX is imported), strict JAX checks and a
+compilation cache for the run."""
 
 import atexit
 import gc
