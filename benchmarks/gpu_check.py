@@ -12,7 +12,7 @@ stop the others), each writing `DIR/<part>.json` as it goes:
   bench      benchmarks/gpu_kernels.py: gmm, moe_mlp, tgmm, forward and forward+backward, vs
              jax.lax.ragged_dot, jax's ragged_dot_mgpu and a dense matmul of the same FLOPs
   xla_paths  the layer's two XLA expert paths (sort + ragged_dot, the tile loop) by number of
-             local experts: the measurement behind `moejax.experts.expert_path`
+             local experts: the measurement behind `moejax.plan.plan_experts`
   decode     every expert path (ragged_dot, tile loop, the device's kernel) at T = 1, 8, 64,
              256 rows, El = 32, against the bytes floor: the measurement `decode_sized` awaits
   quant      gmm and moe_mlp on fp8_block and mxfp4 weights against bf16 per kernel, at 128,
@@ -130,7 +130,6 @@ def part_test_base(out: Path, smoke: bool, record: Recorder) -> None:
 
 def part_layer(out: Path, smoke: bool, record: Recorder) -> None:
   """The layer on one device with every expert backend, against `reference_moe`."""
-  import warnings
 
   import jax
   import jax.numpy as jnp
@@ -218,27 +217,30 @@ def part_xla_paths(out: Path, smoke: bool, record: Recorder) -> None:
 
 def _expert_paths(with_kernel: bool) -> dict[str, Callable]:
   """The layer's expert paths as (x, ids, weights, w_gate_up, w_down) -> [T, D] functions."""
-  from kernels_pallas.api import kernel_for
+  from kernels_pallas.backends import Case, select_kernel
   from kernels_pallas.platform import on_cpu
   from moejax.experts import default_tile_rows, grouped_mlp, sorted_mlp
+  from moejax.params import ExpertWeights
   from moejax.tiles import GatedActivation
 
   def tile_loop(x, ids, weights, w_gate_up, w_down):
     rows = default_tile_rows(ids.size, w_gate_up.shape[0])
-    activation = GatedActivation("silu")
-    return grouped_mlp(
-      x, ids, weights, w_gate_up, w_down, None, None, activation=activation, tile_rows=rows
-    )
+    experts = ExpertWeights(w_gate_up, w_down)
+    return grouped_mlp(x, ids, weights, experts, activation=GatedActivation("silu"), tile_rows=rows)
 
-  paths = {
-    "ragged_dot": functools.partial(sorted_mlp, activation="silu", implementation="xla"),
-    "tile_loop": tile_loop,
-  }
-  kernel = kernel_for("bfloat16", "silu")
+  def on_backend(backend: str) -> Callable:
+    def sorted_path(x, ids, weights, w_gate_up, w_down):
+      experts = ExpertWeights(w_gate_up, w_down)
+      return sorted_mlp(
+        x, ids, weights, experts, activation="silu", backend=backend, interpret=on_cpu()
+      )
+
+    return sorted_path
+
+  paths = {"ragged_dot": on_backend("xla"), "tile_loop": tile_loop}
+  kernel = select_kernel(Case("bfloat16", "silu"))
   if with_kernel and kernel is not None:
-    if on_cpu():
-      warnings.simplefilter("ignore")  # the CPU smoke run interprets the kernel, and says so
-    paths[kernel] = functools.partial(sorted_mlp, activation="silu", implementation=kernel)
+    paths[kernel] = on_backend(kernel)
   return paths
 
 
@@ -258,7 +260,7 @@ def _expert_operands(experts: int, tokens: int, d: int, f: int, top_k: int = 2):
 def part_decode(out: Path, smoke: bool, record: Recorder) -> None:
   """Every expert path at decode sizes (T = 1, 8, 64, 256 rows on one device, El = 32):
   time against the bytes floor, the used experts' weights read once. The measurement
-  `moejax.experts.decode_sized` is to be checked against."""
+  `moejax.plan.decode_sized` is to be checked against."""
   experts, d, f = (8, 64, 32) if smoke else (32, 2048, 1024)
   for tokens in (1, 8) if smoke else (1, 8, 64, 256):
     operands = _expert_operands(experts, tokens, d, f)

@@ -45,6 +45,7 @@ from jax.sharding import Mesh
 from moejax import MoEConfig, MoEParams, moe_apply, param_shapes, quant, routing
 from moejax.experts import default_tile_rows, grouped_mlp
 from moejax.forward import compiled_executables
+from moejax.params import ExpertWeights
 from moejax.sharding import LayerSpecs, placement
 from moejax.tiles import GatedActivation
 
@@ -371,7 +372,7 @@ def decode_cost_rows(config: MoEConfig, params: MoEParams, repeats: int) -> list
 
   def experts_only(params, x, ids, weights):
     return grouped_mlp(
-      x, ids, weights, params.w_gate_up, params.w_down, None, None,
+      x, ids, weights, ExpertWeights(params.w_gate_up, params.w_down),
       activation=GatedActivation.of(config), tile_rows=default_tile_rows(ids.size, 32),
     )  # fmt: skip
 

@@ -7,6 +7,9 @@ import jax.numpy as jnp
 
 from kernels_pallas import compat
 
+# The activations the kernels' gated epilogue computes (`activate`).
+EPILOGUE_ACTIVATIONS = ("silu", "gelu")
+
 
 def activate(x: jax.Array, activation: str, erf=compat.erf) -> jax.Array:
   """silu, or gelu in its exact form 0.5 x (1 + erf(x / sqrt 2)), with `erf` swappable."""

@@ -4,79 +4,27 @@
 reference), "mosaic" (Pallas Mosaic GPU, Hopper), "triton" (Pallas Triton, older GPUs). A case
 a kernel does not support raises `NotImplementedError` naming the reason. None picks by
 `best_implementation`: a kernel only where a recorded GPU run showed it correct and faster
-than XLA, else "xla". `interpret=True` runs a Pallas kernel on the CPU in its interpreter
-(the Mosaic GPU interpreter for mosaic, the Pallas interpreter for triton).
+than XLA (or for a quantized rhs, which XLA cannot take), else "xla". Whether a backend can
+run a case, and which kernel a device runs, are the registry's answers (`backends`).
+`interpret=True` runs a Pallas kernel on the CPU in its interpreter (the Mosaic GPU
+interpreter for mosaic, the Pallas interpreter for triton).
 """
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
-from kernels_pallas import autotune, platform
-from kernels_pallas.activations import activate
-from kernels_pallas.backends import BACKENDS
+from kernels_pallas import autotune
+from kernels_pallas.activations import EPILOGUE_ACTIVATIONS
+from kernels_pallas.backends import BACKENDS, Case, select_kernel, unsupported_reason
+from kernels_pallas.gmm_xla import moe_mlp_reference
 from kernels_pallas.ops import KernelSettings, gmm_vjp, moe_mlp_vjp
-from kernels_pallas.quantized import format_of, from_qarray, is_block_scaled, is_qarray
+from kernels_pallas.quantized import format_of, from_qarray, is_qarray
 
 IMPLEMENTATIONS = tuple(BACKENDS)
-ACTIVATIONS = ("silu", "gelu")
-
-
-def device_implementation() -> str:
-  """The kernel made for the default device: mosaic on Hopper, triton on other GPUs, else xla."""
-  capability = platform.gpu_compute_capability()
-  if capability is None:
-    return "xla"
-  return "mosaic" if capability.startswith("9") else "triton"
-
-
-def unsupported_reason(
-  implementation: str, lhs_dtype, rhs_dtype, activation=None, precision=None, *, rhs_format=None
-) -> str | None:
-  """Why `implementation` cannot run a case with these dtypes, epilogue and precision, or None.
-
-  `rhs_format` names the `kernels_pallas.quantized.FORMATS` format of a `BlockScaled` rhs
-  (then `rhs_dtype` is not used: the kernel dequantizes to lhs's dtype).
-  """
-  if rhs_format is not None:
-    if rhs_format not in BACKENDS[implementation].quant_formats:
-      return f"{implementation} takes no {rhs_format} (BlockScaled) weights"
-  elif jnp.dtype(lhs_dtype) != jnp.dtype(rhs_dtype):
-    return f"{implementation} needs lhs and rhs of one dtype, got {lhs_dtype} and {rhs_dtype}"
-  return BACKENDS[implementation].unsupported_reason(lhs_dtype, activation, precision)
-
-
-def moe_mlp_unsupported_reason(
-  implementation: str, dtype, activation: str, *, biases: bool = False, rhs_format=None
-) -> str | None:
-  """Why `moe_mlp` on `implementation` cannot run an MLP of this dtype, activation, biases (it
-  has no bias epilogue) and weight format (`rhs_format`: None for plain arrays, else a
-  `kernels_pallas.quantized.FORMATS` name), or None. The one answer to "can this kernel run
-  this layer?".
-
-  >>> moe_mlp_unsupported_reason("xla", jnp.float32, "swiglu_oai")
-  "activation='swiglu_oai' (moe_mlp has ('silu', 'gelu'))"
-  """
-  if activation not in ACTIVATIONS:
-    return f"activation={activation!r} (moe_mlp has {ACTIVATIONS})"
-  if biases:
-    return "expert biases (moe_mlp has no bias epilogue)"
-  return unsupported_reason(implementation, dtype, dtype, activation, rhs_format=rhs_format)
-
-
-def kernel_for(dtype, activation: str, *, biases: bool = False, rhs_format=None) -> str | None:
-  """The Pallas kernel that runs `moe_mlp` for this case on the default device: its own
-  (Mosaic on Hopper) when it can, else Triton (interpreted on a CPU), else None."""
-  for implementation in (device_implementation(), "triton"):
-    if implementation == "xla":
-      continue
-    reason = moe_mlp_unsupported_reason(
-      implementation, dtype, activation, biases=biases, rhs_format=rhs_format
-    )
-    if reason is None:
-      return implementation
-  return None
 
 
 # Backends that a recorded GPU run of `benchmarks/gpu_check.py` (docs/performance.md) showed
@@ -86,19 +34,26 @@ def kernel_for(dtype, activation: str, *, biases: bool = False, rhs_format=None)
 MEASURED_FASTER: dict[str, int] = {}
 
 
-def best_implementation(dtype, activation=None, num_rows: int = 0) -> str:
-  """The backend `implementation=None` runs on `num_rows` rows: the device's kernel where
-  `MEASURED_FASTER` lists it for calls this large and it supports the case, else "xla"."""
-  chosen = device_implementation()
-  min_rows = MEASURED_FASTER.get(chosen)
-  if min_rows is None or num_rows < min_rows:
-    return "xla"
-  return chosen if unsupported_reason(chosen, dtype, dtype, activation) is None else "xla"
+def measured_faster(kernel: str, num_rows: int) -> bool:
+  """Whether `MEASURED_FASTER` records `kernel` faster than XLA on calls of `num_rows` rows."""
+  return num_rows >= MEASURED_FASTER.get(kernel, math.inf)
+
+
+def best_implementation(
+  dtype, activation=None, num_rows: int = 0, *, rhs_format: str | None = None
+) -> str:
+  """The backend `implementation=None` runs on `num_rows` rows: the device's kernel for the
+  case (`backends.select_kernel`) where it is `measured_faster`, or always for a quantized
+  rhs (`rhs_format`), which XLA takes none of; else "xla"."""
+  kernel = select_kernel(Case(dtype, activation, rhs_format=rhs_format))
+  if kernel is not None and (rhs_format or measured_faster(kernel, num_rows)):
+    return kernel
+  return "xla"
 
 
 def _settings(op, implementation, lhs, rhs, config, precision, out_dtype, interpret):
   """Kernel settings: the given blocks, else the tuned ones cached for this device and shape
-  (`autotune`), else the per-shape-class heuristic."""
+  (`autotune`), else the per-shape-class heuristic (fitted to a quantized rhs in `ops`)."""
   num_rows, k = lhs.shape
   groups, _, n = rhs.shape
   backend = BACKENDS[implementation]
@@ -107,12 +62,9 @@ def _settings(op, implementation, lhs, rhs, config, precision, out_dtype, interp
       f"config for {implementation} must be {backend.blocks_type.__name__}, got {config!r}"
     )
   key = autotune.cache_key(op, implementation, (num_rows, k, n, groups), lhs.dtype)
-  blocks = config or autotune.lookup(key) or backend.default_blocks(num_rows, k, n)
-  if is_block_scaled(rhs):
-    blocks = backend.fit_blocks(blocks, rhs)
   return KernelSettings(
     implementation=implementation,
-    blocks=blocks,
+    blocks=config or autotune.lookup(key) or backend.default_blocks(num_rows, k, n),
     tgmm_blocks=backend.tgmm_blocks(num_rows, k, n),
     precision=precision,
     out_dtype=out_dtype,
@@ -121,28 +73,22 @@ def _settings(op, implementation, lhs, rhs, config, precision, out_dtype, interp
 
 
 def _resolve(implementation: str | None, lhs, rhs, activation=None, precision=None) -> str:
-  """The backend a call runs on: the named one (raising if it cannot), or for None the
-  measured best, else the device's kernel or triton for a `BlockScaled` rhs (XLA takes
-  none), else xla."""
+  """The backend a call runs on: the named one, or for None `best_implementation`'s; raises
+  NotImplementedError with the reason when it cannot run the call."""
   if implementation is not None and implementation not in IMPLEMENTATIONS:
     raise ValueError(
       f"implementation must be one of {IMPLEMENTATIONS} or None, got {implementation!r}"
     )
   rhs_format = format_of(rhs)
-  rhs_dtype = None if rhs_format else rhs.dtype
-  reason = lambda name: unsupported_reason(
-    name, lhs.dtype, rhs_dtype, activation, precision, rhs_format=rhs_format
-  )
+  case = Case(
+    lhs.dtype, activation, precision, rhs_dtype=None if rhs_format else rhs.dtype,
+    rhs_format=rhs_format,
+  )  # fmt: skip
   if implementation is None:
-    candidates = [best_implementation(lhs.dtype, activation, lhs.shape[0])]
-    candidates += [device_implementation(), "triton"] if rhs_format else ["xla"]
-    for name in candidates:
-      if reason(name) is None:
-        return name
-    if rhs_format is None:
+    implementation = best_implementation(lhs.dtype, activation, lhs.shape[0], rhs_format=rhs_format)
+    if implementation == "xla" and rhs_format is None:
       return "xla"  # jax.lax.ragged_dot's own dtype rules
-    implementation = candidates[-1]
-  why = reason(implementation)
+  why = unsupported_reason(implementation, case)
   if why is not None:
     raise NotImplementedError(why)
   return implementation
@@ -242,8 +188,8 @@ def moe_mlp(
   Returns:
     [M, D] in x's dtype.
   """
-  if activation not in ACTIVATIONS:
-    raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+  if activation not in EPILOGUE_ACTIVATIONS:
+    raise ValueError(f"activation must be one of {EPILOGUE_ACTIVATIONS}, got {activation!r}")
   w_gate_up, w_down = (from_qarray(w) if is_qarray(w) else w for w in (w_gate_up, w_down))
   _check_gmm_shapes(x_sorted, w_gate_up, group_sizes)
   if format_of(w_gate_up) != format_of(w_down):
@@ -268,16 +214,3 @@ def moe_mlp(
     "moe_mlp", implementation, x_sorted, w_gate_up, config, precision, None, interpret
   )
   return moe_mlp_vjp(x_sorted, w_gate_up, w_down, group_sizes, weights, activation, settings)
-
-
-def moe_mlp_reference(x, w_gate_up, w_down, group_sizes, row_weights, activation, precision=None):
-  """`moe_mlp` in plain XLA: two `ragged_dot`s around the gated activation, in float32."""
-  pre = jax.lax.ragged_dot(
-    x, w_gate_up, group_sizes, precision=precision, preferred_element_type=jnp.float32
-  )
-  gate, up = jnp.split(pre, 2, axis=-1)
-  hidden = (activate(gate, activation) * up).astype(x.dtype)
-  out = jax.lax.ragged_dot(
-    hidden, w_down, group_sizes, precision=precision, preferred_element_type=jnp.float32
-  )
-  return (out * row_weights[:, None].astype(jnp.float32)).astype(x.dtype)

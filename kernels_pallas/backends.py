@@ -1,14 +1,21 @@
 """The backend registry: every grouped-matmul implementation, by name, in one table.
 
-`BACKENDS[name]` is a frozen `Backend` record: its block-size class and defaults, why it cannot
-run a case, and its two products, `gmm` (out = lhs @ rhs[g] per group of rows, with optional
-epilogues) and `tgmm` (out[g] = lhs[rows of g]^T @ dout[rows of g], the weight gradient).
-Everything that chooses or calls a backend reads this table.
+`BACKENDS[name]` is a frozen `Backend` record: its block-size class and defaults, the GPUs
+it is made for, why it cannot run a case, and its two products, `gmm` (out = lhs @ rhs[g]
+per group of rows, with optional epilogues) and `tgmm` (out[g] = lhs[rows of g]^T @ dout[rows
+of g], the weight gradient). Everything that chooses or calls a backend reads this table, and
+two questions have one answer each: `unsupported_reason` (can this backend run this case, and
+if not why) and `select_kernel` (which kernel runs a case on a device), which walks the table
+in its order of preference.
 
->>> sorted(BACKENDS)
+>>> list(BACKENDS)
 ['mosaic', 'triton', 'xla']
->>> BACKENDS["mosaic"].unsupported_reason(jnp.float32, None, None)
+>>> unsupported_reason("mosaic", Case(jnp.float32))
 'mosaic runs bf16/f16 wgmma only, got float32'
+>>> select_kernel(Case(jnp.bfloat16, "silu"), capability="9.0")
+'mosaic'
+>>> select_kernel(Case(jnp.bfloat16, "gelu"), capability="9.0")  # mosaic has silu only
+'triton'
 """
 
 from __future__ import annotations
@@ -16,11 +23,10 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-import jax
 import jax.numpy as jnp
 
-from kernels_pallas import gmm_mosaic, gmm_triton, mosaic_quant
-from kernels_pallas.activations import activate
+from kernels_pallas import gmm_mosaic, gmm_triton, gmm_xla, mosaic_quant, platform
+from kernels_pallas.activations import EPILOGUE_ACTIVATIONS
 from kernels_pallas.gmm_mosaic import MosaicBlocks
 from kernels_pallas.gmm_triton import TritonBlocks
 
@@ -31,6 +37,9 @@ class Backend:
 
   Attributes:
     name: "xla", "triton" or "mosaic".
+    made_for: GPU compute capability ("9.0") -> whether this is a kernel built for that GPU;
+      None stands for no GPU, where the kernel made for every GPU (triton) runs in its
+      interpreter for testing. Always False for xla, which is no kernel.
     blocks_type: its block-size dataclass (None for xla).
     default_blocks: (M, K, N) -> the forward kernel's blocks for that shape class.
     tgmm_blocks: (M, K, N) -> the transposed kernel's blocks.
@@ -47,6 +56,7 @@ class Backend:
   """
 
   name: str
+  made_for: Callable[[str | None], bool]
   blocks_type: type | None
   default_blocks: Callable
   tgmm_blocks: Callable
@@ -58,90 +68,17 @@ class Backend:
   fit_blocks: Callable = lambda blocks, rhs: blocks
 
 
-def _xla_gmm(
-  lhs,
-  rhs,
-  group_sizes,
-  row_weights=None,
-  *,
-  blocks=None,
-  activation=None,
-  transpose_rhs=False,
-  out_dtype=None,
-  precision=None,
-  interpret=False,
-):
-  """The contract of the kernels' `gmm` on `jax.lax.ragged_dot` (the reference backend)."""
-  del blocks, interpret
-  if transpose_rhs:
-    rhs = jnp.swapaxes(rhs, 1, 2)
-  out = jax.lax.ragged_dot(
-    lhs, rhs, group_sizes, precision=precision, preferred_element_type=jnp.float32
-  )
-  if activation is not None:
-    gate, up = jnp.split(out, 2, axis=-1)
-    out = activate(gate, activation) * up
-  if row_weights is not None:
-    out = out * row_weights[:, None].astype(jnp.float32)
-  return out.astype(out_dtype or lhs.dtype)
-
-
-def _xla_tgmm(
-  lhs, dout, group_sizes, *, blocks=None, out_dtype=None, precision=None, interpret=False
-):
-  """out[g] = lhs[rows of g]^T @ dout[rows of g], as a ragged contraction over rows."""
-  del blocks, interpret
-  numbers = jax.lax.RaggedDotDimensionNumbers(
-    dot_dimension_numbers=(((0,), (0,)), ((), ())),
-    lhs_ragged_dimensions=[0],
-    rhs_group_dimensions=[],
-  )
-  out = jax.lax.ragged_dot_general(
-    lhs, dout, group_sizes, numbers, precision=precision, preferred_element_type=jnp.float32
-  )
-  return out.astype(out_dtype or lhs.dtype)
-
-
-def _no_blocks(*_) -> None:
-  return None
-
-
-def _runs_every_case(dtype, activation, precision) -> None:
-  """XLA's ragged_dot takes every float dtype, both activations and every precision."""
-  del dtype, activation, precision
-
-
 def _mosaic_tgmm_blocks(num_rows: int, k: int, n: int) -> MosaicBlocks:
   """128 x 128 output tiles, 64 rows a step; 3 stages keep shared memory under the limit."""
   del num_rows, k, n
   return MosaicBlocks(block_m=128, block_n=128, block_k=64, max_concurrent_steps=3)
 
 
+# In order of preference: a device runs the first kernel made for it that can run the case.
 BACKENDS: dict[str, Backend] = {
-  "xla": Backend(
-    name="xla",
-    blocks_type=None,
-    default_blocks=_no_blocks,
-    tgmm_blocks=_no_blocks,
-    tgmm_multiples=lambda _: (1, 1, 1),
-    unsupported_reason=_runs_every_case,
-    gmm=_xla_gmm,
-    tgmm=_xla_tgmm,
-  ),
-  "triton": Backend(
-    name="triton",
-    blocks_type=TritonBlocks,
-    default_blocks=gmm_triton.default_blocks,
-    tgmm_blocks=gmm_triton.default_blocks,
-    tgmm_multiples=lambda b: (b.block_m, b.block_k, b.block_n),
-    unsupported_reason=gmm_triton.unsupported_reason,
-    gmm=gmm_triton.gmm_triton,
-    tgmm=gmm_triton.tgmm_triton,
-    quant_formats=("fp8_block", "mxfp4"),
-    fit_blocks=gmm_triton.fit_blocks,
-  ),
   "mosaic": Backend(
     name="mosaic",
+    made_for=lambda capability: capability is not None and capability.startswith("9"),  # Hopper
     blocks_type=MosaicBlocks,
     default_blocks=gmm_mosaic.default_blocks,
     tgmm_blocks=_mosaic_tgmm_blocks,
@@ -152,4 +89,97 @@ BACKENDS: dict[str, Backend] = {
     quant_formats=("fp8_block", "mxfp4"),
     fit_blocks=mosaic_quant.fit_blocks,
   ),
+  "triton": Backend(
+    name="triton",
+    made_for=lambda capability: True,  # every CUDA GPU; on a CPU, the interpreted kernel
+    blocks_type=TritonBlocks,
+    default_blocks=gmm_triton.default_blocks,
+    tgmm_blocks=gmm_triton.default_blocks,
+    tgmm_multiples=lambda b: (b.block_m, b.block_k, b.block_n),
+    unsupported_reason=gmm_triton.unsupported_reason,
+    gmm=gmm_triton.gmm_triton,
+    tgmm=gmm_triton.tgmm_triton,
+    quant_formats=("fp8_block", "mxfp4"),
+    fit_blocks=gmm_triton.fit_blocks,
+  ),
+  "xla": Backend(
+    name="xla",
+    made_for=lambda capability: False,
+    blocks_type=None,
+    default_blocks=gmm_xla.no_blocks,
+    tgmm_blocks=gmm_xla.no_blocks,
+    tgmm_multiples=lambda _: (1, 1, 1),
+    unsupported_reason=gmm_xla.unsupported_reason,
+    gmm=gmm_xla.gmm_xla,
+    tgmm=gmm_xla.tgmm_xla,
+  ),
 }
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+  """What a call asks of a backend.
+
+  Attributes:
+    dtype: lhs's dtype (the kernels' compute dtype).
+    activation: the gated epilogue's activation, or None for a plain product.
+    precision: `jax.lax.Precision` / `DotAlgorithmPreset` of the products, or None.
+    rhs_dtype: rhs's dtype, None for lhs's (ignored for a quantized rhs, which is decoded to
+      lhs's dtype).
+    rhs_format: the `kernels_pallas.quantized.FORMATS` name of a `BlockScaled` rhs, or None.
+    biases: whether the MLP has expert biases (no backend has a bias epilogue).
+  """
+
+  dtype: object
+  activation: str | None = None
+  precision: object = None
+  rhs_dtype: object = None
+  rhs_format: str | None = None
+  biases: bool = False
+
+
+def unsupported_reason(name: str, case: Case) -> str | None:
+  """Why backend `name` cannot run `case`, or None: the one answer to that question.
+
+  >>> unsupported_reason("xla", Case(jnp.float32, "swiglu_oai"))
+  "activation='swiglu_oai' (the epilogues have ('silu', 'gelu'))"
+  """
+  return _reason(BACKENDS[name], case)
+
+
+def _reason(backend: Backend, case: Case) -> str | None:
+  if case.activation is not None and case.activation not in EPILOGUE_ACTIVATIONS:
+    return f"activation={case.activation!r} (the epilogues have {EPILOGUE_ACTIVATIONS})"
+  if case.biases:
+    return "expert biases (no backend has a bias epilogue)"
+  if case.rhs_format is not None:
+    if case.rhs_format not in backend.quant_formats:
+      return f"{backend.name} takes no {case.rhs_format} (BlockScaled) weights"
+  elif case.rhs_dtype is not None and jnp.dtype(case.rhs_dtype) != jnp.dtype(case.dtype):
+    return (
+      f"{backend.name} needs lhs and rhs of one dtype, got {jnp.dtype(case.dtype)} and "
+      f"{jnp.dtype(case.rhs_dtype)}"
+    )
+  return backend.unsupported_reason(case.dtype, case.activation, case.precision)
+
+
+_DEVICE = object()  # `select_kernel`'s default: the default device's GPU
+
+
+def select_kernel(case: Case, capability: str | object | None = _DEVICE) -> str | None:
+  """The first kernel in `BACKENDS` made for the GPU of `capability` (default: the default
+  device's; None: no GPU, where kernels are interpreted) that can run `case`, or None."""
+  if capability is _DEVICE:
+    capability = platform.gpu_compute_capability()
+  for backend in BACKENDS.values():
+    if backend.made_for(capability) and _reason(backend, case) is None:
+      return backend.name
+  return None
+
+
+def no_kernel_reason(case: Case, capability: str | object | None = _DEVICE) -> str:
+  """Why `select_kernel` finds no kernel: the reason of each kernel made for the device."""
+  if capability is _DEVICE:
+    capability = platform.gpu_compute_capability()
+  reasons = [f"{b.name}: {_reason(b, case)}" for b in BACKENDS.values() if b.made_for(capability)]
+  return "; ".join(reasons) or f"no kernel is made for GPU capability {capability}"

@@ -245,7 +245,8 @@ def gmm_mosaic(
     rhs: [G, K, N] ([G, N, K] with `transpose_rhs`, read transposed in shared memory), lhs's
       dtype; N (N/2 gated) a multiple of block_n. Or a `BlockScaled` (fp8_block, mxfp4): each
       tile's bytes are decoded in registers, scaled and stored to shared memory in lhs's
-      dtype for the wgmma (`kernels_pallas.mosaic_quant`); `blocks` fit its scale blocks.
+      dtype for the wgmma (`kernels_pallas.mosaic_quant`); `blocks` must fit its scale
+      blocks (`fit_blocks`, which `ops` applies).
     group_sizes: [G] int32, sum <= M.
     row_weights: [M] or None; scales the output rows (applied while gathering them back).
     blocks: `MosaicBlocks`.
@@ -261,8 +262,8 @@ def gmm_mosaic(
   """
   del precision
   quantized = kernel_rhs(rhs) if is_block_scaled(rhs) else None
-  if quantized is not None:
-    blocks = fit_blocks(blocks, rhs)
+  if quantized is not None and fit_blocks(blocks, rhs) != blocks:
+    raise ValueError(f"{blocks} do not fit the {rhs.block} scale blocks (see fit_blocks)")
   if transpose_rhs and not mosaic_operands_transposed_in_smem(interpret) and quantized is None:
     rhs, transpose_rhs = jnp.swapaxes(rhs, 1, 2), False
   num_rows, k = lhs.shape

@@ -246,7 +246,7 @@ def gmm_triton(
       `activation`, the columns are [gate | up] and the output has N/2 columns. A
       `BlockScaled` rhs (fp8_block or mxfp4) is dequantized tile by tile in registers, to
       lhs's dtype, before each dot (`kernels_pallas.dequant`); `blocks` shrink to fit its
-      scale blocks (`fit_blocks`; `api` pads operands to the fitted blocks).
+      scale blocks: `blocks` must fit them (`fit_blocks`, which `ops` applies).
     group_sizes: [G] int32, sum <= M.
     row_weights: [M] or None; multiplies each output row.
     blocks: `TritonBlocks`.
@@ -265,8 +265,8 @@ def gmm_triton(
   n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
   out_cols = n // 2 if activation is not None else n
   quantized = kernel_rhs(rhs) if is_block_scaled(rhs) else None
-  if quantized is not None:
-    blocks = fit_blocks(blocks, rhs)
+  if quantized is not None and fit_blocks(blocks, rhs) != blocks:
+    raise ValueError(f"{blocks} do not fit the {rhs.block} scale blocks (see fit_blocks)")
   paired = quantized is not None and quantized.values_per_byte == 2
   if paired and transpose_rhs:
     lhs = by_parity(lhs, k)

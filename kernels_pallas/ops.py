@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from kernels_pallas.activations import activate
-from kernels_pallas.backends import BACKENDS
+from kernels_pallas.backends import BACKENDS, Case, unsupported_reason
 from kernels_pallas.quantized import BlockScaled, format_of, is_block_scaled
 
 
@@ -63,14 +63,10 @@ def _pad_gate_up(rhs: jax.Array | BlockScaled, multiple: int) -> jax.Array | Blo
   return jnp.concatenate([_pad(gate, -1, multiple), _pad(up, -1, multiple)], axis=-1)
 
 
-def _check_supported(
-  settings: KernelSettings, dtype, activation: str | None = None, rhs=None
-) -> None:
-  backend = BACKENDS[settings.implementation]
-  reason = backend.unsupported_reason(dtype, activation, settings.precision)
-  rhs_format = format_of(rhs)
-  if reason is None and rhs_format is not None and rhs_format not in backend.quant_formats:
-    reason = f"{backend.name} takes no {rhs_format} (BlockScaled) rhs"
+def _check_supported(settings: KernelSettings, dtype, activation=None, rhs=None) -> None:
+  """Raises NotImplementedError with the registry's reason if the backend cannot run this."""
+  case = Case(dtype, activation, settings.precision, rhs_format=format_of(rhs))
+  reason = unsupported_reason(settings.implementation, case)
   if reason is not None:
     raise NotImplementedError(reason)
 
@@ -101,7 +97,9 @@ def grouped_matmul(
     [M, N] ([M, N'] with `activation`).
   """
   _check_supported(settings, lhs.dtype, activation, rhs)
-  blocks = settings.blocks
+  backend = BACKENDS[settings.implementation]
+  # The one place blocks are fitted to a quantized rhs's scale blocks.
+  blocks = backend.fit_blocks(settings.blocks, rhs) if is_block_scaled(rhs) else settings.blocks
   num_rows = lhs.shape[0]
   n_axis, k_axis = (1, 2) if transpose_rhs else (2, 1)
   out_cols = rhs.shape[n_axis] // (2 if activation else 1)
@@ -110,7 +108,7 @@ def grouped_matmul(
   rhs = _pad_gate_up(rhs, blocks.block_n) if activation else _pad(rhs, n_axis, blocks.block_n)
   if row_weights is not None:
     row_weights = _pad(row_weights, 0, blocks.block_m)
-  out = BACKENDS[settings.implementation].gmm(
+  out = backend.gmm(
     lhs,
     rhs,
     group_sizes.astype(jnp.int32),

@@ -81,27 +81,25 @@ class TokenLayout:
 class ChunkStages(NamedTuple):
   """The two stages of one chunk; `finish(w, c, send(w, c), None)` is the chunk's whole output.
 
-  Gradient seeds: the backward pass sums the weights' gradients over chunks. For the weights
-  named in `seeded`, `finish` receives the running sum as `grad_seeds[name]` and promises
-  that its gradient with respect to `weights[name]` is that seed plus the chunk's own, so that
-  a stage which accumulates gradients in place (the tile loop) starts from the running sum
-  instead of adding a fresh weight-sized gradient per chunk (`seed_gradient` keeps the
-  promise for any other use). In the forward pass `grad_seeds` is None.
+  The weights every chunk uses are a pair `(seeded, rest)` of pytrees. Gradient seeds: the
+  backward pass sums the weights' gradients over chunks. `finish` receives the running sum
+  of `seeded`'s gradient as `grad_seeds` (a pytree like `seeded`) and promises that its
+  gradient with respect to `seeded` is that seed plus the chunk's own, so that a stage which
+  accumulates gradients in place (the tile loop) starts from the running sum instead of
+  adding a fresh weight-sized gradient per chunk (`seed_gradient` keeps the promise for any
+  other use). `rest`'s gradients are summed over chunks. In the forward pass `grad_seeds` is
+  None.
 
   Attributes:
     send: (weights, chunk) -> in-flight pytree: the outbound exchange.
     finish: (weights, chunk, in-flight, grad_seeds) -> [C, ...]: compute and the return
       exchange.
-    seeded: names of the weights whose gradient seeds `finish` takes.
   """
 
-  send: Callable[[dict[str, Any], Any], Any]
-  finish: Callable[[dict[str, Any], Any, Any, dict[str, jax.Array] | None], jax.Array]
-  seeded: tuple[str, ...] = ()
+  send: Callable[[tuple[Any, Any], Any], Any]
+  finish: Callable[[tuple[Any, Any], Any, Any, Any], jax.Array]
 
-  def whole(
-    self, weights: dict[str, Any], chunk: Any, grad_seeds: dict[str, jax.Array] | None = None
-  ) -> jax.Array:
+  def whole(self, weights: tuple[Any, Any], chunk: Any, grad_seeds: Any = None) -> jax.Array:
     """Both stages of one chunk, unpipelined."""
     return self.finish(weights, chunk, self.send(weights, chunk), grad_seeds)
 
@@ -147,7 +145,7 @@ def chunk_scan(
   Args:
     stages: the chunk's `ChunkStages`. They may run collectives over `lockstep_axis`, and
       must close over no traced value (pass those in `weights`).
-    weights: name -> array (or pytree of arrays) every chunk uses.
+    weights: the pair `(seeded, rest)` of pytrees every chunk uses (see `ChunkStages`).
     inputs: pytree of [L, ...] arrays, L a multiple of C.
     token_mask: [L] bool, True for valid rows.
     chunk_size: C.
@@ -258,8 +256,8 @@ def _chunk_scan_bwd(stages, chunk_size, lockstep_axis, pipelined, residuals, cot
   them, through the cond) and add full-size weight cotangents per chunk. Here the only saved
   values are the inputs; each live chunk is differentiated again (what its backward pass
   needs of the forward pass is recomputed, unpipelined), the collectives' transposes run
-  inside the same lockstep cond as the forward pass, and the `stages.seeded` weights'
-  gradients accumulate in place across chunks.
+  inside the same lockstep cond as the forward pass, and the seeded weights' gradients
+  accumulate in place across chunks.
   """
   del pipelined
   weights, inputs, token_mask = residuals
@@ -273,21 +271,17 @@ def _chunk_scan_bwd(stages, chunk_size, lockstep_axis, pipelined, residuals, cot
     rows = order[i]
 
     def accumulate(carry):
-      d_weights, d_inputs = carry
-      seeds = {name: d_weights[name] for name in stages.seeded}
-      whole = lambda weights, chunk: stages.whole(weights, chunk, seeds)
+      (d_seeded, d_rest), d_inputs = carry
+      whole = lambda weights, chunk: stages.whole(weights, chunk, d_seeded)
       _, vjp = jax.vjp(whole, weights, _rows_of(inputs, rows))
-      chunk_d_weights, chunk_d_inputs = vjp(d_out[rows])
+      (chunk_d_seeded, chunk_d_rest), chunk_d_inputs = vjp(d_out[rows])
       chunk_d_inputs = [
         c
         for c, a in zip(jax.tree.leaves(chunk_d_inputs), jax.tree.leaves(inputs), strict=True)
         if is_float(a)
       ]
       return (
-        {
-          name: g if name in seeds else jax.tree.map(jnp.add, d_weights[name], g)
-          for name, g in chunk_d_weights.items()
-        },
+        (chunk_d_seeded, jax.tree.map(jnp.add, d_rest, chunk_d_rest)),  # seeded: the total
         [_put_rows(d, rows, c) for d, c in zip(d_inputs, chunk_d_inputs, strict=True)],
       )
 

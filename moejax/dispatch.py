@@ -80,6 +80,12 @@ class Exchange(Protocol):
     ...
 
 
+def received_rows(exchange: Exchange, chunk_size: int) -> int:
+  """R, the rows a device receives per chunk: S·C for both schemes (all_gather's gathered
+  chunk; all_to_all's static buffers, C from each source)."""
+  return exchange.axis_size * chunk_size
+
+
 def crosses_devices(exchange: Exchange) -> bool:
   """Whether the exchange moves rows between devices (an expert axis of 2 or more): only then
   has the chunk loop communication to overlap with compute."""

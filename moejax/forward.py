@@ -21,15 +21,10 @@ from moejax import routing, sharding
 from moejax.chunking import ChunkStages, TokenLayout, chunk_scan
 from moejax.collectives import sum_over, vary_over
 from moejax.config import MoEConfig
-from moejax.dispatch import Dispatched, Exchange, crosses_devices, make_exchange
-from moejax.experts import routed_mlp, runs_interpreted_kernels, shared_mlp, zero_experts
-from moejax.params import (
-  EXPERT_PARAMS,
-  MoEParams,
-  check_params,
-  compute_weights,
-  trained_expert_weights,
-)
+from moejax.dispatch import Dispatched, Exchange, crosses_devices, make_exchange, received_rows
+from moejax.experts import routed_mlp, shared_mlp, zero_experts
+from moejax.params import ExpertWeights, MoEParams, SharedWeights, check_params, compute_weights
+from moejax.plan import ExpertPlan, plan_experts
 
 
 class MoEAux(NamedTuple):
@@ -151,34 +146,55 @@ def _moe_apply_jit(params, x, token_mask, router_logits, placement, *, config, m
     None if router_logits is None else flat(router_logits, 0),
   )
   expert_axis_size = 1 if mesh is None else mesh.shape[config.expert_axis]
+  exchange = make_exchange(config, None if mesh is None else config.expert_axis, expert_axis_size)
+  plan = plan_experts(
+    config,
+    num_rows=received_rows(exchange, layout.chunk) * config.top_k,
+    local_experts=exchange.local_experts,
+  )
   body = functools.partial(
     local_forward,
     config=config,
+    plan=plan,
     chunk_size=layout.chunk,
-    exchange=make_exchange(config, None if mesh is None else config.expert_axis, expert_axis_size),
+    exchange=exchange,
     all_axes=() if mesh is None else (config.data_axis, config.expert_axis),
   )
   if mesh is None:
-    y, stats, slot_counts, per_device = body(params, placement, *inputs)
+    y, stats, slot_counts, counts = body(params, placement, *inputs)
   else:
-    y, stats, slot_counts, per_device = _shard(body, mesh, config, params, placement, inputs)
+    y, stats, slot_counts, counts = _shard(body, mesh, config, plan, params, placement, inputs)
   y = layout.unpad(y).reshape(x.shape).astype(x.dtype)
   aux = MoEAux(
     expert_counts=stats.expert_counts,
     load_balancing_loss=routing.load_balancing_loss(stats, config.top_k),
     router_z_loss=routing.router_z_loss(stats),
-    chunks_run=per_device[:, 0],
-    dispatch_rows=per_device[:, 1],
+    chunks_run=counts.chunks_run,
+    dispatch_rows=counts.rows_sent,
     physical_counts=slot_counts,
   )
   return y, aux
+
+
+class DeviceCounts(NamedTuple):
+  """What one device did in a call, [1] int32 each (concatenated over devices by `shard_map`).
+
+  Attributes:
+    chunks_run: chunks it ran (`MoEAux.chunks_run`).
+    rows_sent: (row, destination device) pairs it sent (`MoEAux.dispatch_rows`).
+  """
+
+  chunks_run: jax.Array
+  rows_sent: jax.Array
 
 
 # MoEAux fields with one entry per device (the rest are sums over all devices).
 _PER_DEVICE = ("chunks_run", "dispatch_rows")
 
 
-def _shard(body, mesh: Mesh, config: MoEConfig, params: MoEParams, placement, inputs):
+def _shard(
+  body, mesh: Mesh, config: MoEConfig, plan: ExpertPlan, params: MoEParams, placement, inputs
+):
   """Runs `body` under `shard_map`: tokens over (data, expert), experts over expert, the
   placement everywhere."""
   specs = sharding.LayerSpecs.from_config(config)
@@ -195,10 +211,8 @@ def _shard(body, mesh: Mesh, config: MoEConfig, params: MoEParams, placement, in
     body,
     mesh=mesh,
     in_specs=(param_specs, specs.replicated, specs.tokens_t, specs.tokens_t, specs.tokens_t),
-    out_specs=(specs.tokens_t, stats_specs, specs.replicated, specs.tokens_t),
-    # JAX 0.10's Pallas interpreter fails shard_map's varying-axes check ("dynamic_slice
-    # requires varying manual axes to match"); JAX's suggested workaround is to turn it off.
-    check_vma=not runs_interpreted_kernels(config),
+    out_specs=(specs.tokens_t, stats_specs, specs.replicated, DeviceCounts(*[specs.tokens_t] * 2)),
+    check_vma=plan.check_vma,
   )(params, placement, *inputs)
 
 
@@ -215,10 +229,11 @@ def local_forward(
   router_logits: jax.Array | None,
   *,
   config: MoEConfig,
+  plan: ExpertPlan,
   chunk_size: int,
   exchange: Exchange,
   all_axes: tuple[str, ...],
-) -> tuple[jax.Array, routing.RouterStats, jax.Array]:
+) -> tuple[jax.Array, routing.RouterStats, jax.Array, DeviceCounts]:
   """One device's part of the layer (the `shard_map` body).
 
   Args:
@@ -228,14 +243,14 @@ def local_forward(
     token_mask: [L] bool.
     router_logits: [L, E + Z] precomputed logits, or None to run the router here.
     config: the layer's config.
+    plan: the call's `ExpertPlan`.
     chunk_size: C, rows per chunk.
     exchange: the expert-axis exchange (`moejax.dispatch.make_exchange`).
     all_axes: every mesh axis the tokens are split over (to sum router stats).
 
   Returns:
     (y [L, D] in the compute dtype, RouterStats summed over all devices, [P] int32 pairs sent
-    to each physical expert summed over all devices, [1, 2] int32: this device's chunks run
-    and rows sent).
+    to each physical expert summed over all devices, this device's `DeviceCounts`).
   """
   x = _zero_padding(x, token_mask)
   if router_logits is None:  # the router's only run
@@ -248,33 +263,32 @@ def local_forward(
   # Routing is logical; from here on ids are the physical slots the choices are sent to.
   expert_ids = placement_lib.physical_ids(route.expert_ids, placement, config)
   slot_counts = placement_lib.physical_counts(expert_ids, config.num_physical_experts)
-  dtype = config.dtype
+  experts, shared = compute_weights(params, config)
   # Expert weights already vary over the expert axis; they are the same on every data rank.
   data_axes = tuple(a for a in all_axes if a != exchange.axis)
-  chunk_weights = {
-    name: vary_over(value, data_axes if name in EXPERT_PARAMS else all_axes)
-    for name, value in compute_weights(params, config).items()
-  }
+  chunk_weights = (vary_over(experts, data_axes), vary_over(shared, all_axes))
   stages = ChunkStages(
     send=functools.partial(_send_chunk, exchange=exchange),
-    finish=functools.partial(_finish_chunk, exchange=exchange, config=config),
-    seeded=trained_expert_weights(chunk_weights),
+    finish=functools.partial(_finish_chunk, exchange=exchange, config=config, plan=plan),
   )
   y, chunks_run = chunk_scan(
     stages,
     chunk_weights,
-    (x.astype(dtype), expert_ids, route.weights),
+    (x.astype(config.dtype), expert_ids, route.weights),
     token_mask,
     chunk_size=chunk_size,
     lockstep_axis=exchange.axis,
     pipelined=crosses_devices(exchange),
   )
-  rows_sent = exchange.rows_sent(expert_ids, chunks_run, chunk_size)
-  per_device = jnp.stack([chunks_run, rows_sent.astype(jnp.int32)])[None]
-  return _zero_padding(y, token_mask), stats, sum_over(slot_counts, all_axes), per_device
+  rows_sent = exchange.rows_sent(expert_ids, chunks_run, chunk_size).astype(jnp.int32)
+  counts = DeviceCounts(chunks_run[None], rows_sent[None])
+  return _zero_padding(y, token_mask), stats, sum_over(slot_counts, all_axes), counts
 
 
-def _send_chunk(weights: dict[str, jax.Array], chunk, *, exchange: Exchange) -> Dispatched:
+ChunkWeights = tuple[ExpertWeights, SharedWeights | None]  # (seeded, rest): `ChunkStages`
+
+
+def _send_chunk(weights: ChunkWeights, chunk, *, exchange: Exchange) -> Dispatched:
   """Stage 1 of a chunk: sends its rows, ids and routing weights over the expert axis.
 
   Args:
@@ -287,45 +301,44 @@ def _send_chunk(weights: dict[str, jax.Array], chunk, *, exchange: Exchange) -> 
 
 
 def _finish_chunk(
-  weights: dict[str, jax.Array],
+  weights: ChunkWeights,
   chunk,
   dispatched: Dispatched,
-  grad_seeds: dict[str, jax.Array] | None,
+  grad_seeds: ExpertWeights | None,
   *,
   exchange: Exchange,
   config: MoEConfig,
+  plan: ExpertPlan,
 ) -> jax.Array:
   """Stage 2 of a chunk: local experts on what arrived, the return exchange, shared experts.
 
   Args:
-    weights: "w_gate_up", "w_down" (this device's experts), as the config asks "b_gate_up",
-      "b_down", "shared_w_gate_up", "shared_w_down", "shared_gate_kernel"; all in the
-      compute dtype.
+    weights: (this device's `ExpertWeights`, the `SharedWeights` or None), in the compute
+      dtype.
     chunk: as `_send_chunk`'s.
     dispatched: what this device received for the chunk.
-    grad_seeds: the float expert parameters' gradient seeds (`ChunkStages`), or None.
+    grad_seeds: the expert weights' gradient seeds (`ChunkStages`), or None.
     exchange: the expert-axis exchange.
     config: the layer's config.
+    plan: the call's `ExpertPlan`.
 
   Returns:
     [C, D] in the compute dtype.
   """
+  experts, shared = weights
   expert_out = routed_mlp(
     dispatched.rows,
     dispatched.local_ids,
     dispatched.weights,
-    weights["w_gate_up"],
-    weights["w_down"],
-    weights.get("b_gate_up"),
-    weights.get("b_down"),
+    experts,
     config=config,
+    plan=plan,
     grad_seeds=grad_seeds,
   )
   out = exchange.combine(expert_out.astype(config.dtype), dispatched).astype(jnp.float32)
   rows, expert_ids, routing_weights = chunk
   if config.num_zero_experts:
     out = out + zero_experts(rows, expert_ids, routing_weights, config=config)
-  if config.has_shared_experts:
-    shared = (weights["shared_w_gate_up"], weights["shared_w_down"])
-    out = out + shared_mlp(rows, *shared, weights.get("shared_gate_kernel"), config=config)
+  if shared is not None:
+    out = out + shared_mlp(rows, shared, config=config)
   return out.astype(config.dtype)

@@ -43,7 +43,8 @@ class MoEParams(NamedTuple):
   shared_gate_kernel: jax.Array | None = None
 
 
-# Parameters with a leading expert axis [E, ...], split over the mesh's expert axis.
+# Parameters with a leading expert axis [E, ...], split over the mesh's expert axis, in
+# `ExpertWeights`' order.
 EXPERT_PARAMS = ("w_gate_up", "w_down", "b_gate_up", "b_down")
 # Parameters that start at zero in a new layer (the others are matrices, fan-in initialised).
 BIAS_PARAMS = ("routing_bias", "router_bias", "b_gate_up", "b_down")
@@ -51,38 +52,74 @@ BIAS_PARAMS = ("routing_bias", "router_bias", "b_gate_up", "b_down")
 
 # Expert matrices that `config.expert_quant` stores as `BlockScaled`.
 QUANTIZED_PARAMS = ("w_gate_up", "w_down")
-# Weights the chunk loop computes with, besides the expert parameters.
+# The shared experts' parameters, in `SharedWeights`' order.
 SHARED_PARAMS = ("shared_w_gate_up", "shared_w_down", "shared_gate_kernel")
 
 
-def compute_weights(params: MoEParams, config: MoEConfig) -> dict[str, jax.Array]:
-  """The expert and shared-expert weights present, as the chunk loop computes with them.
+class ExpertWeights(NamedTuple):
+  """The routed experts' weights as the chunk loop, the tile loop and the kernels compute
+  with them: one value that travels whole (and, in the backward pass, the type of their
+  gradients and gradient seeds: a None field has none).
+
+  Attributes:
+    w_gate_up: [El, D, 2F] this device's experts, in the compute dtype, or `BlockScaled`
+      (quantized: a constant, then `w_down` is too).
+    w_down: [El, F, D].
+    b_gate_up: [El, 2F] biases, or None without `config.expert_bias`.
+    b_down: [El, D], or None.
+  """
+
+  w_gate_up: jax.Array | BlockScaled
+  w_down: jax.Array | BlockScaled
+  b_gate_up: jax.Array | None = None
+  b_down: jax.Array | None = None
+
+  def of_expert(self, expert: jax.Array, dtype) -> ExpertWeights:
+    """One expert's weights ([D, 2F], [F, D], [2F], [D]) in `dtype`: slices, a quantized
+    matrix dequantized (only this expert's values and scales are read)."""
+    take = lambda w: None if w is None else w[expert]
+    matrix = lambda w: w[expert].dequantize(dtype) if is_block_scaled(w) else w[expert]
+    return ExpertWeights(matrix(self.w_gate_up), matrix(self.w_down), *map(take, self[2:]))
+
+  @property
+  def quantized(self) -> bool:
+    """Whether the matrices are `BlockScaled` (constants: no gradient is computed for them)."""
+    return is_block_scaled(self.w_gate_up)
+
+
+class SharedWeights(NamedTuple):
+  """The shared experts (fused into one MLP of width Fs) in the compute dtype.
+
+  Attributes:
+    w_gate_up: [D, 2Fs].
+    w_down: [Fs, D].
+    gate_kernel: [D, 1] with `config.shared_expert_gate`, else None.
+  """
+
+  w_gate_up: jax.Array
+  w_down: jax.Array
+  gate_kernel: jax.Array | None = None
+
+
+def compute_weights(
+  params: MoEParams, config: MoEConfig
+) -> tuple[ExpertWeights, SharedWeights | None]:
+  """The expert and shared-expert weights as the chunk loop computes with them.
 
   The one place that decides a weight's compute form: a float weight is cast to
   `config.dtype`; a `BlockScaled` one keeps its format as a unit (the expert path expands it
   tile by tile) and is a constant for autodiff (`stop_gradient` on values and scales).
   """
-  weights = {}
-  for name in (*EXPERT_PARAMS, *SHARED_PARAMS):
-    value = getattr(params, name)
+
+  def compute_form(value):
     if is_block_scaled(value):
-      weights[name] = jax.tree.map(jax.lax.stop_gradient, value)
-    elif value is not None:
-      weights[name] = value.astype(config.dtype)
-  return weights
+      return jax.tree.map(jax.lax.stop_gradient, value)
+    return None if value is None else value.astype(config.dtype)
 
-
-def trained_expert_weights(weights: dict[str, jax.Array]) -> tuple[str, ...]:
-  """The expert parameters among `compute_weights`' that get a gradient: the float ones (a
-  `BlockScaled` one is a constant).
-
-  >>> import jax.numpy as jnp
-  >>> trained_expert_weights({"w_gate_up": jnp.ones((2, 4, 6)), "shared_w_down": jnp.ones(3)})
-  ('w_gate_up',)
-  """
-  return tuple(
-    name for name in EXPERT_PARAMS if name in weights and not is_block_scaled(weights[name])
-  )
+  experts = ExpertWeights(*(compute_form(getattr(params, name)) for name in EXPERT_PARAMS))
+  if not config.has_shared_experts:
+    return experts, None
+  return experts, SharedWeights(*(compute_form(getattr(params, name)) for name in SHARED_PARAMS))
 
 
 def param_shapes(config: MoEConfig) -> dict[str, tuple[int, ...]]:

@@ -21,9 +21,9 @@ import jax
 import jax.numpy as jnp
 
 from kernels_pallas.activations import activate
-from kernels_pallas.quantized import is_block_scaled
 from moejax.collectives import filled_like
 from moejax.config import MoEConfig
+from moejax.params import ExpertWeights
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,16 +86,6 @@ def gated_mlp(
   return out if b_down is None else out + b_down.astype(jnp.float32)[None, :]
 
 
-def _index_or_none(a: jax.Array | None, index: jax.Array) -> jax.Array | None:
-  return None if a is None else a[index]
-
-
-def expert_weight(w, expert: jax.Array, dtype) -> jax.Array:
-  """One expert's matrix in the compute dtype: a slice, dequantized if `w` is `BlockScaled`
-  (only this expert's values and scales are read)."""
-  return w[expert].dequantize(dtype) if is_block_scaled(w) else w[expert]
-
-
 class Tiles(NamedTuple):
   """Which rows each tile of the tile loop runs, with what weights, through which expert.
 
@@ -112,8 +102,8 @@ class Tiles(NamedTuple):
   num_used: jax.Array
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
-def tile_mlp(x_padded, w_gate_up, w_down, b_gate_up, b_down, tiles, grad_seeds, activation):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def tile_mlp(x_padded, experts, tiles, grad_seeds, activation):
   """Runs each used tile's rows through its expert's gated MLP, scaled by their row weights.
 
   The row weights are applied here, not by the caller, so that the backward pass needs no
@@ -127,14 +117,11 @@ def tile_mlp(x_padded, w_gate_up, w_down, b_gate_up, b_down, tiles, grad_seeds, 
 
   Args:
     x_padded: [N+1, D] rows in the compute dtype; row N is zero (empty tile slots point at it).
-    w_gate_up: [El, D, 2F] in the compute dtype, or `BlockScaled` (then w_down is too).
-    w_down: [El, F, D].
-    b_gate_up: [El, 2F] biases, or None (no bias work at all).
-    b_down: [El, D], or None with b_gate_up.
+    experts: the local experts' `ExpertWeights` (no bias work at all without biases).
     tiles: the `Tiles`.
-    grad_seeds: (w_gate_up, w_down, b_gate_up, b_down) gradient seeds, each an array shaped
-      like that parameter or None (`moejax.chunking.ChunkStages`): the backward pass
-      accumulates the parameter's gradient onto it in place. Gets no gradient itself.
+    grad_seeds: an `ExpertWeights` of gradient seeds (`moejax.chunking.ChunkStages`), each
+      field shaped like its weight, or None: the backward pass accumulates each float
+      weight's gradient onto its seed in place. Gets no gradient itself.
     activation: the `GatedActivation`.
 
   Returns:
@@ -144,14 +131,9 @@ def tile_mlp(x_padded, w_gate_up, w_down, b_gate_up, b_down, tiles, grad_seeds, 
   tile_rows, dim = tiles.tokens.shape[1], x_padded.shape[1]
 
   def used_tile(tokens, row_weights, expert):
-    dtype = x_padded.dtype
-    weights = (
-      expert_weight(w_gate_up, expert, dtype),
-      expert_weight(w_down, expert, dtype),
-      activation,
-    )
-    biases = (_index_or_none(b_gate_up, expert), _index_or_none(b_down, expert))
-    return gated_mlp(x_padded[tokens], *weights, *biases) * row_weights[:, None]
+    one = experts.of_expert(expert, x_padded.dtype)
+    out = gated_mlp(x_padded[tokens], one.w_gate_up, one.w_down, activation, *one[2:])
+    return out * row_weights[:, None]
 
   def run_tile(_, tile):
     index, tokens, row_weights, expert = tile
@@ -166,43 +148,43 @@ def tile_mlp(x_padded, w_gate_up, w_down, b_gate_up, b_down, tiles, grad_seeds, 
   return jax.lax.scan(run_tile, None, steps)[1]
 
 
-def _tile_mlp_fwd(x_padded, w_gate_up, w_down, b_gate_up, b_down, tiles, grad_seeds, activation):
-  params = (x_padded, w_gate_up, w_down, b_gate_up, b_down, tiles, grad_seeds)
-  return tile_mlp(*params, activation), params
+def _tile_mlp_fwd(x_padded, experts, tiles, grad_seeds, activation):
+  residuals = (x_padded, experts, tiles, grad_seeds)
+  return tile_mlp(*residuals, activation), residuals
 
 
-def _tile_grads(x, w_gate_up, w_down, biases, row_weights, d_out, activation, weight_grads):
+def _tile_grads(x, one, row_weights, d_out, activation, weight_grads):
   """Gradients of one tile's weighted gated MLP `r * mlp(x)`; recomputes the pre-activation.
 
   The row weights' gradient <d_out, mlp(x)> needs no forward output: with g = d_out @ W_down^T
   it is sum(g * hidden) (+ d_out . b_down), and g times the row weight is d(hidden).
 
-  Args: x [B, D], w_gate_up [D, 2F], w_down [F, D] (compute dtype), biases
-    (b_gate_up [2F], b_down [D]) or None, row_weights [B] float32, d_out [B, D] float32;
-    `weight_grads` False for constant (quantized) weights.
-  Returns: (d_x [B, D], d_row_weights [B], d_w_gate_up [D, 2F], d_w_down [F, D]) and, with
-    biases, (d_b_gate_up [2F], d_b_down [D]); float32. Without `weight_grads`, None for both
-    weights' gradients.
+  Args: x [B, D]; `one`, the tile's expert (`ExpertWeights.of_expert`, compute dtype);
+    row_weights [B] float32; d_out [B, D] float32; `weight_grads` False for constant
+    (quantized) matrices.
+  Returns: (d_x [B, D], d_row_weights [B], an `ExpertWeights` of the expert's gradients),
+    float32; None where there is no bias, and for the matrices without `weight_grads`.
   """
   f32 = jnp.float32
-  gate_up = jnp.dot(x, w_gate_up, preferred_element_type=f32)
-  if biases is not None:
-    gate_up = gate_up + biases[0].astype(f32)[None, :]
+  biased = one.b_gate_up is not None
+  gate_up = jnp.dot(x, one.w_gate_up, preferred_element_type=f32)
+  if biased:
+    gate_up = gate_up + one.b_gate_up.astype(f32)[None, :]
   hidden, combine_vjp = jax.vjp(activation, *jnp.split(gate_up, 2, axis=-1))
   hidden = hidden.astype(x.dtype)  # [B, F], as the forward pass rounded it
-  g = jnp.dot(d_out.astype(x.dtype), w_down.T, preferred_element_type=f32)  # [B, F]
+  g = jnp.dot(d_out.astype(x.dtype), one.w_down.T, preferred_element_type=f32)  # [B, F]
   d_row_weights = jnp.sum(g * hidden.astype(f32), axis=-1)
-  if biases is not None:
-    d_row_weights = d_row_weights + d_out @ biases[1].astype(f32)
+  if biased:
+    d_row_weights = d_row_weights + d_out @ one.b_down.astype(f32)
   d_mlp = d_out * row_weights[:, None]  # [B, D] cotangent of the unweighted MLP output
   d_gate_up = jnp.concatenate(combine_vjp(g * row_weights[:, None]), axis=-1)  # [B, 2F]
-  d_biases = () if biases is None else (jnp.sum(d_gate_up, axis=0), jnp.sum(d_mlp, axis=0))
+  d_biases = (jnp.sum(d_gate_up, axis=0), jnp.sum(d_mlp, axis=0)) if biased else (None, None)
   d_mlp = d_mlp.astype(x.dtype)
   d_w_down = jnp.dot(hidden.T, d_mlp, preferred_element_type=f32) if weight_grads else None
   d_gate_up = d_gate_up.astype(x.dtype)
   d_w_gate_up = jnp.dot(x.T, d_gate_up, preferred_element_type=f32) if weight_grads else None
-  d_x = jnp.dot(d_gate_up, w_gate_up.T, preferred_element_type=f32)  # [B, D]
-  return (d_x, d_row_weights, d_w_gate_up, d_w_down, *d_biases)
+  d_x = jnp.dot(d_gate_up, one.w_gate_up.T, preferred_element_type=f32)  # [B, D]
+  return d_x, d_row_weights, ExpertWeights(d_w_gate_up, d_w_down, *d_biases)
 
 
 def _add_at(total: jax.Array, index: jax.Array, update: jax.Array) -> jax.Array:
@@ -212,57 +194,52 @@ def _add_at(total: jax.Array, index: jax.Array, update: jax.Array) -> jax.Array:
   return jax.lax.dynamic_update_slice(total, current + update[None], start)
 
 
-def _accumulator(param: jax.Array | None, seed: jax.Array | None) -> jax.Array | None:
-  """Where a float32 gradient accumulation for `param` starts: its seed, else zeros (None
-  where nothing is accumulated)."""
-  if param is None:
+def _accumulator(weight, seed: jax.Array | None, trained: bool) -> jax.Array | None:
+  """Where a float32 gradient accumulation for `weight` starts: its seed, else zeros (None
+  where nothing is accumulated: no such weight, or a constant one)."""
+  if weight is None or not trained:
     return None
-  return jnp.zeros_like(param, jnp.float32) if seed is None else seed.astype(jnp.float32)
+  return jnp.zeros_like(weight, jnp.float32) if seed is None else seed.astype(jnp.float32)
 
 
 def _tile_mlp_bwd(activation, residuals, d_tiles):
-  x_padded, w_gate_up, w_down, b_gate_up, b_down, tiles, grad_seeds = residuals
-  biased = b_gate_up is not None
-  trained = not is_block_scaled(w_gate_up)  # quantized weights are constants
-  # What gets a gradient, in the order `_tile_grads` returns them (None: nothing computed),
-  # and where its accumulation starts.
-  grads_of = (
-    x_padded,
-    w_gate_up if trained else None,
-    w_down if trained else None,
-    *((b_gate_up, b_down) if biased else ()),
+  x_padded, experts, tiles, grad_seeds = residuals
+  trained = not experts.quantized  # quantized matrices are constants
+  with_grads = ExpertWeights(trained, trained, True, True)  # biases are always float
+  seeds = grad_seeds or ExpertWeights(None, None)
+  accumulators = zip(experts, seeds, with_grads, strict=True)
+  init = (
+    jnp.zeros_like(x_padded, jnp.float32),
+    ExpertWeights(*(_accumulator(w, seed, on) for w, seed, on in accumulators)),
   )
-  seeds = (None, *grad_seeds[: len(grads_of) - 1])  # x gets none
-  init = tuple(_accumulator(a, seed) for a, seed in zip(grads_of, seeds, strict=True))
 
   def tile_backward(carry, tile):
     index, tokens, row_weights, expert, d_out = tile
 
     def accumulate(carry):
-      d_x, *d_rest = carry
-      biases = (b_gate_up[expert], b_down[expert]) if biased else None
-      weights = (expert_weight(w, expert, x_padded.dtype) for w in (w_gate_up, w_down))
-      d_tile_x, d_row_weights, *grads = _tile_grads(
-        x_padded[tokens], *weights, biases, row_weights, d_out, activation, trained
+      d_x, d_experts = carry
+      one = experts.of_expert(expert, x_padded.dtype)
+      d_tile_x, d_row_weights, grads = _tile_grads(
+        x_padded[tokens], one, row_weights, d_out, activation, trained
       )
-      carry = (
-        d_x.at[tokens].add(d_tile_x),
-        *[
+      d_experts = ExpertWeights(
+        *(
           None if g is None else _add_at(total, expert, g)
-          for total, g in zip(d_rest, grads, strict=True)
-        ],
+          for total, g in zip(d_experts, grads, strict=True)
+        )
       )
-      return carry, d_row_weights
+      return (d_x.at[tokens].add(d_tile_x), d_experts), d_row_weights
 
     skip = lambda carry: (carry, jnp.zeros_like(row_weights))
     return jax.lax.cond(index < tiles.num_used, accumulate, skip, carry)
 
   steps = (jnp.arange(tiles.tokens.shape[0]), tiles.tokens, tiles.weights, tiles.expert, d_tiles)
-  grads, d_tile_weights = jax.lax.scan(tile_backward, init, steps)
-  grads = [None if g is None else g.astype(a.dtype) for g, a in zip(grads, grads_of, strict=True)]
-  d_biases = grads[3:] if biased else [None, None]
+  (d_x, d_experts), d_tile_weights = jax.lax.scan(tile_backward, init, steps)
+  d_experts = ExpertWeights(
+    *(None if g is None else g.astype(w.dtype) for g, w in zip(d_experts, experts, strict=True))
+  )
   d_tiles = Tiles(None, d_tile_weights, None, None)
-  return (*grads[:3], *d_biases, d_tiles, None)
+  return d_x.astype(x_padded.dtype), d_experts, d_tiles, None
 
 
 tile_mlp.defvjp(_tile_mlp_fwd, _tile_mlp_bwd)

@@ -11,6 +11,7 @@ import pytest
 from moejax import MoEConfig, moe_apply
 from moejax.chunking import seed_gradient
 from moejax.experts import grouped_mlp
+from moejax.params import ExpertWeights
 from moejax.tiles import GatedActivation
 from tests.helpers import random_params, seed_of
 
@@ -25,28 +26,21 @@ def test_tile_loop_accumulates_onto_its_gradient_seeds(biases, request):
   x = jax.random.normal(next(keys), (ROWS, DIM))
   ids = jax.random.randint(next(keys), (ROWS, TOP_K), 0, EXPERTS)
   weights = jax.random.uniform(next(keys), (ROWS, TOP_K))
-  params = {
-    "w_gate_up": jax.random.normal(next(keys), (EXPERTS, DIM, 2 * WIDTH)),
-    "w_down": jax.random.normal(next(keys), (EXPERTS, WIDTH, DIM)),
-  }
-  if biases:
-    params["b_gate_up"] = jax.random.normal(next(keys), (EXPERTS, 2 * WIDTH))
-    params["b_down"] = jax.random.normal(next(keys), (EXPERTS, DIM))
-  seeds = {name: jax.random.normal(next(keys), p.shape) for name, p in params.items()}
+  shapes = [(EXPERTS, DIM, 2 * WIDTH), (EXPERTS, WIDTH, DIM), (EXPERTS, 2 * WIDTH), (EXPERTS, DIM)]
+  params = ExpertWeights(*(jax.random.normal(next(keys), s) for s in shapes[: 4 if biases else 2]))
+  seeds = jax.tree.map(lambda p: jax.random.normal(next(keys), p.shape), params)
   d_out = jax.random.normal(next(keys), (ROWS, DIM))
   activation = GatedActivation("silu")
 
   def layer(params, x, weights, grad_seeds):
-    biases = (params.get("b_gate_up"), params.get("b_down"))
     out = grouped_mlp(
-      x, ids, weights, params["w_gate_up"], params["w_down"], *biases,
-      activation=activation, tile_rows=8, grad_seeds=grad_seeds,
-    )  # fmt: skip
+      x, ids, weights, params, activation=activation, tile_rows=8, grad_seeds=grad_seeds
+    )
     return jnp.sum(out * d_out)
 
   grad = jax.jit(jax.grad(layer, argnums=(0, 1, 2)))
   plain, seeded = grad(params, x, weights, None), grad(params, x, weights, seeds)
-  expected = ({name: seeds[name] + g for name, g in plain[0].items()}, *plain[1:])
+  expected = (jax.tree.map(jnp.add, seeds, plain[0]), *plain[1:])
   chex.assert_trees_all_close(seeded, expected, rtol=1e-5, atol=1e-5)
   assert all(float(jnp.max(jnp.abs(g))) > 0 for g in jax.tree.leaves(plain))
 

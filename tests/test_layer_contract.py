@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from moejax import MoEConfig, eplb, experts, moe_apply, reference_moe
+from moejax import MoEConfig, eplb, moe_apply, plan, reference_moe
 from tests.helpers import (
   BASE,
   MESHES,
@@ -186,8 +186,8 @@ class RaggedDotPath(LayerContract):
 
   @pytest.fixture(autouse=True)
   def _as_on_a_gpu(self, monkeypatch):
-    monkeypatch.setattr(experts, "on_cpu", lambda: False)
-    assert experts.expert_path(self.config(), num_rows=64, local_experts=2) == "ragged_dot"
+    monkeypatch.setattr(plan, "on_cpu", lambda: False)
+    assert plan.plan_experts(self.config(), num_rows=64, local_experts=2).path == "ragged_dot"
 
 
 class TestRaggedDotAllGather(RaggedDotPath):

@@ -140,11 +140,13 @@ def test_pallas_backend_without_any_kernel_runs_the_tile_loop_checked(monkeypatc
   """No kernel can run (here: Pallas Triton gone, no Hopper): the layer warns, takes the tile
   loop, and keeps shard_map's varying-axes check on, as for the path it really runs."""
   from kernels_pallas import compat
-  from moejax.experts import runs_interpreted_kernels
+  from moejax.plan import plan_experts
 
   monkeypatch.setattr(compat, "pallas_triton", lambda: None)
   config = MoEConfig(**{**BASE, "chunk_size": 3}, expert_backend="pallas")  # traced only here
-  assert not runs_interpreted_kernels(config)
+  with pytest.warns(UserWarning, match="Pallas Triton was removed"):
+    plan = plan_experts(config, num_rows=64, local_experts=2)
+  assert plan.path == "tile_loop" and plan.check_vma
   params, x, _ = make_inputs(config, request.node.name)
   mask = rank_mask([3, 9, 0, 5, 1, 0, 9, 2], ROWS_PER_RANK)
   with pytest.warns(UserWarning, match="Pallas Triton was removed"):
@@ -152,19 +154,23 @@ def test_pallas_backend_without_any_kernel_runs_the_tile_loop_checked(monkeypatc
   chex.assert_trees_all_close(y, reference_moe(params, x, config, mask), **tolerance())
 
 
-def test_expert_biases_never_reach_a_path_without_them(monkeypatch):
-  """Only the tile loop takes expert biases (`expert_path` sends every biased config there):
-  another path given them raises rather than dropping them."""
-  from moejax import experts
+@pytest.mark.parametrize("capability", [None, "8.0", "9.0"])
+@pytest.mark.parametrize("backend", ["xla", "pallas", "auto"])
+def test_expert_biases_always_plan_the_tile_loop(backend, capability, monkeypatch):
+  """Only the tile loop has expert biases: every backend on every device plans it for them
+  (the kernels and ragged_dot would drop them), with a warning where kernels were asked."""
+  import warnings
 
-  config = MoEConfig(**{**BASE, "expert_bias": True})
-  params = random_params(config, jax.random.key(0))
-  x = jax.random.normal(jax.random.key(1), (6, config.hidden_size))
-  ids = jax.random.randint(jax.random.key(2), (6, config.top_k), 0, config.num_experts)
-  monkeypatch.setattr(experts, "expert_path", lambda *_: "ragged_dot")
-  with pytest.raises(NotImplementedError, match="ragged_dot expert path takes no expert biases"):
-    experts.routed_mlp(
-      *(x, ids, jnp.full(ids.shape, 0.5), params.w_gate_up, params.w_down),
-      *(params.b_gate_up, params.b_down),
-      config=config,
-    )
+  from kernels_pallas import api, platform
+  from moejax import plan
+
+  monkeypatch.setattr(plan, "on_cpu", lambda: capability is None)
+  monkeypatch.setattr(platform, "gpu_compute_capability", lambda: capability)
+  monkeypatch.setattr(api, "MEASURED_FASTER", {"mosaic": 0, "triton": 0})  # kernels "faster"
+  config = MoEConfig(**{**BASE, "expert_bias": True}, expert_backend=backend)
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    chosen = plan.plan_experts(config, num_rows=64, local_experts=2)
+  assert chosen == plan.ExpertPlan("tile_loop"), chosen
+  if backend == "pallas":
+    assert any("expert biases" in str(w.message) for w in caught), caught

@@ -212,12 +212,14 @@ class TestLayer:
     """expert_backend="pallas" runs the kernel that takes the format (Triton, interpreted
     here), not the tile loop: y (and in float32 the gradients of x and the router) match the
     reference."""
-    from moejax import experts
+    from kernels_pallas.backends import select_kernel
+    from moejax.plan import expert_case, plan_experts
 
     config = MoEConfig(**BASE, **expert_quant, expert_backend="pallas", dtype=dtype)
-    if experts.kernel_for(config) is None:
+    if select_kernel(expert_case(config)) is None:
       pytest.skip(str(triton_missing_reason()))
-    assert experts.expert_path(config, num_rows=64, local_experts=2) == "pallas"
+    with pytest.warns(UserWarning, match="in the interpreter"):
+      assert plan_experts(config, num_rows=64, local_experts=2).path == "pallas"
     self.check(config, mesh_shape, request.node.name, grads=dtype == jnp.float32)
 
 

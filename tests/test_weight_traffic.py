@@ -11,6 +11,7 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
 
 from moejax import MoEConfig
 from moejax.experts import grouped_mlp
+from moejax.params import ExpertWeights
 from moejax.tiles import GatedActivation
 from tests.helpers import seed_of
 
@@ -59,10 +60,8 @@ def test_tile_loop_reads_weights_only_in_used_tiles(grad, biases, request):
   config = MoEConfig(num_experts=experts, top_k=top_k, hidden_size=dim, intermediate_size=width)
 
   def layer(w_gate_up, w_down, x):
-    return grouped_mlp(
-      x, ids, weights, w_gate_up, w_down, *b,
-      activation=GatedActivation.of(config), tile_rows=8,
-    )  # fmt: skip
+    experts = ExpertWeights(w_gate_up, w_down, *b)
+    return grouped_mlp(x, ids, weights, experts, activation=GatedActivation.of(config), tile_rows=8)
 
   fn = jax.grad(lambda *a: jnp.sum(layer(*a) ** 2), argnums=(0, 1, 2)) if grad else layer
   jaxpr = jax.make_jaxpr(fn)(w_gate_up, w_down, x).jaxpr
@@ -87,10 +86,11 @@ def test_the_walk_sees_a_read_outside_a_cond():
 def test_decode_sized_calls_never_take_ragged_dot(monkeypatch):
   """On a GPU ragged_dot reads every local expert: a call with no more (row, choice) rows
   than local experts takes the tile loop, whose reads follow the used experts."""
-  from moejax import experts
+  from moejax import plan
 
-  monkeypatch.setattr(experts, "on_cpu", lambda: False)  # as on a GPU
+  monkeypatch.setattr(plan, "on_cpu", lambda: False)  # as on a GPU
   config = MoEConfig(num_experts=8, top_k=2, hidden_size=16, intermediate_size=24)
-  assert experts.expert_path(config, num_rows=8, local_experts=8) == "tile_loop"
-  assert experts.expert_path(config, num_rows=2, local_experts=8) == "tile_loop"
-  assert experts.expert_path(config, num_rows=9, local_experts=8) == "ragged_dot"
+  path = lambda num_rows: plan.plan_experts(config, num_rows, local_experts=8).path
+  assert path(8) == "tile_loop"
+  assert path(2) == "tile_loop"
+  assert path(9) == "ragged_dot"

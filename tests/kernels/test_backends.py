@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 
 from kernels_pallas import MosaicBlocks, TritonBlocks, gmm, moe_mlp
-from kernels_pallas.api import moe_mlp_reference, unsupported_reason
-from kernels_pallas.backends import BACKENDS
+from kernels_pallas.backends import BACKENDS, Case, unsupported_reason
+from kernels_pallas.gmm_xla import moe_mlp_reference
 from kernels_pallas.ops import KernelSettings, transposed_grouped_matmul
 from kernels_pallas.quantized import BlockScaled
 from tests.helpers import seed_of
@@ -109,9 +109,8 @@ class GroupedMatmulTestBase:
 
   def skip_unsupported(self, call, dtype, activation=None, precision=None, rhs_format=None) -> bool:
     """If the backend cannot run the case, checks that `call()` says so; returns whether."""
-    reason = unsupported_reason(
-      self.implementation, dtype, dtype, activation, precision, rhs_format=rhs_format
-    )
+    case = Case(dtype, activation, precision, rhs_format=rhs_format)
+    reason = unsupported_reason(self.implementation, case)
     if reason is not None:
       with pytest.raises(NotImplementedError):
         call()

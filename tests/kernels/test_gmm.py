@@ -12,8 +12,14 @@ import pytest
 from jax import export
 
 from kernels_pallas import MosaicBlocks, TritonBlocks, gmm, moe_mlp
-from kernels_pallas.api import best_implementation, unsupported_reason
-from kernels_pallas.backends import BACKENDS
+from kernels_pallas.api import best_implementation
+from kernels_pallas.backends import (
+  BACKENDS,
+  Case,
+  no_kernel_reason,
+  select_kernel,
+  unsupported_reason,
+)
 from kernels_pallas.compat import cuda_target, triton_missing_reason
 from kernels_pallas.dequant import decode
 from kernels_pallas.gmm_mosaic import gmm_mosaic, tgmm_mosaic
@@ -37,8 +43,8 @@ def test_backend_choice_and_fallback():
   sizes = jnp.array([3, 4], jnp.int32)
   # On this CPU the best backend is XLA; an explicit unsupported case raises with the reason.
   assert best_implementation(jnp.bfloat16, "silu") == "xla"
-  assert unsupported_reason("mosaic", jnp.bfloat16, jnp.bfloat16, "silu") is None
-  assert "one dtype" in unsupported_reason("triton", jnp.float32, jnp.bfloat16)
+  assert unsupported_reason("mosaic", Case(jnp.bfloat16, "silu")) is None
+  assert "one dtype" in unsupported_reason("triton", Case(jnp.float32, rhs_dtype=jnp.bfloat16))
   assert_close(gmm(lhs, rhs, sizes), jax.lax.ragged_dot(lhs, rhs, sizes), what="default")
   with pytest.raises(NotImplementedError, match="bf16/f16"):
     gmm(lhs, rhs, sizes, implementation="mosaic")
@@ -101,7 +107,12 @@ def test_triton_kernels_lower_for_cuda():
     *[  # BlockScaled rhs, forward gated and read transposed
       (
         lambda a, b, s, t=transpose: gmm_triton(
-          a, b, s, blocks=blocks, transpose_rhs=t, activation=None if t else "silu"
+          a,
+          b,
+          s,
+          blocks=BACKENDS["triton"].fit_blocks(blocks, b),
+          transpose_rhs=t,
+          activation=None if t else "silu",
         ),
         (lhs, block_scaled_spec(shape, rhs_format), sizes),
       )
@@ -156,19 +167,37 @@ def test_kernel_erf_matches_lax_erf():
 def test_auto_uses_xla_off_the_measured_cases():
   """On this CPU no kernel is measured faster: None and "auto" take the XLA paths."""
   from moejax import MoEConfig
-  from moejax.experts import expert_path
+  from moejax.plan import ExpertPlan, plan_experts
 
   assert best_implementation(jnp.bfloat16, "silu", num_rows=1 << 20) == "xla"
   config = MoEConfig(num_experts=8, top_k=2, hidden_size=64, intermediate_size=128)
-  assert expert_path(config, num_rows=1 << 20, local_experts=8) == "tile_loop"
+  assert plan_experts(config, num_rows=1 << 20, local_experts=8) == ExpertPlan("tile_loop")
   pallas = MoEConfig(**{**config.__dict__, "expert_backend": "pallas"})
-  assert expert_path(pallas, num_rows=16, local_experts=8) == "pallas"
+  with pytest.warns(UserWarning, match="in the interpreter"):
+    assert plan_experts(pallas, num_rows=16, local_experts=8) == ExpertPlan(
+      "pallas", "triton", interpret=True
+    )
+
+
+def test_the_selector_walks_the_registry_in_order():
+  """Each device gets the first kernel made for it that runs the case; no backend name is a
+  fallback anywhere else."""
+  hopper, ampere, cpu = "9.0", "8.0", None
+  assert select_kernel(Case(jnp.bfloat16, "silu"), hopper) == "mosaic"
+  assert select_kernel(Case(jnp.float32, "silu"), hopper) == "triton"  # wgmma: bf16/f16
+  assert select_kernel(Case(jnp.bfloat16, "silu"), ampere) == "triton"
+  assert select_kernel(Case(jnp.float32, "gelu", rhs_format="mxfp4"), cpu) == "triton"
+  assert select_kernel(Case(jnp.float32, "silu", biases=True), hopper) is None
+  reason = no_kernel_reason(Case(jnp.bfloat16, "swiglu_oai"), hopper)
+  assert reason.startswith("mosaic: activation='swiglu_oai'") and "triton: " in reason, reason
+  for name, backend in BACKENDS.items():  # xla is the reference, made for no device
+    assert backend.made_for(hopper) == (name != "xla")
 
 
 def test_auto_takes_a_kernel_only_where_measured_faster(monkeypatch):
-  from kernels_pallas import api
+  from kernels_pallas import api, platform
 
-  monkeypatch.setattr(api, "device_implementation", lambda: "mosaic")
+  monkeypatch.setattr(platform, "gpu_compute_capability", lambda: "9.0")
   assert api.best_implementation(jnp.bfloat16, "silu", num_rows=1 << 20) == "xla"  # no record
   monkeypatch.setattr(api, "MEASURED_FASTER", {"mosaic": 8192})
   assert api.best_implementation(jnp.bfloat16, "silu", num_rows=8192) == "mosaic"
