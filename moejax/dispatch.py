@@ -33,6 +33,7 @@ from moejax.collectives import (
   swap_slices,
 )
 from moejax.config import MoEConfig
+from moejax.ids import local_id, owner_device
 
 
 class Dispatched(NamedTuple):
@@ -65,7 +66,8 @@ class Exchange(Protocol):
   local_experts: int
 
   def send(self, rows: jax.Array, expert_ids: jax.Array, weights: jax.Array) -> Dispatched:
-    """Sends a chunk: rows [C, D], global expert_ids [C, K] (E for padding), weights [C, K]."""
+    """Sends a chunk: rows [C, D], physical expert_ids [C, K] (`moejax.ids`: ids from P go to
+    no device), weights [C, K]."""
     ...
 
   def combine(self, expert_out: jax.Array, dispatched: Dispatched) -> jax.Array:
@@ -134,26 +136,11 @@ class _RouteBack(NamedTuple):
   return_offsets: jax.Array
 
 
-def owner_device(expert_ids: jax.Array, local_experts: int, axis_size: int) -> jax.Array:
-  """The expert-axis device holding each expert (device s holds [s*El, (s+1)*El)); S for ids
-  no device holds (from E: zero-computation experts and padding).
-
-  >>> owner_device(jnp.array([0, 3, 4, 9]), local_experts=2, axis_size=2).tolist()
-  [0, 1, 2, 2]
-  """
-  return jnp.minimum(expert_ids // local_experts, axis_size)
-
-
-def local_id(expert_ids: jax.Array, device: jax.Array, local_experts: int) -> jax.Array:
-  """Each expert's index among `device`'s El experts; outside [0, El) if it holds another."""
-  return expert_ids - device * local_experts
-
-
 def destination_devices(expert_ids: jax.Array, local_experts: int, axis_size: int) -> jax.Array:
   """[N, S] bool: which devices hold at least one of each row's chosen experts.
 
   Args:
-    expert_ids: [N, K] global ids; ids from E (zero-computation experts, padding) go to no
+    expert_ids: [N, K] physical ids; ids from P (zero-computation experts, padding) go to no
       device.
     local_experts: El, experts per device (device s holds [s*El, (s+1)*El)).
     axis_size: S.

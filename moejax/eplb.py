@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from moejax import ids
 from moejax.config import MoEConfig
 from moejax.params import MoEParams
 from moejax.placement import Placement, from_physical_to_logical, initial_placement
@@ -187,7 +188,9 @@ def balancedness(physical_counts: np.ndarray, num_devices: int) -> float:
   >>> balancedness(np.array([4, 2, 1, 1]), num_devices=2)
   0.666...
   """
-  per_device = np.asarray(physical_counts, np.float64).reshape(num_devices, -1).sum(-1)
+  counts = np.asarray(physical_counts, np.float64)
+  owner = ids.owner_device(np.arange(counts.size), counts.size // num_devices, num_devices)
+  per_device = np.bincount(owner, weights=counts, minlength=num_devices)
   peak = per_device.max()
   return float(per_device.mean() / peak) if peak > 0 else 1.0
 

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 
 import kernels_pallas
 from kernels_pallas.metadata import aligned_rows
-from moejax import routing
+from moejax import ids
 from moejax.chunking import seed_gradient
 from moejax.config import MoEConfig
 from moejax.params import ExpertWeights, SharedWeights
@@ -218,14 +218,14 @@ def zero_experts(
 
   Args:
     rows: [C, D] in the compute dtype.
-    expert_ids: [C, K] dispatched ids; zero experts are [P, P + Z) (`routing.is_zero_expert`).
+    expert_ids: [C, K] physical ids; zero experts are [P, P + Z) (`moejax.ids`).
     weights: [C, K] float32.
     config: the layer's config.
 
   Returns:
     [C, D] float32.
   """
-  zero = routing.is_zero_expert(expert_ids, config)
+  zero = ids.is_zero_expert(expert_ids, config)
   zero_weight = jnp.sum(jnp.where(zero, weights, 0.0), axis=-1, keepdims=True)
   return zero_weight * rows.astype(jnp.float32)
 

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from moejax import ids
 from moejax.config import MoEConfig
 
 
@@ -147,7 +148,7 @@ def physical_ids(
 
   Choice k of row n of expert e < E goes to `logical_to_physical[e, (n·K + k) mod
   replica_counts[e]]`; ids from E (zero-computation experts, padding) move up by R, past the
-  physical slots. Without a placement (R = 0) the ids are returned as they are.
+  physical slots (`moejax.ids`). Without a placement (R = 0) the ids are returned as they are.
 
   >>> placement = initial_placement(num_experts=2, num_redundant=2)
   >>> config = MoEConfig(num_experts=2, top_k=2, hidden_size=4, intermediate_size=4,
@@ -162,13 +163,13 @@ def physical_ids(
   logical = jnp.minimum(expert_ids, config.num_experts - 1)
   counts = jnp.maximum(jnp.asarray(placement.replica_counts)[logical], 1)
   slot = jnp.asarray(placement.logical_to_physical)[logical, position % counts]
-  shifted = expert_ids + config.num_redundant_experts
-  return jnp.where(expert_ids < config.num_experts, slot, shifted).astype(jnp.int32)
+  expert = ids.is_expert(expert_ids, config)
+  return jnp.where(expert, slot, ids.past_the_slots(expert_ids, config)).astype(jnp.int32)
 
 
-def physical_counts(ids: jax.Array, num_physical: int) -> jax.Array:
+def physical_counts(physical_ids: jax.Array, num_physical: int) -> jax.Array:
   """[P] int32 (row, choice) pairs sent to each physical slot (ids from P count nowhere)."""
-  flat = jnp.minimum(ids.reshape(-1), num_physical)
+  flat = jnp.minimum(physical_ids.reshape(-1), num_physical)
   return jnp.zeros(num_physical + 1, jnp.int32).at[flat].add(1)[:num_physical]
 
 

@@ -20,7 +20,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from kernels_pallas.quantized import is_block_scaled
-from moejax import sharding
+from moejax import ids, sharding
 from moejax.collectives import filled_like, platform_has_ragged_all_to_all, ragged_all_to_all
 from moejax.config import MoEConfig
 from moejax.params import EXPERT_PARAMS, MoEParams
@@ -71,22 +71,25 @@ def move_plan(new: np.ndarray, old: np.ndarray, devices: int) -> MovePlan:
   send_counts = np.zeros((devices, shifts), np.int64)
   recv_row = np.full((devices, shifts, per), -1, np.int64)
   sent = {}  # (source slot, destination device) -> row in that shift's buffer
+  owner = lambda slots: ids.owner_device(slots, per, devices)
   for slot, expert in enumerate(new):
-    device, holders = slot // per, np.flatnonzero(old == expert)
-    here = holders[holders // per == device]
+    device, holders = owner(slot), np.flatnonzero(old == expert)
+    here = holders[owner(holders) == device]
+    at = ids.local_id(slot, device, per)
     if old[slot] == expert:
-      local_source[device, slot % per] = slot % per
+      local_source[device, at] = at
     elif here.size:
-      local_source[device, slot % per] = here[0] % per
+      local_source[device, at] = ids.local_id(here[0], device, per)
     else:
       source = holders[0]
-      source_device = source // per
+      source_device = owner(source)
       shift = (device - source_device) % devices - 1
       if (source, device) not in sent:
         sent[source, device] = send_counts[source_device, shift]
-        send_rows[source_device, shift, send_counts[source_device, shift]] = source % per
+        source_at = ids.local_id(source, source_device, per)
+        send_rows[source_device, shift, send_counts[source_device, shift]] = source_at
         send_counts[source_device, shift] += 1
-      recv_row[device, shift, slot % per] = sent[source, device]
+      recv_row[device, shift, at] = sent[source, device]
   # Device d receives at shift k what device d - k sent at shift k.
   recv_counts = np.stack(
     [send_counts[(np.arange(devices) - k - 1) % devices, k] for k in range(shifts)], axis=1

@@ -12,18 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from moejax.config import MoEConfig
-
-
-def padding_id(config: MoEConfig) -> int:
-  """The expert id of padding tokens' choices, E + Z: an id no expert owns."""
-  return config.num_router_outputs
-
-
-def is_zero_expert(dispatched_ids: jax.Array, config: MoEConfig) -> jax.Array:
-  """Whether each id, numbered as the chunk loop dispatches (`moejax.placement.physical_ids`:
-  P = E + R slots first), is a zero-computation expert, in [P, P + Z) (LongCat-Flash)."""
-  first = config.num_physical_experts
-  return (dispatched_ids >= first) & (dispatched_ids < first + config.num_zero_experts)
+from moejax.ids import padding_id
 
 
 class Routing(NamedTuple):

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from moejax import MoEConfig, eplb, moe_apply, plan, reference_moe
+from moejax import MoEConfig, eplb, ids, moe_apply, plan, reference_moe
 from tests.helpers import (
   BASE,
   MESHES,
@@ -232,8 +232,13 @@ class Replicated(LayerContract):
 
   def test_placement_replicates_across_devices(self):
     """The placement under test is not a trivial one: some expert has replicas on two devices."""
-    placement = self.placement(self.config())
-    devices = [set(row[row >= 0] // 2) for row in placement.logical_to_physical]
+    config = self.config()
+    placement = self.placement(config)
+    slots_per_device = config.num_physical_experts // 8
+    devices = [
+      set(ids.owner_device(row[row >= 0], slots_per_device, 8).tolist())
+      for row in placement.logical_to_physical
+    ]
     assert max(map(len, devices)) >= 2, placement
 
   def test_physical_counts_follow_the_replica_rule(self, request):
