@@ -69,12 +69,13 @@ class MoEConfig:
     expert_backend: "xla" (the better XLA path for the device: the tile loop, or
       ragged_dot for few local experts on a GPU), "pallas" (the fused `kernels_pallas`
       kernels of the device; in the interpreter on a CPU, for testing) or "auto" (a kernel
-      only where a recorded GPU run measured it faster, else "xla"). See `moejax.experts`.
+      only where a recorded GPU run measured it faster, else "xla"). See `moejax.plan`.
     dispatch: how rows reach the devices of their experts: "all_gather" (every row to every
       expert-axis device, partial sums reduce-scattered back), "all_to_all" (dropless: each
-      row only to the devices holding its chosen experts) or "auto" (the one that sends fewer
-      bytes on the platform: all_to_all where `ragged_all_to_all` runs, GPUs and TPUs;
-      all_gather on a CPU). See `moejax.dispatch`.
+      row only to the devices holding its chosen experts) or "auto": all_to_all only where a
+      recorded multi-device run measured it faster on the platform at this expert-axis size
+      (`moejax.dispatch.MEASURED_FASTER`; none is recorded yet, so all_gather everywhere),
+      since fewer bytes alone do not make it faster. See `moejax.dispatch`.
     num_redundant_experts: R, spare physical expert slots holding replicas of busy experts
       (expert-parallel load balancing): the layer holds P = E + R physical experts, P
       divisible by the expert-axis size, and computes by a `moejax.eplb.Placement` passed as

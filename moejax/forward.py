@@ -199,11 +199,8 @@ def _shard(
   placement everywhere."""
   specs = sharding.LayerSpecs.from_config(config)
   param_specs = specs.params(params)
-  params = jax.tree.map(  # a spec per parameter, for each of its leaves (BlockScaled has two)
-    lambda s, a: jax.tree.map(lambda leaf: sharding.constrain(leaf, mesh, s), a),
-    param_specs,
-    params,
-    is_leaf=lambda s: isinstance(s, jax.sharding.PartitionSpec),
+  params = sharding.map_params(
+    lambda leaf, spec: sharding.constrain(leaf, mesh, spec), param_specs, params
   )
   inputs = jax.tree.map(lambda a: sharding.constrain(a, mesh, specs.tokens_t), inputs)
   stats_specs = routing.RouterStats(*[specs.replicated] * len(routing.RouterStats._fields))

@@ -26,7 +26,7 @@ from jax.sharding import Mesh
 from kernels_pallas.quantized import BlockScaled, is_block_scaled
 from moejax.config import MoEConfig
 from moejax.params import MoEParams, check_params
-from moejax.sharding import LayerSpecs, check_mesh, placement
+from moejax.sharding import LayerSpecs, check_mesh, map_params, placement
 
 _ACTIVATIONS = {
   "silu": "silu",
@@ -505,12 +505,7 @@ def load_layer(
   place = lambda value, spec: jax.make_array_from_callback(
     value.shape, placement(mesh, spec), value.__getitem__
   )  # each device gets only its slice
-  return jax.tree.map(  # a spec per parameter, for each of its leaves
-    lambda spec, value: jax.tree.map(lambda leaf: place(leaf, spec), value),
-    LayerSpecs.from_config(config).params(params),
-    params,
-    is_leaf=lambda spec: isinstance(spec, jax.sharding.PartitionSpec),
-  )
+  return map_params(place, LayerSpecs.from_config(config).params(params), params)
 
 
 def _read_layer(checkpoint: _Checkpoint, block: str, family: Family, config: MoEConfig) -> dict:

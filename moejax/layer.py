@@ -7,17 +7,22 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import Mesh
 
 from kernels_pallas.quantized import BlockScaled
-from moejax import eplb
+from moejax import eplb, sharding
 from moejax.config import MoEConfig
 from moejax.forward import MoEAux, moe_apply
-from moejax.params import BIAS_PARAMS, EXPERT_PARAMS, QUANTIZED_PARAMS, MoEParams, param_shapes
+from moejax.params import (
+  BIAS_PARAMS,
+  EXPERT_PARAMS,
+  QUANTIZED_PARAMS,
+  MoEParams,
+  expert_arrays,
+  param_shapes,
+)
 from moejax.placement import Placement, initial_placement, logical_load
 from moejax.quant import quantize
-from moejax.sharding import check_mesh, param_sharding
 
 _AUX_NAMES = ("expert_counts", "load_balancing_loss", "router_z_loss")
 
@@ -54,9 +59,9 @@ class QuantizedMatrix(nnx.Module):
   axis's sharding metadata (so `nnx.get_partition_spec`, `shard_model` and orbax see plain
   arrays). `get_value()` gives the `BlockScaled`, as `nnx.Param.get_value()` gives an array."""
 
-  def __init__(self, weight: BlockScaled, sharding: tuple[str | None, ...], on_mesh: dict):
-    self.values = QuantizedWeight(weight.values, out_sharding=sharding, **on_mesh)
-    self.scales = QuantizedWeight(weight.scales, out_sharding=sharding, **on_mesh)
+  def __init__(self, weight: BlockScaled, names: tuple[str | None, ...], on_mesh: dict):
+    self.values = QuantizedWeight(weight.values, out_sharding=names, **on_mesh)
+    self.scales = QuantizedWeight(weight.scales, out_sharding=names, **on_mesh)
     self.block = weight.block
 
   def get_value(self) -> BlockScaled:
@@ -84,7 +89,7 @@ class MoELayer(nnx.Module):
   `bias_init`, matrices at `kernel_init`.
 
   Under `nnx.capture(..., nnx.Intermediate)` each call sows its aux outputs: `expert_counts`
-  [E], `load_balancing_loss` [], `router_z_loss` [] (a tuple of values per name, one per
+  [E + Z], `load_balancing_loss` [], `router_z_loss` [] (a tuple of values per name, one per
   call). `moejax.moe_apply` returns the same values directly.
 
   With `config.num_redundant_experts` R > 0 the expert parameters hold P = E + R physical
@@ -129,13 +134,13 @@ class MoELayer(nnx.Module):
     bias_init: Initializer = nnx.initializers.zeros,
   ):
     if mesh is not None:
-      check_mesh(mesh, config)
+      sharding.check_mesh(mesh, config)
     self.config = config
     self.mesh = mesh
     # With a mesh, flax places each parameter by its metadata; without one there is nowhere
     # to place it, and the metadata is kept for later use (nnx.get_partition_spec).
     on_mesh = {"mesh": mesh} if mesh is not None else {"eager_sharding": False}
-    names = param_sharding(config)
+    names = sharding.param_sharding(config)
     slots = initial_placement(config.num_experts, config.num_redundant_experts)
     for name, shape in param_shapes(config).items():
       init = bias_init if name in BIAS_PARAMS else kernel_init
@@ -158,7 +163,7 @@ class MoELayer(nnx.Module):
     the parameters are: the layer's program takes all its arguments from one device set."""
     if self.mesh is None:
       return jax.tree.map(jnp.asarray, tree)
-    return jax.device_put(tree, NamedSharding(self.mesh, P()))
+    return jax.device_put(tree, sharding.placement(self.mesh, None))
 
   def _no_load(self) -> jax.Array:
     return jnp.zeros(self.config.num_physical_experts, jnp.int32)
@@ -227,13 +232,9 @@ class MoELayer(nnx.Module):
     if load is None:
       load = logical_load(jax.device_get(self.expert_load.get_value()), current)
     moved, new = eplb.rebalance_weights(self.moe_params(), config, current=current, load=load)
-    for name in EXPERT_PARAMS:
-      value = getattr(moved, name)
-      if isinstance(value, BlockScaled):
-        getattr(self, name).values.set_value(value.values)
-        getattr(self, name).scales.set_value(value.scales)
-      elif value is not None:
-        getattr(self, name).set_value(value)
+    for name, part, value in expert_arrays(moved):
+      variable = getattr(self, name)
+      (variable if part is None else getattr(variable, part)).set_value(value)
     self.placement.set_value(self._replicated(new))
     self.expert_load.set_value(self._replicated(self._no_load()))
     return new

@@ -16,7 +16,7 @@ from kernels_pallas.quantized import BlockScaled
 from moejax import eplb
 from moejax.config import MoEConfig
 from moejax.layer import MoELayer
-from moejax.params import EXPERT_PARAMS, QUANTIZED_PARAMS, MoEParams, param_shapes
+from moejax.params import QUANTIZED_PARAMS, MoEParams, expert_arrays, param_shapes
 from moejax.placement import Placement, logical_load
 
 
@@ -86,7 +86,7 @@ def rebalance(
   if load is None:
     load = logical_load(counted, current)
   moved, new = eplb.rebalance_weights(params, config, current=current, load=load)
-  _write(own, moved, new, config)
+  _write(own, moved, new)
   return (freeze(variables) if frozen else variables), new
 
 
@@ -107,17 +107,13 @@ def _read(own: dict[str, dict], config: MoEConfig) -> tuple[MoEParams, Placement
   return params, current, jax.device_get(_unboxed(own["ExpertLoad"]["expert_load"]))
 
 
-def _write(own: dict[str, dict], moved: MoEParams, new: Placement, config: MoEConfig) -> None:
+def _write(own: dict[str, dict], moved: MoEParams, new: Placement) -> None:
   """Puts the moved expert weights and the new placement in the module's variables, each in
   the place (box, devices) of the value it replaces, and zeroes its load."""
-  for name in EXPERT_PARAMS:
-    value = getattr(moved, name)
-    if config.expert_quant and name in QUANTIZED_PARAMS:
-      matrix = own["QuantizedWeight"][name]
-      for part in ("values", "scales"):
-        matrix[part] = _reboxed(matrix[part], getattr(value, part))
-    elif value is not None:
-      own["params"][name] = _reboxed(own["params"][name], value)
+  for name, part, value in expert_arrays(moved):
+    home = own["params"] if part is None else own["QuantizedWeight"][name]
+    key = name if part is None else part
+    home[key] = _reboxed(home[key], value)
   placement = own["ExpertPlacement"]["placement"]
   for field, value in zip(Placement._fields, new, strict=True):
     placement[field] = _host_value_like(placement[field], value)

@@ -122,6 +122,26 @@ def compute_weights(
   return experts, SharedWeights(*(compute_form(getattr(params, name)) for name in SHARED_PARAMS))
 
 
+def expert_arrays(params: MoEParams) -> list[tuple[str, str | None, jax.Array]]:
+  """The expert parameters' arrays as (name, part, array): part None for a float weight,
+  "values" and "scales" for a `BlockScaled` one. Where moved weights are written back
+  (`MoELayer.rebalance`, `moejax.linen.rebalance`), each array goes to its own variable.
+
+  >>> import jax.numpy as jnp
+  >>> params = MoEParams(jnp.ones((4, 2)), jnp.ones((2, 4, 6)), jnp.ones((2, 3, 4)))
+  >>> [(name, part) for name, part, _ in expert_arrays(params)]
+  [('w_gate_up', None), ('w_down', None)]
+  """
+  arrays = []
+  for name in EXPERT_PARAMS:
+    value = getattr(params, name)
+    if is_block_scaled(value):
+      arrays += [(name, "values", value.values), (name, "scales", value.scales)]
+    elif value is not None:
+      arrays.append((name, None, value))
+  return arrays
+
+
 def param_shapes(config: MoEConfig) -> dict[str, tuple[int, ...]]:
   """Shape of every parameter the config needs, keyed by `MoEParams` field name (expert
   parameters [P, ...], P = E + R physical experts)."""

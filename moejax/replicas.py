@@ -17,7 +17,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from kernels_pallas.quantized import is_block_scaled
 from moejax import ids, sharding
@@ -137,7 +136,7 @@ def place(
       moved = _gather(experts, np.array(source), mesh, config)
     else:
       plan = move_plan(new.physical_to_logical, old.physical_to_logical, devices)
-      moved = _move(experts, plan, mesh=mesh, axis=config.expert_axis)
+      moved = _move(experts, plan, mesh=mesh, config=config)
   return params._replace(**moved)
 
 
@@ -192,7 +191,7 @@ def _gather(experts, source: np.ndarray, mesh: Mesh | None, config: MoEConfig):
   take = lambda leaves, index: {name: value[index] for name, value in leaves.items()}
   if mesh is None:
     return jax.jit(take)(experts, jnp.asarray(source))
-  specs = _expert_specs(experts, config.expert_axis)
+  specs = _expert_specs(experts, config)
   if sharding.is_explicit(mesh):
     gather = sharding.with_auto_axes(lambda _, leaves, index: take(leaves, index), mesh, specs)
     return jax.jit(gather)(experts, jnp.asarray(source))
@@ -200,28 +199,29 @@ def _gather(experts, source: np.ndarray, mesh: Mesh | None, config: MoEConfig):
   return jax.jit(take, out_shardings=out)(experts, jnp.asarray(source))
 
 
-def _expert_specs(experts: dict[str, jax.Array], axis: str) -> dict[str, P]:
-  """The layer's spec of each expert leaf, written out to its rank (as `MoELayer` creates
-  them: an equal but shorter spec would be another jit signature)."""
-  return {name: P(axis, *[None] * (np.ndim(value) - 1)) for name, value in experts.items()}
+def _expert_specs(experts: dict[str, jax.Array], config: MoEConfig) -> dict:
+  """The layer's spec of each expert leaf (`sharding.LayerSpecs.expert_leaf`)."""
+  specs = sharding.LayerSpecs.from_config(config)
+  return {name: specs.expert_leaf(np.ndim(value)) for name, value in experts.items()}
 
 
-def _move(experts, plan: MovePlan, *, mesh: Mesh, axis: str):
-  """Runs `plan` on weights sharded over `axis`: every leaf (a `BlockScaled`'s values and
-  scales alike), one program."""
+def _move(experts, plan: MovePlan, *, mesh: Mesh, config: MoEConfig):
+  """Runs `plan` on weights sharded over the expert axis: every leaf (a `BlockScaled`'s
+  values and scales alike), one program."""
   leaves, structure = jax.tree.flatten(experts)
-  moved = _move_leaves(dict(enumerate(leaves)), plan, mesh=mesh, axis=axis)
+  moved = _move_leaves(dict(enumerate(leaves)), plan, mesh=mesh, config=config)
   return jax.tree.unflatten(structure, [moved[i] for i in range(len(leaves))])
 
 
-def _move_leaves(experts, plan: MovePlan, *, mesh: Mesh, axis: str):
+def _move_leaves(experts, plan: MovePlan, *, mesh: Mesh, config: MoEConfig):
   """`_move` on a dict of arrays."""
-  specs = _expert_specs(experts, axis)
+  specs, axis = _expert_specs(experts, config), config.expert_axis
   body = functools.partial(_move_local, axis=axis, devices=mesh.shape[axis])
+  per_device = sharding.LayerSpecs.from_config(config).experts_e  # a row of the plan each
   moved = lambda on_mesh, leaves, plan: jax.shard_map(
     body,
     mesh=on_mesh,
-    in_specs=(specs, MovePlan(*[P(axis)] * len(MovePlan._fields))),
+    in_specs=(specs, MovePlan(*[per_device] * len(MovePlan._fields))),
     out_specs=specs,
   )(leaves, plan)
   if sharding.is_explicit(mesh):

@@ -53,9 +53,25 @@ class LayerSpecs:
       )
     )
 
+  def expert_leaf(self, ndim: int) -> P:
+    """An expert leaf's spec [P, ...] written out to its rank, as `MoELayer` creates them (an
+    equal but shorter spec would be another jit signature)."""
+    return P(*self.experts_e, *[None] * (ndim - len(self.experts_e)))
+
   def aux(self, fields: tuple[str, ...], per_device: tuple[str, ...]) -> list[P]:
     """Specs of the aux outputs: per-device counts over (data, expert), the rest replicated."""
     return [self.tokens_t if name in per_device else self.replicated for name in fields]
+
+
+def map_params(fn: Callable[[jax.Array, P], Any], specs: MoEParams, params: MoEParams) -> MoEParams:
+  """`fn(leaf, spec)` on every leaf of every parameter, with the parameter's spec (a
+  `BlockScaled` has two leaves: values and scales share the spec); absent ones stay None."""
+  return jax.tree.map(
+    lambda spec, value: jax.tree.map(lambda leaf: fn(leaf, spec), value),
+    specs,
+    params,
+    is_leaf=lambda spec: isinstance(spec, P),
+  )
 
 
 def param_sharding(config: MoEConfig) -> dict[str, tuple[str | None, ...]]:
