@@ -105,17 +105,44 @@ def _dividing(size: int, block: int) -> int:
   return size if size > 1 else 0
 
 
+@dataclasses.dataclass(frozen=True)
+class _GmmCall:
+  """The static choices of one `gmm_triton` kernel, shared by every program of its grid.
+
+  Attributes:
+    blocks: the `TritonBlocks`.
+    num_k_blocks: K / block_k, the contraction steps.
+    gate_up_offset: with the gated epilogue, the first up column of rhs's [gate | up]; None.
+    activation: the gated epilogue's activation, or None.
+    weighted: whether row weights scale the output.
+    transpose_rhs: rhs read as [G, N, K].
+    precision: `jax.lax.Precision` of the block dots.
+    rhs_format: the `KernelRhs` format of a quantized rhs, or None.
+    quant_block: its scale block (bi, bo), or None.
+  """
+
+  blocks: TritonBlocks
+  num_k_blocks: int
+  gate_up_offset: int | None
+  activation: str | None
+  weighted: bool
+  transpose_rhs: bool
+  precision: object
+  rhs_format: str | None
+  quant_block: tuple[int, int] | None
+
+
 def _rhs_products(
-  lhs_ref, rhs_ref, scales_ref, lhs, k0, col, *, rows, in_group, group, blocks, rhs_format,
-  quant_block, transpose_rhs, precision, dtype,
-):  # fmt: skip
+  lhs_ref, rhs_ref, scales_ref, lhs, k0, col, *, rows, in_group, group, call: _GmmCall, dtype
+):
   """The tile's partial products lhs[rows, k0:k0+bk] @ rhs[group][k0:k0+bk, col:col+bn].
 
   Returns a list: one [bm, bn] product, or for an mxfp4 rhs read forward two [bm, bn/2] ones
   (even and odd output columns, as its bytes pack them).
   """
-  bm, bn, bk = blocks.block_m, blocks.block_n, blocks.block_k
-  dot = functools.partial(plgpu.dot, trans_b=transpose_rhs, precision=precision)
+  bm, bn, bk = call.blocks.block_m, call.blocks.block_n, call.blocks.block_k
+  rhs_format, quant_block, transpose_rhs = call.rhs_format, call.quant_block, call.transpose_rhs
+  dot = functools.partial(plgpu.dot, trans_b=transpose_rhs, precision=call.precision)
   # The stored [in, out] tile: (bk, bn) read forward, (bn, bk) read transposed.
   (in0, in_size), (out0, out_size) = (
     ((col, bn), (k0, bk)) if transpose_rhs else ((k0, bk), (col, bn))
@@ -157,15 +184,7 @@ def _gmm_kernel(
   lhs_ref,
   rhs_ref,
   *refs,
-  blocks: TritonBlocks,
-  num_k_blocks: int,
-  gate_up_offset: int | None,
-  activation: str | None,
-  weighted: bool,
-  transpose_rhs: bool,
-  precision,
-  rhs_format: str | None,
-  quant_block: tuple[int, int] | None,
+  call: _GmmCall,
 ):
   """One (row-tile visit, column block) of out = epilogue(lhs @ rhs[g]).
 
@@ -173,11 +192,12 @@ def _gmm_kernel(
   uint8 bits of a `KernelRhs` when `rhs_format` is set, then its float32 scales follow),
   optional row_weights [Mp], the zero-filled output it aliases, then out [Mp, N'].
   """
+  rhs_format, transpose_rhs, activation = call.rhs_format, call.transpose_rhs, call.activation
   scales_ref = refs[0] if rhs_format else None
   refs = refs[1:] if rhs_format else refs
-  row_weights_ref = refs[0] if weighted else None
+  row_weights_ref = refs[0] if call.weighted else None
   out_ref = refs[-1]
-  bm, bn, bk = blocks.block_m, blocks.block_n, blocks.block_k
+  bm, bn, bk = call.blocks.block_m, call.blocks.block_n, call.blocks.block_k
   visit, col_block = pl.program_id(0), pl.program_id(1)
   # mxfp4 read forward computes even and odd output columns apart (its bytes pack pairs).
   parities = 2 if rhs_format == "mxfp4" and not transpose_rhs else 1
@@ -189,13 +209,12 @@ def _gmm_kernel(
     row_ids = tile * bm + jnp.arange(bm)
     in_group = (row_ids >= starts_ref[group]) & (row_ids < ends_ref[group])  # [bm]
     col_starts = [col_block * bn]
-    if gate_up_offset is not None:
-      col_starts.append(gate_up_offset + col_block * bn)  # the up half of [gate | up]
+    if call.gate_up_offset is not None:
+      col_starts.append(call.gate_up_offset + col_block * bn)  # the up half of [gate | up]
 
     rhs_products = functools.partial(
       _rhs_products, lhs_ref, rhs_ref, scales_ref, rows=rows, in_group=in_group, group=group,
-      blocks=blocks, rhs_format=rhs_format, quant_block=quant_block,
-      transpose_rhs=transpose_rhs, precision=precision, dtype=lhs_ref.dtype,
+      call=call, dtype=lhs_ref.dtype,
     )  # fmt: skip
 
     def k_step(k_block, accs):
@@ -208,11 +227,11 @@ def _gmm_kernel(
       return tuple(acc + p for acc, p in zip(accs, products, strict=True))
 
     zero = jnp.zeros((bm, bn // parities), jnp.float32)
-    accs = jax.lax.fori_loop(0, num_k_blocks, k_step, (zero,) * (len(col_starts) * parities))
+    accs = jax.lax.fori_loop(0, call.num_k_blocks, k_step, (zero,) * (len(col_starts) * parities))
     for parity in range(parities):
       acc = accs[parity::parities]  # gate (and up) of these columns
       out = acc[0] if activation is None else activate(acc[0], activation, erf_in_kernel) * acc[1]
-      if weighted:
+      if call.weighted:
         weights = plgpu.load(row_weights_ref.at[rows], mask=in_group, other=0)  # [bm]
         out = out * weights[:, None].astype(jnp.float32)
       width = bn // parities  # mxfp4's output columns come by parity (`by_parity`)
@@ -281,8 +300,7 @@ def gmm_triton(
   # The zero-filled buffer the output aliases; built from lhs so that inside shard_map it
   # varies over the same mesh axes as the result.
   operands.append(jnp.broadcast_to(jnp.zeros_like(lhs[:, :1], out_dtype), (num_rows, out_cols)))
-  kernel = functools.partial(
-    _gmm_kernel,
+  call = _GmmCall(
     blocks=blocks,
     num_k_blocks=k // blocks.block_k,
     gate_up_offset=out_cols if activation is not None else None,
@@ -293,6 +311,7 @@ def gmm_triton(
     rhs_format=None if quantized is None else quantized.format,
     quant_block=None if quantized is None else quantized.block,
   )
+  kernel = functools.partial(_gmm_kernel, call=call)
   out = pl.pallas_call(
     kernel,
     out_shape=out_struct((num_rows, out_cols), out_dtype, like=lhs),

@@ -1,9 +1,10 @@
 """Hugging Face checkpoints: a model's `config.json` -> `MoEConfig`, one MoE layer -> `MoEParams`.
 
-Reads local safetensors files with NumPy (no torch): a single `model.safetensors` or a sharded
-checkpoint with `model.safetensors.index.json`. Experts may be stored as per-expert linear
-layers (`experts.{e}.gate_proj.weight`, Mixtral's `w1`/`w3`/`w2`) or as fused 3-D tensors
-(`experts.gate_up_proj`, GPT-OSS's with gate and up interleaved column by column).
+`FAMILIES` is the table: one `Family` row per `model_type`, saying where the MoE block's
+tensors are, which config.json keys give the layer's sizes and options, and how its experts
+are stored (`PerExpert` linear layers, `Fused` 3-D tensors, DBRX's `Flat` ones), float or
+quantized. Adding a family is adding a row. The files are read by `moejax.safetensors_files`
+(NumPy, no torch).
 
 >>> len(FAMILIES), sorted(FAMILIES)[:3]
 (19, ['dbrx', 'deepseek_v2', 'deepseek_v3'])
@@ -11,7 +12,7 @@ layers (`experts.{e}.gate_proj.weight`, Mixtral's `w1`/`w3`/`w2`) or as fused 3-
 
 from __future__ import annotations
 
-import contextlib
+import abc
 import dataclasses
 import json
 from collections.abc import Callable
@@ -26,6 +27,7 @@ from jax.sharding import Mesh
 from kernels_pallas.quantized import BlockScaled, is_block_scaled
 from moejax.config import MoEConfig
 from moejax.params import MoEParams, check_params
+from moejax.safetensors_files import SafetensorsFiles
 from moejax.sharding import LayerSpecs, check_mesh, map_params, placement
 
 _ACTIVATIONS = {
@@ -35,291 +37,387 @@ _ACTIVATIONS = {
   "gelu_pytorch_tanh": "gelu_tanh",
   "gelu_new": "gelu_tanh",
 }
+_REQUIRED = object()
+
+
+@dataclasses.dataclass(frozen=True)
+class Read:
+  """A config.json value: `key` (dotted for nested dicts; a tuple for alternatives, the first
+  present wins; null counts as absent), else `default` (a missing key without one raises
+  KeyError), `convert`ed."""
+
+  key: str | tuple[str, ...]
+  default: Any = _REQUIRED
+  convert: Callable[[Any], Any] = lambda value: value
+
+  def __call__(self, hf: dict) -> Any:
+    for key in (self.key,) if isinstance(self.key, str) else self.key:
+      value = hf
+      for part in key.split("."):
+        value = value.get(part, _REQUIRED) if isinstance(value, dict) else _REQUIRED
+      if value is not _REQUIRED and value is not None:  # as config.json's null
+        return self.convert(value)
+    if self.default is _REQUIRED:
+      raise KeyError(f"config.json has no {self.key!r}")
+    return self.convert(self.default)
+
+
+@dataclasses.dataclass(frozen=True)
+class Shared:
+  """How config.json gives the shared experts: `count` of `width` each, fused into one MLP of
+  count * width (none where either is 0 or missing, or `enabled` reads false); `gate` for
+  Qwen's sigmoid gate."""
+
+  count: Read | int
+  width: Read
+  gate: bool = False
+  enabled: Read | bool = True
+
+  def options(self, hf: dict) -> dict:
+    read = lambda field: field(hf) if isinstance(field, Read) else field
+    count, width = read(self.count), read(self.width)
+    if not (read(self.enabled) and count and width):
+      return {}
+    gate = {"shared_expert_gate": True} if self.gate else {}
+    return dict(num_shared_experts=count, shared_intermediate_size=count * width, **gate)
+
+
+def _halves(gate_up: np.ndarray, interleaved: bool) -> np.ndarray:
+  """[..., 2F] with gate then up halves (de-interleaving GPT-OSS's alternating columns)."""
+  if not interleaved:
+    return gate_up
+  return np.concatenate([gate_up[..., 0::2], gate_up[..., 1::2]], axis=-1)
+
+
+class _Layout(abc.ABC):
+  """How a family stores its routed experts. Each read returns moejax's tensors ([in, out]):
+  `w_gate_up` [E, D, 2F], `w_down` [E, F, D] (and biases), float32 or `BlockScaled`; `key`
+  turns a name relative to the MoE block into the checkpoint's key."""
+
+  @abc.abstractmethod
+  def present(self, files: SafetensorsFiles, key: Callable[[str], str]) -> bool:
+    """Whether the layer's experts are stored this way."""
+
+  @abc.abstractmethod
+  def floats(self, files: SafetensorsFiles, key, e: int, d: int, f: int) -> dict:
+    """Float experts (fp8 ones with a `…_scale_inv` dequantized), float32."""
+
+  def fp8(self, files: SafetensorsFiles, key, e: int, d: int, f: int, block) -> dict:
+    raise NotImplementedError(f"fp8 experts stored as {self} are not read")
+
+  def mxfp4(self, files: SafetensorsFiles, key, e: int, d: int, f: int) -> dict:
+    raise NotImplementedError(f"mxfp4 experts stored as {self} are not read")
+
+
+def _read_fp8(files: SafetensorsFiles, weight: str, shape: tuple[int, ...], block):
+  """(values, scales) of an fp8 `weight` [..., out, in] as [..., in, out] and its blocks."""
+  *lead, rows, cols = shape
+  scales_shape = (*lead, -(-rows // block[1]), -(-cols // block[0]))
+  values = np.asarray(files.get_raw(weight, shape))
+  scales = np.asarray(files.get_raw(f"{weight}_scale_inv", scales_shape))
+  if values.dtype != ml_dtypes.float8_e4m3fn or scales.dtype != np.float32:
+    raise ValueError(
+      f"{weight}: expected float8_e4m3fn values with float32 scale_inv, got "
+      f"{values.dtype} and {scales.dtype}"
+    )
+  return np.swapaxes(values, -1, -2), np.swapaxes(scales, -1, -2)
+
+
+@dataclasses.dataclass(frozen=True)
+class PerExpert(_Layout):
+  """One linear layer per expert and projection, `experts.{e}.{name}.weight` [out, in]."""
+
+  gate: str = "gate_proj"
+  up: str = "up_proj"
+  down: str = "down_proj"
+
+  def _weight(self, e: int, name: str) -> str:
+    return f"experts.{e}.{name}.weight"
+
+  def present(self, files, key) -> bool:
+    return key(self._weight(0, self.gate)) in files
+
+  def floats(self, files, key, e, d, f) -> dict:
+    weight = lambda i, name, shape: files.get(key(self._weight(i, name)), shape).T
+    gate_up = lambda i: np.concatenate(
+      [weight(i, self.gate, (f, d)), weight(i, self.up, (f, d))], 1
+    )
+    return {
+      "w_gate_up": np.stack([gate_up(i) for i in range(e)]),
+      "w_down": np.stack([weight(i, self.down, (d, f)) for i in range(e)]),
+    }
+
+  def fp8(self, files, key, e, d, f, block) -> dict:
+    read = lambda i, name, shape: _read_fp8(files, key(self._weight(i, name)), shape, block)
+    gate_up, down = [], []
+    for i in range(e):
+      (gate_v, gate_s), (up_v, up_s) = (read(i, n, (f, d)) for n in (self.gate, self.up))
+      gate_up.append((np.concatenate([gate_v, up_v], 1), np.concatenate([gate_s, up_s], 1)))
+      down.append(read(i, self.down, (d, f)))
+    stacked = lambda pairs: BlockScaled(
+      np.stack([v for v, _ in pairs]), np.stack([s for _, s in pairs]), block
+    )
+    return {"w_gate_up": stacked(gate_up), "w_down": stacked(down)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Fused(_Layout):
+  """3-D tensors of all experts: `gate_up` [E, 2F, D] and `down` [E, D, F] (transformers'
+  [E, out, in]; [E, in, out] with `input_major`), gate and up as halves or, `interleaved`,
+  alternating columns (GPT-OSS); biases at `{gate_up}_bias` and `{down}_bias` if stored."""
+
+  gate_up: str = "experts.gate_up_proj"
+  down: str = "experts.down_proj"
+  input_major: bool = False
+  interleaved: bool = False
+
+  def present(self, files, key) -> bool:
+    return key(self.gate_up) in files or key(f"{self.gate_up}_blocks") in files
+
+  def floats(self, files, key, e, d, f) -> dict:
+    gate_up, down = files.get(key(self.gate_up))[:e], files.get(key(self.down))[:e]
+    if not self.input_major:
+      gate_up, down = gate_up.transpose(0, 2, 1), down.transpose(0, 2, 1)
+    if gate_up.shape != (e, d, 2 * f) or down.shape != (e, f, d):
+      raise ValueError(
+        f"{key('experts')}: fused gate_up {gate_up.shape} / down {down.shape}, expected "
+        f"{(e, d, 2 * f)} / {(e, f, d)}"
+      )
+    biases = self._biases(files, key, e)
+    return {"w_gate_up": _halves(gate_up, self.interleaved), "w_down": down, **biases}
+
+  def _biases(self, files, key, e: int) -> dict:
+    if key(f"{self.gate_up}_bias") not in files:
+      return {}
+    return {
+      "b_gate_up": _halves(files.get(key(f"{self.gate_up}_bias"))[:e], self.interleaved),
+      "b_down": files.get(key(f"{self.down}_bias"))[:e],
+    }
+
+  def fp8(self, files, key, e, d, f, block) -> dict:
+    if self.input_major or self.interleaved:
+      super().fp8(files, key, e, d, f, block)
+    return {
+      "w_gate_up": BlockScaled(*_read_fp8(files, key(self.gate_up), (e, 2 * f, d), block), block),
+      "w_down": BlockScaled(*_read_fp8(files, key(self.down), (e, d, f), block), block),
+    }
+
+  def mxfp4(self, files, key, e, d, f) -> dict:
+    """GPT-OSS's MXFP4: `{name}_blocks` [E, out, in/32, 16] uint8 and `{name}_scales`
+    [E, out, in/32] e8m0, as `BlockScaled` [E, in, out] with scales [E, in/32, out]."""
+
+    def matrix(name: str, rows: int, cols: int) -> BlockScaled:
+      blocks = files.get_raw(key(f"{name}_blocks"), (e, rows, cols // 32, 16))
+      scales = files.get_raw(key(f"{name}_scales"), (e, rows, cols // 32))
+      values = unpack_mxfp4(np.asarray(blocks)).transpose(0, 2, 1)
+      scales = np.asarray(scales).view(ml_dtypes.float8_e8m0fnu).transpose(0, 2, 1)
+      return BlockScaled(values, scales, (32, 1))
+
+    gate_up = matrix(self.gate_up, 2 * f, d)
+    halves = lambda a: _halves(a, self.interleaved)
+    return {
+      "w_gate_up": BlockScaled(halves(gate_up.values), halves(gate_up.scales), gate_up.block),
+      "w_down": matrix(self.down, d, f),
+      **self._biases(files, key, e),
+    }
+
+
+@dataclasses.dataclass(frozen=True)
+class Flat(_Layout):
+  """DBRX: (gate, up, down) tensors of [E * F, D] each (down stored transposed)."""
+
+  gate: str
+  up: str
+  down: str
+
+  def present(self, files, key) -> bool:
+    return key(self.gate) in files
+
+  def floats(self, files, key, e, d, f) -> dict:
+    gate, up, down = (files.get(key(name), (e * f, d)) for name in (self.gate, self.up, self.down))
+    gate_up = np.concatenate([gate.reshape(e, f, d), up.reshape(e, f, d)], axis=1)
+    return {"w_gate_up": gate_up.transpose(0, 2, 1), "w_down": down.reshape(e, f, d)}
+
+
+# transformers 5 saves fused experts; checkpoints on the Hub hold per-expert layers.
+_FUSED_OR_PER_EXPERT = (Fused(), PerExpert())
+_W1_W3_W2 = (Fused(), PerExpert("w1", "w3", "w2"))  # Mixtral's names of gate, up and down
 
 
 @dataclasses.dataclass(frozen=True)
 class Family:
-  """Where one model family keeps an MoE layer's weights, and how its config reads.
+  """One model family: where an MoE layer's weights are, and how its config reads.
 
   Attributes:
     block: the MoE block's key prefix, with `{layer}`.
     router: the router's [E (+ Z), D] weight, relative to the block.
-    config: config.json dict -> `MoEConfig` keyword arguments.
-    expert_names: per-expert (gate, up, down) linear layer names under `experts.{e}.`.
-    fused_input_major: fused `experts.gate_up_proj` is [E, D, 2F] (GPT-OSS, Llama 4), not
-      transformers' [E, 2F, D].
-    interleaved: fused gate/up columns alternate gate, up (GPT-OSS), not halves.
-    fused: the fused (gate_up, down) tensors' keys relative to the block.
-    flat_experts: DBRX's (gate, up, down) keys, each [E * F, D] (down transposed).
+    options: `MoEConfig` field -> a `Read` of config.json, or a fixed value (sizes first).
+    experts: the layouts its experts may be stored in, tried in order (the last when none
+      is found, so that its missing tensor is named).
+    shared: the shared experts' key prefix (gate_proj, up_proj, down_proj), or None.
+    shared_sizes: how config.json gives them (`Shared`), or None.
     router_bias: the router's bias key, or None.
     selection_bias: the selection-only bias key (DeepSeek's `e_score_correction_bias`).
-    shared: the shared experts' key prefix (gate_proj, up_proj, down_proj), or None.
     shared_gate: the shared experts' [1, D] gate weight key, or None.
+    derived: config.json -> further options no single key gives, or None.
   """
 
   block: str
   router: str
-  config: Callable[[dict], dict]
-  expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
-  fused_input_major: bool = False
-  interleaved: bool = False
-  fused: tuple[str, str] = ("experts.gate_up_proj", "experts.down_proj")
-  flat_experts: tuple[str, str, str] | None = None
+  options: dict[str, Read | Any]
+  experts: tuple[_Layout, ...] = _FUSED_OR_PER_EXPERT
+  shared: str | None = None
+  shared_sizes: Shared | None = None
   router_bias: str | None = None
   selection_bias: str | None = None
-  shared: str | None = None
   shared_gate: str | None = None
+  derived: Callable[[dict], dict] | None = None
+
+  def config_options(self, hf: dict) -> dict:
+    """The `MoEConfig` keyword arguments of this family's config.json."""
+    options = {name: v(hf) if isinstance(v, Read) else v for name, v in self.options.items()}
+    options.update(self.shared_sizes.options(hf) if self.shared_sizes else {})
+    return {**options, **(self.derived(hf) if self.derived else {})}
 
 
-def _activation(hf: dict) -> str:
-  name = hf.get("hidden_act") or hf.get("ffn_config", {}).get("ffn_act_fn", {}).get("name", "silu")
-  if name not in _ACTIVATIONS:
-    raise NotImplementedError(f"hidden_act={name!r}: moejax has {sorted(_ACTIVATIONS)}")
-  return _ACTIVATIONS[name]
+def _sizes(experts: str | tuple[str, ...], top_k: str, width: str) -> dict:
+  """The options of E, K and F, read from these keys."""
+  return dict(num_experts=Read(experts), top_k=Read(top_k), intermediate_size=Read(width))
 
 
-def _softmax_top_k(hf: dict, experts: str, top_k: str, width: str, renormalize: bool) -> dict:
-  return dict(
-    num_experts=hf[experts],
-    top_k=hf[top_k],
-    intermediate_size=hf[width],
-    renormalize=renormalize,
-  )
+def _first(value):
+  """Hunyuan stores some values as one per layer: the first."""
+  return value if isinstance(value, int) else value[0]
 
 
-def _shared_experts(count: int | None, width: int) -> dict:
-  """Config fields for `count` shared experts of `width` each (fused: width count * width)."""
-  if not count:
-    return {}
-  return dict(num_shared_experts=count, shared_intermediate_size=count * width)
-
-
-def _ernie(hf: dict) -> dict:
-  options = _softmax_top_k(hf, "moe_num_experts", "moe_k", "moe_intermediate_size", True)
-  options.update(use_routing_bias=True)
-  options.update(_shared_experts(hf.get("moe_num_shared_experts"), hf["moe_intermediate_size"]))
-  return options
-
-
-def _hunyuan(hf: dict) -> dict:
-  top_k = hf["moe_topk"]
-  options = dict(
-    num_experts=hf["num_experts"],
-    top_k=top_k if isinstance(top_k, int) else top_k[0],
-    intermediate_size=hf["intermediate_size"],
-    renormalize=True,
-  )
-  shared = hf.get("num_shared_expert", 1)
-  shared = shared if isinstance(shared, int) else shared[0]
-  if hf.get("use_mixed_mlp_moe", True):
-    options.update(_shared_experts(shared, hf["intermediate_size"]))
-  return options
-
-
-def _lfm2(hf: dict) -> dict:
-  return dict(
-    num_experts=hf["num_experts"],
-    top_k=hf["num_experts_per_tok"],
-    intermediate_size=hf["moe_intermediate_size"],
-    scoring="sigmoid",
-    use_routing_bias=bool(hf.get("use_expert_bias", True)),
-    renormalize=bool(hf.get("norm_topk_prob", True)),
-    routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
-  )
-
-
-def _dbrx(hf: dict) -> dict:
-  ffn = hf["ffn_config"]
-  if ffn.get("moe_normalize_expert_weights") not in (None, 1, 1.0):
+def _dbrx_renormalize(p) -> bool:
+  """DBRX's `moe_normalize_expert_weights` p: None (no renormalization) or 1 (by the sum)."""
+  if p not in (None, 1, 1.0):
     raise NotImplementedError(
-      f"DBRX moe_normalize_expert_weights={ffn['moe_normalize_expert_weights']}: moejax "
-      "renormalizes with the sum (p=1) only"
+      f"DBRX moe_normalize_expert_weights={p}: moejax renormalizes with the sum (p=1) only"
     )
-  return dict(
-    num_experts=ffn["moe_num_experts"],
-    top_k=ffn["moe_top_k"],
-    intermediate_size=ffn["ffn_hidden_size"],
-    renormalize=ffn.get("moe_normalize_expert_weights") is not None,
-  )
+  return p is not None
 
 
-def _mixtral(hf: dict) -> dict:
-  return _softmax_top_k(hf, "num_local_experts", "num_experts_per_tok", "intermediate_size", True)
+def _limited_groups(hf: dict) -> dict:
+  """DeepSeek-V2's grouped top-k, only with `topk_method="group_limited_greedy"`."""
+  if hf.get("topk_method") != "group_limited_greedy":
+    return {}
+  return dict(num_expert_groups=hf.get("n_group", 1), topk_groups=hf.get("topk_group", 1))
 
 
-def _phimoe(hf: dict) -> dict:
-  return dict(
-    num_experts=hf["num_local_experts"],
-    top_k=hf["num_experts_per_tok"],
-    intermediate_size=hf["intermediate_size"],
-    scoring="sparsemixer",
-    sparsemixer_eps=hf.get("router_jitter_noise", 0.01),
-  )
-
-
-def _qwen(hf: dict, *, moe_width: str = "moe_intermediate_size") -> dict:
-  options = dict(
-    num_experts=hf["num_experts"] if "num_experts" in hf else hf["num_local_experts"],
-    top_k=hf["num_experts_per_tok"],
-    intermediate_size=hf[moe_width],
-    renormalize=bool(hf.get("norm_topk_prob", False)),
-  )
-  if hf.get("shared_expert_intermediate_size"):
-    options.update(
-      num_shared_experts=1,
-      shared_intermediate_size=hf["shared_expert_intermediate_size"],
-      shared_expert_gate=True,
-    )
-  return options
-
-
-def _deepseek(hf: dict, *, biased: bool) -> dict:
-  grouped = biased or hf.get("topk_method") == "group_limited_greedy"
-  options = dict(
-    num_experts=hf["n_routed_experts"],
-    top_k=hf["num_experts_per_tok"],
-    intermediate_size=hf["moe_intermediate_size"],
-    scoring="sigmoid" if biased else "softmax",
-    use_routing_bias=biased,
-    renormalize=bool(hf.get("norm_topk_prob", False)),
-    routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
-    num_expert_groups=hf.get("n_group", 1) if grouped else 1,
-    topk_groups=hf.get("topk_group", 1) if grouped else 1,
-  )
-  options.update(_shared_experts(hf.get("n_shared_experts"), hf["moe_intermediate_size"]))
-  return options
-
-
-def _gpt_oss(hf: dict) -> dict:
-  return dict(
-    num_experts=hf["num_local_experts"],
-    top_k=hf["num_experts_per_tok"],
-    intermediate_size=hf["intermediate_size"],
-    renormalize=True,  # softmax over the top-k logits
-    router_bias=True,
-    expert_bias=True,
-    activation="swiglu_oai",
-    swiglu_limit=float(hf.get("swiglu_limit", 7.0)),
-  )
-
-
-def _llama4(hf: dict) -> dict:
-  return dict(
-    num_experts=hf["num_local_experts"],
-    top_k=hf["num_experts_per_tok"],
-    intermediate_size=hf["intermediate_size"],
-    scoring="sigmoid",
-    apply_router_weight_on_input=True,
-    num_shared_experts=1,
-    shared_intermediate_size=hf["intermediate_size"],
-  )
-
-
-def _longcat(hf: dict) -> dict:
-  return dict(
-    num_experts=hf["n_routed_experts"],
-    top_k=hf["moe_topk"],
-    intermediate_size=hf["expert_ffn_hidden_size"],
-    num_zero_experts=hf.get("zero_expert_num") or 0,
-    use_routing_bias=True,
-    router_bias=bool(hf.get("router_bias", False)),
-    routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
-  )
-
-
-_W1_W3_W2 = ("w1", "w3", "w2")  # Mixtral's names of gate, up and down
+# fmt: off
+_NORM_TOPK = Read("norm_topk_prob", False, bool)
+_SCALING = Read("routed_scaling_factor", 1.0, float)
+_MIXTRAL = dict(**_sizes("num_local_experts", "num_experts_per_tok", "intermediate_size"),
+                renormalize=True)
+_QWEN = dict(**_sizes(("num_experts", "num_local_experts"), "num_experts_per_tok",
+                      "moe_intermediate_size"), renormalize=_NORM_TOPK)
+_DEEPSEEK = dict(**_sizes("n_routed_experts", "num_experts_per_tok", "moe_intermediate_size"),
+                 renormalize=_NORM_TOPK, routed_scaling_factor=_SCALING)
+_DEEPSEEK_SHARED = Shared(Read("n_shared_experts", 0), Read("moe_intermediate_size"))
 _DEEPSEEK_V3 = Family(
-  "model.layers.{layer}.mlp",
-  "gate.weight",
-  lambda hf: _deepseek(hf, biased=True),
+  "model.layers.{layer}.mlp", "gate.weight",
+  dict(**_DEEPSEEK, scoring="sigmoid", use_routing_bias=True,
+       num_expert_groups=Read("n_group", 1), topk_groups=Read("topk_group", 1)),
+  shared="shared_experts", shared_sizes=_DEEPSEEK_SHARED,
   selection_bias="gate.e_score_correction_bias",
-  shared="shared_experts",
 )
-_QWEN_SHARED = Family(
-  "model.layers.{layer}.mlp",
-  "gate.weight",
-  _qwen,
-  shared="shared_expert",
-  shared_gate="shared_expert_gate.weight",
+_QWEN_WITH_SHARED = Family(
+  "model.layers.{layer}.mlp", "gate.weight", _QWEN,
+  shared="shared_expert", shared_gate="shared_expert_gate.weight",
+  shared_sizes=Shared(1, Read("shared_expert_intermediate_size", 0), gate=True),
 )
+_BLOCK_SPARSE = "model.layers.{layer}.block_sparse_moe"
 
 FAMILIES: dict[str, Family] = {
-  "mixtral": Family("model.layers.{layer}.block_sparse_moe", "gate.weight", _mixtral, _W1_W3_W2),
-  "phimoe": Family("model.layers.{layer}.block_sparse_moe", "gate.weight", _phimoe, _W1_W3_W2),
-  "qwen2_moe": _QWEN_SHARED,
-  "qwen3_next": _QWEN_SHARED,
-  "qwen3_moe": Family("model.layers.{layer}.mlp", "gate.weight", _qwen),
+  "mixtral": Family(_BLOCK_SPARSE, "gate.weight", _MIXTRAL, _W1_W3_W2),
+  "minimax": Family(_BLOCK_SPARSE, "gate.weight", _MIXTRAL, _W1_W3_W2),
+  "phimoe": Family(
+    _BLOCK_SPARSE, "gate.weight",
+    dict(**_sizes("num_local_experts", "num_experts_per_tok", "intermediate_size"),
+         scoring="sparsemixer", sparsemixer_eps=Read("router_jitter_noise", 0.01)),
+    _W1_W3_W2,
+  ),
+  "granitemoe": Family(  # Mixtral's config fields and routing
+    _BLOCK_SPARSE, "router.layer.weight", _MIXTRAL,
+    (Fused("input_linear.weight", "output_linear.weight"),),
+  ),
+  "qwen2_moe": _QWEN_WITH_SHARED,
+  "qwen3_next": _QWEN_WITH_SHARED,
+  "qwen3_moe": Family("model.layers.{layer}.mlp", "gate.weight", _QWEN),
   "olmoe": Family(
-    "model.layers.{layer}.mlp",
-    "gate.weight",
-    lambda hf: _qwen(hf, moe_width="intermediate_size"),
+    "model.layers.{layer}.mlp", "gate.weight",
+    {**_QWEN, "intermediate_size": Read("intermediate_size")},
   ),
   "deepseek_v2": Family(
-    "model.layers.{layer}.mlp",
-    "gate.weight",
-    lambda hf: _deepseek(hf, biased=False),
-    shared="shared_experts",
+    "model.layers.{layer}.mlp", "gate.weight",
+    dict(**_DEEPSEEK, scoring="softmax", use_routing_bias=False),
+    shared="shared_experts", shared_sizes=_DEEPSEEK_SHARED, derived=_limited_groups,
   ),
   "deepseek_v3": _DEEPSEEK_V3,
   "glm4_moe": _DEEPSEEK_V3,
   "gpt_oss": Family(
-    "model.layers.{layer}.mlp",
-    "router.weight",
-    _gpt_oss,
-    fused_input_major=True,
-    interleaved=True,
+    "model.layers.{layer}.mlp", "router.weight",
+    dict(**_sizes("num_local_experts", "num_experts_per_tok", "intermediate_size"),
+         renormalize=True,  # softmax over the top-k logits
+         router_bias=True, expert_bias=True, activation="swiglu_oai",
+         swiglu_limit=Read("swiglu_limit", 7.0, float)),
+    (Fused(input_major=True, interleaved=True),),
     router_bias="router.bias",
   ),
   "llama4_text": Family(
-    "model.layers.{layer}.feed_forward",
-    "router.weight",
-    _llama4,
-    fused_input_major=True,
-    shared="shared_expert",
-  ),
-  "minimax": Family("model.layers.{layer}.block_sparse_moe", "gate.weight", _mixtral, _W1_W3_W2),
-  "granitemoe": Family(
-    "model.layers.{layer}.block_sparse_moe",
-    "router.layer.weight",
-    _mixtral,  # the same config fields and routing
-    fused=("input_linear.weight", "output_linear.weight"),
+    "model.layers.{layer}.feed_forward", "router.weight",
+    dict(**_sizes("num_local_experts", "num_experts_per_tok", "intermediate_size"),
+         scoring="sigmoid", apply_router_weight_on_input=True),
+    (Fused(input_major=True),),
+    shared="shared_expert", shared_sizes=Shared(1, Read("intermediate_size")),
   ),
   "jamba": Family(
-    "model.layers.{layer}.feed_forward",
-    "router.weight",
-    lambda hf: _softmax_top_k(hf, "num_experts", "num_experts_per_tok", "intermediate_size", False),
+    "model.layers.{layer}.feed_forward", "router.weight",
+    _sizes("num_experts", "num_experts_per_tok", "intermediate_size"),
   ),
   "ernie4_5_moe": Family(
-    "model.layers.{layer}.mlp",
-    "gate.weight",
-    _ernie,
-    selection_bias="moe_statics.e_score_correction_bias",
+    "model.layers.{layer}.mlp", "gate.weight",
+    dict(**_sizes("moe_num_experts", "moe_k", "moe_intermediate_size"),
+         renormalize=True, use_routing_bias=True),
     shared="shared_experts",
+    shared_sizes=Shared(Read("moe_num_shared_experts", 0), Read("moe_intermediate_size")),
+    selection_bias="moe_statics.e_score_correction_bias",
   ),
   "hunyuan_v1_moe": Family(
-    "model.layers.{layer}.mlp", "gate.wg.weight", _hunyuan, shared="shared_mlp"
+    "model.layers.{layer}.mlp", "gate.wg.weight",
+    dict(num_experts=Read("num_experts"), top_k=Read("moe_topk", convert=_first),
+         intermediate_size=Read("intermediate_size"), renormalize=True),
+    shared="shared_mlp",
+    shared_sizes=Shared(Read("num_shared_expert", 1, _first), Read("intermediate_size"),
+                        enabled=Read("use_mixed_mlp_moe", True)),
   ),
   "lfm2_moe": Family(
-    "model.layers.{layer}.feed_forward",
-    "gate.weight",
-    _lfm2,
+    "model.layers.{layer}.feed_forward", "gate.weight",
+    dict(**_sizes("num_experts", "num_experts_per_tok", "moe_intermediate_size"),
+         scoring="sigmoid", use_routing_bias=Read("use_expert_bias", True, bool),
+         renormalize=Read("norm_topk_prob", True, bool), routed_scaling_factor=_SCALING),
     _W1_W3_W2,
     selection_bias="expert_bias",
   ),
   "dbrx": Family(
-    "transformer.blocks.{layer}.ffn",
-    "router.layer.weight",
-    _dbrx,
-    flat_experts=("experts.mlp.w1", "experts.mlp.v1", "experts.mlp.w2"),
+    "transformer.blocks.{layer}.ffn", "router.layer.weight",
+    dict(**_sizes("ffn_config.moe_num_experts", "ffn_config.moe_top_k",
+                  "ffn_config.ffn_hidden_size"),
+         renormalize=Read("ffn_config.moe_normalize_expert_weights", None, _dbrx_renormalize)),
+    (Flat("experts.mlp.w1", "experts.mlp.v1", "experts.mlp.w2"),),
   ),
   "longcat_flash": Family(
-    "model.layers.{layer}.mlp",
-    "router.classifier.weight",
-    _longcat,
+    "model.layers.{layer}.mlp", "router.classifier.weight",
+    dict(**_sizes("n_routed_experts", "moe_topk", "expert_ffn_hidden_size"),
+         num_zero_experts=Read("zero_expert_num", 0), use_routing_bias=True,
+         router_bias=Read("router_bias", False, bool), routed_scaling_factor=_SCALING),
     router_bias="router.classifier.bias",
     selection_bias="router.e_score_correction_bias",
   ),
 }
+# fmt: on
 
 
 def _family(hf: dict) -> Family:
@@ -329,6 +427,13 @@ def _family(hf: dict) -> Family:
       f"model_type={model_type!r} is not supported; moejax.hf reads {sorted(FAMILIES)}"
     )
   return FAMILIES[model_type]
+
+
+def _activation(hf: dict) -> str:
+  name = Read(("hidden_act", "ffn_config.ffn_act_fn.name"), "silu")(hf)
+  if name not in _ACTIVATIONS:
+    raise NotImplementedError(f"hidden_act={name!r}: moejax has {sorted(_ACTIVATIONS)}")
+  return _ACTIVATIONS[name]
 
 
 def config_from_hf(config: dict[str, Any], **overrides: Any) -> MoEConfig:
@@ -347,9 +452,9 @@ def config_from_hf(config: dict[str, Any], **overrides: Any) -> MoEConfig:
     NotImplementedError: for quantization methods and activations moejax lacks.
   """
   options = {
-    "hidden_size": config.get("hidden_size") or config["d_model"],
+    "hidden_size": Read(("hidden_size", "d_model"))(config),
     "activation": _activation(config),
-    **_family(config).config(config),  # a family's own activation (GPT-OSS) wins
+    **_family(config).config_options(config),  # a family's own activation (GPT-OSS) wins
     **_quantization(config.get("quantization_config")),
   }
   return MoEConfig(**{**options, **overrides})
@@ -369,85 +474,6 @@ def _quantization(quantization: dict | None) -> dict:
     f"quantization_config with quant_method={method!r} is not supported: moejax reads "
     "'fp8' with weight_block_size (fine-grained fp8) and 'mxfp4'"
   )
-
-
-# safetensors dtypes NumPy lacks (safetensors' NumPy reader fails on them): read raw.
-_RAW_DTYPES = {
-  "F8_E4M3": ml_dtypes.float8_e4m3fn,
-  "F8_E5M2": ml_dtypes.float8_e5m2,
-  "F8_E8M0": ml_dtypes.float8_e8m0fnu,
-}
-
-
-class _Checkpoint(contextlib.ExitStack):
-  """The tensors of a local safetensors checkpoint, single file or sharded, read lazily.
-
-  A context manager: each file is opened once, on its first read, and closed on exit.
-  `get` returns a fine-grained fp8 weight dequantized with its `…_scale_inv` (blocks of
-  `fp8_block`, [out, in]); `get_raw` returns what the file holds.
-  """
-
-  def __init__(self, path: Path, fp8_block: tuple[int, int] | None = None):
-    super().__init__()
-    self.fp8_block = fp8_block
-    self._open: dict[Path, Any] = {}
-    self._headers: dict[Path, dict] = {}
-    index = path / "model.safetensors.index.json"
-    if index.exists():
-      weight_map = json.loads(index.read_text())["weight_map"]
-      self.files = {key: path / name for key, name in weight_map.items()}
-    elif (path / "model.safetensors").exists():
-      single = path / "model.safetensors"
-      self.files = dict.fromkeys(self._file(single).keys(), single)
-    else:
-      raise FileNotFoundError(f"{path} has neither model.safetensors nor its index")
-
-  def _file(self, path: Path):
-    if path not in self._open:
-      from safetensors import safe_open
-
-      self._open[path] = self.enter_context(safe_open(path, "np"))
-    return self._open[path]
-
-  def __contains__(self, key: str) -> bool:
-    return key in self.files
-
-  def _header(self, path: Path) -> dict:
-    """The safetensors header of a file: {key: {dtype, shape, data_offsets}}."""
-    if path not in self._headers:
-      with open(path, "rb") as file:
-        size = int.from_bytes(file.read(8), "little")
-        self._headers[path] = {"__size__": size, **json.loads(file.read(size))}
-    return self._headers[path]
-
-  def get_raw(self, key: str, shape: tuple[int, ...] | None = None) -> np.ndarray:
-    """The tensor as stored (fp8 as ml_dtypes arrays, memory-mapped)."""
-    if key not in self.files:
-      near = sorted(k for k in self.files if k.startswith(key.rsplit(".", 2)[0]))[:5]
-      raise KeyError(f"checkpoint has no tensor {key!r} (keys near it: {near})")
-    path = self.files[key]
-    header = self._header(path)
-    info = header[key]
-    if info["dtype"] in _RAW_DTYPES:
-      start, end = info["data_offsets"]
-      raw = np.memmap(path, np.uint8, "r", offset=8 + header["__size__"] + start, shape=end - start)
-      value = raw.view(_RAW_DTYPES[info["dtype"]]).reshape(info["shape"])
-    else:
-      value = self._file(path).get_tensor(key)
-    if shape is not None and value.shape != shape:
-      raise ValueError(f"checkpoint tensor {key!r} has shape {value.shape}, expected {shape}")
-    return value
-
-  def get(self, key: str, shape: tuple[int, ...] | None = None) -> np.ndarray:
-    """The tensor; an fp8 weight with a `…_scale_inv` comes dequantized, in float32."""
-    value = self.get_raw(key, shape)
-    if f"{key}_scale_inv" not in self:
-      return value
-    if self.fp8_block is None:
-      raise ValueError(f"{key} has a scale_inv but config.json has no weight_block_size")
-    scales = np.asarray(self.get_raw(f"{key}_scale_inv"), np.float32)
-    block = (self.fp8_block[1], self.fp8_block[0])  # as (in, out) of the transposed weight
-    return np.asarray(BlockScaled(value.T, scales.T, block).dequantize()).T
 
 
 def load_layer(
@@ -485,8 +511,8 @@ def load_layer(
   config = config_from_hf(hf) if config is None else config
   block = family.block.format(layer=layer)
   fp8_block = (hf.get("quantization_config") or {}).get("weight_block_size")
-  with _Checkpoint(path, fp8_block) as checkpoint:
-    values = _read_layer(checkpoint, block, family, config)
+  with SafetensorsFiles(path, fp8_block) as files:
+    values = _read_layer(files, block, family, config)
   dtype = np.dtype(config.param_dtype)
   as_stored = lambda v: v if is_block_scaled(v) else np.asarray(v).astype(dtype)
   params = MoEParams(**{name: as_stored(value) for name, value in values.items()})
@@ -508,123 +534,39 @@ def load_layer(
   return map_params(place, LayerSpecs.from_config(config).params(params), params)
 
 
-def _read_layer(checkpoint: _Checkpoint, block: str, family: Family, config: MoEConfig) -> dict:
-  """The layer's parameters as float32 NumPy arrays in moejax's layout ([in, out])."""
+def _read_layer(files: SafetensorsFiles, block: str, family: Family, config: MoEConfig) -> dict:
+  """The layer's parameters as float32 NumPy arrays (or `BlockScaled`) in moejax's layout."""
   d, f, e = config.hidden_size, config.intermediate_size, config.num_experts
   outputs = config.num_router_outputs
   key = lambda name: f"{block}.{name}"
-  f32 = lambda a: np.asarray(a, np.float32)
-  values = {"router_kernel": f32(checkpoint.get(key(family.router), (outputs, d))).T}
+  values = {"router_kernel": files.get(key(family.router), (outputs, d)).T}
   if family.router_bias and config.router_bias:
-    values["router_bias"] = f32(checkpoint.get(key(family.router_bias), (outputs,)))
+    values["router_bias"] = files.get(key(family.router_bias), (outputs,))
   if family.selection_bias and config.use_routing_bias:
-    bias = f32(checkpoint.get(key(family.selection_bias)))  # ERNIE stores it as [1, E]
+    bias = files.get(key(family.selection_bias))  # ERNIE stores it as [1, E]
     if bias.size != outputs:
       raise ValueError(
         f"{key(family.selection_bias)} has shape {bias.shape}, expected {(outputs,)}"
       )
     values["routing_bias"] = bias.reshape(outputs)
-  if config.expert_quant == "mxfp4":
-    values.update(_read_mxfp4_experts(checkpoint, key, config))
-  elif config.expert_quant == "fp8_block":
-    values.update(_read_fp8_experts(checkpoint, key, family, config))
+  layout = next((lay for lay in family.experts if lay.present(files, key)), family.experts[-1])
+  if config.expert_quant == "fp8_block":
+    values.update(layout.fp8(files, key, e, d, f, config.quant_block))
+  elif config.expert_quant == "mxfp4":
+    values.update(layout.mxfp4(files, key, e, d, f))
   else:
-    values.update(_read_experts(checkpoint, key, family, e, d, f))
+    values.update(layout.floats(files, key, e, d, f))
   if config.has_shared_experts and family.shared:
     fs = config.shared_intermediate_size
     gate, up, down = (
-      f32(checkpoint.get(key(f"{family.shared}.{name}.weight"), shape))
+      files.get(key(f"{family.shared}.{name}.weight"), shape)
       for name, shape in (("gate_proj", (fs, d)), ("up_proj", (fs, d)), ("down_proj", (d, fs)))
     )
     values["shared_w_gate_up"] = np.concatenate([gate.T, up.T], axis=1)
     values["shared_w_down"] = down.T
   if config.shared_expert_gate and family.shared_gate:
-    values["shared_gate_kernel"] = f32(checkpoint.get(key(family.shared_gate), (1, d))).T
+    values["shared_gate_kernel"] = files.get(key(family.shared_gate), (1, d)).T
   return values
-
-
-def _read_experts(checkpoint: _Checkpoint, key, family: Family, e: int, d: int, f: int) -> dict:
-  """w_gate_up [E, D, 2F], w_down [E, F, D] (and biases) from fused or per-expert tensors."""
-  f32 = lambda a: np.asarray(a, np.float32)
-  values = {}
-  if family.flat_experts:
-    gate, up, down = (f32(checkpoint.get(key(name), (e * f, d))) for name in family.flat_experts)
-    gate_up = np.concatenate([gate.reshape(e, f, d), up.reshape(e, f, d)], axis=1)
-    return {"w_gate_up": gate_up.transpose(0, 2, 1), "w_down": down.reshape(e, f, d)}
-  fused_gate_up, fused_down = (key(name) for name in family.fused)
-  if fused_gate_up in checkpoint:
-    gate_up = f32(checkpoint.get(fused_gate_up))[:e]
-    down = f32(checkpoint.get(fused_down))[:e]
-    if not family.fused_input_major:  # transformers' [E, 2F, D] and [E, D, F]
-      gate_up, down = gate_up.transpose(0, 2, 1), down.transpose(0, 2, 1)
-    if gate_up.shape != (e, d, 2 * f) or down.shape != (e, f, d):
-      raise ValueError(
-        f"{key('experts')}: fused gate_up {gate_up.shape} / down {down.shape}, expected "
-        f"{(e, d, 2 * f)} / {(e, f, d)}"
-      )
-    values["w_gate_up"], values["w_down"] = _halves(gate_up, family.interleaved), down
-    if key("experts.gate_up_proj_bias") in checkpoint:
-      bias = f32(checkpoint.get(key("experts.gate_up_proj_bias"), None))[:e]
-      values["b_gate_up"] = _halves(bias, family.interleaved)
-      values["b_down"] = f32(checkpoint.get(key("experts.down_proj_bias"), None))[:e]
-    return values
-  gate_name, up_name, down_name = family.expert_names
-  weight = lambda i, name, shape: f32(checkpoint.get(key(f"experts.{i}.{name}.weight"), shape))
-  values["w_gate_up"] = np.stack(
-    [
-      np.concatenate([weight(i, gate_name, (f, d)).T, weight(i, up_name, (f, d)).T], axis=1)
-      for i in range(e)
-    ]
-  )
-  values["w_down"] = np.stack([weight(i, down_name, (d, f)).T for i in range(e)])
-  return values
-
-
-def _read_fp8_experts(checkpoint: _Checkpoint, key, family: Family, config: MoEConfig) -> dict:
-  """Fine-grained fp8 experts as `BlockScaled` w_gate_up [E, D, 2F] and w_down [E, F, D],
-  transposed to [in, out]: per-expert linear layers (DeepSeek-V3, Kimi-K2, Qwen3-MoE FP8)
-  or transformers' fused `FP8Experts` tensors (`experts.gate_up_proj` [E, 2F, D] with
-  `experts.gate_up_proj_scale_inv`, `experts.down_proj` [E, D, F])."""
-  if family.flat_experts or family.interleaved or family.fused_input_major:
-    raise NotImplementedError(
-      "fp8 experts are read from per-expert linear layers or transformers' fused [E, out, in] "
-      "tensors; this family stores its experts another way"
-    )
-  e, d, f = config.num_experts, config.hidden_size, config.intermediate_size
-  block = config.quant_block  # (in, out)
-
-  def read(weight: str, shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
-    """(values, scales) of `weight` [..., out, in], as [..., in, out] and its blocks."""
-    *lead, rows, cols = shape
-    scales_shape = (*lead, -(-rows // block[1]), -(-cols // block[0]))
-    values = np.asarray(checkpoint.get_raw(weight, shape))
-    scales = np.asarray(checkpoint.get_raw(f"{weight}_scale_inv", scales_shape))
-    if values.dtype != ml_dtypes.float8_e4m3fn or scales.dtype != np.float32:
-      raise ValueError(
-        f"{weight}: expected float8_e4m3fn values with float32 scale_inv, got "
-        f"{values.dtype} and {scales.dtype}"
-      )
-    return np.swapaxes(values, -1, -2), np.swapaxes(scales, -1, -2)
-
-  fused_gate_up, fused_down = (key(name) for name in family.fused)
-  if fused_gate_up in checkpoint:
-    return {
-      "w_gate_up": BlockScaled(*read(fused_gate_up, (e, 2 * f, d)), block),
-      "w_down": BlockScaled(*read(fused_down, (e, d, f)), block),
-    }
-  if family.expert_names is None:
-    raise NotImplementedError("this family's fp8 experts are neither fused nor per-expert")
-  expert = lambda i, name, shape: read(f"{key(f'experts.{i}.{name}')}.weight", shape)
-  gate_name, up_name, down_name = family.expert_names
-  gate_up, down = [], []
-  for i in range(e):
-    (gate_v, gate_s), (up_v, up_s) = (expert(i, n, (f, d)) for n in (gate_name, up_name))
-    gate_up.append((np.concatenate([gate_v, up_v], 1), np.concatenate([gate_s, up_s], 1)))
-    down.append(expert(i, down_name, (d, f)))
-  stacked = lambda pairs: BlockScaled(
-    np.stack([v for v, _ in pairs]), np.stack([s for _, s in pairs]), block
-  )
-  return {"w_gate_up": stacked(gate_up), "w_down": stacked(down)}
 
 
 # e2m1 codes 0..15 (sign in bit 3) as the values they stand for.
@@ -641,35 +583,3 @@ def unpack_mxfp4(blocks: np.ndarray) -> np.ndarray:
   codes = np.stack([blocks & 0x0F, blocks >> 4], axis=-1)  # [..., n, 16, 2]
   codes = codes.reshape(*blocks.shape[:-2], -1)
   return _E2M1[codes].astype(ml_dtypes.float4_e2m1fn)
-
-
-def _read_mxfp4_experts(checkpoint: _Checkpoint, key, config: MoEConfig) -> dict:
-  """GPT-OSS's MXFP4 experts as `BlockScaled` (values and e8m0 scales transposed to
-  [in, out], gate/up de-interleaved), and their float biases."""
-  e, d, f = config.num_experts, config.hidden_size, config.intermediate_size
-
-  def matrix(name: str, rows: int, cols: int) -> BlockScaled:
-    """[E, rows=out, cols=in] stored -> [E, in, out] with scales [E, in/32, out]."""
-    blocks = checkpoint.get_raw(key(f"experts.{name}_blocks"), (e, rows, cols // 32, 16))
-    scales = checkpoint.get_raw(key(f"experts.{name}_scales"), (e, rows, cols // 32))
-    values = unpack_mxfp4(np.asarray(blocks)).transpose(0, 2, 1)
-    scales = np.asarray(scales).view(ml_dtypes.float8_e8m0fnu).transpose(0, 2, 1)
-    return BlockScaled(values, scales, (32, 1))
-
-  gate_up = matrix("gate_up_proj", 2 * f, d)
-  f32 = lambda name, shape: np.asarray(checkpoint.get(key(f"experts.{name}"), shape), np.float32)
-  return {
-    "w_gate_up": BlockScaled(
-      _halves(gate_up.values, True), _halves(gate_up.scales, True), gate_up.block
-    ),
-    "w_down": matrix("down_proj", d, f),
-    "b_gate_up": _halves(f32("gate_up_proj_bias", (e, 2 * f)), True),
-    "b_down": f32("down_proj_bias", (e, d)),
-  }
-
-
-def _halves(gate_up: np.ndarray, interleaved: bool) -> np.ndarray:
-  """[..., 2F] with gate then up halves (de-interleaving GPT-OSS's alternating columns)."""
-  if not interleaved:
-    return gate_up
-  return np.concatenate([gate_up[..., 0::2], gate_up[..., 1::2]], axis=-1)
