@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -117,34 +118,136 @@ def _tile_group(tile_ends_gmem, tile: jax.Array, num_groups: int) -> jax.Array:
   return group
 
 
-def _gmm_aligned_kernel(
-  tile_ends_gmem,
-  lhs_gmem,
-  rhs_gmem,
-  *refs,
-  blocks: MosaicBlocks,
-  num_tiles: int,
-  gated: bool,
-  transpose_rhs: bool,
-  quant: QuantTiles | None,
-):
+@dataclasses.dataclass(frozen=True)
+class _AlignedCall:
+  """The static choices of one `gmm_mosaic` kernel, shared by every program.
+
+  Attributes:
+    blocks: the `MosaicBlocks`.
+    num_tiles: the static bound on aligned row tiles (`metadata.max_visits`).
+    gated: the silu-gated epilogue over [gate | up] columns.
+    transpose_rhs: rhs read as [G, N, K].
+    quant: the quantized rhs's tile rules, or None for a float rhs.
+  """
+
+  blocks: MosaicBlocks
+  num_tiles: int
+  gated: bool
+  transpose_rhs: bool
+  quant: QuantTiles | None
+
+
+class _TileSpecs(NamedTuple):
+  """Step 1's result: what the K pipeline of one output tile loads.
+
+  Attributes:
+    stored_index: per accumulator (gate, and up when gated), K step -> the stored rhs tile.
+    lhs: the lhs row tile's specs (one, or a quantized rhs's parity halves).
+    rhs: each accumulator's rhs specs, `per_tile` apiece (bits, and scales if tiled).
+    per_tile: refs per rhs tile.
+  """
+
+  stored_index: list
+  lhs: list
+  rhs: list
+  per_tile: int
+
+
+def _tile_specs(call: _AlignedCall, tile, col_block, lhs_gmem, out_cols: int) -> _TileSpecs:
+  """Step 1: the pipeline's BlockSpecs for output tile (tile, col_block)."""
+  bm, bn, bk = call.blocks.block_m, call.blocks.block_n, call.blocks.block_k
+  transforms = swizzled(lhs_gmem.dtype, bk)
+  # Gate columns [n*bn, (n+1)*bn); with the gated epilogue also up columns at +N'.
+  col_offsets = (0, out_cols // bn) if call.gated else (0,)
+  # The stored tile (row block, column block) of step kb: rhs[g] is [N, K] read transposed
+  # (loaded as [bn, bk] tiles, multiplied by their transpose), else [K, N].
+  stored_index = [
+    (lambda kb, o=o: (col_block + o, kb))
+    if call.transpose_rhs
+    else (lambda kb, o=o: (kb, col_block + o))
+    for o in col_offsets
+  ]
+  if call.quant:
+    lhs = call.quant.lhs_specs(bm, tile, lhs_gmem.shape[1], lhs_gmem.dtype)
+    rhs = [spec for index in stored_index for spec in call.quant.rhs_specs(index)]
+  else:
+    lhs = [plgpu.BlockSpec((bm, bk), lambda kb: (tile, kb), transforms=transforms, delay_release=1)]
+    tile_shape = (bn, bk) if call.transpose_rhs else (bk, bn)
+    rhs = [
+      plgpu.BlockSpec(tile_shape, index, transforms=transforms, delay_release=1)
+      for index in stored_index
+    ]
+  return _TileSpecs(stored_index, lhs, rhs, len(rhs) // len(col_offsets))
+
+
+def _k_loop(call: _AlignedCall, specs: _TileSpecs, group, refs, acc_refs, tile_smems) -> tuple:
+  """Step 2: acc_refs += lhs tile @ rhs[group] tiles over the K steps (a TMA pipeline; a
+  quantized tile is decoded into its `tile_smems` buffer before its wgmma). Returns the
+  accumulators' values."""
+  lhs_gmem, rhs_gmem, scales_gmem = refs
+  quant = call.quant
+
+  def step(indices, *smems):
+    lhs_smems, rhs_smems = smems[: len(specs.lhs)], smems[len(specs.lhs) :]
+    for i, acc_ref in enumerate(acc_refs):
+      rhs_smem, *scales_smem = rhs_smems[i * specs.per_tile : (i + 1) * specs.per_tile]
+      if not quant:
+        rhs_tile = rhs_smem.transpose((1, 0)) if call.transpose_rhs else rhs_smem
+        plgpu.wgmma(acc_ref, lhs_smems[0], rhs_tile)
+        continue
+      scales = scales_smem or [
+        quant.tile_scale(scales_gmem, group, specs.stored_index[i](indices[0]))
+      ]
+      quant.decode_into(tile_smems[i], rhs_smem, scales[0])
+      quant.multiply(acc_ref, lhs_smems, tile_smems[i])
+    # A decoded tile is rewritten next step: its wgmma must be done by then.
+    plgpu.wgmma_wait(0 if quant else 1)
+
+  rhs_operands = [rhs_gmem.at[group]] + ([scales_gmem.at[group]] if specs.per_tile == 2 else [])
+  plgpu.emit_pipeline(
+    step,
+    grid=(lhs_gmem.shape[1] // call.blocks.block_k,),
+    in_specs=[*specs.lhs, *specs.rhs],
+    max_concurrent_steps=call.blocks.max_concurrent_steps,
+  )(*[lhs_gmem] * len(specs.lhs), *rhs_operands * len(acc_refs))
+  return tuple(acc_ref[...] for acc_ref in acc_refs)
+
+
+def _accumulate(call: _AlignedCall, specs: _TileSpecs, group, refs) -> tuple:
+  """Step 3: the K loop inside its scoped memory: float32 accumulators in registers and, for
+  a quantized rhs, shared-memory buffers for the decoded tiles (scoped apart from them)."""
+  accumulators = len(specs.stored_index)
+  acc_types = [plgpu.ACC((call.blocks.block_m, call.blocks.block_n), jnp.float32)] * accumulators
+  if not call.quant:
+    return pl.run_scoped(lambda *accs: _k_loop(call, specs, group, refs, accs, ()), *acc_types)
+  tile_types = call.quant.tile_types(refs[0].dtype)
+  per_acc = len(tile_types)
+
+  def with_tiles(*tiles):
+    tile_smems = [tiles[i : i + per_acc] for i in range(0, len(tiles), per_acc)]
+    return pl.run_scoped(
+      lambda *accs: _k_loop(call, specs, group, refs, accs, tile_smems), *acc_types
+    )
+
+  return pl.run_scoped(with_tiles, *tile_types * accumulators)
+
+
+def _gmm_aligned_kernel(tile_ends_gmem, lhs_gmem, rhs_gmem, *refs, call: _AlignedCall):
   """out tile (t, n) = epilogue(lhs tile t @ rhs[group(t)][:, n-block]), tiles past used skipped.
 
   Refs: tile_ends [G], lhs [R, K] (tile-aligned), rhs [G, K, N] ([G, N, K] with
   `transpose_rhs`), then with `quant` the rhs's float32 scales (rhs holds the uint8 bits of
   a `kernels_pallas.dequant.KernelRhs`), then out [R, N'] (N' = N/2 gated).
   """
-  scales_gmem = refs[0] if quant else None
+  scales_gmem = refs[0] if call.quant else None
   out_gmem = refs[-1]
-  bm, bn, bk = blocks.block_m, blocks.block_n, blocks.block_k
+  bm, bn = call.blocks.block_m, call.blocks.block_n
   num_groups = rhs_gmem.shape[0]
-  k = lhs_gmem.shape[1]
   out_cols = out_gmem.shape[1]
   col_blocks = out_cols // bn
-  transforms = swizzled(lhs_gmem.dtype, bk)
   used_tiles = tile_ends_gmem[num_groups - 1]
 
-  @plgpu.nd_loop((num_tiles * col_blocks,), collective_axes="sm")
+  @plgpu.nd_loop((call.num_tiles * col_blocks,), collective_axes="sm")
   def _tile_loop(loop_info: plgpu.NDLoopInfo):
     (index,) = loop_info.index
     tile, col_block = index // col_blocks, index % col_blocks
@@ -152,72 +255,10 @@ def _gmm_aligned_kernel(
     @pl.when(tile < used_tiles)
     def _():
       group = _tile_group(tile_ends_gmem, tile, num_groups)
-      # Gate columns [n*bn, (n+1)*bn); with the gated epilogue also up columns at +N'.
-      col_offsets = (0, out_cols // bn) if gated else (0,)
-      # The stored tile (row block, column block) of step kb: rhs[g] is [N, K] read
-      # transposed (loaded as [bn, bk] tiles, multiplied by their transpose), else [K, N].
-      stored_index = [
-        (lambda kb, o=o: (col_block + o, kb))
-        if transpose_rhs
-        else (lambda kb, o=o: (kb, col_block + o))
-        for o in col_offsets
-      ]
-      lhs_specs = [
-        plgpu.BlockSpec((bm, bk), lambda kb: (tile, kb), transforms=transforms, delay_release=1)
-      ]
-      if quant:
-        lhs_specs = quant.lhs_specs(bm, tile, k, lhs_gmem.dtype)
-        rhs_specs = [spec for index in stored_index for spec in quant.rhs_specs(index)]
-      else:
-        tile_shape = (bn, bk) if transpose_rhs else (bk, bn)
-        rhs_specs = [
-          plgpu.BlockSpec(tile_shape, index, transforms=transforms, delay_release=1)
-          for index in stored_index
-        ]
-      per_tile = len(rhs_specs) // len(col_offsets)  # refs per rhs tile (bits and scales)
-
-      def accumulate(*acc_refs, tile_smems=()):
-        def step(indices, *smems):
-          lhs_smems, rhs_smems = smems[: len(lhs_specs)], smems[len(lhs_specs) :]
-          for i, acc_ref in enumerate(acc_refs):
-            rhs_smem, *scales_smem = rhs_smems[i * per_tile : (i + 1) * per_tile]
-            if not quant:
-              rhs_tile = rhs_smem.transpose((1, 0)) if transpose_rhs else rhs_smem
-              plgpu.wgmma(acc_ref, lhs_smems[0], rhs_tile)
-              continue
-            scales = scales_smem or [
-              quant.tile_scale(scales_gmem, group, stored_index[i](indices[0]))
-            ]
-            quant.decode_into(tile_smems[i], rhs_smem, scales[0])
-            quant.multiply(acc_ref, lhs_smems, tile_smems[i])
-          # A decoded tile is rewritten next step: its wgmma must be done by then.
-          plgpu.wgmma_wait(0 if quant else 1)
-
-        rhs_operands = [rhs_gmem.at[group]] + ([scales_gmem.at[group]] if per_tile == 2 else [])
-        plgpu.emit_pipeline(
-          step,
-          grid=(k // bk,),
-          in_specs=[*lhs_specs, *rhs_specs],
-          max_concurrent_steps=blocks.max_concurrent_steps,
-        )(*[lhs_gmem] * len(lhs_specs), *rhs_operands * len(col_offsets))
-        return tuple(acc_ref[...] for acc_ref in acc_refs)
-
-      acc_types = [plgpu.ACC((bm, bn), jnp.float32)] * len(col_offsets)
-      if quant:  # decoded tiles in shared memory, scoped apart from the registers
-        per_acc = len(quant.tile_types(lhs_gmem.dtype))
-        accs = pl.run_scoped(
-          lambda *tiles: pl.run_scoped(
-            functools.partial(
-              accumulate,
-              tile_smems=[tiles[i : i + per_acc] for i in range(0, len(tiles), per_acc)],
-            ),
-            *acc_types,
-          ),
-          *quant.tile_types(lhs_gmem.dtype) * len(col_offsets),
-        )
-      else:
-        accs = pl.run_scoped(accumulate, *acc_types)
-      out = accs[0] / (1.0 + jnp.exp(-accs[0])) * accs[1] if gated else accs[0]  # silu(g) * u
+      specs = _tile_specs(call, tile, col_block, lhs_gmem, out_cols)
+      accs = _accumulate(call, specs, group, (lhs_gmem, rhs_gmem, scales_gmem))
+      # Step 4, the epilogue: silu(gate) * up, or the product, stored through shared memory.
+      out = accs[0] / (1.0 + jnp.exp(-accs[0])) * accs[1] if call.gated else accs[0]
       _store_tile(out, out_gmem.at[pl.ds(tile * bm, bm), pl.ds(col_block * bn, bn)])
 
 
@@ -293,11 +334,7 @@ def gmm_mosaic(
   kernel = plgpu.kernel(
     functools.partial(
       _gmm_aligned_kernel,
-      blocks=blocks,
-      num_tiles=num_tiles,
-      gated=activation is not None,
-      transpose_rhs=transpose_rhs,
-      quant=quant,
+      call=_AlignedCall(blocks, num_tiles, activation is not None, transpose_rhs, quant),
     ),
     out_type=out_struct((num_tiles * blocks.block_m, out_cols), out_dtype, like=lhs_aligned),
     **_launch(interpret),
