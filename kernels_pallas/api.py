@@ -19,7 +19,7 @@ import jax.numpy as jnp
 
 from kernels_pallas import autotune
 from kernels_pallas.activations import EPILOGUE_ACTIVATIONS
-from kernels_pallas.backends import BACKENDS, Case, select_kernel, unsupported_reason
+from kernels_pallas.backends import BACKENDS, REFERENCE, Case, select_kernel, unsupported_reason
 from kernels_pallas.gmm_xla import moe_mlp_reference
 from kernels_pallas.ops import KernelSettings, gmm_vjp, moe_mlp_vjp
 from kernels_pallas.quantized import format_of, from_qarray, is_qarray
@@ -48,7 +48,7 @@ def best_implementation(
   kernel = select_kernel(Case(dtype, activation, rhs_format=rhs_format))
   if kernel is not None and (rhs_format or measured_faster(kernel, num_rows)):
     return kernel
-  return "xla"
+  return REFERENCE
 
 
 def _settings(op, implementation, lhs, rhs, config, precision, out_dtype, interpret):
@@ -86,8 +86,8 @@ def _resolve(implementation: str | None, lhs, rhs, activation=None, precision=No
   )  # fmt: skip
   if implementation is None:
     implementation = best_implementation(lhs.dtype, activation, lhs.shape[0], rhs_format=rhs_format)
-    if implementation == "xla" and rhs_format is None:
-      return "xla"  # jax.lax.ragged_dot's own dtype rules
+    if implementation == REFERENCE and rhs_format is None:
+      return REFERENCE  # jax.lax.ragged_dot's own dtype rules
   why = unsupported_reason(implementation, case)
   if why is not None:
     raise NotImplementedError(why)
@@ -143,7 +143,7 @@ def gmm(
   rhs = from_qarray(rhs) if is_qarray(rhs) else rhs
   _check_gmm_shapes(lhs, rhs, group_sizes)
   implementation = _resolve(implementation, lhs, rhs, precision=precision)
-  if implementation == "xla":
+  if implementation == REFERENCE:
     return jax.lax.ragged_dot(
       lhs, rhs, group_sizes, precision=precision, preferred_element_type=preferred_element_type
     )
@@ -206,7 +206,7 @@ def moe_mlp(
     raise ValueError(f"row_weights has shape {row_weights.shape}, expected ({x_sorted.shape[0]},)")
   weights = jnp.ones(x_sorted.shape[:1], x_sorted.dtype) if row_weights is None else row_weights
   implementation = _resolve(implementation, x_sorted, w_gate_up, activation, precision)
-  if implementation == "xla":
+  if implementation == REFERENCE:
     return moe_mlp_reference(
       x_sorted, w_gate_up, w_down, group_sizes, weights, activation, precision
     )

@@ -116,6 +116,11 @@ BACKENDS: dict[str, Backend] = {
 }
 
 
+# The reference backend: made for no device, it runs every float case (not quantized rhs);
+# what a call takes where no kernel is chosen.
+REFERENCE = "xla"
+
+
 @dataclasses.dataclass(frozen=True)
 class Case:
   """What a call asks of a backend.

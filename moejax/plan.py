@@ -25,7 +25,13 @@ import dataclasses
 import warnings
 
 from kernels_pallas.api import measured_faster
-from kernels_pallas.backends import Case, no_kernel_reason, select_kernel, unsupported_reason
+from kernels_pallas.backends import (
+  REFERENCE,
+  Case,
+  no_kernel_reason,
+  select_kernel,
+  unsupported_reason,
+)
 from kernels_pallas.platform import on_cpu
 from moejax.config import MoEConfig
 
@@ -103,10 +109,10 @@ def plan_experts(config: MoEConfig, num_rows: int, local_experts: int) -> Expert
   if config.expert_backend == "auto" and kernel is not None and measured_faster(kernel, num_rows):
     return ExpertPlan("pallas", kernel)
   if (
-    unsupported_reason("xla", case) is None
+    unsupported_reason(REFERENCE, case) is None
     and not on_cpu()
     and local_experts <= RAGGED_DOT_MAX_LOCAL_EXPERTS
     and not decode_sized(num_rows, local_experts)
   ):
-    return ExpertPlan("ragged_dot", "xla")
+    return ExpertPlan("ragged_dot", REFERENCE)
   return ExpertPlan("tile_loop")
