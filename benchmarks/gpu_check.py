@@ -219,9 +219,9 @@ def _expert_paths(with_kernel: bool) -> dict[str, Callable]:
   """The layer's expert paths as (x, ids, weights, w_gate_up, w_down) -> [T, D] functions."""
   from kernels_pallas.backends import Case, select_kernel
   from kernels_pallas.platform import on_cpu
+  from moejax.activations import GatedActivation
   from moejax.experts import default_tile_rows, grouped_mlp, sorted_mlp
   from moejax.params import ExpertWeights
-  from moejax.tiles import GatedActivation
 
   def tile_loop(x, ids, weights, w_gate_up, w_down):
     rows = default_tile_rows(ids.size, w_gate_up.shape[0])

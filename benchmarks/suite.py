@@ -43,11 +43,11 @@ import numpy as np
 from jax.sharding import Mesh
 
 from moejax import MoEConfig, MoEParams, moe_apply, param_shapes, quant, routing
+from moejax.activations import GatedActivation
 from moejax.experts import default_tile_rows, grouped_mlp
 from moejax.forward import compiled_executables
 from moejax.params import ExpertWeights
 from moejax.sharding import LayerSpecs, placement
-from moejax.tiles import GatedActivation
 
 D, F = 256, 512
 SECTIONS = ("layer", "chunks", "steps", "decode", "padding", "quant", "compiles")

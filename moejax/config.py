@@ -8,13 +8,14 @@ from typing import Literal
 import jax.numpy as jnp
 
 from kernels_pallas.quantized import FORMATS
+from moejax.activations import GATED
 
 Activation = Literal["silu", "gelu", "gelu_tanh", "swiglu_oai"]
 Scoring = Literal["softmax", "sigmoid", "sparsemixer"]
 ExpertBackend = Literal["xla", "pallas", "auto"]
 Dispatch = Literal["all_gather", "all_to_all", "auto"]
 
-_ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "swiglu_oai")
+_ACTIVATIONS = tuple(GATED)
 _SCORINGS = ("softmax", "sigmoid", "sparsemixer")
 _BACKENDS = ("xla", "pallas", "auto")
 _DISPATCHES = ("all_gather", "all_to_all", "auto")

@@ -21,11 +21,12 @@ import jax.numpy as jnp
 import kernels_pallas
 from kernels_pallas.metadata import aligned_rows
 from moejax import ids
+from moejax.activations import GatedActivation
 from moejax.chunking import seed_gradient
 from moejax.config import MoEConfig
 from moejax.params import ExpertWeights, SharedWeights
 from moejax.plan import ExpertPlan
-from moejax.tiles import GatedActivation, Tiles, gated_mlp, tile_mlp
+from moejax.tiles import Tiles, gated_mlp, tile_mlp
 
 _MIN_TILE_ROWS = 8
 _MAX_TILE_ROWS = 512

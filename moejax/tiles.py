@@ -13,48 +13,15 @@ are constants: the backward computes no gradient for them.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from kernels_pallas.activations import activate
+from moejax.activations import GatedActivation
 from moejax.collectives import filled_like
-from moejax.config import MoEConfig
 from moejax.params import ExpertWeights
-
-
-@dataclasses.dataclass(frozen=True)
-class GatedActivation:
-  """How a gated MLP combines its gate and up projections into the hidden layer.
-
-  "silu", "gelu" (exact erf) and "gelu_tanh" compute `act(gate) * up`; "swiglu_oai"
-  (GPT-OSS) computes `(u + 1) * g * sigmoid(1.702 * g)` with g = min(gate, limit) and
-  u = clip(up, -limit, limit).
-
-  >>> GatedActivation("swiglu_oai", limit=7.0)(jnp.array([9.0]), jnp.array([-9.0])).tolist()
-  [-41.999...]
-  """
-
-  name: str
-  limit: float = 7.0
-
-  @classmethod
-  def of(cls, config: MoEConfig) -> GatedActivation:
-    return cls(config.activation, config.swiglu_limit)
-
-  def __call__(self, gate: jax.Array, up: jax.Array) -> jax.Array:
-    if self.name == "swiglu_oai":
-      gate = jnp.minimum(gate, self.limit)
-      up = jnp.clip(up, -self.limit, self.limit)
-      return (up + 1.0) * gate * jax.nn.sigmoid(1.702 * gate)
-    if self.name == "silu":
-      return jax.nn.silu(gate) * up
-    if self.name == "gelu":  # exact: erf, differentiable under shard_map on every JAX
-      return activate(gate, "gelu") * up
-    return jax.nn.gelu(gate, approximate=True) * up
 
 
 def gated_mlp(

@@ -9,10 +9,10 @@ import jax.numpy as jnp
 import pytest
 
 from moejax import MoEConfig, moe_apply
+from moejax.activations import GatedActivation
 from moejax.chunking import seed_gradient
 from moejax.experts import grouped_mlp
 from moejax.params import ExpertWeights
-from moejax.tiles import GatedActivation
 from tests.helpers import random_params, seed_of
 
 EXPERTS, DIM, WIDTH, ROWS, TOP_K = 8, 16, 24, 12, 2

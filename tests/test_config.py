@@ -54,3 +54,13 @@ def test_config_is_hashable_and_dtypes_normalised():
   b = MoEConfig(**BASE, dtype=jnp.dtype("bfloat16"))
   assert a == b and hash(a) == hash(b)
   assert a.dtype == jnp.dtype(jnp.bfloat16)
+
+
+def test_the_activation_type_names_the_table():
+  """`MoEConfig.activation`'s type lists exactly the activations `moejax.activations` has."""
+  from typing import get_args
+
+  from moejax.activations import GATED
+  from moejax.config import Activation
+
+  assert get_args(Activation) == tuple(GATED)

@@ -10,9 +10,9 @@ import pytest
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
 
 from moejax import MoEConfig
+from moejax.activations import GatedActivation
 from moejax.experts import grouped_mlp
 from moejax.params import ExpertWeights
-from moejax.tiles import GatedActivation
 from tests.helpers import seed_of
 
 

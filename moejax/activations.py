@@ -1,0 +1,60 @@
+"""The experts' gated activations: one table, name -> how the hidden layer is computed.
+
+`moejax.reference` keeps its own independent version of each (it is the oracle), and the
+kernels' epilogues have the ones `kernels_pallas.activations.EPILOGUE_ACTIVATIONS` lists.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import jax
+import jax.numpy as jnp
+
+from kernels_pallas.activations import activate
+
+if TYPE_CHECKING:
+  from moejax.config import MoEConfig
+
+
+def _swiglu_oai(gate: jax.Array, up: jax.Array, limit: float) -> jax.Array:
+  """GPT-OSS's clamped SwiGLU: (u + 1) * g * sigmoid(1.702 g), g = min(gate, limit) and
+  u = clip(up, -limit, limit)."""
+  gate = jnp.minimum(gate, limit)
+  up = jnp.clip(up, -limit, limit)
+  return (up + 1.0) * gate * jax.nn.sigmoid(1.702 * gate)
+
+
+# name -> (gate, up, limit) -> hidden.
+GATED: dict[str, Callable[[jax.Array, jax.Array, float], jax.Array]] = {
+  "silu": lambda gate, up, limit: jax.nn.silu(gate) * up,
+  # exact: erf, differentiable under shard_map on every JAX
+  "gelu": lambda gate, up, limit: activate(gate, "gelu") * up,
+  "gelu_tanh": lambda gate, up, limit: jax.nn.gelu(gate, approximate=True) * up,
+  "swiglu_oai": _swiglu_oai,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class GatedActivation:
+  """How a gated MLP combines its gate and up projections into the hidden layer.
+
+  "silu", "gelu" (exact erf) and "gelu_tanh" compute `act(gate) * up`; "swiglu_oai"
+  (GPT-OSS) computes `(u + 1) * g * sigmoid(1.702 * g)` with g = min(gate, limit) and
+  u = clip(up, -limit, limit).
+
+  >>> GatedActivation("swiglu_oai", limit=7.0)(jnp.array([9.0]), jnp.array([-9.0])).tolist()
+  [-41.999...]
+  """
+
+  name: str
+  limit: float = 7.0
+
+  @classmethod
+  def of(cls, config: MoEConfig) -> GatedActivation:
+    return cls(config.activation, config.swiglu_limit)
+
+  def __call__(self, gate: jax.Array, up: jax.Array) -> jax.Array:
+    return GATED[self.name](gate, up, self.limit)
