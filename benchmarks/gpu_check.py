@@ -17,6 +17,9 @@ stop the others), each writing `DIR/<part>.json` as it goes:
              256 rows, El = 32, against the bytes floor: the measurement `decode_sized` awaits
   quant      gmm and moe_mlp on fp8_block and mxfp4 weights against bf16 per kernel, at 128,
              512 and 4096 tokens on DeepSeek-V3's expert shard (`gpu_kernels.run_quant`)
+  chunks     the layer's forward on DeepSeek-V3's expert shard (one device, bf16) with
+             chunk_size="auto" (the default, by the GPU's memory) against 256, at 2048 and
+             16384 tokens: the GPU default, measured
 
 The run ends with `DIR/gpu_check.json` (status per part) and `DIR/gpu_check.md` (tables), and
 exits non-zero if any part failed, crashed or timed out, saying which.
@@ -51,6 +54,7 @@ LIMITS = {
   "xla_paths": 45,
   "decode": 60,
   "quant": 60,
+  "chunks": 40,
 }
 
 
@@ -315,6 +319,42 @@ def _time_xla_paths(experts: int, smoke: bool, record: Recorder) -> None:
       record.case(f"{path} {mode} El={experts}", measure)
 
 
+def part_chunks(out: Path, smoke: bool, record: Recorder) -> None:
+  """`moe_apply`'s forward, chunk_size="auto" against 256, on DeepSeek-V3's expert shard."""
+  import jax
+  import jax.numpy as jnp
+
+  from moejax import MoEConfig, MoEParams, chunk_layout, moe_apply, param_shapes
+
+  sys.path.insert(0, str(ROOT / "benchmarks"))
+  from gpu_kernels import median_seconds
+
+  sizes = (8, 2, 64, 32) if smoke else (32, 8, 7168, 2048)
+  names = ("num_experts", "top_k", "hidden_size", "intermediate_size")
+  shape = dict(zip(names, sizes, strict=True))
+  for tokens, chunk in itertools.product((64,) if smoke else (2048, 16384), ("auto", 256)):
+    config = MoEConfig(**shape, chunk_size=chunk, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
+
+    def measure(config=config, tokens=tokens):
+      shapes = param_shapes(config).items()
+      keys = jax.random.split(jax.random.key(0), len(shapes) + 1)
+      params = MoEParams(
+        **{
+          n: jax.random.normal(k, s, jnp.bfloat16) * s[-2] ** -0.5
+          for k, (n, s) in zip(keys[:-1], shapes, strict=True)
+        }
+      )
+      x = jax.random.normal(keys[-1], (tokens, config.hidden_size), jnp.bfloat16)
+      fn = jax.jit(lambda p, x: moe_apply(p, x, config=config)[0])
+      seconds = median_seconds(fn, params, x, repeats=1 if smoke else 10)
+      layout = chunk_layout(config, tokens)
+      return dict(
+        tokens=tokens, chunk_size=str(config.chunk_size), C=layout.chunk, ms=seconds * 1e3
+      )
+
+    record.case(f"chunk_size={chunk} T={tokens}", measure)
+
+
 PARTS = {
   "test_base": part_test_base,
   "layer": part_layer,
@@ -322,6 +362,7 @@ PARTS = {
   "xla_paths": part_xla_paths,
   "decode": part_decode,
   "quant": part_quant,
+  "chunks": part_chunks,
 }
 
 

@@ -6,6 +6,9 @@ Sections (each prints a table; all rows go to `results/bench.json`, the chunk sw
               and sort + jax.lax.ragged_dot
   chunks      time and compiled peak temporary memory vs total tokens, per chunk size, on one
               device and on the 2x4 mesh
+  auto        chunk_size="auto" (the default) against fixed chunks of 256, 1024, 4096 and one
+              chunk: forward time on one device (T = 256 ... 65,536, interleaved, in a
+              process of its own) and compiled temp on one device and the 2x4 mesh
   steps       the chunk loop's cost per step: T=4096 on one device as 1, 8 and 32 chunks,
               forward and forward+backward, timed interleaved in a process of its own that
               has one CPU device (see `one_device_process`)
@@ -45,12 +48,12 @@ from jax.sharding import Mesh
 from moejax import MoEConfig, MoEParams, moe_apply, param_shapes, quant, routing
 from moejax.activations import GatedActivation
 from moejax.experts import default_tile_rows, grouped_mlp
-from moejax.forward import compiled_executables
+from moejax.forward import chunk_layout, compiled_executables
 from moejax.params import ExpertWeights
 from moejax.sharding import LayerSpecs, placement
 
 D, F = 256, 512
-SECTIONS = ("layer", "chunks", "steps", "decode", "padding", "quant", "compiles")
+SECTIONS = ("layer", "chunks", "auto", "steps", "decode", "padding", "quant", "compiles")
 
 
 def best_time(fn, *args, repeats: int) -> float:
@@ -105,7 +108,7 @@ def on_mesh(params: MoEParams, config: MoEConfig, mesh: Mesh) -> MoEParams:
   return jax.device_put(params, jax.tree.map(lambda _, s: placement(mesh, s), params, specs))
 
 
-def config_of(experts: int, top_k: int, chunk: int) -> MoEConfig:
+def config_of(experts: int, top_k: int, chunk: int | str) -> MoEConfig:
   return MoEConfig(
     num_experts=experts, top_k=top_k, hidden_size=D, intermediate_size=F, chunk_size=chunk
   )
@@ -436,6 +439,58 @@ def decode_mesh_rows(config: MoEConfig, params: MoEParams, repeats: int, single:
   return rows
 
 
+AUTO_TOKENS = (256, 512, 4096, 32768, 65536)  # per device
+AUTO_FIXED = (256, 1024, 4096)
+
+
+def auto_section(repeats: int) -> list[dict]:
+  """`chunk_size="auto"` vs fixed chunks: one device's forward time (interleaved per T) and
+  the compiled temp on one device and on the 2x4 mesh (T tokens per device)."""
+  if len(jax.devices("cpu")) > 1 and jax.default_backend() == "cpu":
+    rows = one_device_process("auto", repeats)
+    mesh = mesh_2x4()
+    for row in rows:
+      config = config_of(32, 2, row["T"] if row["chunk"] == "one" else row["chunk"])
+      x = jax.ShapeDtypeStruct((row["T"] * 8, D), jnp.float32)
+      row["mesh_temp_mib"] = _temp_mib(config, x, mesh)
+    _auto_table(rows)
+    return rows
+  rows = []
+  for tokens in AUTO_TOKENS:
+    x = jax.random.normal(jax.random.key(7), (tokens, D))
+    configs = {"auto": config_of(32, 2, "auto"), "one": config_of(32, 2, tokens)}
+    configs |= {c: config_of(32, 2, c) for c in AUTO_FIXED if c < tokens}
+    params = make_params(configs["auto"])
+    calls = {name: (jax.jit(moejax_forward(c)), params, x) for name, c in configs.items()}
+    best = interleaved_best(calls, rounds=repeats)
+    fastest = min(best.values())
+    for name, config in configs.items():
+      layout = chunk_layout(config, tokens)
+      rows.append(
+        dict(
+          section="auto", T=tokens, chunk=name, C=layout.chunk, ms=best[name] * 1e3,
+          of_best=best[name] / fastest, temp_mib=_temp_mib(config, x, None),
+        )
+      )  # fmt: skip
+  return rows
+
+
+def _temp_mib(config: MoEConfig, x, mesh: Mesh | None) -> float:
+  params = jax.tree.map(
+    lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), make_params(config)
+  )  # fmt: skip
+  return peak_temp_bytes(jax.jit(moejax_forward(config, mesh)), params, x) / 2**20
+
+
+def _auto_table(rows: list[dict]) -> None:
+  _table(
+    "auto: chunk_size='auto' (default budget) vs fixed chunks, E=32, K=2; time on one device "
+    "(interleaved), compiled temp on one device and on the 2x4 mesh (T per device)",
+    rows,
+    ["T", "chunk", "C", "ms", "of_best", "temp_mib", "mesh_temp_mib"],
+  )
+
+
 STEP_TOKENS = 4096
 STEP_CHUNKS = (1, 8, 32)
 
@@ -646,6 +701,8 @@ def main(argv: list[str] | None = None) -> None:
     plot_chunks(chunk_rows, out / "chunk_sweep.png")
   if "decode" in sections:
     rows += decode_section(args.repeats)
+  if "auto" in sections:
+    rows += auto_section(args.repeats)
   if "steps" in sections:
     rows += steps_section(args.repeats)
   if "padding" in sections:

@@ -15,7 +15,7 @@ Shape letters, one meaning each, in names, docstrings and shape comments through
 
 from kernels_pallas.quantized import BlockScaled
 from moejax.config import MoEConfig
-from moejax.forward import MoEAux, moe_apply
+from moejax.forward import MoEAux, chunk_layout, moe_apply
 from moejax.layer import MoELayer, collect_aux
 from moejax.params import MoEParams, param_shapes
 from moejax.reference import reference_moe
@@ -26,6 +26,7 @@ __all__ = [
   "MoEConfig",
   "MoELayer",
   "MoEParams",
+  "chunk_layout",
   "collect_aux",
   "moe_apply",
   "param_shapes",

@@ -13,6 +13,15 @@ import sys
 from pathlib import Path
 
 
+def chunk_size(value: str) -> int | str:
+  """The --chunk-size flag: "auto" or a positive int."""
+  if value == "auto":
+    return value
+  if not value.isdigit() or int(value) < 1:
+    raise argparse.ArgumentTypeError(f'must be "auto" or a positive int, got {value!r}')
+  return int(value)
+
+
 def _parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(prog="python -m moejax", description=__doc__)
   commands = parser.add_subparsers(dest="command", required=True)
@@ -22,7 +31,9 @@ def _parser() -> argparse.ArgumentParser:
   demo.add_argument("--hidden", type=int, default=128, help="D (default 128)")
   demo.add_argument("--intermediate", type=int, default=256, help="F (default 256)")
   demo.add_argument("--tokens-per-rank", type=int, default=96, help="buffer rows per device")
-  demo.add_argument("--chunk-size", type=int, default=32, help="C (default 32)")
+  demo.add_argument(
+    "--chunk-size", type=chunk_size, default="auto", help='C, or "auto" (the default)'
+  )
   demo.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
   train = commands.add_parser("train", help="train a small MoE transformer, checkpoint it")
   train.add_argument("--steps", type=int, default=60)
@@ -36,7 +47,7 @@ def _parser() -> argparse.ArgumentParser:
   train.add_argument("--top-k", type=int, default=2)
   train.add_argument("--hidden", type=int, default=32)
   train.add_argument("--intermediate", type=int, default=64)
-  train.add_argument("--chunk-size", type=int, default=32)
+  train.add_argument("--chunk-size", type=chunk_size, default="auto")
   train.add_argument("--backend", default="auto", choices=["auto", "xla", "pallas"])
   train.add_argument("--learning-rate", type=float, default=3e-3)
   train.add_argument("--checkpoint", default="checkpoints/moe_transformer")

@@ -21,6 +21,10 @@ _BACKENDS = ("xla", "pallas", "auto")
 _DISPATCHES = ("all_gather", "all_to_all", "auto")
 
 
+def _positive_int(value) -> bool:
+  return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
 @dataclasses.dataclass(frozen=True)
 class MoEConfig:
   """Static configuration of an `MoELayer`.
@@ -33,8 +37,12 @@ class MoEConfig:
     top_k: K, experts chosen per token.
     hidden_size: D, the model width.
     intermediate_size: F, each routed expert's hidden width (gate and up both have F columns).
-    chunk_size: C, tokens per chunk per device (vLLM's VLLM_MOE_DP_CHUNK_SIZE). Bounds the
-      collective buffers: each chunk sends at most C rows to each expert-axis device.
+    chunk_size: C, tokens per chunk per device (vLLM's VLLM_MOE_DP_CHUNK_SIZE), or "auto"
+      (the default): the chunk whose buffers fit `chunk_memory_bytes`, one chunk when the
+      whole call fits (`moejax.chunk_budget`). Bounds the collective buffers: each chunk
+      sends at most C rows to each expert-axis device.
+    chunk_memory_bytes: the budget of one chunk's buffers and temporaries for "auto", or
+      None for the platform's default (`moejax.chunk_budget.budget_bytes`).
     activation: "silu", "gelu" (exact erf) or "gelu_tanh" (tanh approximation): experts
       compute `act(gate) * up`; or "swiglu_oai" (GPT-OSS's clamped SwiGLU): with
       g = min(gate, limit) and u = clip(up, -limit, limit), `(u + 1) * g * sigmoid(1.702 g)`.
@@ -90,7 +98,7 @@ class MoEConfig:
       bo so that no block straddles gate and up.
 
   >>> MoEConfig(num_experts=8, top_k=2, hidden_size=64, intermediate_size=128).chunk_size
-  256
+  'auto'
   >>> MoEConfig(num_experts=8, top_k=9, hidden_size=64, intermediate_size=128)
   Traceback (most recent call last):
   ...
@@ -101,7 +109,8 @@ class MoEConfig:
   top_k: int
   hidden_size: int
   intermediate_size: int
-  chunk_size: int = 256
+  chunk_size: int | Literal["auto"] = "auto"
+  chunk_memory_bytes: int | None = None
   activation: Activation = "silu"
   swiglu_limit: float = 7.0
   scoring: Scoring = "softmax"
@@ -146,10 +155,14 @@ class MoEConfig:
       raise ValueError(f"data_axis and expert_axis must differ, both are {self.data_axis!r}")
 
   def _check_sizes(self) -> None:
-    for name in ("num_experts", "hidden_size", "intermediate_size", "chunk_size"):
-      value = getattr(self, name)
-      if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    for name in ("num_experts", "hidden_size", "intermediate_size"):
+      if not _positive_int(getattr(self, name)):
+        raise ValueError(f"{name} must be a positive int, got {getattr(self, name)!r}")
+    if self.chunk_size != "auto" and not _positive_int(self.chunk_size):
+      raise ValueError(f'chunk_size must be a positive int or "auto", got {self.chunk_size!r}')
+    budget = self.chunk_memory_bytes
+    if budget is not None and not _positive_int(budget):
+      raise ValueError(f"chunk_memory_bytes must be a positive int or None, got {budget!r}")
     redundant = self.num_redundant_experts
     if not isinstance(redundant, int) or isinstance(redundant, bool) or redundant < 0:
       raise ValueError(f"num_redundant_experts must be an int >= 0, got {redundant!r}")

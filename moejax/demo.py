@@ -16,7 +16,7 @@ import numpy as np
 from flax import nnx
 
 from moejax.cli_setup import auto_mesh, moe_config
-from moejax.forward import compiled_executables, moe_apply
+from moejax.forward import chunk_layout, compiled_executables, moe_apply
 from moejax.layer import MoELayer
 from moejax.reference import reference_moe
 
@@ -61,11 +61,13 @@ def run(args: argparse.Namespace, mesh_shape: tuple[int, int]) -> None:
   second_call = time.perf_counter() - start
   error = float(jnp.max(jnp.abs(y - reference_moe(layer.moe_params(), x, config, mask))))
 
-  chunks = -(-rows // min(args.chunk_size, rows))
+  layout = chunk_layout(config, ranks * rows, mesh)
+  chunks = layout.local // layout.chunk
   print(
     f"moejax demo: mesh (data={mesh_shape[0]}, expert={mesh_shape[1]}), E={config.num_experts}"
     f" K={config.top_k} D={config.hidden_size} F={config.intermediate_size}"
-    f" C={config.chunk_size} {args.dtype}, {rows} buffer rows per rank, {chunks} chunks"
+    f" C={layout.chunk} (chunk_size={config.chunk_size!r}) {args.dtype}, {rows} buffer rows"
+    f" per rank, {chunks} chunk{'s' * (chunks > 1)}"
   )
   print(f"{'rank':>4} {'(data,expert)':>13} {'valid tokens':>12} {'chunks run':>10} {'skipped':>7}")
   for rank, (valid, ran) in enumerate(zip(counts, np.asarray(aux.chunks_run), strict=True)):

@@ -18,6 +18,7 @@ from jax.sharding import Mesh
 
 from moejax import placement as placement_lib
 from moejax import routing, sharding
+from moejax.chunk_budget import auto_chunk
 from moejax.chunking import ChunkStages, TokenLayout, chunk_scan
 from moejax.collectives import sum_over, vary_over
 from moejax.config import MoEConfig
@@ -101,6 +102,23 @@ def _apply_on_explicit_mesh(args, config, mesh):
   return sharding.with_auto_axes(apply, mesh, out_specs)(*args)
 
 
+def chunk_layout(config: MoEConfig, num_tokens: int, mesh: Mesh | None = None) -> TokenLayout:
+  """How a call on `num_tokens` tokens is laid out: each device's share and its chunk C (the
+  config's, or for `chunk_size="auto"` the one `moejax.chunk_budget.auto_chunk` picks).
+
+  >>> config = MoEConfig(num_experts=8, top_k=2, hidden_size=64, intermediate_size=128)
+  >>> chunk_layout(config, num_tokens=1000).chunk  # "auto": one chunk holds them all
+  1000
+  """
+  expert_axis = 1 if mesh is None else mesh.shape[config.expert_axis]
+  devices = 1 if mesh is None else mesh.shape[config.data_axis] * expert_axis
+  share = max(-(-num_tokens // devices), 1)
+  chunk = config.chunk_size
+  if chunk == "auto":
+    chunk = auto_chunk(config, share, expert_axis)
+  return TokenLayout.plan(num_tokens, devices, chunk)
+
+
 def compiled_executables() -> int:
   """How many executables `moe_apply` has compiled in this process (one per static signature:
   config, mesh, shapes and dtypes; token masks and values never add one)."""
@@ -136,8 +154,7 @@ def _check_inputs(params, x, token_mask, router_logits, config, mesh) -> None:
 @functools.partial(jax.jit, static_argnames=("config", "mesh"))
 def _moe_apply_jit(params, x, token_mask, router_logits, placement, *, config, mesh):
   lead = x.shape[:-1]
-  devices = 1 if mesh is None else mesh.shape[config.data_axis] * mesh.shape[config.expert_axis]
-  layout = TokenLayout.plan(math.prod(lead), devices, config.chunk_size)
+  layout = chunk_layout(config, math.prod(lead), mesh)
   flat = lambda a, fill: layout.pad(a.reshape(layout.num_tokens, *a.shape[len(lead) :]), fill)
   mask = jnp.ones(lead, bool) if token_mask is None else token_mask
   inputs = (

@@ -50,6 +50,7 @@ def test_gpu_check_smoke_runs_every_part(tmp_path):
     "xla_paths": "passed",
     "decode": "passed",
     "quant": "passed",
+    "chunks": "passed",
   }
   layer = json.loads((tmp_path / "layer.json").read_text())["rows"]
   assert {r["case"].split()[1] for r in layer} == {"xla", "pallas", "auto"}

@@ -1,0 +1,112 @@
+"""`chunk_size="auto"`: the chunk a memory budget allows, chosen at trace time from shapes.
+
+The chunk exists to bound what one step of the chunk loop holds; every chunk also costs a
+pass over the local experts' weights (docs/performance.md, "Chunk loop"), so the chunk
+should be as large as the budget allows. What one chunk holds grows with the rows a device
+receives for it, R = S·C (the gathered chunk of all_gather, the static receive buffers of
+all_to_all), and `CHUNK_TERMS` lists it, per received row. The sum is an upper bound for
+both exchange schemes and for the gradient, which the chunk does not know it will have (the
+backward pass recomputes each chunk and holds its cotangents), checked against the compiled
+program's `memory_analysis()` (tests/test_chunk_budget.py). `outside_chunks` says what no
+chunk size bounds (the stated slack): the device's padded inputs and outputs, and the
+gradient of its expert weights.
+
+>>> config = MoEConfig(num_experts=32, top_k=2, hidden_size=256, intermediate_size=512,
+...                    chunk_memory_bytes=64 << 20)
+>>> auto_chunk(config, share=4096, axis_size=1)  # one chunk: it fits
+4096
+>>> auto_chunk(config, share=32768, axis_size=1)  # 5456 rows fit: 8 chunks pad nothing
+4096
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import NamedTuple
+
+import jax
+import numpy as np
+
+from moejax.config import MoEConfig
+
+GRANULARITY = 8  # rows: a chunk of several is a multiple of the tile loop's smallest tile
+CPU_BUDGET_BYTES = 256 << 20
+GPU_BUDGET_FRACTION = 1 / 16
+GPU_FALLBACK_BUDGET_BYTES = 1 << 30
+
+
+class RowShape(NamedTuple):
+  """What the bytes of one received row depend on."""
+
+  dim: int  # D
+  top_k: int  # K
+  itemsize: int  # bytes of the compute dtype
+  axis_size: int  # S
+
+
+F32 = 4
+# Bytes per received row, by what holds them: an upper bound. Measured on XLA:CPU in float32
+# at K = 2 (tests/test_chunk_budget.py checks the sum against memory_analysis()), one chunk
+# adds 18-22·D bytes per received row forward and 28-39·D with the backward pass; these
+# terms sum to 32·D and 48·D.
+CHUNK_TERMS: dict[str, Callable[[RowShape], float]] = {
+  "received rows (the exchange's buffer)": lambda r: r.dim * r.itemsize,
+  "the next chunk in flight (pipelined: S > 1)": lambda r: r.dim * r.itemsize * (r.axis_size > 1),
+  "rows sorted and gathered into tiles": lambda r: 2 * r.dim * r.itemsize,
+  "tile outputs, float32, one per (row, choice)": lambda r: r.top_k * r.dim * F32,
+  "partial sums and the return exchange, float32": lambda r: 2 * r.dim * F32,
+  "gradient: the tile outputs' and rows' cotangents, float32": (
+    lambda r: (r.top_k + 2) * r.dim * F32
+  ),
+}
+
+
+def chunk_bytes(config: MoEConfig, chunk: int, axis_size: int) -> int:
+  """What one chunk of `chunk` rows per device holds (the sum of `CHUNK_TERMS`)."""
+  row = RowShape(config.hidden_size, config.top_k, np.dtype(config.dtype).itemsize, axis_size)
+  per_row = sum(term(row) for term in CHUNK_TERMS.values())
+  return math.ceil(per_row * axis_size * chunk)
+
+
+def outside_chunks(config: MoEConfig, rows: int, local_experts: int) -> int:
+  """What no chunk size bounds, on one device of `rows` padded token rows (L): three float32
+  [L, D] buffers (the padded copies of the tokens and of the output where the layout pads,
+  the rows' gradient), routing, and its experts' weights with their float32 gradient."""
+  d, f = config.hidden_size, config.intermediate_size
+  token_rows = rows * (3 * d * F32 + 4 * config.top_k * F32 + 64)
+  weights = local_experts * 3 * d * f * (np.dtype(config.param_dtype).itemsize + 2 * F32)
+  return token_rows + weights + (1 << 20)
+
+
+def budget_bytes(config: MoEConfig) -> int:
+  """`config.chunk_memory_bytes`, else the platform's default: on a GPU 1/16 of the memory
+  JAX reports for the device (1 GiB where it reports none); elsewhere 256 MiB, past which a
+  CPU's chunk step no longer gets faster (its caches hold far less, and every chunk streams
+  the expert weights once: docs/performance.md, "chunk_size=auto")."""
+  if config.chunk_memory_bytes is not None:
+    return config.chunk_memory_bytes
+  device = jax.devices()[0]
+  if device.platform != "gpu":
+    return CPU_BUDGET_BYTES
+  limit = (device.memory_stats() or {}).get("bytes_limit")
+  return int(limit * GPU_BUDGET_FRACTION) if limit else GPU_FALLBACK_BUDGET_BYTES
+
+
+def auto_chunk(config: MoEConfig, share: int, axis_size: int) -> int:
+  """The chunk of a device holding `share` tokens: all of them in one chunk if its
+  `chunk_bytes` fit the budget; else, of the chunks that fit (multiples of `GRANULARITY`),
+  the largest that divides the share (up to twice the fewest chunks), so that the layout
+  pads nothing (a padded layout copies the tokens and the output: two [L, D] buffers);
+  else even chunks, as many as the largest that fits needs."""
+  budget = budget_bytes(config)
+  if chunk_bytes(config, share, axis_size) <= budget:
+    return share
+  per_row = chunk_bytes(config, GRANULARITY, axis_size) / GRANULARITY
+  largest = max(GRANULARITY, int(budget // per_row) // GRANULARITY * GRANULARITY)
+  fewest = -(-share // largest)
+  for chunks in range(fewest, 2 * fewest + 1):
+    if share % chunks == 0 and (share // chunks) % GRANULARITY == 0:
+      return share // chunks
+  even = -(-share // fewest)
+  return -(-even // GRANULARITY) * GRANULARITY
