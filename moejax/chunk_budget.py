@@ -29,6 +29,8 @@ import jax
 import numpy as np
 
 from moejax.config import MoEConfig
+from moejax.dispatch import resolve_dispatch
+from moejax.experts import default_tile_rows
 
 GRANULARITY = 8  # rows: a chunk of several is a multiple of the tile loop's smallest tile
 CPU_BUDGET_BYTES = 256 << 20
@@ -43,15 +45,20 @@ class RowShape(NamedTuple):
   top_k: int  # K
   itemsize: int  # bytes of the compute dtype
   axis_size: int  # S
+  all_to_all: bool  # the exchange scheme (`dispatch.resolve_dispatch`)
 
 
 F32 = 4
 # Bytes per received row, by what holds them: an upper bound. Measured on XLA:CPU in float32
-# at K = 2 (tests/test_chunk_budget.py checks the sum against memory_analysis()), one chunk
-# adds 18-22·D bytes per received row forward and 28-39·D with the backward pass; these
-# terms sum to 32·D and 48·D.
+# at K = 2, S = 4 (tests/test_chunk_budget.py checks the sum against memory_analysis()), one
+# chunk adds 18-22·D bytes per received row forward and 28-39·D with the backward pass;
+# these terms sum to 48·D (all_gather) and 52·D (all_to_all), and the tile loop's padding
+# (`tile_padding_bytes`) comes on top.
 CHUNK_TERMS: dict[str, Callable[[RowShape], float]] = {
   "received rows (the exchange's buffer)": lambda r: r.dim * r.itemsize,
+  "all_to_all's pair buffers: min(K, S) copies of each sent row, out and back": (
+    lambda r: r.all_to_all * 2 * min(r.top_k, r.axis_size) / r.axis_size * r.dim * r.itemsize
+  ),
   "the next chunk in flight (pipelined: S > 1)": lambda r: r.dim * r.itemsize * (r.axis_size > 1),
   "rows sorted and gathered into tiles": lambda r: 2 * r.dim * r.itemsize,
   "tile outputs, float32, one per (row, choice)": lambda r: r.top_k * r.dim * F32,
@@ -62,11 +69,28 @@ CHUNK_TERMS: dict[str, Callable[[RowShape], float]] = {
 }
 
 
+def tile_padding_bytes(config: MoEConfig, chunk: int, axis_size: int) -> int:
+  """The tile loop's padding of one chunk: up to a tile of B rows per local expert, whose
+  float32 outputs and cotangents are held like the rows'."""
+  received = axis_size * chunk
+  tile_rows = default_tile_rows(received * config.top_k, config.num_physical_experts)
+  local_experts = config.num_physical_experts // axis_size
+  return local_experts * tile_rows * config.hidden_size * 2 * F32
+
+
 def chunk_bytes(config: MoEConfig, chunk: int, axis_size: int) -> int:
-  """What one chunk of `chunk` rows per device holds (the sum of `CHUNK_TERMS`)."""
-  row = RowShape(config.hidden_size, config.top_k, np.dtype(config.dtype).itemsize, axis_size)
+  """What one chunk of `chunk` rows per device holds: `CHUNK_TERMS` for each of the S·C rows
+  it receives, and the tile padding."""
+  scheme = resolve_dispatch(config.dispatch, axis_size, jax.devices()[0].platform)
+  row = RowShape(
+    config.hidden_size,
+    config.top_k,
+    np.dtype(config.dtype).itemsize,
+    axis_size,
+    all_to_all=scheme == "all_to_all",
+  )
   per_row = sum(term(row) for term in CHUNK_TERMS.values())
-  return math.ceil(per_row * axis_size * chunk)
+  return math.ceil(per_row * axis_size * chunk) + tile_padding_bytes(config, chunk, axis_size)
 
 
 def outside_chunks(config: MoEConfig, rows: int, local_experts: int) -> int:
@@ -102,8 +126,14 @@ def auto_chunk(config: MoEConfig, share: int, axis_size: int) -> int:
   budget = budget_bytes(config)
   if chunk_bytes(config, share, axis_size) <= budget:
     return share
-  per_row = chunk_bytes(config, GRANULARITY, axis_size) / GRANULARITY
-  largest = max(GRANULARITY, int(budget // per_row) // GRANULARITY * GRANULARITY)
+  largest = GRANULARITY  # the largest multiple that fits, by doubling and then bisecting
+  while largest < share and chunk_bytes(config, 2 * largest, axis_size) <= budget:
+    largest *= 2
+  step = largest // 2
+  while step >= GRANULARITY:
+    if largest + step < share and chunk_bytes(config, largest + step, axis_size) <= budget:
+      largest += step
+    step //= 2
   fewest = -(-share // largest)
   for chunks in range(fewest, 2 * fewest + 1):
     if share % chunks == 0 and (share // chunks) % GRANULARITY == 0:
