@@ -256,7 +256,9 @@ def collect_aux(intermediates: nnx.State) -> dict[str, list[jax.Array]]:
 
   Returns:
     {"expert_counts": [...], "load_balancing_loss": [...], "router_z_loss": [...]}: one entry
-    per layer call, in module order.
+    per layer call, in module order: [E + Z] and [] for a layer called once, [N, E + Z] and
+    [N] for a stack of N layers applied with `nnx.scan` (one entry for the whole stack).
+    `moejax.train.summed_aux` adds them up either way.
   """
   aux: dict[str, list[jax.Array]] = {name: [] for name in _AUX_NAMES}
   for path, variable in nnx.to_flat_state(intermediates):

@@ -113,11 +113,26 @@ class MoETransformer(nnx.Module):
 
 def shard_model(model: nnx.Module | nnx.Optimizer, mesh: Mesh) -> None:
   """Places every variable of a model (or optimizer) on `mesh` as its sharding metadata says,
-  replicated where it has none."""
+  replicated where it has none (`sharding.metadata_placement`: a stacked layer axis named
+  None or "layers" goes on no mesh axis).
+
+  Raises:
+    ValueError: naming the variable, before anything is placed, where a spec's rank is not
+      its array's (a layer stack built without `transform_metadata`).
+  """
   state = nnx.state(model)
-  specs = nnx.get_partition_spec(state)
-  placed = jax.tree.map(
-    lambda value, spec: jax.device_put(value, sharding.placement(mesh, spec)), state, specs
+  specs = dict(nnx.to_flat_state(nnx.get_partition_spec(state)))
+  shardings = {
+    path: sharding.metadata_placement(
+      ".".join(map(str, path)), variable.get_value(), specs[path].get_value(), mesh
+    )
+    for path, variable in nnx.to_flat_state(state)
+  }
+  placed = nnx.from_flat_state(
+    [
+      (path, variable.replace(jax.device_put(variable.get_value(), shardings[path])))
+      for path, variable in nnx.to_flat_state(state)
+    ]
   )
   nnx.update(model, placed)
 

@@ -82,6 +82,34 @@ def param_sharding(config: MoEConfig) -> dict[str, tuple[str | None, ...]]:
   }
 
 
+# The logical name of a layer-stack axis (MaxText's "layers"): on no mesh axis unless the mesh
+# has one of that name.
+LAYER_AXIS = "layers"
+
+
+def metadata_placement(name: str, value, spec: P | None, mesh: Mesh) -> NamedSharding:
+  """Where a variable goes by its sharding metadata `spec`: replicated without one; a
+  `LAYER_AXIS` entry on no mesh axis unless `mesh` has it.
+
+  Raises:
+    ValueError: the spec's rank is not the array's (a variable stacked by `nnx.vmap` or
+      `nnx.scan` without its layer axis in the metadata would shard the wrong dimension).
+  """
+  if spec is None or len(spec) == 0:
+    return placement(mesh, None)
+  ndim = len(getattr(value, "shape", ()))
+  if len(spec) != ndim:
+    raise ValueError(
+      f"{name}: its sharding metadata {spec} has rank {len(spec)}, the array "
+      f"{tuple(value.shape)} rank {ndim}; a layer stack built with nnx.vmap / nnx.scan needs "
+      f"transform_metadata={{nnx.PARTITION_NAME: None}} (or {LAYER_AXIS!r}) so that the layer "
+      "axis has an entry"
+    )
+  if LAYER_AXIS not in mesh.axis_names:
+    spec = P(*(None if axis == LAYER_AXIS else axis for axis in spec))
+  return placement(mesh, spec)
+
+
 def placement(mesh: Mesh, spec: P | None) -> NamedSharding:
   """`spec` on `mesh`; replicated where a variable has no sharding metadata (`spec` None)."""
   return NamedSharding(mesh, P() if spec is None else spec)

@@ -46,23 +46,33 @@ def loss_fn(
     weights: `LossWeights`.
 
   Returns:
-    (total loss, metrics: task_loss, load_balancing_loss, router_z_loss, expert_counts [L, E]).
+    (total loss, metrics: task_loss and `summed_aux`'s values).
   """
   logits, intermediates = nnx.capture(model, nnx.Intermediate)(tokens, token_mask)
   per_token = optax.softmax_cross_entropy_with_integer_labels(logits, targets)  # [B, S]
   valid = token_mask.astype(jnp.float32)
   task = jnp.sum(per_token * valid) / jnp.maximum(jnp.sum(valid), 1.0)
+  aux = summed_aux(intermediates)
+  total = task + weights.load_balancing * aux["load_balancing_loss"]
+  total = total + weights.router_z * aux["router_z_loss"]
+  return total, dict(task_loss=task, **aux)
+
+
+def summed_aux(intermediates: nnx.State) -> dict[str, jax.Array]:
+  """The aux losses of every MoE layer call, summed, and their expert counts, one row per
+  layer: the same for unrolled layers and for stacks applied with `nnx.scan`.
+
+  Returns:
+    {"load_balancing_loss": [], "router_z_loss": [], "expert_counts": [layers, E + Z]}.
+  """
   aux = collect_aux(intermediates)
-  load_balancing = sum(aux["load_balancing_loss"])
-  router_z = sum(aux["router_z_loss"])
-  total = task + weights.load_balancing * load_balancing + weights.router_z * router_z
-  metrics = dict(
-    task_loss=task,
-    load_balancing_loss=load_balancing,
-    router_z_loss=router_z,
-    expert_counts=jnp.stack(aux["expert_counts"]),
+  total = lambda name: sum((jnp.sum(value) for value in aux[name]), jnp.float32(0))
+  counts = [c.reshape(-1, c.shape[-1]) for c in aux["expert_counts"]]
+  return dict(
+    load_balancing_loss=total("load_balancing_loss"),
+    router_z_loss=total("router_z_loss"),
+    expert_counts=jnp.concatenate(counts) if counts else jnp.zeros((0, 0), jnp.int32),
   )
-  return total, metrics
 
 
 @nnx.jit(static_argnames="weights")
