@@ -56,9 +56,10 @@ def test_what_a_chunk_adds_stays_within_the_budget(scheme, grad):
   assert temp <= 16 * MIB + outside_chunks(config, layout.local, 2), temp / MIB
 
 
+@pytest.mark.parametrize("scheme", ["all_gather", "all_to_all"])
 @pytest.mark.parametrize("per_device", [256, 512])
-def test_small_calls_take_one_chunk_within_the_budget(per_device):
-  config = MoEConfig(**BASE, chunk_memory_bytes=16 * MIB)
+def test_small_calls_take_one_chunk_within_the_budget(per_device, scheme):
+  config = MoEConfig(**BASE, dispatch=scheme, chunk_memory_bytes=16 * MIB)
   layout = chunk_layout(config, per_device * DEVICES, mesh_of(2, 4))
   assert layout.chunk == layout.share == per_device
   for grad in (False, True):
