@@ -26,6 +26,14 @@ def gpu_compute_capability() -> str | None:
   return str(getattr(jax.devices()[0], "compute_capability", "0"))
 
 
+def gpu_memory_bytes() -> int | None:
+  """The default GPU's memory as JAX reports it (`memory_stats()["bytes_limit"]`), or None
+  off a GPU or where it reports none."""
+  if platform() != "gpu":
+    return None
+  return (jax.devices()[0].memory_stats() or {}).get("bytes_limit")
+
+
 def gpu_sm_count() -> int | None:
   """The default GPU's streaming multiprocessor count, or None off a GPU."""
   return jax.devices()[0].core_count if platform() == "gpu" else None

@@ -25,9 +25,9 @@ import math
 from collections.abc import Callable
 from typing import NamedTuple
 
-import jax
 import numpy as np
 
+from kernels_pallas import platform
 from moejax.config import MoEConfig
 from moejax.dispatch import resolve_dispatch
 from moejax.experts import default_tile_rows
@@ -81,7 +81,7 @@ def tile_padding_bytes(config: MoEConfig, chunk: int, axis_size: int) -> int:
 def chunk_bytes(config: MoEConfig, chunk: int, axis_size: int) -> int:
   """What one chunk of `chunk` rows per device holds: `CHUNK_TERMS` for each of the S·C rows
   it receives, and the tile padding."""
-  scheme = resolve_dispatch(config.dispatch, axis_size, jax.devices()[0].platform)
+  scheme = resolve_dispatch(config.dispatch, axis_size, platform.platform())
   row = RowShape(
     config.hidden_size,
     config.top_k,
@@ -110,10 +110,9 @@ def budget_bytes(config: MoEConfig) -> int:
   the expert weights once: docs/performance.md, "chunk_size=auto")."""
   if config.chunk_memory_bytes is not None:
     return config.chunk_memory_bytes
-  device = jax.devices()[0]
-  if device.platform != "gpu":
+  if platform.platform() != "gpu":
     return CPU_BUDGET_BYTES
-  limit = (device.memory_stats() or {}).get("bytes_limit")
+  limit = platform.gpu_memory_bytes()
   return int(limit * GPU_BUDGET_FRACTION) if limit else GPU_FALLBACK_BUDGET_BYTES
 
 
