@@ -79,9 +79,15 @@ class TokenLayout:
 
 
 class ChunkStages(NamedTuple):
-  """The two stages of one chunk; `finish(w, c, send(w, c), None)` is the chunk's whole output.
+  """The two stages of one chunk; `finish(w, c, send(w, c), None)` is the chunk's whole output,
+  `w = prepare(weights)`.
 
-  The weights every chunk uses are a pair `(seeded, rest)` of pytrees. Gradient seeds: the
+  `prepare` turns the weights as given into the form the chunks compute with (cast, marked
+  per-device) once per pass, inside the loop's VJP: the backward pass saves only the weights
+  as given (under a scan over layers, the layer's own slice of the stacked parameters, not a
+  prepared copy per layer) and differentiates `prepare` once, outside every chunk's cond.
+
+  The prepared weights are a pair `(seeded, rest)` of pytrees. Gradient seeds: the
   backward pass sums the weights' gradients over chunks. `finish` receives the running sum
   of `seeded`'s gradient as `grad_seeds` (a pytree like `seeded`) and promises that its
   gradient with respect to `seeded` is that seed plus the chunk's own, so that a stage which
@@ -91,16 +97,18 @@ class ChunkStages(NamedTuple):
   None.
 
   Attributes:
+    prepare: weights -> the pair `(seeded, rest)` every chunk computes with.
     send: (weights, chunk) -> in-flight pytree: the outbound exchange.
     finish: (weights, chunk, in-flight, grad_seeds) -> [C, ...]: compute and the return
       exchange.
   """
 
+  prepare: Callable[[Any], tuple[Any, Any]]
   send: Callable[[tuple[Any, Any], Any], Any]
   finish: Callable[[tuple[Any, Any], Any, Any, Any], jax.Array]
 
   def whole(self, weights: tuple[Any, Any], chunk: Any, grad_seeds: Any = None) -> jax.Array:
-    """Both stages of one chunk, unpipelined."""
+    """Both stages of one chunk, unpipelined (`weights` prepared)."""
     return self.finish(weights, chunk, self.send(weights, chunk), grad_seeds)
 
 
@@ -145,7 +153,7 @@ def chunk_scan(
   Args:
     stages: the chunk's `ChunkStages`. They may run collectives over `lockstep_axis`, and
       must close over no traced value (pass those in `weights`).
-    weights: the pair `(seeded, rest)` of pytrees every chunk uses (see `ChunkStages`).
+    weights: the pytree `stages.prepare` takes.
     inputs: pytree of [L, ...] arrays, L a multiple of C.
     token_mask: [L] bool, True for valid rows.
     chunk_size: C.
@@ -198,6 +206,7 @@ def _put_rows(total: jax.Array, rows: jax.Array, update: jax.Array) -> jax.Array
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
 def _chunk_scan(stages, chunk_size, lockstep_axis, pipelined, weights, inputs, token_mask):
+  weights = stages.prepare(weights)
   order = _chunk_order(token_mask, chunk_size)  # [chunks, C]
   live = _live_chunks(token_mask, order, lockstep_axis)  # [chunks]
   take = lambda i: _rows_of(inputs, order[i])
@@ -257,10 +266,12 @@ def _chunk_scan_bwd(stages, chunk_size, lockstep_axis, pipelined, residuals, cot
   values are the inputs; each live chunk is differentiated again (what its backward pass
   needs of the forward pass is recomputed, unpipelined), the collectives' transposes run
   inside the same lockstep cond as the forward pass, and the seeded weights' gradients
-  accumulate in place across chunks.
+  accumulate in place across chunks. `prepare` runs once, and its transpose (the psum of a
+  per-device mark, a cast back) once after the loop.
   """
   del pipelined
-  weights, inputs, token_mask = residuals
+  given, inputs, token_mask = residuals
+  weights, unprepare = jax.vjp(stages.prepare, given)
   d_out = cotangents[0]
   is_float = lambda a: jnp.issubdtype(a.dtype, jnp.inexact)
   float_inputs = [a for a in jax.tree.leaves(inputs) if is_float(a)]
@@ -289,12 +300,20 @@ def _chunk_scan_bwd(stages, chunk_size, lockstep_axis, pipelined, residuals, cot
 
   init = (jax.tree.map(jnp.zeros_like, weights), [jnp.zeros_like(a) for a in float_inputs])
   (d_weights, d_float_inputs), _ = jax.lax.scan(step, init, jnp.arange(order.shape[0]))
+  (d_given,) = unprepare(jax.tree.map(_tangent_of, weights, d_weights))
   d_float_inputs = iter(d_float_inputs)
   d_inputs = jax.tree.map(
     lambda a: next(d_float_inputs) if is_float(a) else np.zeros(a.shape, jax.dtypes.float0),
     inputs,
   )
-  return d_weights, d_inputs, np.zeros(token_mask.shape, jax.dtypes.float0)
+  return d_given, d_inputs, np.zeros(token_mask.shape, jax.dtypes.float0)
+
+
+def _tangent_of(primal: jax.Array, cotangent: jax.Array) -> jax.Array:
+  """`cotangent` as `jax.vjp` takes it for `primal`: float0 zeros for an integer array."""
+  if jnp.issubdtype(primal.dtype, jnp.inexact):
+    return cotangent
+  return np.zeros(primal.shape, jax.dtypes.float0)
 
 
 _chunk_scan.defvjp(_chunk_scan_fwd, _chunk_scan_bwd)

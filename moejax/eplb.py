@@ -25,6 +25,7 @@ from moejax.config import MoEConfig
 from moejax.params import MoEParams
 from moejax.placement import Placement, from_physical_to_logical, initial_placement
 from moejax.replicas import expert_axis_devices, place, sum_replicas
+from moejax.stacking import layer_of, stack_layers
 
 __all__ = [
   "Placement",
@@ -200,26 +201,39 @@ def rebalance_weights(
 ) -> tuple[MoEParams, Placement]:
   """`rebalance` for one node of the expert axis's devices, then `place`: new slots for the
   experts by their load, and the weights moved there (what `MoELayer.rebalance` and
-  `moejax.linen.rebalance` run).
+  `moejax.linen.rebalance` run). A stack of N layers (built by `nnx.vmap` or `nn.scan`) has
+  a leading N on every parameter, on `current`'s fields and on `load`: each layer is re-placed
+  by its own load.
 
   Args:
-    params: physical expert weights [P, ...] laid out by `current`, sharded over the config's
-      expert axis (its size is the device count) or on one device.
+    params: physical expert weights [P, ...] (or [N, P, ...]) laid out by `current`, sharded
+      over the config's expert axis (its size is the device count) or on one device.
     config: the layer's config (with `num_redundant_experts`).
     current: the placement `params` are laid out by.
-    load: [E] load of each logical expert.
+    load: [E] (or [N, E]) load of each logical expert.
 
   Returns:
-    (the params with their expert weights moved, the new placement).
+    (the params with their expert weights moved, each array where it was; the new placement).
 
   Raises:
-    ValueError: `load` is not [E], or what `rebalance` and `place` raise.
+    ValueError: `load` is not [E] ([N, E] for a stack), or what `rebalance` and `place` raise.
   """
-  if np.shape(load) != (config.num_experts,):
-    raise ValueError(f"load has shape {np.shape(load)}, expected [E]=({config.num_experts},)")
+  layers = np.shape(current.physical_to_logical)[:-1]
+  if np.shape(load) != (*layers, config.num_experts):
+    raise ValueError(
+      f"load has shape {np.shape(load)}, expected {(*layers, config.num_experts)} "
+      f"([{'N, ' if layers else ''}E]: one load per logical expert"
+      f"{' of each stacked layer' if layers else ''})"
+    )
   new = rebalance(
     np.asarray(load),
     num_physical=config.num_physical_experts,
     num_devices=expert_axis_devices(params, config),
   )
-  return place(params, new, config, current=current), new
+  if not layers:
+    return place(params, new, config, current=current), new
+  moved = [
+    place(layer_of(params, i), layer_of(new, i), config, current=layer_of(current, i))
+    for i in range(layers[0])
+  ]
+  return stack_layers(moved, like=params), new

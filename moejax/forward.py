@@ -216,9 +216,6 @@ def _shard(
   placement everywhere."""
   specs = sharding.LayerSpecs.from_config(config)
   param_specs = specs.params(params)
-  params = sharding.map_params(
-    lambda leaf, spec: sharding.constrain(leaf, mesh, spec), param_specs, params
-  )
   inputs = jax.tree.map(lambda a: sharding.constrain(a, mesh, specs.tokens_t), inputs)
   stats_specs = routing.RouterStats(*[specs.replicated] * len(routing.RouterStats._fields))
   return jax.shard_map(
@@ -277,17 +274,16 @@ def local_forward(
   # Routing is logical; from here on ids are the physical slots the choices are sent to.
   expert_ids = placement_lib.physical_ids(route.expert_ids, placement, config)
   slot_counts = placement_lib.physical_counts(expert_ids, config.num_physical_experts)
-  experts, shared = compute_weights(params, config)
   # Expert weights already vary over the expert axis; they are the same on every data rank.
   data_axes = tuple(a for a in all_axes if a != exchange.axis)
-  chunk_weights = (vary_over(experts, data_axes), vary_over(shared, all_axes))
   stages = ChunkStages(
+    prepare=functools.partial(_prepare_weights, config=config, axes=(data_axes, all_axes)),
     send=functools.partial(_send_chunk, exchange=exchange),
     finish=functools.partial(_finish_chunk, exchange=exchange, config=config, plan=plan),
   )
   y, chunks_run = chunk_scan(
     stages,
-    chunk_weights,
+    params,
     (x.astype(config.dtype), expert_ids, route.weights),
     token_mask,
     chunk_size=chunk_size,
@@ -300,6 +296,16 @@ def local_forward(
 
 
 ChunkWeights = tuple[ExpertWeights, SharedWeights | None]  # (seeded, rest): `ChunkStages`
+
+
+def _prepare_weights(
+  params: MoEParams, *, config: MoEConfig, axes: tuple[tuple[str, ...], tuple[str, ...]]
+) -> ChunkWeights:
+  """The weights in their compute form (`compute_weights`), marked per-device where they are
+  the same on several devices: the expert weights over `axes[0]`, the shared ones over
+  `axes[1]` (`vary_over`: before any chunk's cond)."""
+  experts, shared = compute_weights(params, config)
+  return vary_over(experts, axes[0]), vary_over(shared, axes[1])
 
 
 def _send_chunk(weights: ChunkWeights, chunk, *, exchange: Exchange) -> Dispatched:

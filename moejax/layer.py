@@ -156,7 +156,8 @@ class MoELayer(nnx.Module):
         setattr(self, name, nnx.Param(value, out_sharding=names[name], **on_mesh))
     if config.num_redundant_experts:
       self.placement = PlacementState(self._replicated(slots))
-      self.expert_load = ExpertLoad(self._replicated(self._no_load()))
+      no_load = jnp.zeros(config.num_physical_experts, jnp.int32)
+      self.expert_load = ExpertLoad(self._replicated(no_load))
 
   def _replicated(self, tree):
     """Arrays on every device of the layer's mesh (on the default device without one), as
@@ -164,9 +165,6 @@ class MoELayer(nnx.Module):
     if self.mesh is None:
       return jax.tree.map(jnp.asarray, tree)
     return jax.device_put(tree, sharding.placement(self.mesh, None))
-
-  def _no_load(self) -> jax.Array:
-    return jnp.zeros(self.config.num_physical_experts, jnp.int32)
 
   def moe_params(self) -> MoEParams:
     """The current weights as an `MoEParams` pytree (for `moejax.moe_apply`)."""
@@ -213,17 +211,19 @@ class MoELayer(nnx.Module):
   def rebalance(self, load: jax.Array | None = None) -> Placement:
     """Re-places the experts by DeepSeek's policy (`moejax.eplb.rebalance`, one node, the
     expert axis's devices) and moves their weights (`moejax.eplb.place`); resets
-    `expert_load`. Calls after it run the same executable.
+    `expert_load`. Calls after it run the same executable. A stack of N layers (built by
+    `nnx.vmap`: every variable has a leading N) re-places each layer by its own load.
 
     Args:
-      load: [E] load of each logical expert; None for the load accumulated since the last
-        rebalance (`expert_load` summed over each expert's replicas).
+      load: [E] ([N, E] for a stack) load of each logical expert; None for the load
+        accumulated since the last rebalance (`expert_load` summed over each expert's
+        replicas).
 
     Returns:
-      The new placement.
+      The new placement (fields with a leading N for a stack).
 
     Raises:
-      ValueError: the layer has no redundant experts, or `load` is not [E].
+      ValueError: the layer has no redundant experts, or `load` is not [E] ([N, E]).
     """
     config = self.config
     if not config.num_redundant_experts:
@@ -236,7 +236,7 @@ class MoELayer(nnx.Module):
       variable = getattr(self, name)
       (variable if part is None else getattr(variable, part)).set_value(value)
     self.placement.set_value(self._replicated(new))
-    self.expert_load.set_value(self._replicated(self._no_load()))
+    self.expert_load.set_value(jnp.zeros_like(self.expert_load.get_value()))
     return new
 
   def _sow_aux(self, aux: MoEAux) -> None:

@@ -31,6 +31,10 @@ class TransformerConfig:
     moe: the `MoEConfig` of each MoE block (its hidden_size is the model width D).
     moe_every: 1 = every block's FFN is an MoE layer, 2 = every other one (dense between).
     dense_ffn_size: hidden width of the dense FFN blocks.
+    scan_layers: build the blocks as one stack (`nnx.vmap`, a leading layer axis named
+      `sharding.LAYER_AXIS`) applied with `nnx.scan`: one block's program compiled however
+      deep the model (num_layers must then divide by moe_every: each scanned step is
+      moe_every blocks, the MoE one last).
   """
 
   vocab_size: int
@@ -39,12 +43,18 @@ class TransformerConfig:
   moe: MoEConfig
   moe_every: int = 1
   dense_ffn_size: int = 128
+  scan_layers: bool = False
 
   def __post_init__(self) -> None:
     if self.moe.hidden_size % self.num_heads:
       raise ValueError(f"hidden_size={self.moe.hidden_size} must divide by {self.num_heads=}")
     if self.moe_every not in (1, 2):
       raise ValueError(f"moe_every must be 1 or 2, got {self.moe_every}")
+    if self.scan_layers and self.num_layers % self.moe_every:
+      raise ValueError(
+        f"scan_layers=True scans groups of moe_every={self.moe_every} blocks: num_layers="
+        f"{self.num_layers} must divide by it"
+      )
 
 
 class DenseFFN(nnx.Module):
@@ -83,8 +93,46 @@ class Block(nnx.Module):
     return x + self.ffn(self.ffn_norm(x), token_mask)
 
 
+class BlockGroup(nnx.Module):
+  """The step of a scanned stack: with moe_every=2 a dense block, then the MoE block."""
+
+  def __init__(self, config: TransformerConfig, mesh: Mesh | None, rngs: nnx.Rngs):
+    self.dense = Block(config, False, mesh, rngs) if config.moe_every == 2 else None
+    self.moe = Block(config, True, mesh, rngs)
+
+  def __call__(self, x: jax.Array, token_mask: jax.Array) -> jax.Array:
+    if self.dense is not None:
+      x = self.dense(x, token_mask)
+    return self.moe(x, token_mask)
+
+
+# Every variable of a scanned stack has the layer axis first; its sharding metadata names it.
+_STACKED = dict(transform_metadata={nnx.PARTITION_NAME: sharding.LAYER_AXIS})
+
+
+class BlockStack(nnx.Module):
+  """num_layers / moe_every `BlockGroup`s with a leading layer axis (built by `nnx.vmap`),
+  applied in order by `nnx.scan`: the same blocks and the same output as unrolled ones."""
+
+  def __init__(self, config: TransformerConfig, mesh: Mesh | None, rngs: nnx.Rngs):
+    @nnx.split_rngs(splits=config.num_layers // config.moe_every)
+    @nnx.vmap(in_axes=(0,), out_axes=0, **_STACKED)
+    def stacked(rngs: nnx.Rngs) -> BlockGroup:
+      return BlockGroup(config, mesh, rngs)
+
+    self.groups = stacked(rngs)
+
+  def __call__(self, x: jax.Array, token_mask: jax.Array) -> jax.Array:
+    @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry, **_STACKED)
+    def apply(x: jax.Array, group: BlockGroup) -> jax.Array:
+      return group(x, token_mask)
+
+    return apply(x, self.groups)
+
+
 class MoETransformer(nnx.Module):
-  """Embedding, `num_layers` blocks, final norm, tied output projection.
+  """Embedding, `num_layers` blocks (a list, or a `BlockStack` with `scan_layers`), final
+  norm, tied output projection.
 
   >>> moe = MoEConfig(num_experts=4, top_k=2, hidden_size=16, intermediate_size=32)
   >>> model = MoETransformer(TransformerConfig(32, 2, 2, moe), rngs=nnx.Rngs(0))
@@ -95,19 +143,25 @@ class MoETransformer(nnx.Module):
   def __init__(self, config: TransformerConfig, *, mesh: Mesh | None = None, rngs: nnx.Rngs):
     self.config = config
     self.embed = nnx.Embed(config.vocab_size, config.moe.hidden_size, rngs=rngs)
-    self.blocks = nnx.List(
-      [
-        Block(config, use_moe=i % config.moe_every == config.moe_every - 1, mesh=mesh, rngs=rngs)
-        for i in range(config.num_layers)
-      ]
-    )
+    if config.scan_layers:
+      self.blocks = BlockStack(config, mesh, rngs)
+    else:
+      self.blocks = nnx.List(
+        [
+          Block(config, use_moe=i % config.moe_every == config.moe_every - 1, mesh=mesh, rngs=rngs)
+          for i in range(config.num_layers)
+        ]
+      )
     self.final_norm = nnx.RMSNorm(config.moe.hidden_size, rngs=rngs)
 
   def __call__(self, tokens: jax.Array, token_mask: jax.Array) -> jax.Array:
     """tokens [batch, seq] int, token_mask [batch, seq] bool -> logits [batch, seq, V] float32."""
     x = self.embed(tokens)
-    for block in self.blocks:
-      x = block(x, token_mask)
+    if self.config.scan_layers:
+      x = self.blocks(x, token_mask)
+    else:
+      for block in self.blocks:
+        x = block(x, token_mask)
     return self.embed.attend(self.final_norm(x)).astype(jnp.float32)
 
 

@@ -21,6 +21,7 @@ import numpy as np
 
 from moejax import ids
 from moejax.config import MoEConfig
+from moejax.stacking import layer_of
 
 
 class Placement(NamedTuple):
@@ -174,7 +175,10 @@ def physical_counts(physical_ids: jax.Array, num_physical: int) -> jax.Array:
 
 
 def logical_load(load: np.ndarray, placement: Placement) -> np.ndarray:
-  """[P] per-slot load -> [E] per-expert load: each expert's replicas summed (host NumPy)."""
+  """[P] per-slot load -> [E] per-expert load: each expert's replicas summed (host NumPy);
+  [N, P] -> [N, E] for a stack of layers, each by its own placement."""
+  if np.ndim(load) == 2:
+    return np.stack([logical_load(row, layer_of(placement, i)) for i, row in enumerate(load)])
   experts = np.shape(placement.replica_counts)[-1]
   to_logical = np.asarray(placement.physical_to_logical)
   return np.bincount(to_logical, weights=np.asarray(load, np.float64), minlength=experts)
