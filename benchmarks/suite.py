@@ -19,6 +19,9 @@ Sections (each prints a table; all rows go to `results/bench.json`, the chunk sw
               one device): time ratio, expert-weight bytes at each format's bit width and
               the compiled temporaries (no dequantized copy of all experts)
   compiles    executables compiled across 20 token-count patterns (must be 1)
+  depth       scanned and unrolled stacks of blocks, remat policies of the layer's
+              checkpoint names, and the layer's compile time against a dense MLP
+              (`benchmarks/depth.py`; not in the default run: several minutes)
 
 What the expert-axis exchange sends (both dispatch schemes) is `benchmarks/dispatch.py`'s.
 
@@ -53,7 +56,8 @@ from moejax.params import ExpertWeights
 from moejax.sharding import LayerSpecs, placement
 
 D, F = 256, 512
-SECTIONS = ("layer", "chunks", "auto", "steps", "decode", "padding", "quant", "compiles")
+SECTIONS = ("layer", "chunks", "auto", "steps", "decode", "padding", "quant", "compiles", "depth")
+DEFAULT_SECTIONS = SECTIONS[:-1]
 
 
 def best_time(fn, *args, repeats: int) -> float:
@@ -681,7 +685,9 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument("--repeats", type=int, default=3, help="timed calls per case (default 3)")
   parser.add_argument("--out", default="results", help="folder for bench.json and the plot")
   parser.add_argument(
-    "--sections", default=",".join(SECTIONS), help=f"comma-separated, of: {','.join(SECTIONS)}"
+    "--sections",
+    default=",".join(DEFAULT_SECTIONS),
+    help=f"comma-separated, of: {','.join(SECTIONS)} (default: all but depth)",
   )
   args = parser.parse_args(argv)
   sections = sections_of(parser, args.sections, SECTIONS)
@@ -711,6 +717,11 @@ def main(argv: list[str] | None = None) -> None:
     rows += quant_section(args.repeats)
   if "compiles" in sections:
     rows += compile_section()
+  if "depth" in sections:
+    sys.path.insert(0, str(Path(__file__).parent))  # benchmarks/depth.py, beside this file
+    import depth
+
+    rows += depth.depth_section(args.repeats, _table)
   (out / "bench.json").write_text(json.dumps(rows, indent=1))
   print(f"\nwrote {out / 'bench.json'} in {time.perf_counter() - start:.0f} s")
 

@@ -19,8 +19,10 @@ from moejax.forward import MoEAux, chunk_layout, moe_apply
 from moejax.layer import MoELayer, collect_aux
 from moejax.params import MoEParams, param_shapes
 from moejax.reference import reference_moe
+from moejax.remat import CHECKPOINT_NAMES
 
 __all__ = [
+  "CHECKPOINT_NAMES",
   "BlockScaled",
   "MoEAux",
   "MoEConfig",

@@ -43,6 +43,15 @@ def _parser() -> argparse.ArgumentParser:
   train.add_argument("--layers", type=int, default=2)
   train.add_argument("--heads", type=int, default=2)
   train.add_argument("--moe-every", type=int, default=1, choices=[1, 2])
+  train.add_argument(
+    "--scan-layers", action="store_true", help="build the blocks as one stack, apply it by scan"
+  )
+  train.add_argument(
+    "--remat",
+    default="none",
+    choices=["none", "full", "names"],
+    help="rematerialize each block: recompute everything, or save moejax.CHECKPOINT_NAMES",
+  )
   train.add_argument("--experts", type=int, default=8)
   train.add_argument("--top-k", type=int, default=2)
   train.add_argument("--hidden", type=int, default=32)

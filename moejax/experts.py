@@ -108,7 +108,9 @@ def grouped_mlp(
   assignment = order[jnp.minimum(layout.row_source, expert_ids.size - 1)]
   filled = layout.row_source < expert_ids.size
   row_of = jnp.where(filled, assignment // top_k, rows)
-  tile_expert = jnp.searchsorted(layout.tile_ends, jnp.arange(row_of.size // tile_rows), "right")
+  tile_expert = jnp.searchsorted(
+    layout.tile_ends, jnp.arange(row_of.size // tile_rows), "right", method="compare_all"
+  )
   tiles = Tiles(
     tokens=row_of.reshape(-1, tile_rows),  # [tiles, B]
     weights=jnp.where(filled, weights.reshape(-1)[assignment], 0.0).reshape(-1, tile_rows),

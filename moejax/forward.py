@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from moejax import placement as placement_lib
-from moejax import routing, sharding
+from moejax import remat, routing, sharding
 from moejax.chunk_budget import auto_chunk
 from moejax.chunking import ChunkStages, TokenLayout, chunk_scan
 from moejax.collectives import sum_over, vary_over
@@ -181,7 +181,7 @@ def _moe_apply_jit(params, x, token_mask, router_logits, placement, *, config, m
     y, stats, slot_counts, counts = body(params, placement, *inputs)
   else:
     y, stats, slot_counts, counts = _shard(body, mesh, config, plan, params, placement, inputs)
-  y = layout.unpad(y).reshape(x.shape).astype(x.dtype)
+  y = remat.named(layout.unpad(y).reshape(x.shape).astype(x.dtype), remat.LAYER_OUTPUT)
   aux = MoEAux(
     expert_counts=stats.expert_counts,
     load_balancing_loss=routing.load_balancing_loss(stats, config.top_k),
@@ -267,6 +267,7 @@ def local_forward(
   if router_logits is None:  # the router's only run
     router_logits = routing.router_logits(x, params.router_kernel, params.router_bias)
   router_logits = _zero_padding(router_logits, token_mask)  # the logits' only masking
+  router_logits = remat.named(router_logits, remat.ROUTER_LOGITS)
   route = routing.route(router_logits, token_mask, config, params.routing_bias)
   stats = jax.tree.map(
     lambda a: sum_over(a, all_axes), routing.router_stats(router_logits, route, token_mask)
@@ -281,10 +282,11 @@ def local_forward(
     send=functools.partial(_send_chunk, exchange=exchange),
     finish=functools.partial(_finish_chunk, exchange=exchange, config=config, plan=plan),
   )
+  routed_rows = (x.astype(config.dtype), expert_ids, route.weights)
   y, chunks_run = chunk_scan(
     stages,
     params,
-    (x.astype(config.dtype), expert_ids, route.weights),
+    remat.named(routed_rows, remat.ROUTED_ROWS),
     token_mask,
     chunk_size=chunk_size,
     lockstep_axis=exchange.axis,

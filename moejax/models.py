@@ -8,6 +8,7 @@ sharding metadata (`shard_model`).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -31,10 +32,14 @@ class TransformerConfig:
     moe: the `MoEConfig` of each MoE block (its hidden_size is the model width D).
     moe_every: 1 = every block's FFN is an MoE layer, 2 = every other one (dense between).
     dense_ffn_size: hidden width of the dense FFN blocks.
-    scan_layers: build the blocks as one stack (`nnx.vmap`, a leading layer axis named
-      `sharding.LAYER_AXIS`) applied with `nnx.scan`: one block's program compiled however
+    scan_layers: build the blocks as one stack (`nnx.vmap`, a leading layer axis on no mesh
+      axis) applied with `nnx.scan`: one block's program compiled however
       deep the model (num_layers must then divide by moe_every: each scanned step is
       moe_every blocks, the MoE one last).
+    remat_policy: None to save what autodiff needs; else every block (every scanned group)
+      is rematerialized by `nnx.remat` with this `jax.checkpoint` policy, e.g.
+      `jax.checkpoint_policies.nothing_saveable`, or
+      `save_only_these_names(*moejax.CHECKPOINT_NAMES)` to keep the MoE layer's named values.
   """
 
   vocab_size: int
@@ -44,6 +49,7 @@ class TransformerConfig:
   moe_every: int = 1
   dense_ffn_size: int = 128
   scan_layers: bool = False
+  remat_policy: Callable | None = None
 
   def __post_init__(self) -> None:
     if self.moe.hidden_size % self.num_heads:
@@ -73,6 +79,7 @@ class Block(nnx.Module):
   """Pre-norm causal self-attention, then a pre-norm FFN (MoE or dense)."""
 
   def __init__(self, config: TransformerConfig, use_moe: bool, mesh: Mesh | None, rngs: nnx.Rngs):
+    self.config = config
     dim = config.moe.hidden_size
     self.attention_norm = nnx.RMSNorm(dim, rngs=rngs)
     self.attention = nnx.MultiHeadAttention(
@@ -97,6 +104,7 @@ class BlockGroup(nnx.Module):
   """The step of a scanned stack: with moe_every=2 a dense block, then the MoE block."""
 
   def __init__(self, config: TransformerConfig, mesh: Mesh | None, rngs: nnx.Rngs):
+    self.config = config
     self.dense = Block(config, False, mesh, rngs) if config.moe_every == 2 else None
     self.moe = Block(config, True, mesh, rngs)
 
@@ -106,8 +114,10 @@ class BlockGroup(nnx.Module):
     return self.moe(x, token_mask)
 
 
-# Every variable of a scanned stack has the layer axis first; its sharding metadata names it.
-_STACKED = dict(transform_metadata={nnx.PARTITION_NAME: sharding.LAYER_AXIS})
+# Every variable of a scanned stack has the layer axis first, on no mesh axis: None in its
+# sharding metadata (a name the mesh lacks, such as "layers", would fail where flax places
+# a variable eagerly, as optax's state is).
+_STACKED = dict(transform_metadata={nnx.PARTITION_NAME: None})
 
 
 class BlockStack(nnx.Module):
@@ -125,9 +135,17 @@ class BlockStack(nnx.Module):
   def __call__(self, x: jax.Array, token_mask: jax.Array) -> jax.Array:
     @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry, **_STACKED)
     def apply(x: jax.Array, group: BlockGroup) -> jax.Array:
-      return group(x, token_mask)
+      return applied(group, x, token_mask)
 
     return apply(x, self.groups)
+
+
+def applied(module: Block | BlockGroup, x: jax.Array, token_mask: jax.Array) -> jax.Array:
+  """`module(x, token_mask)`, rematerialized as its config's `remat_policy` asks."""
+  policy = module.config.remat_policy
+  if policy is None:
+    return module(x, token_mask)
+  return nnx.remat(lambda module, x, mask: module(x, mask), policy=policy)(module, x, token_mask)
 
 
 class MoETransformer(nnx.Module):
@@ -161,7 +179,7 @@ class MoETransformer(nnx.Module):
       x = self.blocks(x, token_mask)
     else:
       for block in self.blocks:
-        x = block(x, token_mask)
+        x = applied(block, x, token_mask)
     return self.embed.attend(self.final_norm(x)).astype(jnp.float32)
 
 

@@ -17,8 +17,17 @@ from jax.sharding import NamedSharding
 from moejax import checkpoint
 from moejax.cli_setup import auto_mesh, moe_config
 from moejax.layer import collect_aux
+from moejax.remat import CHECKPOINT_NAMES
 from moejax.models import ClusterTask, MoETransformer, TransformerConfig, shard_model
 from moejax.sharding import LayerSpecs
+
+
+# The train command's --remat choices: no remat, recompute everything, save the layer's names.
+REMAT_POLICIES = {
+  "none": None,
+  "full": jax.checkpoint_policies.nothing_saveable,
+  "names": jax.checkpoint_policies.save_only_these_names(*CHECKPOINT_NAMES),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,7 +111,15 @@ def run(args, mesh_shape: tuple[int, int]) -> list[dict[str, float]]:
   mesh = auto_mesh(mesh_shape)
   moe = moe_config(args, expert_backend=args.backend)
   task = ClusterTask(vocab_size=args.vocab, seq_len=args.seq_len, seed=args.seed)
-  config = TransformerConfig(args.vocab, args.layers, args.heads, moe, moe_every=args.moe_every)
+  config = TransformerConfig(
+    args.vocab,
+    args.layers,
+    args.heads,
+    moe,
+    moe_every=args.moe_every,
+    scan_layers=args.scan_layers,
+    remat_policy=REMAT_POLICIES[args.remat],
+  )
   model = MoETransformer(config, mesh=mesh, rngs=nnx.Rngs(args.seed))
   shard_model(model, mesh)
   optimizer = nnx.Optimizer(model, optax.adam(args.learning_rate), wrt=nnx.Param)

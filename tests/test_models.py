@@ -27,11 +27,10 @@ from tests.helpers import assert_close, mesh_of, seed_of
 MOE = MoEConfig(num_experts=8, top_k=2, hidden_size=32, intermediate_size=64, chunk_size=32)
 
 
-def build(mesh_shape, seed, moe_every=1):
+def build(mesh_shape, seed, moe_every=1, scan_layers=False):
   mesh = mesh_of(*mesh_shape)
-  model = MoETransformer(
-    TransformerConfig(64, 2, 2, MOE, moe_every=moe_every), mesh=mesh, rngs=nnx.Rngs(seed)
-  )
+  config = TransformerConfig(64, 2, 2, MOE, moe_every=moe_every, scan_layers=scan_layers)
+  model = MoETransformer(config, mesh=mesh, rngs=nnx.Rngs(seed))
   shard_model(model, mesh)
   optimizer = nnx.Optimizer(model, optax.adam(3e-3), wrt=nnx.Param)
   shard_model(optimizer, mesh)
@@ -59,20 +58,25 @@ def test_every_other_block_is_moe():
   assert [type(b.ffn).__name__ for b in model.blocks] == ["DenseFFN", "MoELayer"]
 
 
-def test_checkpoint_restores_onto_another_mesh(tmp_path):
-  model, optimizer, _ = build((2, 4), seed=0)
+@pytest.mark.parametrize("scan_layers", [False, True], ids=["unrolled", "scanned"])
+def test_checkpoint_restores_onto_another_mesh(tmp_path, scan_layers):
+  model, optimizer, _ = build((2, 4), seed=0, scan_layers=scan_layers)
   checkpoint.save(tmp_path / "ckpt", model, optimizer, step=5)
-  restored, restored_optimizer, _ = build((4, 2), seed=1)
+  restored, restored_optimizer, _ = build((4, 2), seed=1, scan_layers=scan_layers)
   assert checkpoint.restore(tmp_path / "ckpt", restored, restored_optimizer) == 5
-  w = restored.blocks[0].ffn.w_gate_up[...]
+  moe = restored.blocks.groups.moe if scan_layers else restored.blocks[0]
+  w = moe.ffn.w_gate_up[...]
   assert w.sharding.mesh.shape == {"data": 4, "expert": 2}
+  assert w.sharding.spec[:2] == ((None, "expert") if scan_layers else ("expert", None))
   tokens, _, mask = ClusterTask().batch(8, 0)
   assert_close(restored(tokens, mask), model(tokens, mask), what="logits after restore")
 
 
 def test_train_command_checkpoints_and_resumes(tmp_path):
+  """A scanned model, each block rematerialized saving the layer's checkpoint names."""
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   base = [sys.executable, "-m", "moejax", "train", "--checkpoint", str(tmp_path / "ck")]
+  base += ["--scan-layers", "--remat", "names"]
   first = subprocess.run(
     [*base, "--steps", "12"], capture_output=True, text=True, timeout=600, env=env
   )

@@ -1,0 +1,63 @@
+"""`moejax.CHECKPOINT_NAMES`: a remat policy built from a name saves that value of the layer
+and recomputes the rest, with the gradients of no remat at all."""
+
+import collections
+
+import chex
+import jax
+import jax.numpy as jnp
+import pytest
+
+from moejax import CHECKPOINT_NAMES, MoEConfig, moe_apply, remat
+from tests.helpers import mesh_of, poison, random_params, seed_of, tolerance
+
+CONFIG = MoEConfig(num_experts=8, top_k=2, hidden_size=16, intermediate_size=32, chunk_size=8)
+TOKENS = 60  # padded to L = 8 rows on each of the 8 devices: 64 rows in all
+
+# What each name adds to the saved residuals of the 2x4 mesh's layer: (shape, dtype), global.
+SAVED = {
+  remat.ROUTER_LOGITS: [((64, 8), "float32")],
+  remat.ROUTED_ROWS: [((64, 16), "float32"), ((64, 2), "int32"), ((64, 2), "float32")],
+  remat.LAYER_OUTPUT: [((TOKENS, 16), "float32")],
+}
+
+
+def test_every_name_has_its_saved_value():
+  assert set(SAVED) == set(CHECKPOINT_NAMES)
+
+
+def _residuals(vjp) -> collections.Counter:
+  """The (shape, dtype) of every array a `jax.vjp` pullback holds: what is saved."""
+  return collections.Counter((a.shape, str(a.dtype)) for a in jax.tree.leaves(vjp))
+
+
+@pytest.fixture(scope="module")
+def case():
+  """The layer under tanh (so its output is needed by the backward pass), on the 2x4 mesh,
+  on padded tokens whose masked rows are NaN; and its pullback without remat."""
+  key = jax.random.key(seed_of("test_remat"))
+  params = random_params(CONFIG, key)
+  mask = jax.random.bernoulli(jax.random.fold_in(key, 1), 0.8, (TOKENS,))
+  x = poison(jax.random.normal(jax.random.fold_in(key, 2), (TOKENS, 16)), mask)
+  mesh = mesh_of(2, 4)
+  layer = lambda params, x: jnp.tanh(
+    moe_apply(params, x, config=CONFIG, mesh=mesh, token_mask=mask)[0]
+  )
+  cotangent = jax.random.normal(jax.random.fold_in(key, 3), (TOKENS, 16))
+  _, pullback = jax.vjp(layer, params, x)
+  return layer, params, x, cotangent, pullback(cotangent)
+
+
+@pytest.mark.parametrize("name", CHECKPOINT_NAMES)
+def test_a_policy_saves_the_named_value_and_gives_the_same_gradients(case, name):
+  layer, params, x, cotangent, expected = case
+  policies = jax.checkpoint_policies
+  _, recompute_all = jax.vjp(jax.checkpoint(layer, policy=policies.nothing_saveable), params, x)
+  _, save_one = jax.vjp(
+    jax.checkpoint(layer, policy=policies.save_only_these_names(name)), params, x
+  )
+  added = _residuals(save_one) - _residuals(recompute_all)
+  assert added == collections.Counter(SAVED[name]), added
+  gradients = save_one(cotangent)
+  chex.assert_tree_all_finite(gradients)  # nothing from the NaN padding
+  chex.assert_trees_all_close(gradients, expected, **tolerance())
