@@ -17,10 +17,9 @@ from jax.sharding import NamedSharding
 from moejax import checkpoint
 from moejax.cli_setup import auto_mesh, moe_config
 from moejax.layer import collect_aux
-from moejax.remat import CHECKPOINT_NAMES
 from moejax.models import ClusterTask, MoETransformer, TransformerConfig, shard_model
+from moejax.remat import CHECKPOINT_NAMES
 from moejax.sharding import LayerSpecs
-
 
 # The train command's --remat choices: no remat, recompute everything, save the layer's names.
 REMAT_POLICIES = {
