@@ -3,17 +3,18 @@
 Three tables, float32, `MoETransformer` train steps (masked cross-entropy with the aux
 losses, gradient, Adam) on 32 sequences of 16 tokens, E=8, K=2, D=128, F=256:
   stacks    1, 4, 16 blocks unrolled and scanned (`scan_layers`), 32 and 60 scanned: seconds
-            to lower and compile the train step and its time (both also as a multiple of
-            the 1-block model's), and the compiled temp of the gradient with its growth per
-            block since the shallower row, without remat and with every block
-            rematerialized (`nothing_saveable`)
+            to lower and compile the train step (the better of two fresh compiles: one
+            varies by ~20 % on a shared machine; also as a multiple of the 1-block model's),
+            its time (per block, and scanned over unrolled), and the compiled temp of the
+            gradient with its growth per block since the shallower row, without remat and
+            with every block rematerialized (`nothing_saveable`)
   policies  4 scanned blocks, each rematerialized by a policy built from
             `moejax.CHECKPOINT_NAMES`, and one layer whose output feeds a nonlinearity
             inside the remat (where saving the layer output matters): compiled temp, FLOPs
             of the compiled gradient, and the largest gradient difference from no remat
   compile   one layer call against a dense gated MLP of the same width (D -> 2F -> D) on
             the same tokens: seconds to lower and compile the forward pass and the
-            gradient, and the optimized HLO's lines
+            gradient (the better of two fresh compiles), and the optimized HLO's lines
 """
 
 from __future__ import annotations
@@ -71,13 +72,16 @@ def _timed(fn: Callable) -> tuple[float, object]:
 
 
 def _best_step_ms(model, optimizer, batch, repeats: int) -> float:
-  jax.block_until_ready(train_step(model, optimizer, *batch))
-  best = np.inf
-  for _ in range(repeats):
-    seconds, out = _timed(lambda: train_step(model, optimizer, *batch))
-    jax.block_until_ready(out)
-    best = min(best, seconds)
-  return 1e3 * best
+  step = lambda: jax.block_until_ready(train_step(model, optimizer, *batch))
+  step()
+  return 1e3 * min(_timed(step)[0] for _ in range(repeats))
+
+
+def _fresh_compile_seconds(jitted: Callable, *args) -> float:
+  """Seconds to lower and compile `jitted` on `args` with JAX's caches emptied first (tracing
+  included, as in a new process; the persistent compilation cache is off by default)."""
+  jax.clear_caches()
+  return _timed(lambda: jitted.lower(*args).compile())[0]
 
 
 def _gradient_temp_mib(blocks: int, scanned: bool, policy: Callable | None, mesh, batch) -> float:
@@ -98,8 +102,7 @@ def stacks_rows(repeats: int) -> list[dict]:
     model = _model(blocks, scanned, None, mesh)
     optimizer = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
     shard_model(optimizer, mesh)
-    lowered = lambda model=model, optimizer=optimizer: train_step.lower(model, optimizer, *batch)
-    seconds, _ = _timed(lambda lowered=lowered: lowered().compile())
+    seconds = min(_fresh_compile_seconds(train_step, model, optimizer, *batch) for _ in range(2))
     rows.append(
       dict(
         section="depth",
@@ -112,21 +115,30 @@ def stacks_rows(repeats: int) -> list[dict]:
         remat_temp_mib=_gradient_temp_mib(blocks, scanned, POLICIES.nothing_saveable, mesh, batch),
       )
     )
+  _derived_columns(rows)
+  shapes = param_shapes(MOE)
+  local = 4 * (np.prod(shapes["w_gate_up"]) + np.prod(shapes["w_down"])) / 4
+  print(f"\nexpert weights of a block on one device (E / 4 experts): {local / 2**20:.2f} MiB")
+  return rows
+
+
+def _derived_columns(rows: list[dict]) -> None:
+  """Compile time as a multiple of the 1-block unrolled model's, step time per block and
+  scanned over unrolled at equal depth, and temp growth per block since the shallower row."""
   base = rows[0]  # 1 block, unrolled: the plain model
+  unrolled = {r["blocks"]: r for r in rows if not r["scanned"]}
   previous: dict[bool, dict] = {}
   for r in rows:
     r["compile_of_1_block"] = r["compile_s"] / base["compile_s"]
-    r["step_of_1_block"] = r["step_ms"] / base["step_ms"]
+    r["ms_per_block"] = r["step_ms"] / r["blocks"]
+    same_depth = unrolled.get(r["blocks"]) if r["scanned"] else None
+    r["step_of_unrolled"] = "" if same_depth is None else r["step_ms"] / same_depth["step_ms"]
     shallower = previous.get(r["scanned"])
     for key in ("temp_mib", "remat_temp_mib"):  # growth per block since the shallower row
       r[f"{key}_per_block"] = (
         "" if shallower is None else (r[key] - shallower[key]) / (r["blocks"] - shallower["blocks"])
       )
     previous[r["scanned"]] = r
-  shapes = param_shapes(MOE)
-  local = 4 * (np.prod(shapes["w_gate_up"]) + np.prod(shapes["w_down"])) / 4
-  print(f"\nexpert weights of a block on one device (E / 4 experts): {local / 2**20:.2f} MiB")
-  return rows
 
 
 def _policies() -> dict[str, Callable | None]:
@@ -222,8 +234,8 @@ def compile_rows() -> list[dict]:
       ("forward", forward),
       ("gradient", jax.grad(lambda w, x, forward=forward: jnp.sum(forward(w, x) ** 2))),
     ):
-      compile_fn = lambda fn=fn, weights=weights: jax.jit(fn).lower(weights, x).compile()
-      seconds, compiled = _timed(compile_fn)
+      seconds = min(_fresh_compile_seconds(jax.jit(fn), weights, x) for _ in range(2))
+      compiled = jax.jit(fn).lower(weights, x).compile()
       lines = len(compiled.as_text().splitlines())
       row = dict(case=name, what=what, compile_s=seconds, hlo_lines=lines)
       rows.append(dict(section="depth", table="compile", **row))
@@ -245,7 +257,8 @@ def depth_section(repeats: int, table: Callable[[str, list[dict], list[str]], No
       "compile_s",
       "compile_of_1_block",
       "step_ms",
-      "step_of_1_block",
+      "ms_per_block",
+      "step_of_unrolled",
       "temp_mib",
       "temp_mib_per_block",
       "remat_temp_mib",
