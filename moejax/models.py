@@ -33,9 +33,9 @@ class TransformerConfig:
     moe_every: 1 = every block's FFN is an MoE layer, 2 = every other one (dense between).
     dense_ffn_size: hidden width of the dense FFN blocks.
     scan_layers: build the blocks as one stack (`nnx.vmap`, a leading layer axis on no mesh
-      axis) applied with `nnx.scan`: one block's program compiled however
-      deep the model (num_layers must then divide by moe_every: each scanned step is
-      moe_every blocks, the MoE one last).
+      axis) applied with `nnx.scan`: one step's program compiled however deep the model.
+      num_layers must then divide by moe_every: each step is moe_every blocks, the MoE one
+      last.
     remat_policy: None to save what autodiff needs; else every block (every scanned group)
       is rematerialized by `nnx.remat` with this `jax.checkpoint` policy, e.g.
       `jax.checkpoint_policies.nothing_saveable`, or
