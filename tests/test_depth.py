@@ -113,6 +113,11 @@ def _unrolled_value(stacked: dict, path: tuple, moe_every: int) -> jax.Array:
   return stacked[("blocks", "groups", role, *path[2:])].get_value()[group]
 
 
+def test_scan_layers_needs_whole_groups_of_blocks():
+  with pytest.raises(ValueError, match="moe_every=2 blocks: num_layers=3 must divide by it"):
+    TransformerConfig(32, 3, 2, CONFIG, moe_every=2, scan_layers=True)
+
+
 def test_scanned_transformer_equals_the_unrolled_one(request):
   """`TransformerConfig(scan_layers=True)` (dense and MoE blocks alternating, on the 2x4 mesh)
   gives the unrolled model's loss, aux losses and gradients, its weights copied in."""
@@ -175,6 +180,8 @@ def test_a_stacked_layer_rebalances_each_layer_by_its_own_load(request):
   compiled = step._cache_size()
   load = jax.device_get(stack.layers.expert_load.get_value())  # [LAYERS, P]
   old = jax.device_get(stack.layers.placement.get_value())
+  with pytest.raises(ValueError, match=r"load has shape \(8,\), expected \(3, 8\) \(\[N, E\]"):
+    stack.layers.rebalance(np.ones(8))  # one layer's load for a stack of three
   new = stack.layers.rebalance()
   expected = eplb.rebalance(logical_load(load, old), num_physical=12, num_devices=4)
   chex.assert_trees_all_equal(jax.device_get(new), expected)
