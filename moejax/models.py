@@ -135,12 +135,12 @@ class BlockStack(nnx.Module):
   def __call__(self, x: jax.Array, token_mask: jax.Array) -> jax.Array:
     @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry, **_STACKED)
     def apply(x: jax.Array, group: BlockGroup) -> jax.Array:
-      return applied(group, x, token_mask)
+      return _apply_block(group, x, token_mask)
 
     return apply(x, self.groups)
 
 
-def applied(module: Block | BlockGroup, x: jax.Array, token_mask: jax.Array) -> jax.Array:
+def _apply_block(module: Block | BlockGroup, x: jax.Array, token_mask: jax.Array) -> jax.Array:
   """`module(x, token_mask)`, rematerialized as its config's `remat_policy` asks."""
   policy = module.config.remat_policy
   if policy is None:
@@ -179,7 +179,7 @@ class MoETransformer(nnx.Module):
       x = self.blocks(x, token_mask)
     else:
       for block in self.blocks:
-        x = applied(block, x, token_mask)
+        x = _apply_block(block, x, token_mask)
     return self.embed.attend(self.final_norm(x)).astype(jnp.float32)
 
 
