@@ -167,28 +167,32 @@ def _max_difference(a, b) -> float:
   return max(float(jnp.max(jnp.abs(x - y))) for x, y in pairs)
 
 
+def _scanned_blocks_case(policy: Callable | None, mesh, batch, params, x) -> tuple:
+  """(loss, its arguments): the 4 scanned blocks, each rematerialized by `policy`."""
+  graphdef, state = nnx.split(_model(4, True, policy, mesh))
+  loss = lambda state: loss_fn(nnx.merge(graphdef, state), *batch, LossWeights())[0]
+  return loss, (state,)
+
+
+def _layer_under_tanh_case(policy: Callable | None, mesh, batch, params, x) -> tuple:
+  """(loss, its arguments): one layer whose output feeds tanh inside the remat."""
+  layer = lambda params: jnp.tanh(moe_apply(params, x, config=MOE, mesh=mesh)[0])
+  if policy is not None:
+    layer = jax.checkpoint(layer, policy=policy)
+  return (lambda params: jnp.sum(layer(params) ** 2)), (params,)
+
+
 def policy_rows() -> list[dict]:
   mesh = _mesh()
   batch = _batch(mesh)
   params = moe_layer_params(mesh)
   x = jax.random.normal(jax.random.key(1), (512, MOE.hidden_size))
+  cases = {"4 scanned blocks": _scanned_blocks_case, "tanh(layer(x))": _layer_under_tanh_case}
   rows = []
-  for model_name in ("4 scanned blocks", "tanh(layer(x))"):
+  for model_name, case in cases.items():
     reference = None
     for name, policy in _policies().items():
-      if model_name == "4 scanned blocks":
-        graphdef, state = nnx.split(_model(4, True, policy, mesh))
-        args = (state,)
-        loss = lambda state, graphdef=graphdef: loss_fn(
-          nnx.merge(graphdef, state), *batch, LossWeights()
-        )[0]
-      else:
-        layer = lambda params, x: jnp.tanh(moe_apply(params, x, config=MOE, mesh=mesh)[0])
-        if policy is not None:
-          layer = jax.checkpoint(layer, policy=policy)
-        args = (params,)
-        loss = lambda params, layer=layer: jnp.sum(layer(params, x) ** 2)
-      compiled, grads = _gradient_case(loss, args)
+      compiled, grads = _gradient_case(*case(policy, mesh, batch, params, x))
       reference = grads if reference is None else reference
       rows.append(
         dict(
