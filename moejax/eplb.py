@@ -100,7 +100,7 @@ def _inverse(permutation: np.ndarray) -> np.ndarray:
 
 
 def _hierarchical(weight, num_physical: int, num_groups: int, num_nodes: int, num_devices: int):
-  """DeepSeek's hierarchical policy on [L, E] loads: (physical_to_logical, rank, counts)."""
+  """DeepSeek's hierarchical policy on [layers, E] loads: (physical_to_logical, rank, counts)."""
   layers, experts = weight.shape
   group_size = experts // num_groups
   groups_per_node = num_groups // num_nodes
@@ -138,7 +138,7 @@ def rebalance(
   """A placement balancing `load` over devices: DeepSeek's EPLB policy, exactly.
 
   Args:
-    load: [E] or [L, E] measured load of each logical expert (per layer).
+    load: [E] or [layers, E] measured load of each logical expert (per layer).
     num_physical: P, physical slots (E + redundant), a multiple of `num_devices`.
     num_devices: devices of the expert axis (a multiple of `num_nodes`).
     num_groups: expert groups (grouped routing); groups stay within a node when they divide
@@ -201,28 +201,29 @@ def rebalance_weights(
 ) -> tuple[MoEParams, Placement]:
   """`rebalance` for one node of the expert axis's devices, then `place`: new slots for the
   experts by their load, and the weights moved there (what `MoELayer.rebalance` and
-  `moejax.linen.rebalance` run). A stack of N layers (built by `nnx.vmap` or `nn.scan`) has
-  a leading N on every parameter, on `current`'s fields and on `load`: each layer is re-placed
-  by its own load.
+  `moejax.linen.rebalance` run). A stack of layers (built by `nnx.vmap` or `nn.scan`) has a
+  leading layer axis on every parameter, on `current`'s fields and on `load`: each layer is
+  re-placed by its own load.
 
   Args:
-    params: physical expert weights [P, ...] (or [N, P, ...]) laid out by `current`, sharded
+    params: physical expert weights [P, ...] (or [layers, P, ...]) laid out by `current`, sharded
       over the config's expert axis (its size is the device count) or on one device.
     config: the layer's config (with `num_redundant_experts`).
     current: the placement `params` are laid out by.
-    load: [E] (or [N, E]) load of each logical expert.
+    load: [E] (or [layers, E]) load of each logical expert.
 
   Returns:
     (the params with their expert weights moved, each array where it was; the new placement).
 
   Raises:
-    ValueError: `load` is not [E] ([N, E] for a stack), or what `rebalance` and `place` raise.
+    ValueError: `load` is not [E] ([layers, E] for a stack), or what `rebalance` and `place`
+      raise.
   """
   layers = np.shape(current.physical_to_logical)[:-1]
   if np.shape(load) != (*layers, config.num_experts):
     raise ValueError(
       f"load has shape {np.shape(load)}, expected {(*layers, config.num_experts)} "
-      f"([{'N, ' if layers else ''}E]: one load per logical expert"
+      f"([{'layers, ' if layers else ''}E]: one load per logical expert"
       f"{' of each stacked layer' if layers else ''})"
     )
   new = rebalance(

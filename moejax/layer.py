@@ -211,19 +211,19 @@ class MoELayer(nnx.Module):
   def rebalance(self, load: jax.Array | None = None) -> Placement:
     """Re-places the experts by DeepSeek's policy (`moejax.eplb.rebalance`, one node, the
     expert axis's devices) and moves their weights (`moejax.eplb.place`); resets
-    `expert_load`. Calls after it run the same executable. A stack of N layers (built by
-    `nnx.vmap`: every variable has a leading N) re-places each layer by its own load.
+    `expert_load`. Calls after it run the same executable. A stack of layers (built by
+    `nnx.vmap`: every variable has a leading layer axis) re-places each layer by its own load.
 
     Args:
-      load: [E] ([N, E] for a stack) load of each logical expert; None for the load
+      load: [E] ([layers, E] for a stack) load of each logical expert; None for the load
         accumulated since the last rebalance (`expert_load` summed over each expert's
         replicas).
 
     Returns:
-      The new placement (fields with a leading N for a stack).
+      The new placement (fields with a leading layer axis for a stack).
 
     Raises:
-      ValueError: the layer has no redundant experts, or `load` is not [E] ([N, E]).
+      ValueError: the layer has no redundant experts, or `load` is not [E] ([layers, E]).
     """
     config = self.config
     if not config.num_redundant_experts:
@@ -256,8 +256,8 @@ def collect_aux(intermediates: nnx.State) -> dict[str, list[jax.Array]]:
 
   Returns:
     {"expert_counts": [...], "load_balancing_loss": [...], "router_z_loss": [...]}: one entry
-    per layer call, in module order: [E + Z] and [] for a layer called once, [N, E + Z] and
-    [N] for a stack of N layers applied with `nnx.scan` (one entry for the whole stack).
+    per layer call, in module order: [E + Z] and [] for a layer called once, [layers, E + Z]
+    and [layers] for a stack applied with `nnx.scan` (one entry for the whole stack).
     `moejax.train.summed_aux` adds them up either way.
   """
   aux: dict[str, list[jax.Array]] = {name: [] for name in _AUX_NAMES}

@@ -25,8 +25,8 @@ from moejax.stacking import layer_of
 
 
 class Placement(NamedTuple):
-  """Which logical expert each physical slot holds. With a leading layer axis L on every field
-  for several layers (what `moejax.eplb.rebalance` returns for [L, E] loads).
+  """Which logical expert each physical slot holds. With a leading layer axis on every field
+  for several layers (what `moejax.eplb.rebalance` returns for [layers, E] loads).
 
   Attributes:
     physical_to_logical: [P] int32 logical expert of each physical slot.
@@ -50,7 +50,7 @@ def initial_placement(num_experts: int, num_redundant: int) -> Placement:
 
 
 def from_physical_to_logical(physical_to_logical, num_experts: int) -> Placement:
-  """The whole `Placement` of a [P] (or [L, P]) slot -> expert map, replicas in slot order.
+  """The whole `Placement` of a [P] (or [layers, P]) slot -> expert map, replicas in slot order.
 
   Raises:
     ValueError: an id outside [0, E), or an expert without a slot.
@@ -176,7 +176,7 @@ def physical_counts(physical_ids: jax.Array, num_physical: int) -> jax.Array:
 
 def logical_load(load: np.ndarray, placement: Placement) -> np.ndarray:
   """[P] per-slot load -> [E] per-expert load: each expert's replicas summed (host NumPy);
-  [N, P] -> [N, E] for a stack of layers, each by its own placement."""
+  [layers, P] -> [layers, E] for a stack of layers, each by its own placement."""
   if np.ndim(load) == 2:
     return np.stack([logical_load(row, layer_of(placement, i)) for i, row in enumerate(load)])
   experts = np.shape(placement.replica_counts)[-1]

@@ -1,4 +1,4 @@
-"""One layer of a stack and back: the pytrees of N layers built with a leading layer axis
+"""One layer of a stack and back: the pytrees of layers built with a leading layer axis
 (`nnx.vmap`, `nn.scan`), taken apart and put together where per-layer host work needs it
 (`moejax.eplb.rebalance_weights`), each array on the devices it came from."""
 
@@ -16,7 +16,7 @@ Tree = TypeVar("Tree")
 
 
 def layer_of(tree: Tree, index: int) -> Tree:
-  """Layer `index` of every leaf [N, ...] -> [...]: a sharded leaf keeps the rest of its spec
+  """Layer `index` of every leaf [layers, ...] -> [...]: a sharded leaf keeps the rest of its spec
   (a layer's expert weights stay split over the expert axis), a host one stays on the host.
 
   >>> layer_of({"w": np.arange(6).reshape(3, 2)}, 1)["w"].tolist()
@@ -35,8 +35,8 @@ def _slice(leaf, index: int):
 
 
 def stack_layers(layers: list[Tree], *, like: Tree) -> Tree:
-  """The inverse of `layer_of`: N layers' pytrees -> one with a leading N, each leaf laid out
-  as its stacked counterpart in `like`."""
+  """The inverse of `layer_of`: the layers' pytrees -> one with a leading layer axis, each
+  leaf laid out as its stacked counterpart in `like`."""
   return jax.tree.map(lambda ref, *leaves: _stacked(ref, leaves), like, *layers)
 
 

@@ -71,7 +71,7 @@ class Unrolled(nnx.Module):
 
 
 def test_a_stack_without_layer_metadata_is_refused_not_mis_sharded():
-  """Without `transform_metadata` a stacked weight [N, E, D, 2F] keeps the spec of one layer,
+  """Without `transform_metadata` a stacked weight [layers, E, D, 2F] keeps the spec of one layer,
   ("expert", None, None): placed as is it would split the layer axis over "expert"."""
   with pytest.raises(
     ValueError, match=r"layers\.\w+: .* rank \d, the array .* rank \d.*transform_metadata"
@@ -90,7 +90,8 @@ def test_a_stack_with_its_layer_axis_named_none_or_layers_is_placed(layer_axis):
 
 def test_scanned_aux_losses_sum_as_unrolled(request):
   """A scanned stack equals the unrolled layers, and `summed_aux` gives the same losses and
-  per-layer expert counts for both (collect_aux: one [N] entry against N [] entries)."""
+  per-layer expert counts for both (collect_aux: one [layers] entry against one [] entry per
+  layer)."""
   stack = Stack({nnx.PARTITION_NAME: None}, rngs=nnx.Rngs(seed_of(request.node.name) % 2**31))
   unrolled = Unrolled(stack)
   x = jax.random.normal(jax.random.key(1), (24, CONFIG.hidden_size))
@@ -180,7 +181,7 @@ def test_a_stacked_layer_rebalances_each_layer_by_its_own_load(request):
   compiled = step._cache_size()
   load = jax.device_get(stack.layers.expert_load.get_value())  # [LAYERS, P]
   old = jax.device_get(stack.layers.placement.get_value())
-  with pytest.raises(ValueError, match=r"load has shape \(8,\), expected \(3, 8\) \(\[N, E\]"):
+  with pytest.raises(ValueError, match=r"load has shape \(8,\), expected \(3, 8\) \(\[layers, E\]"):
     stack.layers.rebalance(np.ones(8))  # one layer's load for a stack of three
   new = stack.layers.rebalance()
   expected = eplb.rebalance(logical_load(load, old), num_physical=12, num_devices=4)
