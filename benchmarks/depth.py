@@ -19,6 +19,7 @@ losses, gradient, Adam) on 32 sequences of 16 tokens, E=8, K=2, D=128, F=256:
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 
@@ -29,6 +30,7 @@ import optax
 from flax import nnx
 from jax.sharding import AxisType, NamedSharding
 
+from kernels_pallas import autotune
 from moejax import CHECKPOINT_NAMES, MoEConfig, moe_apply, param_shapes
 from moejax.models import ClusterTask, MoETransformer, TransformerConfig, shard_model
 from moejax.sharding import LayerSpecs
@@ -65,28 +67,19 @@ def _batch(mesh) -> list[jax.Array]:
   return [jax.device_put(a, sharding) for a in ClusterTask().batch(32, 0)]
 
 
-def _timed(fn: Callable) -> tuple[float, object]:
-  start = time.perf_counter()
-  out = fn()
-  return time.perf_counter() - start, out
-
-
-def _best_step_ms(model, optimizer, batch, repeats: int) -> float:
-  step = lambda: jax.block_until_ready(train_step(model, optimizer, *batch))
-  step()
-  return 1e3 * min(_timed(step)[0] for _ in range(repeats))
-
-
 def _fresh_compile_seconds(jitted: Callable, *args) -> float:
   """Seconds to lower and compile `jitted` on `args` with JAX's caches emptied first (tracing
   included, as in a new process; the persistent compilation cache is off by default)."""
   jax.clear_caches()
-  return _timed(lambda: jitted.lower(*args).compile())[0]
+  start = time.perf_counter()
+  jitted.lower(*args).compile()
+  return time.perf_counter() - start
 
 
 def _gradient_temp_mib(blocks: int, scanned: bool, policy: Callable | None, mesh, batch) -> float:
-  """Compiled temp of the loss's gradient (the train step's temp adds a gradient-sized buffer
-  per block for the optimizer to read, which hides what the backward pass keeps)."""
+  """Compiled temp of the loss's gradient: what the backward pass keeps (the train step's own
+  temp also holds the optimizer update's buffers, with remat about a block's weights per
+  block on XLA:CPU)."""
   graphdef, state = nnx.split(_model(blocks, scanned, policy, mesh))
   loss = lambda state: loss_fn(nnx.merge(graphdef, state), *batch, LossWeights())[0]
   compiled = jax.jit(jax.grad(loss)).lower(state).compile()
@@ -97,6 +90,7 @@ def stacks_rows(repeats: int) -> list[dict]:
   mesh = _mesh()
   batch = _batch(mesh)
   _gradient_temp_mib(1, True, None, mesh, batch)  # warm-up: the process's first compiles
+  step = lambda model, optimizer: train_step(model, optimizer, *batch)
   rows = []
   for blocks, scanned in STACKS:
     model = _model(blocks, scanned, None, mesh)
@@ -110,7 +104,7 @@ def stacks_rows(repeats: int) -> list[dict]:
         blocks=blocks,
         scanned=scanned,
         compile_s=seconds,
-        step_ms=_best_step_ms(model, optimizer, batch, repeats),
+        step_ms=1e3 * autotune.time_call(functools.partial(step, model, optimizer), repeats),
         temp_mib=_gradient_temp_mib(blocks, scanned, None, mesh, batch),
         remat_temp_mib=_gradient_temp_mib(blocks, scanned, POLICIES.nothing_saveable, mesh, batch),
       )
