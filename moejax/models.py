@@ -56,6 +56,11 @@ class TransformerConfig:
       raise ValueError(f"hidden_size={self.moe.hidden_size} must divide by {self.num_heads=}")
     if self.moe_every not in (1, 2):
       raise ValueError(f"moe_every must be 1 or 2, got {self.moe_every}")
+    if self.remat_policy is not None and not callable(self.remat_policy):
+      raise TypeError(
+        f"remat_policy must be None or a jax.checkpoint policy (e.g. "
+        f"jax.checkpoint_policies.nothing_saveable), got {self.remat_policy!r}"
+      )
     if self.scan_layers and self.num_layers % self.moe_every:
       raise ValueError(
         f"scan_layers=True scans groups of moe_every={self.moe_every} blocks: num_layers="

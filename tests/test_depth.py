@@ -114,9 +114,11 @@ def _unrolled_value(stacked: dict, path: tuple, moe_every: int) -> jax.Array:
   return stacked[("blocks", "groups", role, *path[2:])].get_value()[group]
 
 
-def test_scan_layers_needs_whole_groups_of_blocks():
+def test_the_transformer_config_refuses_what_it_cannot_scan_or_remat():
   with pytest.raises(ValueError, match="moe_every=2 blocks: num_layers=3 must divide by it"):
     TransformerConfig(32, 3, 2, CONFIG, moe_every=2, scan_layers=True)
+  with pytest.raises(TypeError, match=r"remat_policy must be None or a jax\.checkpoint policy"):
+    TransformerConfig(32, 2, 2, CONFIG, remat_policy="full")
 
 
 def test_scanned_transformer_equals_the_unrolled_one(request):
