@@ -22,6 +22,10 @@ Sections (each prints a table; all rows go to `results/bench.json`, the chunk sw
   depth       scanned and unrolled stacks of blocks, remat policies of the layer's
               checkpoint names, and the layer's compile time against a dense MLP
               (`benchmarks/depth.py`; not in the default run: several minutes)
+  mesh        expert weights split over data (`expert_fsdp`) vs replicated, an expert
+              group (expert, tensor) on a (2, 2, 2) mesh vs (2, 4), and DeepSeek-V3's
+              weight bytes per device by expert parallelism and FSDP
+              (`benchmarks/mesh.py`; not in the default run)
 
 What the expert-axis exchange sends (both dispatch schemes) is `benchmarks/dispatch.py`'s.
 
@@ -56,8 +60,19 @@ from moejax.params import ExpertWeights
 from moejax.sharding import LayerSpecs, placement
 
 D, F = 256, 512
-SECTIONS = ("layer", "chunks", "auto", "steps", "decode", "padding", "quant", "compiles", "depth")
-DEFAULT_SECTIONS = SECTIONS[:-1]
+SECTIONS = (
+  "layer",
+  "chunks",
+  "auto",
+  "steps",
+  "decode",
+  "padding",
+  "quant",
+  "compiles",
+  "depth",
+  "mesh",
+)
+DEFAULT_SECTIONS = SECTIONS[:-2]
 
 
 def best_time(fn, *args, repeats: int) -> float:
@@ -687,7 +702,7 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument(
     "--sections",
     default=",".join(DEFAULT_SECTIONS),
-    help=f"comma-separated, of: {','.join(SECTIONS)} (default: all but depth)",
+    help=f"comma-separated, of: {','.join(SECTIONS)} (default: all but depth and mesh)",
   )
   args = parser.parse_args(argv)
   sections = sections_of(parser, args.sections, SECTIONS)
@@ -722,6 +737,11 @@ def main(argv: list[str] | None = None) -> None:
     import depth
 
     rows += depth.depth_section(args.repeats, _table)
+  if "mesh" in sections:
+    sys.path.insert(0, str(Path(__file__).parent))  # benchmarks/mesh.py, beside this file
+    import mesh
+
+    rows += mesh.mesh_section(args.repeats, _table)
   (out / "bench.json").write_text(json.dumps(rows, indent=1))
   print(f"\nwrote {out / 'bench.json'} in {time.perf_counter() - start:.0f} s")
 

@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from moejax.axis_groups import AxisGroup, names
 from moejax.collectives import filled_like, sum_over
 
 
@@ -142,7 +143,7 @@ def chunk_scan(
   token_mask: jax.Array,
   *,
   chunk_size: int,
-  lockstep_axis: str | None,
+  lockstep_axis: AxisGroup | None,
   pipelined: bool,
 ) -> tuple[jax.Array, jax.Array]:
   """Applies `stages` to chunks of C rows, valid rows first, skipping all-padding chunks.
@@ -157,8 +158,8 @@ def chunk_scan(
     inputs: pytree of [L, ...] arrays, L a multiple of C.
     token_mask: [L] bool, True for valid rows.
     chunk_size: C.
-    lockstep_axis: the mesh axis the stages' collectives span (None without a mesh): a chunk
-      runs on all devices of the axis when any of them holds a valid row in it.
+    lockstep_axis: the mesh axis (or group) the stages' collectives span (None without a
+      mesh): a chunk runs on all its devices when any of them holds a valid row in it.
     pipelined: send chunk i+1 while chunk i computes (worth it only where an exchange crosses
       devices); else each step runs both stages of its chunk under one cond.
 
@@ -178,13 +179,15 @@ def _chunk_order(token_mask: jax.Array, chunk_size: int) -> jax.Array:
   return jnp.argsort(~token_mask, stable=True).reshape(-1, chunk_size)
 
 
-def _live_chunks(token_mask: jax.Array, order: jax.Array, lockstep_axis: str | None) -> jax.Array:
+def _live_chunks(
+  token_mask: jax.Array, order: jax.Array, lockstep_axis: AxisGroup | None
+) -> jax.Array:
   """[chunks] bool: whether any device along the axis holds a valid row in each chunk.
 
   One collective for the whole loop: the per-chunk valid counts, summed over the axis.
   """
   counts = jnp.sum(token_mask[order], axis=1, dtype=jnp.int32)  # [chunks]
-  return sum_over(counts, () if lockstep_axis is None else (lockstep_axis,)) > 0
+  return sum_over(counts, () if lockstep_axis is None else names(lockstep_axis)) > 0
 
 
 def _zeros_of(token_mask: jax.Array, like: Any) -> Any:

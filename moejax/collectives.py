@@ -1,8 +1,9 @@
 """Collectives inside `shard_map`, each the identity when the layer runs without a mesh.
 
-Every helper takes a mesh axis name, or None without a mesh, so the same layer code runs on
-one device. `ragged_all_to_all` is `jax.lax.ragged_all_to_all` where the platform has it and
-an exact drop-in built from a static `all_to_all` where it does not (XLA:CPU).
+Every helper takes a mesh axis name or a tuple of names (an axis group, acting as one axis:
+`moejax.axis_groups`), or None without a mesh, so the same layer code runs on one device.
+`ragged_all_to_all` is `jax.lax.ragged_all_to_all` where the platform has it and an exact
+drop-in built from a static `all_to_all` where it does not (XLA:CPU).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from kernels_pallas import platform
+from moejax.axis_groups import AxisGroup
 
 # Platforms whose XLA backend implements the `ragged-all-to-all` collective.
 _RAGGED_PLATFORMS = ("gpu", "tpu")
@@ -38,22 +40,28 @@ def vary_over(x: jax.Array, axes: Sequence[str]) -> jax.Array:
   return jax.lax.pcast(x, tuple(axes), to="varying") if axes else x
 
 
-def axis_rank(axis: str | None) -> jax.Array:
+def axis_rank(axis: AxisGroup | None) -> jax.Array:
   """This device's index along `axis` (0 without a mesh)."""
   return jnp.int32(0) if axis is None else jax.lax.axis_index(axis)
 
 
-def gather_rows(x: jax.Array, axis: str | None) -> jax.Array:
+def gather_along(x: jax.Array, axes: Sequence[str], dim: int) -> jax.Array:
+  """The shards of `x` along `dim` from every device of `axes`, concatenated in rank order
+  (identity for no axes). Its transpose, in a gradient, is a reduce-scatter over `axes`."""
+  return jax.lax.all_gather(x, tuple(axes), axis=dim, tiled=True) if axes else x
+
+
+def gather_rows(x: jax.Array, axis: AxisGroup | None) -> jax.Array:
   """[C, ...] per device -> [S*C, ...]: the rows of all S devices along `axis`, in rank order."""
   return x if axis is None else jax.lax.all_gather(x, axis, tiled=True)
 
 
-def scatter_sum_rows(y: jax.Array, axis: str | None) -> jax.Array:
+def scatter_sum_rows(y: jax.Array, axis: AxisGroup | None) -> jax.Array:
   """[S*C, ...] per device -> [C, ...]: sum over the S devices, each keeping its own C rows."""
   return y if axis is None else jax.lax.psum_scatter(y, axis, scatter_dimension=0, tiled=True)
 
 
-def swap_slices(x: jax.Array, axis: str | None) -> jax.Array:
+def swap_slices(x: jax.Array, axis: AxisGroup | None) -> jax.Array:
   """[S, ...] per device -> [S, ...]: slice j goes to device j; slice i of the result came
   from device i (a tiled `all_to_all`)."""
   return x if axis is None else jax.lax.all_to_all(x, axis, 0, 0, tiled=True)
@@ -78,7 +86,7 @@ def ragged_all_to_all(
   output_offsets: jax.Array,
   recv_sizes: jax.Array,
   *,
-  axis: str | None,
+  axis: AxisGroup | None,
   max_slice_rows: int,
   ragged: bool,
 ) -> jax.Array:

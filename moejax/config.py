@@ -8,7 +8,9 @@ from typing import Literal
 import jax.numpy as jnp
 
 from kernels_pallas.quantized import FORMATS
+from moejax import axis_groups
 from moejax.activations import GATED
+from moejax.axis_groups import AxisGroup
 
 Activation = Literal["silu", "gelu", "gelu_tanh", "swiglu_oai"]
 Scoring = Literal["softmax", "sigmoid", "sparsemixer"]
@@ -73,8 +75,15 @@ class MoEConfig:
       `sigmoid(x @ shared_gate_kernel)`, a [D, 1] parameter (Qwen2-MoE, Qwen3-Next).
     dtype: compute dtype of the expert matmuls (the router always runs in float32).
     param_dtype: storage dtype of the parameters.
-    data_axis: mesh axis over which tokens are split (data parallelism).
-    expert_axis: mesh axis over which experts (and tokens) are split.
+    data_axis: the mesh axis, or tuple of axes (`moejax.axis_groups`), over which tokens are
+      split (data parallelism).
+    expert_axis: the mesh axis, or tuple of axes, over which experts (and tokens) are split;
+      the exchange runs over all of them, S = the product of their sizes. Every axis of the
+      layer's mesh must be in exactly one of the two groups.
+    expert_fsdp: store the routed experts' weights (biases, quantized values and scales)
+      split over the data group too, along each one's dim 1 (a matrix's input axis): each
+      device holds 1 / (S · data-group size) of them. A call gathers them over the data group
+      once, before its chunk loop, and their gradients leave by a reduce-scatter.
     expert_backend: "xla" (the better XLA path for the device: the tile loop, or
       ragged_dot for few local experts on a GPU), "pallas" (the fused `kernels_pallas`
       kernels of the device; in the interpreter on a CPU, for testing) or "auto" (a kernel
@@ -129,8 +138,9 @@ class MoEConfig:
   shared_expert_gate: bool = False
   dtype: jnp.dtype = jnp.float32
   param_dtype: jnp.dtype = jnp.float32
-  data_axis: str = "data"
-  expert_axis: str = "expert"
+  data_axis: AxisGroup = "data"
+  expert_axis: AxisGroup = "expert"
+  expert_fsdp: bool = False
   expert_backend: ExpertBackend = "auto"
   dispatch: Dispatch = "auto"
   num_redundant_experts: int = 0
@@ -151,8 +161,19 @@ class MoEConfig:
       raise ValueError(f"dtype must be a floating dtype, got {self.dtype}")
     if not jnp.issubdtype(self.param_dtype, jnp.floating):
       raise ValueError(f"param_dtype must be a floating dtype, got {self.param_dtype}")
-    if self.data_axis == self.expert_axis:
-      raise ValueError(f"data_axis and expert_axis must differ, both are {self.data_axis!r}")
+    self._check_axes()
+
+  def _check_axes(self) -> None:
+    axis_groups.check_group("data_axis", self.data_axis)
+    axis_groups.check_group("expert_axis", self.expert_axis)
+    both = [axis for axis in self.data_axes if axis in self.expert_axes]
+    if both:
+      raise ValueError(
+        f"mesh axis {both[0]!r} is in both data_axis={self.data_axis!r} and "
+        f"expert_axis={self.expert_axis!r}: each axis belongs to one group"
+      )
+    if not isinstance(self.expert_fsdp, bool):
+      raise ValueError(f"expert_fsdp must be a bool, got {self.expert_fsdp!r}")
 
   def _check_sizes(self) -> None:
     for name in ("num_experts", "hidden_size", "intermediate_size"):
@@ -254,6 +275,16 @@ class MoEConfig:
             f"{name}={getattr(self, name)} must be a multiple of 32 with expert_quant='mxfp4' "
             "(one scale per 32 values along each matrix's input axis)"
           )
+
+  @property
+  def data_axes(self) -> tuple[str, ...]:
+    """The data group's mesh axes (`data_axis` as a tuple)."""
+    return axis_groups.names(self.data_axis)
+
+  @property
+  def expert_axes(self) -> tuple[str, ...]:
+    """The expert group's mesh axes (`expert_axis` as a tuple)."""
+    return axis_groups.names(self.expert_axis)
 
   @property
   def quant_block(self) -> tuple[int, int] | None:

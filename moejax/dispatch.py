@@ -56,12 +56,12 @@ class Exchange(Protocol):
   """One expert-axis exchange scheme (see the module docstring).
 
   Attributes:
-    axis: the expert mesh axis, or None without a mesh.
+    axis: the expert group's mesh axes, or None without a mesh.
     axis_size: S.
     local_experts: El.
   """
 
-  axis: str | None
+  axis: tuple[str, ...] | None
   axis_size: int
   local_experts: int
 
@@ -98,7 +98,7 @@ def crosses_devices(exchange: Exchange) -> bool:
 class AllGather:
   """Every chunk row to every device of the axis; partial sums reduce-scattered back."""
 
-  axis: str | None
+  axis: tuple[str, ...] | None
   axis_size: int
   local_experts: int
 
@@ -229,7 +229,7 @@ class AllToAll:
   the offsets are the same code either way.
   """
 
-  axis: str | None
+  axis: tuple[str, ...] | None
   axis_size: int
   local_experts: int
   ragged: bool
@@ -329,9 +329,9 @@ def resolve_dispatch(dispatch: str, axis_size: int, platform_name: str) -> str:
   return "all_to_all" if min_axis is not None and axis_size >= min_axis else "all_gather"
 
 
-def make_exchange(config: MoEConfig, axis: str | None, axis_size: int) -> Exchange:
-  """The config's exchange on an expert axis of `axis_size` devices (None, 1: no mesh), over
-  its physical experts (P = E + R; ids from P go to no device)."""
+def make_exchange(config: MoEConfig, axis: tuple[str, ...] | None, axis_size: int) -> Exchange:
+  """The config's exchange over the expert group `axis` of `axis_size` devices (None, 1: no
+  mesh), over its physical experts (P = E + R; ids from P go to no device)."""
   local_experts = config.num_physical_experts // axis_size
   ragged = platform_has_ragged_all_to_all()
   if resolve_dispatch(config.dispatch, axis_size, platform.platform()) == "all_gather":

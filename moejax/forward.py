@@ -16,15 +16,22 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
+from moejax import axis_groups, remat, routing, sharding
 from moejax import placement as placement_lib
-from moejax import remat, routing, sharding
 from moejax.chunk_budget import auto_chunk
 from moejax.chunking import ChunkStages, TokenLayout, chunk_scan
-from moejax.collectives import sum_over, vary_over
+from moejax.collectives import gather_along, sum_over, vary_over
 from moejax.config import MoEConfig
 from moejax.dispatch import Dispatched, Exchange, crosses_devices, make_exchange, received_rows
 from moejax.experts import routed_mlp, shared_mlp, zero_experts
-from moejax.params import ExpertWeights, MoEParams, SharedWeights, check_params, compute_weights
+from moejax.params import (
+  EXPERT_PARAMS,
+  ExpertWeights,
+  MoEParams,
+  SharedWeights,
+  check_params,
+  compute_weights,
+)
 from moejax.plan import ExpertPlan, plan_experts
 
 
@@ -71,8 +78,9 @@ def moe_apply(
     params: the layer's `MoEParams`.
     x: [..., D] float tokens (any leading dims; T = their product need not divide the mesh).
     config: the layer's `MoEConfig`.
-    mesh: a mesh with `config.data_axis` and `config.expert_axis`, or None for one device. With
-      an explicit-axes mesh (`jax.make_mesh`'s default), call inside `jax.set_mesh(mesh)`.
+    mesh: a mesh whose every axis is in `config.data_axis` or `config.expert_axis`, or None
+      for one device. With an explicit-axes mesh (`jax.make_mesh`'s default), call inside
+      `jax.set_mesh(mesh)`.
     token_mask: [...] bool, True for real tokens; None means all real.
     router_logits: [..., E + Z] precomputed router logits (its bias, if any, included); then
       the router is not run again.
@@ -110,8 +118,8 @@ def chunk_layout(config: MoEConfig, num_tokens: int, mesh: Mesh | None = None) -
   >>> chunk_layout(config, num_tokens=1000).chunk  # "auto": one chunk holds them all
   1000
   """
-  expert_axis = 1 if mesh is None else mesh.shape[config.expert_axis]
-  devices = 1 if mesh is None else mesh.shape[config.data_axis] * expert_axis
+  expert_axis = axis_groups.size(mesh, config.expert_axis)
+  devices = axis_groups.size(mesh, config.data_axis) * expert_axis
   share = max(-(-num_tokens // devices), 1)
   chunk = config.chunk_size
   if chunk == "auto":
@@ -162,8 +170,8 @@ def _moe_apply_jit(params, x, token_mask, router_logits, placement, *, config, m
     flat(mask, False),
     None if router_logits is None else flat(router_logits, 0),
   )
-  expert_axis_size = 1 if mesh is None else mesh.shape[config.expert_axis]
-  exchange = make_exchange(config, None if mesh is None else config.expert_axis, expert_axis_size)
+  expert_axis_size = axis_groups.size(mesh, config.expert_axis)
+  exchange = make_exchange(config, None if mesh is None else config.expert_axes, expert_axis_size)
   plan = plan_experts(
     config,
     num_rows=received_rows(exchange, layout.chunk) * config.top_k,
@@ -175,7 +183,7 @@ def _moe_apply_jit(params, x, token_mask, router_logits, placement, *, config, m
     plan=plan,
     chunk_size=layout.chunk,
     exchange=exchange,
-    all_axes=() if mesh is None else (config.data_axis, config.expert_axis),
+    all_axes=() if mesh is None else config.data_axes + config.expert_axes,
   )
   if mesh is None:
     y, stats, slot_counts, counts = body(params, placement, *inputs)
@@ -276,7 +284,7 @@ def local_forward(
   expert_ids = placement_lib.physical_ids(route.expert_ids, placement, config)
   slot_counts = placement_lib.physical_counts(expert_ids, config.num_physical_experts)
   # Expert weights already vary over the expert axis; they are the same on every data rank.
-  data_axes = tuple(a for a in all_axes if a != exchange.axis)
+  data_axes = tuple(a for a in all_axes if a not in (exchange.axis or ()))
   stages = ChunkStages(
     prepare=functools.partial(_prepare_weights, config=config, axes=(data_axes, all_axes)),
     send=functools.partial(_send_chunk, exchange=exchange),
@@ -304,10 +312,26 @@ def _prepare_weights(
   params: MoEParams, *, config: MoEConfig, axes: tuple[tuple[str, ...], tuple[str, ...]]
 ) -> ChunkWeights:
   """The weights in their compute form (`compute_weights`), marked per-device where they are
-  the same on several devices: the expert weights over `axes[0]`, the shared ones over
-  `axes[1]` (`vary_over`: before any chunk's cond)."""
+  the same on several devices: the expert weights over the data axes `axes[0]`, the shared
+  ones over all axes `axes[1]` (`vary_over`: before any chunk's cond).
+
+  With `expert_fsdp` the expert weights arrive split over the data axes along dim 1 and are
+  gathered here, once per pass and outside every chunk (per-device already): the backward
+  pass turns the gather into a reduce-scatter of their gradients.
+  """
+  data_axes, all_axes = axes
+  if config.expert_fsdp:
+    params = params._replace(
+      **{
+        name: jax.tree.map(lambda leaf: gather_along(leaf, data_axes, dim=1), getattr(params, name))
+        for name in EXPERT_PARAMS
+        if getattr(params, name) is not None
+      }
+    )
   experts, shared = compute_weights(params, config)
-  return vary_over(experts, axes[0]), vary_over(shared, axes[1])
+  if not config.expert_fsdp:
+    experts = vary_over(experts, data_axes)
+  return experts, vary_over(shared, all_axes)
 
 
 def _send_chunk(weights: ChunkWeights, chunk, *, exchange: Exchange) -> Dispatched:

@@ -17,9 +17,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from kernels_pallas.quantized import is_block_scaled
-from moejax import ids, sharding
+from moejax import axis_groups, ids, sharding
+from moejax.axis_groups import spec_entry
 from moejax.collectives import filled_like, platform_has_ragged_all_to_all, ragged_all_to_all
 from moejax.config import MoEConfig
 from moejax.params import EXPERT_PARAMS, MoEParams
@@ -130,7 +132,7 @@ def place(
     old = check_values(current, config)
     _check_leading(experts, config.num_physical_experts, "P = E + R (laid out by current)")
     mesh = _mesh_of(experts, config)
-    devices = 1 if mesh is None else mesh.shape[config.expert_axis]
+    devices = axis_groups.size(mesh, config.expert_axis)
     if devices == 1:
       source = [_first_slot(old.physical_to_logical, e) for e in new.physical_to_logical]
       moved = _gather(experts, np.array(source), mesh, config)
@@ -174,14 +176,13 @@ def _first_slot(physical_to_logical: np.ndarray, expert: int) -> int:
 def expert_axis_devices(params: MoEParams, config: MoEConfig) -> int:
   """Devices of the config's expert axis on the mesh the expert weights are sharded on; 1
   for weights on one device."""
-  mesh = _mesh_of(_expert_leaves(params), config)
-  return 1 if mesh is None else mesh.shape[config.expert_axis]
+  return axis_groups.size(_mesh_of(_expert_leaves(params), config), config.expert_axis)
 
 
 def _mesh_of(experts: dict[str, jax.Array], config: MoEConfig) -> Mesh | None:
-  """The mesh the expert weights are sharded on, if it has the config's expert axis."""
+  """The mesh the expert weights are sharded on, if it has the config's expert axes."""
   found = getattr(jax.tree.leaves(experts["w_gate_up"])[0], "sharding", None)
-  if isinstance(found, NamedSharding) and config.expert_axis in found.mesh.axis_names:
+  if isinstance(found, NamedSharding) and set(config.expert_axes) <= set(found.mesh.axis_names):
     return found.mesh
   return None
 
@@ -215,9 +216,9 @@ def _move(experts, plan: MovePlan, *, mesh: Mesh, config: MoEConfig):
 
 def _move_leaves(experts, plan: MovePlan, *, mesh: Mesh, config: MoEConfig):
   """`_move` on a dict of arrays."""
-  specs, axis = _expert_specs(experts, config), config.expert_axis
-  body = functools.partial(_move_local, axis=axis, devices=mesh.shape[axis])
-  per_device = sharding.LayerSpecs.from_config(config).experts_e  # a row of the plan each
+  specs, axis = _expert_specs(experts, config), config.expert_axes
+  body = functools.partial(_move_local, axis=axis, devices=axis_groups.size(mesh, axis))
+  per_device = P(spec_entry(axis))  # a row of the plan each expert-group device
   moved = lambda on_mesh, leaves, plan: jax.shard_map(
     body,
     mesh=on_mesh,
@@ -230,7 +231,7 @@ def _move_leaves(experts, plan: MovePlan, *, mesh: Mesh, config: MoEConfig):
   return jax.jit(functools.partial(moved, mesh), out_shardings=out)(experts, plan)
 
 
-def _move_local(experts, plan: MovePlan, *, axis: str, devices: int):
+def _move_local(experts, plan: MovePlan, *, axis: tuple[str, ...], devices: int):
   """One device's part of `_move`: its Pl new slots from its old ones and what arrives."""
   plan = MovePlan(*(field[0] for field in plan))  # this device's row
   rank = jax.lax.axis_index(axis)

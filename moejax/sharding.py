@@ -1,7 +1,8 @@
 """Mesh checks and every PartitionSpec of the layer, in one place.
 
-Tokens are split over the data and expert axes jointly, expert weights over the expert axis,
-everything else is replicated. The axis names come from `MoEConfig.data_axis` / `.expert_axis`.
+Tokens are split over the data and expert groups jointly, expert weights over the expert
+group (and with `expert_fsdp` their dim 1 over the data group), everything else is
+replicated. The groups come from `MoEConfig.data_axis` / `.expert_axis` (`moejax.axis_groups`).
 """
 
 from __future__ import annotations
@@ -15,19 +16,22 @@ import jax
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from moejax import axis_groups
+from moejax.axis_groups import spec_entry
 from moejax.config import MoEConfig
-from moejax.params import EXPERT_PARAMS, MoEParams, param_shapes
+from moejax.params import EXPERT_PARAMS, QUANTIZED_PARAMS, MoEParams, param_shapes
 
 
 @dataclasses.dataclass(frozen=True)
 class LayerSpecs:
-  """PartitionSpecs of the layer's arrays on a (data, expert) mesh.
+  """PartitionSpecs of the layer's arrays on a mesh of its data and expert groups.
 
   Attributes:
-    tokens_t: token-major arrays [T, ...]: T over (data, expert).
-    experts_e: expert weights [E, ...]: E over expert.
+    tokens_t: token-major arrays [T, ...]: T over (data group, expert group).
+    experts_e: expert weights [E, ...]: E over the expert group; with `expert_fsdp`, dim 1
+      over the data group too.
     replicated: router, bias, shared experts, aux losses.
-    batch_b: a model's input batches [B, ...] (B sequences): B over data.
+    batch_b: a model's input batches [B, ...] (B sequences): B over the data group.
   """
 
   tokens_t: P
@@ -37,11 +41,13 @@ class LayerSpecs:
 
   @classmethod
   def from_config(cls, config: MoEConfig) -> LayerSpecs:
+    data, experts = config.data_axes, config.expert_axes
+    fsdp = (spec_entry(data),) if config.expert_fsdp else ()
     return cls(
-      tokens_t=P((config.data_axis, config.expert_axis)),
-      experts_e=P(config.expert_axis),
+      tokens_t=P(data + experts),
+      experts_e=P(spec_entry(experts), *fsdp),
       replicated=P(),
-      batch_b=P(config.data_axis),
+      batch_b=P(spec_entry(data)),
     )
 
   def params(self, params: MoEParams) -> MoEParams:
@@ -74,10 +80,11 @@ def map_params(fn: Callable[[jax.Array, P], Any], specs: MoEParams, params: MoEP
   )
 
 
-def param_sharding(config: MoEConfig) -> dict[str, tuple[str | None, ...]]:
+def param_sharding(config: MoEConfig) -> dict[str, tuple]:
   """Per-parameter sharding names (nnx `out_sharding` metadata), keyed by parameter name."""
+  specs = LayerSpecs.from_config(config)
   return {
-    name: (config.expert_axis if name in EXPERT_PARAMS else None,) + (None,) * (len(shape) - 1)
+    name: tuple(specs.expert_leaf(len(shape))) if name in EXPERT_PARAMS else (None,) * len(shape)
     for name, shape in param_shapes(config).items()
   }
 
@@ -116,25 +123,55 @@ def placement(mesh: Mesh, spec: P | None) -> NamedSharding:
 
 
 def check_mesh(mesh: Mesh, config: MoEConfig) -> None:
-  """Raises ValueError unless `mesh` has the config's axes and its expert axis divides the
-  physical experts, P = E + R."""
+  """Raises ValueError unless the config's two groups name every axis of `mesh` (and only
+  its axes), the expert group divides the physical experts, P = E + R, and with
+  `expert_fsdp` the data group splits every expert weight's dim 1 evenly, scale blocks
+  included."""
   if not isinstance(mesh, Mesh):
     raise TypeError(f"mesh must be a jax.sharding.Mesh or None, got {type(mesh).__name__}")
+  groups = f"data_axis={config.data_axis!r}, expert_axis={config.expert_axis!r}"
   for field in ("data_axis", "expert_axis"):
-    name = getattr(config, field)
-    if name not in mesh.axis_names:
+    for name in axis_groups.names(getattr(config, field)):
+      if name not in mesh.axis_names:
+        raise ValueError(
+          f"mesh has axes {mesh.axis_names} but config.{field} names {name!r}: build the mesh "
+          f"with every axis of {groups}, e.g. jax.make_mesh((dp, ep), "
+          f"({config.data_axis!r}, {config.expert_axis!r})) for one axis each"
+        )
+  for name in mesh.axis_names:
+    if name not in config.data_axes + config.expert_axes:
       raise ValueError(
-        f"mesh has axes {mesh.axis_names} but config.{field}={name!r}: build the mesh with both "
-        f"axes, e.g. jax.make_mesh((dp, ep), ({config.data_axis!r}, {config.expert_axis!r}))"
+        f"mesh axis {name!r} (size {mesh.shape[name]}) is in neither group ({groups}): the "
+        "layer would repeat its work on each of its devices; add it to expert_axis (a tensor "
+        "axis whose outputs are replicated) or data_axis"
       )
-  experts = mesh.shape[config.expert_axis]
+  experts = axis_groups.size(mesh, config.expert_axis)
   if config.num_physical_experts % experts:
     redundant = config.num_redundant_experts
     physical = f" + num_redundant_experts={redundant}" if redundant else ""
     raise ValueError(
-      f"num_experts={config.num_experts}{physical} must be divisible by the size of mesh axis "
-      f"{config.expert_axis!r}, {experts}"
+      f"num_experts={config.num_experts}{physical} must be divisible by the size of "
+      f"expert_axis={config.expert_axis!r}, {experts}"
     )
+  if config.expert_fsdp:
+    _check_fsdp_split(config, axis_groups.size(mesh, config.data_axis))
+
+
+def _check_fsdp_split(config: MoEConfig, shards: int) -> None:
+  """With `expert_fsdp`, every expert weight's dim 1 (and its scale blocks) split evenly into
+  `shards` pieces."""
+  block_rows = 1 if config.quant_block is None else config.quant_block[0]
+  for name, shape in param_shapes(config).items():
+    if name not in EXPERT_PARAMS:
+      continue
+    blocks = block_rows if name in QUANTIZED_PARAMS else 1  # matrices' scale blocks
+    if shape[1] % (shards * blocks):
+      straddle = f" in whole {blocks}-row scale blocks" if blocks > 1 else ""
+      raise ValueError(
+        f"expert_fsdp=True splits {name} {shape} along dim 1 over data_axis="
+        f"{config.data_axis!r} ({shards} devices): {shape[1]} is not divisible into "
+        f"{shards} shards{straddle}"
+      )
 
 
 def is_explicit(mesh: Mesh) -> bool:

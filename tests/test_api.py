@@ -153,7 +153,7 @@ BAD_CALLS = {
   "int x": (dict(x=jnp.ones((4, 16), jnp.int32)), TypeError, "x must be a floating"),
   "logits shape": (dict(router_logits=jnp.ones((4, 7))), ValueError, "router_logits has shape"),
   "missing axis": (dict(mesh=mesh_of(2, 4, ("data", "model"))), ValueError, "config.expert_axis"),
-  "expert axis": (dict(mesh=mesh_of(1, 3)), ValueError, "divisible by the size of mesh axis"),
+  "expert axis": (dict(mesh=mesh_of(1, 3)), ValueError, "divisible by the size of expert_axis"),
   "mesh type": (dict(mesh="2x4"), TypeError, "mesh must be a jax.sharding.Mesh"),
   "params": (dict(params="drop_bias"), ValueError, "params.routing_bias is missing"),
 }

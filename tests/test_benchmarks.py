@@ -182,3 +182,20 @@ def test_eplb_benchmark_reports_balancedness_from_the_layer(tmp_path):
     assert r["busiest_per_chunk"] >= r["mean_per_chunk"]
     assert abs(r["balancedness"] - r["mean_per_chunk"] / r["busiest_per_chunk"]) < 1e-6
   assert (tmp_path / "eplb_balancedness.png").exists()
+
+
+def test_mesh_benchmark_deepseek_bytes_are_the_closed_form():
+  """`bench --sections mesh`'s DeepSeek-V3 table, from the layer's shapes and specs, against
+  the arithmetic: 3·D·F values per expert (bf16: 2 bytes; fp8: 1 byte plus a float32 scale
+  per 128x128 block), E experts over EP x FSDP devices, 58 layers."""
+  sys.path.insert(0, str(ROOT / "benchmarks"))
+  import mesh
+
+  rows = {(r["weights"], r["expert_parallel"], r["fsdp"]): r for r in mesh.deepseek_rows()}
+  d, f, experts, layers = 7168, 2048, 256, 58
+  scales = 4 * ((d // 128) * (2 * f // 128) + (f // 128) * (d // 128))
+  per_expert = {"bf16": 2 * 3 * d * f, "fp8": 3 * d * f + scales}
+  for (weights, ep, fsdp), row in rows.items():
+    expected = per_expert[weights] * experts * layers / (ep * fsdp) / 2**30
+    assert row["routed_gib"] == pytest.approx(expected), (weights, ep, fsdp)
+  assert len(rows) == 2 * 3 * 4

@@ -41,7 +41,12 @@ BASE = dict(num_experts=8, top_k=2, hidden_size=16, intermediate_size=32)
     (dict(routed_scaling_factor=0.0), "routed_scaling_factor"),
     (dict(dtype=jnp.int32), "dtype"),
     (dict(param_dtype=jnp.int8), "param_dtype"),
-    (dict(data_axis="x", expert_axis="x"), "must differ"),
+    (dict(data_axis="x", expert_axis="x"), "mesh axis 'x' is in both"),
+    (dict(data_axis=("data", "tensor"), expert_axis=("expert", "tensor")), "'tensor' is in both"),
+    (dict(expert_axis=("expert", "expert")), "names mesh axis 'expert' more than once"),
+    (dict(expert_axis=()), "expert_axis must be a mesh axis name or a tuple of names"),
+    (dict(data_axis=["data"]), "data_axis must be a mesh axis name or a tuple of names"),
+    (dict(expert_fsdp=1), "expert_fsdp must be a bool"),
   ],
 )
 def test_bad_field_raises_naming_it(overrides, message):

@@ -250,12 +250,21 @@ def _training_temp_bytes(layers: int, config: MoEConfig, mesh) -> int:
   return compiled.memory_analysis().temp_size_in_bytes
 
 
-def test_a_scanned_stack_keeps_no_copy_of_its_weights_for_the_backward_pass():
+@pytest.mark.parametrize("expert_fsdp", [False, True], ids=["replicated", "fsdp"])
+def test_a_scanned_stack_keeps_no_copy_of_its_weights_for_the_backward_pass(expert_fsdp):
   """Training a scanned stack on the 2x4 mesh without remat, each added layer grows the
   compiled temp by at most a quarter of its local expert weights: the backward pass reads
   the layer's slice of the stacked parameters, not a per-layer copy (the chunk loop saves
-  its weights as given and prepares them again)."""
-  config = MoEConfig(num_experts=8, top_k=2, hidden_size=128, intermediate_size=256, chunk_size=128)
+  its weights as given and prepares them again). With expert_fsdp, a quarter of a layer's
+  gathered weights: the stack holds one layer's gathered weights at a time."""
+  config = MoEConfig(
+    num_experts=8,
+    top_k=2,
+    hidden_size=128,
+    intermediate_size=256,
+    chunk_size=128,
+    expert_fsdp=expert_fsdp,
+  )
   mesh = mesh_of(2, 4)
   shapes = param_shapes(config)  # float32 [E, D, 2F] and [E, F, D], a quarter per device
   local_expert_bytes = 4 * (np.prod(shapes["w_gate_up"]) + np.prod(shapes["w_down"])) / 4

@@ -27,9 +27,9 @@ from tests.helpers import assert_close, mesh_of, seed_of
 MOE = MoEConfig(num_experts=8, top_k=2, hidden_size=32, intermediate_size=64, chunk_size=32)
 
 
-def build(mesh_shape, seed, moe_every=1, scan_layers=False):
+def build(mesh_shape, seed, moe_every=1, scan_layers=False, moe=MOE):
   mesh = mesh_of(*mesh_shape)
-  config = TransformerConfig(64, 2, 2, MOE, moe_every=moe_every, scan_layers=scan_layers)
+  config = TransformerConfig(64, 2, 2, moe, moe_every=moe_every, scan_layers=scan_layers)
   model = MoETransformer(config, mesh=mesh, rngs=nnx.Rngs(seed))
   shard_model(model, mesh)
   optimizer = nnx.Optimizer(model, optax.adam(3e-3), wrt=nnx.Param)
@@ -58,16 +58,23 @@ def test_every_other_block_is_moe():
   assert [type(b.ffn).__name__ for b in model.blocks] == ["DenseFFN", "MoELayer"]
 
 
-@pytest.mark.parametrize("scan_layers", [False, True], ids=["unrolled", "scanned"])
-def test_checkpoint_restores_onto_another_mesh(tmp_path, scan_layers):
+@pytest.mark.parametrize(
+  "scan_layers, expert_fsdp", [(False, False), (True, True)], ids=["unrolled", "scanned-onto-fsdp"]
+)
+def test_checkpoint_restores_onto_another_mesh(tmp_path, scan_layers, expert_fsdp):
+  """Saved on (2, 4), restored on (4, 2); the scanned model's expert weights restore split
+  over data as well (expert_fsdp)."""
   model, optimizer, _ = build((2, 4), seed=0, scan_layers=scan_layers)
   checkpoint.save(tmp_path / "ckpt", model, optimizer, step=5)
-  restored, restored_optimizer, _ = build((4, 2), seed=1, scan_layers=scan_layers)
+  target = dataclasses.replace(MOE, expert_fsdp=expert_fsdp)
+  restored, restored_optimizer, _ = build((4, 2), seed=1, scan_layers=scan_layers, moe=target)
   assert checkpoint.restore(tmp_path / "ckpt", restored, restored_optimizer) == 5
   moe = restored.blocks.groups.moe if scan_layers else restored.blocks[0]
   w = moe.ffn.w_gate_up[...]
   assert w.sharding.mesh.shape == {"data": 4, "expert": 2}
-  assert w.sharding.spec[:2] == ((None, "expert") if scan_layers else ("expert", None))
+  layer_axis = (None,) if scan_layers else ()
+  stored = (*layer_axis, "expert", "data" if expert_fsdp else None)
+  assert w.sharding.spec[: len(stored)] == stored
   tokens, _, mask = ClusterTask().batch(8, 0)
   assert_close(restored(tokens, mask), model(tokens, mask), what="logits after restore")
 

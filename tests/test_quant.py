@@ -169,10 +169,10 @@ class TestLayer:
     [
       (FP8, None, "all_gather"),
       (FP8, (2, 4), "all_to_all"),
-      (MXFP4, (2, 4), "all_gather"),
+      ({**MXFP4, "expert_fsdp": True}, (2, 4), "all_gather"),
       (MXFP4, (1, 8), "all_to_all"),
     ],
-    ids=["fp8-no mesh", "fp8-2x4-all_to_all", "mxfp4-2x4-all_gather", "mxfp4-1x8-all_to_all"],
+    ids=["fp8-no mesh", "fp8-2x4-all_to_all", "mxfp4-2x4-all_gather-fsdp", "mxfp4-1x8-all_to_all"],
   )
   def test_matches_the_dequantized_reference(self, expert_quant, mesh_shape, dispatch, request):
     config = MoEConfig(**BASE, **expert_quant, dispatch=dispatch)

@@ -162,15 +162,20 @@ class TestLayer:
     w = np.asarray(layer.w_gate_up.get_value())
     chex.assert_trees_all_equal(w[8:], w[:8])
 
-  def test_rebalance_follows_the_load_and_keeps_the_output(self):
+  @pytest.mark.parametrize("expert_fsdp", [False, True], ids=["replicated", "fsdp"])
+  def test_rebalance_follows_the_load_and_keeps_the_output(self, expert_fsdp):
+    """With expert_fsdp the weights move as stored: split over data, and they stay so."""
     mesh = mesh_of(2, 4)
-    layer = MoELayer(CONFIG, mesh=mesh, rngs=nnx.Rngs(0))
+    config = dataclasses.replace(CONFIG, expert_fsdp=expert_fsdp)
+    layer = MoELayer(config, mesh=mesh, rngs=nnx.Rngs(0))
+    stored = {name: getattr(layer, name)[...].sharding for name in ("w_gate_up", "b_down")}
+    assert stored["w_gate_up"].spec[1] == ("data" if expert_fsdp else None)
     skew = jnp.zeros((1, 8)).at[0, 3].set(6.0)  # expert 3 takes every token's first choice
     x = jax.random.normal(jax.random.key(4), (64, 16))
     logits = jax.random.normal(jax.random.key(5), (64, 8)) + skew
     before = layer(x, router_logits=logits)
     aux = moe_apply(
-      layer.moe_params(), x, config=CONFIG, mesh=mesh, router_logits=logits,
+      layer.moe_params(), x, config=config, mesh=mesh, router_logits=logits,
       placement=eplb.Placement(*layer.placement.get_value()),
     )[1]  # fmt: skip
     chex.assert_trees_all_equal(layer.expert_load.get_value(), aux.physical_counts)
@@ -184,6 +189,8 @@ class TestLayer:
       after = layer(x, router_logits=logits)
     chex.assert_trees_all_close(after, before, **tolerance())
     assert compiles == [] and compiled_executables() == runs
+    for name, sharding in stored.items():
+      assert getattr(layer, name)[...].sharding == sharding, name
     balance = lambda counts: eplb.balancedness(np.asarray(counts), num_devices=4)
     new_counts = layer.expert_load.get_value()
     assert balance(new_counts) > balance(aux.physical_counts)
