@@ -44,7 +44,8 @@ class MoEAux(NamedTuple):
     load_balancing_loss: [] float32 Switch Transformer loss, 1.0 when perfectly balanced.
     router_z_loss: [] float32 mean squared logsumexp of the router logits.
     chunks_run: [devices] int32 chunks each device ran (the rest were skipped as all-padding),
-      devices in mesh order (data-major); [1] without a mesh.
+      devices in the order of the data group's axes, then the expert group's (data-major);
+      [1] without a mesh.
     dispatch_rows: [devices] int32 rows each device sent in this call's exchange: (row,
       destination device) pairs, the device itself among the destinations. With
       all_to_all, the ragged volume its routing causes; with all_gather, C times the
@@ -220,7 +221,7 @@ _PER_DEVICE = ("chunks_run", "dispatch_rows")
 def _shard(
   body, mesh: Mesh, config: MoEConfig, plan: ExpertPlan, params: MoEParams, placement, inputs
 ):
-  """Runs `body` under `shard_map`: tokens over (data, expert), experts over expert, the
+  """Runs `body` under `shard_map`: tokens over both groups, experts over the expert group, the
   placement everywhere."""
   specs = sharding.LayerSpecs.from_config(config)
   param_specs = specs.params(params)

@@ -108,7 +108,8 @@ class MoELayer(nnx.Module):
 
   Args:
     config: the layer's `MoEConfig`.
-    mesh: a mesh with the config's data and expert axes, or None for one device.
+    mesh: a mesh whose every axis is in the config's data or expert group, or None for one
+      device.
     rngs: `nnx.Rngs` with a `params` stream.
     kernel_init: initializer of the router, expert and shared-expert matrices.
     bias_init: initializer of the biases (`routing_bias`, `router_bias`, `b_gate_up`,
