@@ -105,6 +105,11 @@ class MoEConfig:
       `kernels_pallas.quantized.BlockScaled` (`moejax.quant`).
     quant_block_size: (bi, bo), the fp8_block block over [in, out]; F must be a multiple of
       bo so that no block straddles gate and up.
+    lora_rank: r, the rank of LoRA adapters on every routed expert's two projections (and
+      on the shared experts'), 0 for none (`moejax.lora`): expert e computes
+      `x @ (W_gate_up[e] + s · A[e] @ B[e])`, and the same for down, s = `lora_scale`.
+    lora_alpha: PEFT's `lora_alpha`: s = alpha / r.
+    lora_rslora: PEFT's `use_rslora`: s = alpha / sqrt(r).
 
   >>> MoEConfig(num_experts=8, top_k=2, hidden_size=64, intermediate_size=128).chunk_size
   'auto'
@@ -146,6 +151,9 @@ class MoEConfig:
   num_redundant_experts: int = 0
   expert_quant: Literal["fp8_block", "mxfp4"] | None = None
   quant_block_size: tuple[int, int] = (128, 128)
+  lora_rank: int = 0
+  lora_alpha: float = 8.0
+  lora_rslora: bool = False
 
   def __post_init__(self) -> None:
     self._check_sizes()
@@ -154,6 +162,7 @@ class MoEConfig:
     self._check_shared()
     self._check_family_options()
     self._check_quant()
+    self._check_lora()
     # Normalise dtypes so that equal configs hash equally (jnp.float32 vs np.dtype("float32")).
     object.__setattr__(self, "dtype", jnp.dtype(self.dtype))
     object.__setattr__(self, "param_dtype", jnp.dtype(self.param_dtype))
@@ -285,6 +294,28 @@ class MoEConfig:
   def expert_axes(self) -> tuple[str, ...]:
     """The expert group's mesh axes (`expert_axis` as a tuple)."""
     return axis_groups.names(self.expert_axis)
+
+  def _check_lora(self) -> None:
+    rank = self.lora_rank
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
+      raise ValueError(f"lora_rank must be an int >= 0 (0: no adapters), got {rank!r}")
+    if not self.lora_alpha > 0:
+      raise ValueError(f"lora_alpha must be > 0, got {self.lora_alpha!r}")
+    if not isinstance(self.lora_rslora, bool):
+      raise ValueError(f"lora_rslora must be a bool, got {self.lora_rslora!r}")
+    if rank and self.num_redundant_experts:
+      raise ValueError(
+        "lora_rank with num_redundant_experts is not supported yet: replicas would need their "
+        "expert's adapters placed and their gradients summed"
+      )
+
+  @property
+  def lora_scale(self) -> float:
+    """s, the factor of each adapter's product A @ B: alpha / r (alpha / sqrt(r) with
+    `lora_rslora`), as PEFT scales; 0 without adapters."""
+    if not self.lora_rank:
+      return 0.0
+    return self.lora_alpha / (self.lora_rank**0.5 if self.lora_rslora else self.lora_rank)
 
   @property
   def quant_block(self) -> tuple[int, int] | None:

@@ -239,13 +239,14 @@ def shared_mlp(x: jax.Array, shared: SharedWeights, *, config: MoEConfig) -> jax
   Args:
     x: [C, D] rows in the compute dtype.
     shared: the `SharedWeights`; with a `gate_kernel` ([D, 1], `config.shared_expert_gate`)
-      the output is scaled per row by `sigmoid(x @ gate_kernel)`.
+      the output is scaled per row by `sigmoid(x @ gate_kernel)`; with adapters each
+      projection adds theirs.
     config: the layer's config (its activation).
 
   Returns:
     [C, D] float32.
   """
-  out = gated_mlp(x, shared.w_gate_up, shared.w_down, GatedActivation.of(config))
+  out = gated_mlp(x, shared.w_gate_up, shared.w_down, GatedActivation.of(config), lora=shared.lora)
   if shared.gate_kernel is None:
     return out
   gate = jnp.dot(

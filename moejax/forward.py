@@ -25,7 +25,7 @@ from moejax.config import MoEConfig
 from moejax.dispatch import Dispatched, Exchange, crosses_devices, make_exchange, received_rows
 from moejax.experts import routed_mlp, shared_mlp, zero_experts
 from moejax.params import (
-  EXPERT_PARAMS,
+  PER_EXPERT_FIELDS,
   ExpertWeights,
   MoEParams,
   SharedWeights,
@@ -325,7 +325,7 @@ def _prepare_weights(
     params = params._replace(
       **{
         name: jax.tree.map(lambda leaf: gather_along(leaf, data_axes, dim=1), getattr(params, name))
-        for name in EXPERT_PARAMS
+        for name in PER_EXPERT_FIELDS
         if getattr(params, name) is not None
       }
     )

@@ -10,10 +10,11 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from kernels_pallas.quantized import BlockScaled
-from moejax import eplb, sharding
+from moejax import eplb, lora, sharding
 from moejax.config import MoEConfig
 from moejax.forward import MoEAux, moe_apply
 from moejax.params import (
+  ADAPTER_PARAMS,
   BIAS_PARAMS,
   EXPERT_PARAMS,
   QUANTIZED_PARAMS,
@@ -68,6 +69,19 @@ class QuantizedMatrix(nnx.Module):
     return BlockScaled(self.values.get_value(), self.scales.get_value(), self.block)
 
 
+class Adapters(nnx.Module):
+  """An `ExpertLoRA` or `SharedLoRA` as one `nnx.LoRAParam` per field, each with its
+  sharding metadata; `get_value()` gives the typed value."""
+
+  def __init__(self, adapters: lora.ExpertLoRA | lora.SharedLoRA, names, on_mesh: dict):
+    self.kind = type(adapters)
+    for field, value in zip(adapters._fields, adapters, strict=True):
+      setattr(self, field, nnx.LoRAParam(value, out_sharding=names, **on_mesh))
+
+  def get_value(self) -> lora.ExpertLoRA | lora.SharedLoRA:
+    return self.kind(*(getattr(self, field).get_value() for field in self.kind._fields))
+
+
 class ExpertLoad(nnx.Variable):
   """[P] int32 (token, choice) pairs each physical expert received since the last rebalance."""
 
@@ -101,6 +115,13 @@ class MoELayer(nnx.Module):
   `rebalance`). Replicas must keep equal weights: an optimizer stepping the physical slots
   independently lets them drift apart, so train on logical weights with
   `moejax.eplb.sum_replicas` and `moejax.eplb.place` (docs/design.md, "Redundant experts").
+
+  With `config.lora_rank` r > 0 the layer also holds LoRA adapters (`moejax.lora`): `lora`,
+  an `Adapters` module of `nnx.LoRAParam`s whose `get_value()` is an `ExpertLoRA` (P over the
+  expert axis, as the experts), and with shared experts `shared_lora` (a `SharedLoRA`),
+  initialized as PEFT does (A Kaiming-uniform, B zero: a new adapter changes nothing).
+  `nnx.Optimizer(layer, tx, wrt=nnx.LoRAParam)` trains only them; the base weights, float or
+  quantized, then get no gradient computed.
 
   With `config.expert_quant`, `w_gate_up` and `w_down` are `QuantizedMatrix` modules (values
   and scales as `QuantizedWeight` variables, quantized from `kernel_init`'s draw; load real
@@ -155,6 +176,19 @@ class MoELayer(nnx.Module):
         setattr(self, name, QuantizedMatrix(weight, names[name], on_mesh))
       else:
         setattr(self, name, nnx.Param(value, out_sharding=names[name], **on_mesh))
+    if config.lora_rank:  # as PEFT initializes them: the output is the base layer's
+      expert_names = sharding.LayerSpecs.from_config(config).expert_leaf(3)
+      self.lora = Adapters(
+        lora.init_like(lora.expert_lora_shapes(config), rngs.params(), config.param_dtype),
+        tuple(expert_names),
+        on_mesh,
+      )
+      if config.has_shared_experts:
+        self.shared_lora = Adapters(
+          lora.init_like(lora.shared_lora_shapes(config), rngs.params(), config.param_dtype),
+          (None, None),
+          on_mesh,
+        )
     if config.num_redundant_experts:
       self.placement = PlacementState(self._replicated(slots))
       no_load = jnp.zeros(config.num_physical_experts, jnp.int32)
@@ -169,7 +203,7 @@ class MoELayer(nnx.Module):
 
   def moe_params(self) -> MoEParams:
     """The current weights as an `MoEParams` pytree (for `moejax.moe_apply`)."""
-    names = param_shapes(self.config)
+    names = [*param_shapes(self.config), *(a for a in ADAPTER_PARAMS if hasattr(self, a))]
     return MoEParams(**{name: getattr(self, name).get_value() for name in names})
 
   def __call__(

@@ -7,7 +7,9 @@ from typing import NamedTuple
 import jax
 
 from kernels_pallas.quantized import FORMATS, BlockScaled, is_block_scaled
+from moejax import lora as lora_lib
 from moejax.config import MoEConfig
+from moejax.lora import ExpertLoRA, SharedLoRA
 
 
 class MoEParams(NamedTuple):
@@ -26,6 +28,10 @@ class MoEParams(NamedTuple):
     b_gate_up: [E, 2F] expert biases, or None unless `config.expert_bias`.
     b_down: [E, D], or None unless `config.expert_bias`.
     shared_gate_kernel: [D, 1], or None unless `config.shared_expert_gate`.
+    lora: the routed experts' `moejax.lora.ExpertLoRA` adapters, or None unless
+      `config.lora_rank`.
+    shared_lora: the shared experts' `moejax.lora.SharedLoRA`, or None unless
+      `config.lora_rank` and shared experts.
 
   With `config.expert_quant`, `w_gate_up` and `w_down` are `BlockScaled` (values of the
   shapes above, their scales per block): constants for autodiff, never trained.
@@ -41,11 +47,18 @@ class MoEParams(NamedTuple):
   b_gate_up: jax.Array | None = None
   b_down: jax.Array | None = None
   shared_gate_kernel: jax.Array | None = None
+  lora: ExpertLoRA | None = None
+  shared_lora: SharedLoRA | None = None
 
 
+# The adapter fields of `MoEParams` (pytrees of arrays, checked by `moejax.lora`).
+ADAPTER_PARAMS = ("lora", "shared_lora")
 # Parameters with a leading expert axis [E, ...], split over the mesh's expert axis, in
 # `ExpertWeights`' order.
 EXPERT_PARAMS = ("w_gate_up", "w_down", "b_gate_up", "b_down")
+# Every `MoEParams` field whose leaves have a leading physical-expert axis [P, ...]: the
+# expert parameters and the routed experts' adapters, laid out alike on a mesh.
+PER_EXPERT_FIELDS = (*EXPERT_PARAMS, "lora")
 # Parameters that start at zero in a new layer (the others are matrices, fan-in initialised).
 BIAS_PARAMS = ("routing_bias", "router_bias", "b_gate_up", "b_down")
 
@@ -67,17 +80,20 @@ class ExpertWeights(NamedTuple):
     w_down: [El, F, D].
     b_gate_up: [El, 2F] biases, or None without `config.expert_bias`.
     b_down: [El, D], or None.
+    lora: the `ExpertLoRA` adapters [El, ...] in the compute dtype with the scale folded
+      into each B (`moejax.lora.scaled`), or None without adapters.
   """
 
   w_gate_up: jax.Array | BlockScaled
   w_down: jax.Array | BlockScaled
   b_gate_up: jax.Array | None = None
   b_down: jax.Array | None = None
+  lora: ExpertLoRA | None = None
 
   def of_expert(self, expert: jax.Array, dtype) -> ExpertWeights:
-    """One expert's weights ([D, 2F], [F, D], [2F], [D]) in `dtype`: slices, a quantized
-    matrix dequantized (only this expert's values and scales are read)."""
-    take = lambda w: None if w is None else w[expert]
+    """One expert's weights ([D, 2F], [F, D], [2F], [D], its adapters) in `dtype`: slices, a
+    quantized matrix dequantized (only this expert's values and scales are read)."""
+    take = lambda w: None if w is None else jax.tree.map(lambda a: a[expert], w)
     matrix = lambda w: w[expert].dequantize(dtype) if is_block_scaled(w) else w[expert]
     return ExpertWeights(matrix(self.w_gate_up), matrix(self.w_down), *map(take, self[2:]))
 
@@ -94,11 +110,13 @@ class SharedWeights(NamedTuple):
     w_gate_up: [D, 2Fs].
     w_down: [Fs, D].
     gate_kernel: [D, 1] with `config.shared_expert_gate`, else None.
+    lora: the `SharedLoRA` adapters (scale folded into each B), or None.
   """
 
   w_gate_up: jax.Array
   w_down: jax.Array
   gate_kernel: jax.Array | None = None
+  lora: SharedLoRA | None = None
 
 
 def compute_weights(
@@ -116,10 +134,14 @@ def compute_weights(
       return jax.tree.map(jax.lax.stop_gradient, value)
     return None if value is None else value.astype(config.dtype)
 
-  experts = ExpertWeights(*(compute_form(getattr(params, name)) for name in EXPERT_PARAMS))
+  adapters = lambda value: None if value is None else lora_lib.scaled(value, config, config.dtype)
+  experts = ExpertWeights(
+    *(compute_form(getattr(params, name)) for name in EXPERT_PARAMS), adapters(params.lora)
+  )
   if not config.has_shared_experts:
     return experts, None
-  return experts, SharedWeights(*(compute_form(getattr(params, name)) for name in SHARED_PARAMS))
+  shared = (compute_form(getattr(params, name)) for name in SHARED_PARAMS)
+  return experts, SharedWeights(*shared, adapters(params.shared_lora))
 
 
 def expert_arrays(params: MoEParams) -> list[tuple[str, str | None, jax.Array]]:
@@ -168,7 +190,11 @@ def check_params(params: MoEParams, config: MoEConfig) -> None:
   """Raises ValueError if a parameter is missing, unexpected, of the wrong shape, or of
   another format than `config.expert_quant` asks."""
   expected = param_shapes(config)
+  lora_lib.check_adapters("lora", params.lora, lora_lib.expert_lora_shapes(config))
+  lora_lib.check_adapters("shared_lora", params.shared_lora, lora_lib.shared_lora_shapes(config))
   for name in MoEParams._fields:
+    if name in ADAPTER_PARAMS:
+      continue
     value = getattr(params, name)
     if name not in expected:
       if value is not None:

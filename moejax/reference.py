@@ -103,7 +103,8 @@ def reference_moe(
   """The MoE layer computed densely in float32.
 
   Args:
-    params: `MoEParams`; `BlockScaled` expert weights are dequantized first.
+    params: `MoEParams`; `BlockScaled` expert weights are dequantized first, and LoRA
+      adapters added to their weights (W + s · A @ B, per expert).
     x: [..., D] tokens.
     config: the layer's config.
     token_mask: [...] bool or None.
@@ -116,6 +117,18 @@ def reference_moe(
   f32 = lambda a: None if a is None else jnp.asarray(a, jnp.float32)
   as_float = lambda a: a.dequantize(jnp.float32) if is_block_scaled(a) else f32(a)
   p = jax.tree.map(as_float, params, is_leaf=is_block_scaled)
+  if p.lora is not None:
+    adapted = lambda w, a, b: w + config.lora_scale * jnp.matmul(a, b, precision=_HIGHEST)
+    p = p._replace(
+      w_gate_up=adapted(p.w_gate_up, p.lora.gate_up_a, p.lora.gate_up_b),
+      w_down=adapted(p.w_down, p.lora.down_a, p.lora.down_b),
+    )
+    if p.shared_lora is not None:
+      shared = p.shared_lora
+      p = p._replace(
+        shared_w_gate_up=adapted(p.shared_w_gate_up, shared.gate_up_a, shared.gate_up_b),
+        shared_w_down=adapted(p.shared_w_down, shared.down_a, shared.down_b),
+      )
   tokens = f32(x).reshape(-1, config.hidden_size)
   mask = jnp.ones(tokens.shape[0], bool) if token_mask is None else token_mask.reshape(-1)
   tokens = jnp.where(mask[:, None], tokens, 0.0)

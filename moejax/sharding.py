@@ -16,10 +16,16 @@ import jax
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from moejax import axis_groups
+from moejax import axis_groups, lora
 from moejax.axis_groups import spec_entry
 from moejax.config import MoEConfig
-from moejax.params import EXPERT_PARAMS, QUANTIZED_PARAMS, MoEParams, param_shapes
+from moejax.params import (
+  EXPERT_PARAMS,
+  PER_EXPERT_FIELDS,
+  QUANTIZED_PARAMS,
+  MoEParams,
+  param_shapes,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,10 +57,11 @@ class LayerSpecs:
     )
 
   def params(self, params: MoEParams) -> MoEParams:
-    """The spec of each parameter present (None for absent ones): experts over expert."""
+    """The spec of each parameter present (None for absent ones): experts (and their
+    adapters) over the expert group, the rest replicated."""
     return MoEParams(
       *(
-        None if value is None else self.experts_e if name in EXPERT_PARAMS else self.replicated
+        None if value is None else self.experts_e if name in PER_EXPERT_FIELDS else self.replicated
         for name, value in zip(MoEParams._fields, params, strict=True)
       )
     )
@@ -161,9 +168,11 @@ def _check_fsdp_split(config: MoEConfig, shards: int) -> None:
   """With `expert_fsdp`, every expert weight's dim 1 (and its scale blocks) split evenly into
   `shards` pieces."""
   block_rows = 1 if config.quant_block is None else config.quant_block[0]
-  for name, shape in param_shapes(config).items():
-    if name not in EXPERT_PARAMS:
-      continue
+  adapters = lora.expert_lora_shapes(config)
+  shapes = {name: shape for name, shape in param_shapes(config).items() if name in EXPERT_PARAMS}
+  if adapters is not None:
+    shapes.update({f"lora.{field}": s for field, s in zip(adapters._fields, adapters, strict=True)})
+  for name, shape in shapes.items():
     blocks = block_rows if name in QUANTIZED_PARAMS else 1  # matrices' scale blocks
     if shape[1] % (shards * blocks):
       straddle = f" in whole {blocks}-row scale blocks" if blocks > 1 else ""

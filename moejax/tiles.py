@@ -9,6 +9,10 @@ only the tile's expert, and skips unused tiles like the forward does.
 Quantized expert weights (`BlockScaled`) are sliced per tile like float ones and dequantized
 to the compute dtype inside the tile: no copy of all experts' float weights ever exists. They
 are constants: the backward computes no gradient for them.
+
+LoRA adapters (`ExpertWeights.lora`, s folded into B) add `(x @ A) @ B` to each projection of
+a tile, and their gradients accumulate like the weights'; a base weight whose gradient nobody
+asks for is dead code XLA removes (with adapters the caller usually asks for theirs only).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import jax.numpy as jnp
 
 from moejax.activations import GatedActivation
 from moejax.collectives import filled_like
+from moejax.lora import ExpertLoRA, SharedLoRA
 from moejax.params import ExpertWeights
 
 
@@ -31,6 +36,7 @@ def gated_mlp(
   activation: GatedActivation,
   b_gate_up: jax.Array | None = None,
   b_down: jax.Array | None = None,
+  lora: ExpertLoRA | SharedLoRA | None = None,
 ) -> jax.Array:
   """`combine(x @ W_gate + b_gate, x @ W_up + b_up) @ W_down + b_down`, accumulated in float32.
 
@@ -41,16 +47,29 @@ def gated_mlp(
     activation: the gate/up combination.
     b_gate_up: [2F] bias, or None.
     b_down: [D] bias, or None.
+    lora: one expert's adapters (A [in, r], B [r, out] with the scale folded in), or None:
+      each projection then adds `(rows @ A) @ B`.
 
   Returns:
     [M, D] float32.
   """
-  gate_up = jnp.dot(x, w_gate_up, preferred_element_type=jnp.float32)  # [M, 2F]
+  gate_up = _projection(x, w_gate_up, None if lora is None else lora[:2])  # [M, 2F]
   if b_gate_up is not None:
     gate_up = gate_up + b_gate_up.astype(jnp.float32)[None, :]
   hidden = activation(*jnp.split(gate_up, 2, axis=-1)).astype(x.dtype)  # [M, F]
-  out = jnp.dot(hidden, w_down, preferred_element_type=jnp.float32)
+  out = _projection(hidden, w_down, None if lora is None else lora[2:])
   return out if b_down is None else out + b_down.astype(jnp.float32)[None, :]
+
+
+def _projection(x: jax.Array, w: jax.Array, adapter: tuple | None) -> jax.Array:
+  """`x @ w (+ (x @ a) @ b)` in float32 for an `adapter` (a, b), the rank-r product rounded
+  to the compute dtype between its two matmuls."""
+  out = jnp.dot(x, w, preferred_element_type=jnp.float32)
+  if adapter is None:
+    return out
+  a, b = adapter
+  low_rank = jnp.dot(x, a, preferred_element_type=jnp.float32).astype(x.dtype)
+  return out + jnp.dot(low_rank, b, preferred_element_type=jnp.float32)
 
 
 class Tiles(NamedTuple):
@@ -130,16 +149,22 @@ def _tile_grads(x, one, row_weights, d_out, activation, weight_grads):
     row_weights [B] float32; d_out [B, D] float32; `weight_grads` False for constant
     (quantized) matrices.
   Returns: (d_x [B, D], d_row_weights [B], an `ExpertWeights` of the expert's gradients),
-    float32; None where there is no bias, and for the matrices without `weight_grads`.
+    float32; None where there is no bias or adapter, and for the matrices without
+    `weight_grads`.
   """
   f32 = jnp.float32
-  biased = one.b_gate_up is not None
-  gate_up = jnp.dot(x, one.w_gate_up, preferred_element_type=f32)
+  dot = lambda a, b: jnp.dot(a, b, preferred_element_type=f32)
+  biased, lora = one.b_gate_up is not None, one.lora
+  gate_up = _projection(x, one.w_gate_up, None if lora is None else lora[:2])
   if biased:
     gate_up = gate_up + one.b_gate_up.astype(f32)[None, :]
   hidden, combine_vjp = jax.vjp(activation, *jnp.split(gate_up, 2, axis=-1))
   hidden = hidden.astype(x.dtype)  # [B, F], as the forward pass rounded it
-  g = jnp.dot(d_out.astype(x.dtype), one.w_down.T, preferred_element_type=f32)  # [B, F]
+  d_out_c = d_out.astype(x.dtype)
+  g = dot(d_out_c, one.w_down.T)  # [B, F]
+  if lora is not None:  # the down adapter's share of d(hidden): (d_out @ B_d^T) @ A_d^T
+    d_down_low = dot(d_out_c, lora.down_b.T)  # [B, r]
+    g = g + dot(d_down_low.astype(x.dtype), lora.down_a.T)
   d_row_weights = jnp.sum(g * hidden.astype(f32), axis=-1)
   if biased:
     d_row_weights = d_row_weights + d_out @ one.b_down.astype(f32)
@@ -147,32 +172,51 @@ def _tile_grads(x, one, row_weights, d_out, activation, weight_grads):
   d_gate_up = jnp.concatenate(combine_vjp(g * row_weights[:, None]), axis=-1)  # [B, 2F]
   d_biases = (jnp.sum(d_gate_up, axis=0), jnp.sum(d_mlp, axis=0)) if biased else (None, None)
   d_mlp = d_mlp.astype(x.dtype)
-  d_w_down = jnp.dot(hidden.T, d_mlp, preferred_element_type=f32) if weight_grads else None
+  d_w_down = dot(hidden.T, d_mlp) if weight_grads else None
   d_gate_up = d_gate_up.astype(x.dtype)
-  d_w_gate_up = jnp.dot(x.T, d_gate_up, preferred_element_type=f32) if weight_grads else None
-  d_x = jnp.dot(d_gate_up, one.w_gate_up.T, preferred_element_type=f32)  # [B, D]
-  return d_x, d_row_weights, ExpertWeights(d_w_gate_up, d_w_down, *d_biases)
+  d_w_gate_up = dot(x.T, d_gate_up) if weight_grads else None
+  d_x = dot(d_gate_up, one.w_gate_up.T)  # [B, D]
+  d_lora = None
+  if lora is not None:
+    x_low = dot(x, lora.gate_up_a).astype(x.dtype)  # [B, r], as the forward rounded them
+    hidden_low = dot(hidden, lora.down_a).astype(x.dtype)
+    d_down_low = (d_down_low * row_weights[:, None]).astype(x.dtype)  # of the weighted MLP
+    d_gate_up_low = dot(d_gate_up, lora.gate_up_b.T)  # [B, r]
+    d_x = d_x + dot(d_gate_up_low.astype(x.dtype), lora.gate_up_a.T)
+    d_lora = ExpertLoRA(
+      gate_up_a=dot(x.T, d_gate_up_low.astype(x.dtype)),
+      gate_up_b=dot(x_low.T, d_gate_up),
+      down_a=dot(hidden.T, d_down_low),
+      down_b=dot(hidden_low.T, d_mlp),
+    )
+  return d_x, d_row_weights, ExpertWeights(d_w_gate_up, d_w_down, *d_biases, d_lora)
 
 
-def _add_at(total: jax.Array, index: jax.Array, update: jax.Array) -> jax.Array:
-  """total[index] += update, as dynamic slices (in place inside a loop)."""
-  start = (index,) + (0,) * update.ndim
-  current = jax.lax.dynamic_slice(total, start, (1, *update.shape))
-  return jax.lax.dynamic_update_slice(total, current + update[None], start)
+def _add_at(total, index: jax.Array, update):
+  """total[index] += update for each leaf, as dynamic slices (in place inside a loop)."""
+
+  def add(total, update):
+    start = (index,) + (0,) * update.ndim
+    current = jax.lax.dynamic_slice(total, start, (1, *update.shape))
+    return jax.lax.dynamic_update_slice(total, current + update[None], start)
+
+  return jax.tree.map(add, total, update)
 
 
-def _accumulator(weight, seed: jax.Array | None, trained: bool) -> jax.Array | None:
-  """Where a float32 gradient accumulation for `weight` starts: its seed, else zeros (None
-  where nothing is accumulated: no such weight, or a constant one)."""
+def _accumulator(weight, seed, trained: bool):
+  """Where a float32 gradient accumulation for `weight` (an array or adapters) starts: its
+  seed, else zeros (None where nothing is accumulated: no such weight, or a constant one)."""
   if weight is None or not trained:
     return None
-  return jnp.zeros_like(weight, jnp.float32) if seed is None else seed.astype(jnp.float32)
+  if seed is None:
+    return jax.tree.map(lambda w: jnp.zeros_like(w, jnp.float32), weight)
+  return jax.tree.map(lambda s: s.astype(jnp.float32), seed)
 
 
 def _tile_mlp_bwd(activation, residuals, d_tiles):
   x_padded, experts, tiles, grad_seeds = residuals
   trained = not experts.quantized  # quantized matrices are constants
-  with_grads = ExpertWeights(trained, trained, True, True)  # biases are always float
+  with_grads = ExpertWeights(trained, trained, True, True, True)  # biases, adapters: float
   seeds = grad_seeds or ExpertWeights(None, None)
   accumulators = zip(experts, seeds, with_grads, strict=True)
   init = (
@@ -202,8 +246,9 @@ def _tile_mlp_bwd(activation, residuals, d_tiles):
 
   steps = (jnp.arange(tiles.tokens.shape[0]), tiles.tokens, tiles.weights, tiles.expert, d_tiles)
   (d_x, d_experts), d_tile_weights = jax.lax.scan(tile_backward, init, steps)
+  cast = lambda g, w: jax.tree.map(lambda g, w: g.astype(w.dtype), g, w)
   d_experts = ExpertWeights(
-    *(None if g is None else g.astype(w.dtype) for g, w in zip(d_experts, experts, strict=True))
+    *(None if g is None else cast(g, w) for g, w in zip(d_experts, experts, strict=True))
   )
   d_tiles = Tiles(None, d_tile_weights, None, None)
   return d_x.astype(x_padded.dtype), d_experts, d_tiles, None

@@ -47,6 +47,10 @@ BASE = dict(num_experts=8, top_k=2, hidden_size=16, intermediate_size=32)
     (dict(expert_axis=()), "expert_axis must be a mesh axis name or a tuple of names"),
     (dict(data_axis=["data"]), "data_axis must be a mesh axis name or a tuple of names"),
     (dict(expert_fsdp=1), "expert_fsdp must be a bool"),
+    (dict(lora_rank=-1), "lora_rank must be an int >= 0"),
+    (dict(lora_rank=4, lora_alpha=0.0), "lora_alpha must be > 0"),
+    (dict(lora_rank=4, lora_rslora=1), "lora_rslora must be a bool"),
+    (dict(lora_rank=4, num_redundant_experts=8), "lora_rank with num_redundant_experts"),
   ],
 )
 def test_bad_field_raises_naming_it(overrides, message):
@@ -69,3 +73,10 @@ def test_the_activation_type_names_the_table():
   from moejax.config import Activation
 
   assert get_args(Activation) == tuple(GATED)
+
+
+def test_lora_scale_is_peft_s():
+  """PEFT scales an adapter by lora_alpha / r, or lora_alpha / sqrt(r) with use_rslora."""
+  assert MoEConfig(**BASE, lora_rank=16, lora_alpha=8.0).lora_scale == 0.5
+  assert MoEConfig(**BASE, lora_rank=16, lora_alpha=8.0, lora_rslora=True).lora_scale == 2.0
+  assert MoEConfig(**BASE).lora_scale == 0.0

@@ -1,0 +1,170 @@
+"""LoRA adapters on the experts: the typed values, their shapes, PEFT's initialization, merge.
+
+With `MoEConfig.lora_rank` r > 0 every routed expert e computes its two projections as
+`x @ (W[e] + s · A[e] @ B[e])`, s = `config.lora_scale` (PEFT's alpha / r, or alpha / sqrt(r)
+with rsLoRA), and the shared experts likewise with one `SharedLoRA`. The product A @ B is
+never formed in the layer: each projection adds `(x @ A) @ B`, two matmuls of rank r, and
+the base weights (float or quantized) stay as stored. The adapters travel in
+`MoEParams.lora` / `.shared_lora`; `moejax.MoELayer` holds them as `nnx.LoRAParam`s, so that
+`nnx.Optimizer(model, tx, wrt=nnx.LoRAParam)` trains only them.
+
+>>> from moejax.config import MoEConfig
+>>> config = MoEConfig(num_experts=4, top_k=2, hidden_size=8, intermediate_size=16, lora_rank=2)
+>>> expert_lora_shapes(config)
+ExpertLoRA(gate_up_a=(4, 8, 2), gate_up_b=(4, 2, 32), down_a=(4, 16, 2), down_b=(4, 2, 8))
+>>> config.lora_scale
+4.0
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from kernels_pallas.quantized import is_block_scaled
+from moejax.config import MoEConfig
+
+
+class ExpertLoRA(NamedTuple):
+  """The routed experts' adapters: one (A, B) pair per projection of each physical expert.
+
+  Attributes:
+    gate_up_a: [P, D, r].
+    gate_up_b: [P, r, 2F]; its columns as `w_gate_up`'s (gate first, then up).
+    down_a: [P, F, r].
+    down_b: [P, r, D].
+  """
+
+  gate_up_a: jax.Array
+  gate_up_b: jax.Array
+  down_a: jax.Array
+  down_b: jax.Array
+
+
+class SharedLoRA(NamedTuple):
+  """The shared experts' adapters (the fused shared MLP of width Fs).
+
+  Attributes:
+    gate_up_a: [D, r].
+    gate_up_b: [r, 2Fs].
+    down_a: [Fs, r].
+    down_b: [r, D].
+  """
+
+  gate_up_a: jax.Array
+  gate_up_b: jax.Array
+  down_a: jax.Array
+  down_b: jax.Array
+
+
+def expert_lora_shapes(config: MoEConfig) -> ExpertLoRA | None:
+  """The shape of each `ExpertLoRA` field (None without adapters)."""
+  if not config.lora_rank:
+    return None
+  p, d, f, r = (
+    config.num_physical_experts,
+    config.hidden_size,
+    config.intermediate_size,
+    config.lora_rank,
+  )
+  return ExpertLoRA((p, d, r), (p, r, 2 * f), (p, f, r), (p, r, d))
+
+
+def shared_lora_shapes(config: MoEConfig) -> SharedLoRA | None:
+  """The shape of each `SharedLoRA` field (None without adapters or shared experts)."""
+  if not config.lora_rank or not config.has_shared_experts:
+    return None
+  d, fs, r = config.hidden_size, config.shared_intermediate_size, config.lora_rank
+  return SharedLoRA((d, r), (r, 2 * fs), (fs, r), (r, d))
+
+
+def init_like(shapes: ExpertLoRA | SharedLoRA, key: jax.Array, dtype) -> ExpertLoRA | SharedLoRA:
+  """New adapters as PEFT initializes them: each A Kaiming-uniform with a = sqrt(5) (uniform
+  in ±1 / sqrt(fan_in), fan_in its input width), each B zero, so that a new adapter leaves
+  the layer's output unchanged."""
+  keys = jax.random.split(key, 2)
+
+  def a_of(key, shape):
+    bound = 1.0 / shape[-2] ** 0.5
+    return jax.random.uniform(key, shape, jnp.float32, -bound, bound).astype(dtype)
+
+  return type(shapes)(
+    a_of(keys[0], shapes.gate_up_a),
+    jnp.zeros(shapes.gate_up_b, dtype),
+    a_of(keys[1], shapes.down_a),
+    jnp.zeros(shapes.down_b, dtype),
+  )
+
+
+def check_adapters(name: str, value, expected: ExpertLoRA | SharedLoRA | None) -> None:
+  """Raises ValueError unless `value` (params.`name`) is what the config asks: None without
+  adapters, else an `ExpertLoRA` / `SharedLoRA` of floating arrays of the expected shapes."""
+  if expected is None:
+    if value is not None:
+      raise ValueError(f"params.{name} is given but the config has no adapters for it")
+    return
+  kind = type(expected)
+  if not isinstance(value, kind):
+    got = "None" if value is None else type(value).__name__
+    raise ValueError(f"params.{name} must be a moejax.lora.{kind.__name__}, got {got}")
+  for field, array, shape in zip(kind._fields, value, expected, strict=True):
+    if tuple(jnp.shape(array)) != shape:
+      raise ValueError(
+        f"params.{name}.{field} has shape {tuple(jnp.shape(array))}, expected {shape}"
+      )
+    if not jnp.issubdtype(jnp.result_type(array), jnp.floating):
+      raise ValueError(f"params.{name}.{field} must be floating, got {jnp.result_type(array)}")
+
+
+def scaled(adapters: ExpertLoRA | SharedLoRA, config: MoEConfig, dtype) -> ExpertLoRA | SharedLoRA:
+  """The adapters in `dtype` with s folded into each B: what the expert paths compute with
+  (`x @ A @ (s · B)`); differentiable, so their gradients reach the stored adapters."""
+  scale = config.lora_scale
+  return type(adapters)(
+    adapters.gate_up_a.astype(dtype),
+    (adapters.gate_up_b.astype(jnp.float32) * scale).astype(dtype),
+    adapters.down_a.astype(dtype),
+    (adapters.down_b.astype(jnp.float32) * scale).astype(dtype),
+  )
+
+
+def merge(params, config: MoEConfig):
+  """The layer without adapters that computes what `params` do: each base weight plus
+  s · A @ B, in float32 then `config.param_dtype`.
+
+  A quantized base is dequantized first: the merged weights are float (re-quantize them with
+  `moejax.quant.quantize_experts` if wanted; the merge is then no longer exact).
+
+  Args:
+    params: `MoEParams` with `lora` (and `shared_lora` with shared experts).
+    config: their config (`lora_rank` > 0).
+
+  Returns:
+    (params without adapters, the config with `lora_rank=0` and `expert_quant=None`).
+  """
+  if not config.lora_rank or params.lora is None:
+    raise ValueError("merge needs adapters: config.lora_rank > 0 and params.lora")
+  merged = lambda w, a, b: (
+    _float32(w) + config.lora_scale * jnp.matmul(a, b, precision="highest")
+  ).astype(config.param_dtype)
+  lora = jax.tree.map(_float32, params.lora)
+  out = params._replace(
+    w_gate_up=merged(params.w_gate_up, lora.gate_up_a, lora.gate_up_b),
+    w_down=merged(params.w_down, lora.down_a, lora.down_b),
+    lora=None,
+  )
+  if params.shared_lora is not None:
+    shared = jax.tree.map(_float32, params.shared_lora)
+    out = out._replace(
+      shared_w_gate_up=merged(params.shared_w_gate_up, shared.gate_up_a, shared.gate_up_b),
+      shared_w_down=merged(params.shared_w_down, shared.down_a, shared.down_b),
+      shared_lora=None,
+    )
+  return out, dataclasses.replace(config, lora_rank=0, expert_quant=None)
+
+
+def _float32(w) -> jax.Array:
+  return w.dequantize(jnp.float32) if is_block_scaled(w) else jnp.asarray(w, jnp.float32)

@@ -1,0 +1,209 @@
+"""LoRA adapters on the experts: against W + s·A·B per expert, trained alone, merged."""
+
+import collections
+import dataclasses
+import re
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from moejax import MoEConfig, MoELayer, lora, moe_apply, quant, reference_moe
+from tests.helpers import (
+  check_against_reference,
+  mesh_of,
+  poison,
+  random_params,
+  seed_of,
+  tolerance,
+)
+
+BASE = MoEConfig(
+  num_experts=8,
+  top_k=2,
+  hidden_size=64,
+  intermediate_size=64,
+  chunk_size=8,
+  num_shared_experts=1,
+  shared_intermediate_size=32,
+  lora_rank=4,
+  lora_alpha=6.0,
+)
+
+
+def with_adapters(config: MoEConfig, key: jax.Array):
+  """Random parameters with random (non-zero) adapters of both kinds: s · A @ B about half
+  the size of the base weights."""
+  params = random_params(config, key)
+
+  def draw(shapes, key):
+    keys = jax.random.split(key, len(shapes))
+    return type(shapes)(*(0.1 * jax.random.normal(k, s) for k, s in zip(keys, shapes, strict=True)))
+
+  return params._replace(
+    lora=draw(lora.expert_lora_shapes(config), jax.random.fold_in(key, 1)),
+    shared_lora=draw(lora.shared_lora_shapes(config), jax.random.fold_in(key, 2)),
+  )
+
+
+def tokens(seed: int, count: int = 48):
+  x = jax.random.normal(jax.random.key(seed), (count, BASE.hidden_size))
+  return x, jax.random.bernoulli(jax.random.key(seed + 1), 0.75, (count,))
+
+
+@pytest.mark.parametrize(
+  "options, mesh_shape",
+  [
+    (dict(expert_bias=True, activation="gelu"), None),
+    (dict(dispatch="all_to_all", expert_fsdp=True, lora_rslora=True), (2, 4)),
+  ],
+  ids=["biases-no mesh", "2x4-all_to_all-fsdp-rslora"],
+)
+def test_adapters_match_the_reference(options, mesh_shape, request):
+  """Output and every gradient (base, adapters, router, x) as the reference computes them
+  with W + s·A·B per expert, on NaN-poisoned padding."""
+  seed = seed_of(request.node.name)
+  config = dataclasses.replace(BASE, **options)
+  x, mask = tokens(seed)
+  mesh = None if mesh_shape is None else mesh_of(*mesh_shape)
+  check_against_reference(
+    with_adapters(config, jax.random.key(seed)), x, config, mesh, mask, seed=seed
+  )
+
+
+def test_adapters_over_a_quantized_base(request):
+  """fp8_block experts stay quantized: the output is the reference's on the dequantized
+  weights plus the adapters, and the adapters, router and x get its gradients."""
+  seed = seed_of(request.node.name)
+  float_config = dataclasses.replace(BASE, quant_block_size=(32, 32))
+  params, config = quant.quantize_experts(
+    with_adapters(float_config, jax.random.key(seed)), float_config, "fp8_block"
+  )
+  dequantized, _ = quant.dequantize_experts(params, config)
+  x, mask = tokens(seed)
+  mesh = mesh_of(2, 4)
+  ours = lambda trainable, x: moe_apply(
+    params._replace(**trainable), x, config=config, mesh=mesh, token_mask=mask
+  )[0]
+  theirs = lambda trainable, x: reference_moe(
+    dequantized._replace(**trainable), x, float_config, mask
+  )
+  trainable = dict(
+    lora=params.lora, shared_lora=params.shared_lora, router_kernel=params.router_kernel
+  )
+  chex.assert_trees_all_close(ours(trainable, poison(x, mask)), theirs(trainable, x), **tolerance())
+  probe = jax.random.normal(jax.random.key(seed + 2), x.shape)
+  loss = lambda f: lambda t, x: jnp.sum(jnp.sin(f(t, x)) * probe)
+  got = jax.grad(loss(ours), argnums=(0, 1))(trainable, poison(x, mask))
+  chex.assert_trees_all_close(
+    got, jax.grad(loss(theirs), argnums=(0, 1))(trainable, x), **tolerance()
+  )
+
+
+def test_a_new_adapter_changes_nothing_and_trains_alone(request):
+  """PEFT's initialization (B = 0) leaves the layer's output exactly the base layer's; an
+  optimizer over `nnx.LoRAParam` lowers the loss and leaves every base weight as it was."""
+  mesh = mesh_of(2, 4)
+  seed = seed_of(request.node.name)
+  layer = MoELayer(BASE, mesh=mesh, rngs=nnx.Rngs(seed))
+  base = MoELayer(dataclasses.replace(BASE, lora_rank=0), mesh=mesh, rngs=nnx.Rngs(seed))
+  x, _ = tokens(seed)
+  chex.assert_trees_all_equal(layer(x), base(x))
+  assert not np.any(np.asarray(layer.lora.gate_up_b[...])) and np.any(layer.lora.gate_up_a[...])
+  assert layer.lora.gate_up_a[...].sharding.spec[0] == "expert"
+  optimizer = nnx.Optimizer(layer, optax.adam(1e-2), wrt=nnx.LoRAParam)
+  target = jnp.tanh(x)
+  adapters_only = nnx.DiffState(0, nnx.LoRAParam)
+
+  @nnx.jit
+  def step(layer, optimizer):
+    loss_of = lambda layer: jnp.mean((layer(x) - target) ** 2)
+    loss, grads = nnx.value_and_grad(loss_of, argnums=adapters_only)(layer)
+    optimizer.update(layer, grads)
+    return loss
+
+  before = nnx.state(layer, nnx.Not(nnx.LoRAParam))
+  losses = [float(step(layer, optimizer)) for _ in range(15)]
+  assert losses[-1] < 0.8 * losses[0], losses
+  chex.assert_trees_all_equal(nnx.state(layer, nnx.Not(nnx.LoRAParam)), before)
+
+
+def test_adapter_gradients_compute_no_base_weight_gradient(request):
+  """Differentiating the adapters only, the compiled program builds no buffer shaped like a
+  device's base expert weights (the full gradient does: its accumulator)."""
+  mesh = mesh_of(2, 4)
+  params = with_adapters(BASE, jax.random.key(seed_of(request.node.name)))
+  x, mask = tokens(0)
+  loss = lambda adapters, params: jnp.sum(
+    moe_apply(params._replace(lora=adapters), x, config=BASE, mesh=mesh, token_mask=mask)[0] ** 2
+  )
+  local = "f32[2,64,128]"  # El = 2 experts' w_gate_up on each device
+  computed = lambda argnums: _ops_producing(
+    jax.jit(jax.grad(loss, argnums=argnums)).lower(params.lora, params).compile().as_text(), local
+  )
+  assert {"dynamic-update-slice", "broadcast"} & set(computed((0, 1)))  # the check can fail
+  assert set(computed(0)) <= {"parameter", "get-tuple-element", "tuple", "copy"}, computed(0)
+
+
+def _ops_producing(hlo: str, shape: str) -> collections.Counter:
+  """How many instructions of each opcode produce an array of `shape` (e.g. "f32[2,64,128]")."""
+  found = collections.Counter()
+  for match in re.finditer(r"= (\w+\[[\d,]*\])\S* ([\w-]+)\(", hlo):
+    if match.group(1) == shape:
+      found[match.group(2)] += 1
+  return found
+
+
+@pytest.mark.parametrize("expert_quant", [None, "fp8_block"], ids=["float", "fp8_block"])
+def test_merge_computes_what_the_adapters_do(expert_quant, request):
+  """The merged layer (no adapters, float weights) gives the adapted layer's output."""
+  seed = seed_of(request.node.name)
+  config = dataclasses.replace(BASE, quant_block_size=(32, 32))
+  params = with_adapters(config, jax.random.key(seed))
+  if expert_quant:
+    params, config = quant.quantize_experts(params, config, expert_quant)
+  merged, merged_config = lora.merge(params, config)
+  assert merged.lora is None and merged.shared_lora is None
+  assert merged_config.lora_rank == 0 and merged_config.expert_quant is None
+  x, mask = tokens(seed)
+  adapted = moe_apply(params, x, config=config, token_mask=mask)[0]
+  chex.assert_trees_all_close(
+    moe_apply(merged, x, config=merged_config, token_mask=mask)[0], adapted, **tolerance()
+  )
+
+
+class TestErrors:
+  def params(self, **changes):
+    return with_adapters(BASE, jax.random.key(0))._replace(**changes)
+
+  @pytest.mark.parametrize(
+    "change, message",
+    [
+      ("drop", r"params.lora must be a moejax.lora.ExpertLoRA, got None"),
+      ("shape", r"params.lora.down_b has shape \(8, 4, 63\), expected \(8, 4, 64\)"),
+      ("int", r"params.lora.gate_up_a must be floating, got int32"),
+    ],
+  )
+  def test_adapters_that_do_not_fit(self, change, message):
+    params = self.params()
+    adapters = {
+      "drop": None,
+      "shape": params.lora._replace(down_b=jnp.ones((8, 4, 63))),
+      "int": params.lora._replace(gate_up_a=jnp.ones((8, 64, 4), jnp.int32)),
+    }[change]
+    with pytest.raises(ValueError, match=message):
+      moe_apply(params._replace(lora=adapters), jnp.ones((4, 64)), config=BASE)
+
+  def test_adapters_without_a_rank(self):
+    config = dataclasses.replace(BASE, lora_rank=0)
+    with pytest.raises(ValueError, match=r"params\.lora is given but the config has no adapters"):
+      moe_apply(self.params(shared_lora=None), jnp.ones((4, 64)), config=config)
+
+  def test_fsdp_needs_the_rank_split_over_data(self):
+    config = dataclasses.replace(BASE, lora_rank=3, expert_fsdp=True)
+    with pytest.raises(ValueError, match=r"lora.gate_up_b \(8, 3, 128\) along dim 1"):
+      MoELayer(config, mesh=mesh_of(2, 4), rngs=nnx.Rngs(0))
