@@ -8,7 +8,7 @@ Shape letters, one meaning each, in names, docstrings and shape comments through
   D  hidden size                          S  devices on the expert axis
   F  expert intermediate size             N  rows of a row-wise step (C, or S*C received)
   Fs shared-expert intermediate size      P  (row, device) pair slots of a chunk
-  B  rows per tile (tile loop)
+  B  rows per tile (tile loop)          r  LoRA rank (`lora_rank`)
 
 `kernels_pallas` uses matmul letters of its own (lhs [M, K], rhs [G, K, N]).
 """
