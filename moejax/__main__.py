@@ -59,6 +59,12 @@ def _parser() -> argparse.ArgumentParser:
   train.add_argument("--chunk-size", type=chunk_size, default="auto")
   train.add_argument("--backend", default="auto", choices=["auto", "xla", "pallas"])
   train.add_argument("--learning-rate", type=float, default=3e-3)
+  train.add_argument(
+    "--lora-rank",
+    type=int,
+    default=0,
+    help="train LoRA adapters of this rank on the experts only (default 0: every weight)",
+  )
   train.add_argument("--checkpoint", default="checkpoints/moe_transformer")
   train.add_argument("--resume", action="store_true", help="continue from --checkpoint")
   for command in (demo, train):

@@ -92,8 +92,9 @@ def train_step(
   token_mask: jax.Array,
   weights: LossWeights = LossWeights(),
 ) -> dict[str, jax.Array]:
-  """One optimizer step; returns the loss and `loss_fn`'s metrics."""
-  grad_fn = nnx.value_and_grad(loss_fn, has_aux=True)
+  """One optimizer step over the optimizer's variables (`wrt`: the gradient is taken of
+  those only, e.g. just the adapters); returns the loss and `loss_fn`'s metrics."""
+  grad_fn = nnx.value_and_grad(loss_fn, argnums=nnx.DiffState(0, optimizer.wrt), has_aux=True)
   (loss, metrics), grads = grad_fn(model, tokens, targets, token_mask, weights)
   optimizer.update(model, grads)
   return dict(loss=loss, **metrics)
@@ -108,7 +109,7 @@ def run(args, mesh_shape: tuple[int, int]) -> list[dict[str, float]]:
   from tqdm import tqdm  # imported here: only the command line shows a progress bar
 
   mesh = auto_mesh(mesh_shape)
-  moe = moe_config(args, expert_backend=args.backend)
+  moe = moe_config(args, expert_backend=args.backend, lora_rank=args.lora_rank)
   task = ClusterTask(vocab_size=args.vocab, seq_len=args.seq_len, seed=args.seed)
   config = TransformerConfig(
     args.vocab,
@@ -121,7 +122,8 @@ def run(args, mesh_shape: tuple[int, int]) -> list[dict[str, float]]:
   )
   model = MoETransformer(config, mesh=mesh, rngs=nnx.Rngs(args.seed))
   shard_model(model, mesh)
-  optimizer = nnx.Optimizer(model, optax.adam(args.learning_rate), wrt=nnx.Param)
+  trained = nnx.LoRAParam if args.lora_rank else nnx.Param  # adapters only, or everything
+  optimizer = nnx.Optimizer(model, optax.adam(args.learning_rate), wrt=trained)
   shard_model(optimizer, mesh)  # its step counter too, so a restored one lands on the mesh
   start = 0
   if args.resume and (Path(args.checkpoint) / "meta.json").exists():
