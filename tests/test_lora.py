@@ -11,8 +11,11 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from moejax import MoEConfig, MoELayer, lora, moe_apply, quant, reference_moe
+from moejax.models import shard_model
+from moejax.stacking import layer_of
 from tests.helpers import (
   check_against_reference,
   mesh_of,
@@ -21,6 +24,7 @@ from tests.helpers import (
   seed_of,
   tolerance,
 )
+from tests.test_depth import Stack
 
 BASE = MoEConfig(
   num_experts=8,
@@ -207,3 +211,38 @@ class TestErrors:
     config = dataclasses.replace(BASE, lora_rank=3, expert_fsdp=True)
     with pytest.raises(ValueError, match=r"lora.gate_up_b \(8, 3, 128\) along dim 1"):
       MoELayer(config, mesh=mesh_of(2, 4), rngs=nnx.Rngs(0))
+
+
+def test_a_scanned_stack_trains_its_adapters_alone(request):
+  """Adapters stack with their layers (`nnx.vmap`, FSDP included): the scanned stack equals
+  the loop of its layers' calls, and trains its adapters alone."""
+  config = dataclasses.replace(
+    BASE, expert_fsdp=True, num_shared_experts=0, shared_intermediate_size=0
+  )
+  mesh = mesh_of(2, 4)
+  stack = Stack(
+    {nnx.PARTITION_NAME: None},
+    rngs=nnx.Rngs(seed_of(request.node.name)),
+    config=config,
+    mesh=mesh,
+    layers=3,
+  )
+  shard_model(stack, mesh)
+  assert stack.layers.lora.gate_up_b[...].sharding.spec == P(None, "expert", "data", None)
+  x, _ = tokens(seed_of(request.node.name), count=32)
+  optimizer = nnx.Optimizer(stack, optax.adam(1e-2), wrt=nnx.LoRAParam)
+
+  @nnx.jit
+  def step(stack, optimizer):
+    loss_of = lambda stack: jnp.mean((stack(x) - jnp.sin(x)) ** 2)
+    loss, grads = nnx.value_and_grad(loss_of, argnums=nnx.DiffState(0, nnx.LoRAParam))(stack)
+    optimizer.update(stack, grads)
+    return loss
+
+  losses = [float(step(stack, optimizer)) for _ in range(5)]
+  assert losses[-1] < losses[0], losses
+  looped = x
+  for layer in range(3):
+    params = layer_of(stack.layers.moe_params(), layer)
+    looped = looped + moe_apply(params, looped, config=config, mesh=mesh)[0]
+  chex.assert_trees_all_close(stack(x), looped, **tolerance())
