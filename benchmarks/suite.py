@@ -19,6 +19,9 @@ Sections (each prints a table; all rows go to `results/bench.json`, the chunk sw
               one device): time ratio, expert-weight bytes at each format's bit width and
               the compiled temporaries (no dequantized copy of all experts)
   compiles    executables compiled across 20 token-count patterns (must be 1)
+  lora        LoRA adapters (r = 8, 16, 64) against the same layer without them, float32
+              and fp8_block experts: forward, training's forward + backward (adapters
+              only), trained bytes and Adam's state
   depth       scanned and unrolled stacks of blocks, remat policies of the layer's
               checkpoint names, and the layer's compile time against a dense MLP
               (`benchmarks/depth.py`; not in the default run: several minutes)
@@ -52,7 +55,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from moejax import MoEConfig, MoEParams, moe_apply, param_shapes, quant, routing
+from kernels_pallas.quantized import is_block_scaled
+from moejax import MoEConfig, MoEParams, lora, moe_apply, param_shapes, quant, routing
 from moejax.activations import GatedActivation
 from moejax.experts import default_tile_rows, grouped_mlp
 from moejax.forward import chunk_layout, compiled_executables
@@ -69,6 +73,7 @@ SECTIONS = (
   "padding",
   "quant",
   "compiles",
+  "lora",
   "depth",
   "mesh",
 )
@@ -602,6 +607,83 @@ def quant_section(repeats: int) -> list[dict]:
   return rows
 
 
+LORA_RANKS = (8, 16, 64)
+
+
+def lora_section(repeats: int) -> list[dict]:
+  """LoRA adapters against the same layer without them, one device (E=32, K=2, T=4096,
+  C=512), float32 and fp8_block bases: the forward pass, and the forward + backward that
+  training runs (the adapters' gradients; without adapters every float parameter's), timed
+  interleaved; the trained bytes and Adam's state for them."""
+  config = config_of(32, 2, 512)
+  x = jax.random.normal(jax.random.key(8), (4096, D))
+  bases = {"float32": (make_params(config), config)}
+  bases["fp8_block"] = quant.quantize_experts(*bases["float32"], "fp8_block")
+  calls, trained = {}, {}
+  for base_name, (params, base) in bases.items():
+    for rank in (0, *LORA_RANKS):
+      adapted = dataclasses.replace(base, lora_rank=rank)
+      forward = moejax_forward(adapted)
+      if rank:
+        adapters = _random_adapters(adapted)
+        with_adapters = params._replace(lora=adapters)
+        train = jax.grad(lambda a, p, x, f=forward: jnp.sum(f(p._replace(lora=a), x) ** 2))
+        calls[base_name, rank, "forward"] = (jax.jit(forward), with_adapters, x)
+        calls[base_name, rank, "train"] = (jax.jit(train), adapters, params, x)
+        trained[base_name, rank] = adapters
+      else:
+        train = jax.grad(lambda p, x, f=forward: jnp.sum(f(p, x) ** 2))
+        calls[base_name, rank, "forward"] = (jax.jit(forward), params, x)
+        calls[base_name, rank, "train"] = (jax.jit(train), params, x)
+        trained[base_name, rank] = [  # quantized experts are constants
+          value for value in params if value is not None and not is_block_scaled(value)
+        ]
+  best = interleaved_best(calls, rounds=2 * repeats)
+  megabytes = lambda tree: sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(tree)) / 2**20
+  rows = []
+  for base_name in bases:
+    for rank in (0, *LORA_RANKS):
+      forward, train = (best[base_name, rank, what] for what in ("forward", "train"))
+      rows.append(
+        dict(
+          section="lora",
+          base=base_name,
+          r=rank,
+          fwd_ms=forward * 1e3,
+          fwd_of_no_adapters=forward / best[base_name, 0, "forward"],
+          train_ms=train * 1e3,
+          train_of_float_full=train / best["float32", 0, "train"],
+          trained_mb=megabytes(trained[base_name, rank]),
+          adam_state_mb=2 * megabytes(trained[base_name, rank]),
+        )
+      )
+  _table(
+    f"lora: one device, E=32, K=2, T=4096, C=512, float32 compute (interleaved, min of "
+    f"{2 * repeats}); r=0: no adapters, training every float parameter",
+    rows,
+    [
+      "base",
+      "r",
+      "fwd_ms",
+      "fwd_of_no_adapters",
+      "train_ms",
+      "train_of_float_full",
+      "trained_mb",
+      "adam_state_mb",
+    ],
+  )
+  return rows
+
+
+def _random_adapters(config: MoEConfig):
+  """Adapters with non-zero A and B (a trained adapter's cost, not a new one's zeros)."""
+  shapes = lora.expert_lora_shapes(config)
+  keys = jax.random.split(jax.random.key(9), len(shapes))
+  return lora.ExpertLoRA(
+    *(0.05 * jax.random.normal(k, shape) for k, shape in zip(keys, shapes, strict=True))
+  )
+
+
 def padding_section(repeats: int) -> list[dict]:
   tokens = 8192
   config = config_of(32, 2, 256)
@@ -732,6 +814,8 @@ def main(argv: list[str] | None = None) -> None:
     rows += quant_section(args.repeats)
   if "compiles" in sections:
     rows += compile_section()
+  if "lora" in sections:
+    rows += lora_section(args.repeats)
   if "depth" in sections:
     sys.path.insert(0, str(Path(__file__).parent))  # benchmarks/depth.py, beside this file
     import depth

@@ -303,11 +303,6 @@ class MoEConfig:
       raise ValueError(f"lora_alpha must be > 0, got {self.lora_alpha!r}")
     if not isinstance(self.lora_rslora, bool):
       raise ValueError(f"lora_rslora must be a bool, got {self.lora_rslora!r}")
-    if rank and self.num_redundant_experts:
-      raise ValueError(
-        "lora_rank with num_redundant_experts is not supported yet: replicas would need their "
-        "expert's adapters placed and their gradients summed"
-      )
 
   @property
   def lora_scale(self) -> float:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import jax
@@ -177,12 +178,12 @@ class MoELayer(nnx.Module):
       else:
         setattr(self, name, nnx.Param(value, out_sharding=names[name], **on_mesh))
     if config.lora_rank:  # as PEFT initializes them: the output is the base layer's
+      logical = dataclasses.replace(config, num_redundant_experts=0)
+      adapters = lora.init_like(lora.expert_lora_shapes(logical), rngs.params(), config.param_dtype)
+      if config.num_redundant_experts:  # each replica with its expert's adapters
+        adapters = jax.tree.map(lambda a: a[jnp.asarray(slots.physical_to_logical)], adapters)
       expert_names = sharding.LayerSpecs.from_config(config).expert_leaf(3)
-      self.lora = Adapters(
-        lora.init_like(lora.expert_lora_shapes(config), rngs.params(), config.param_dtype),
-        tuple(expert_names),
-        on_mesh,
-      )
+      self.lora = Adapters(adapters, tuple(expert_names), on_mesh)
       if config.has_shared_experts:
         self.shared_lora = Adapters(
           lora.init_like(lora.shared_lora_shapes(config), rngs.params(), config.param_dtype),

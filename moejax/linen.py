@@ -16,6 +16,7 @@ from kernels_pallas.quantized import BlockScaled
 from moejax import eplb
 from moejax.config import MoEConfig
 from moejax.layer import MoELayer
+from moejax.lora import ExpertLoRA
 from moejax.params import QUANTIZED_PARAMS, MoEParams, expert_arrays, param_shapes
 from moejax.placement import Placement, logical_load
 
@@ -102,6 +103,11 @@ def _read(own: dict[str, dict], config: MoEConfig) -> tuple[MoEParams, Placement
       for name in param_shapes(config)
     }
   )
+  if config.lora_rank:
+    adapters = own["LoRAParam"]["lora"]
+    params = params._replace(
+      lora=ExpertLoRA(*(_unboxed(adapters[field]) for field in ExpertLoRA._fields))
+    )
   placement = own["ExpertPlacement"]["placement"]
   current = Placement(*(_unboxed(placement[field]) for field in Placement._fields))
   return params, current, jax.device_get(_unboxed(own["ExpertLoad"]["expert_load"]))
@@ -111,8 +117,10 @@ def _write(own: dict[str, dict], moved: MoEParams, new: Placement) -> None:
   """Puts the moved expert weights and the new placement in the module's variables, each in
   the place (box, devices) of the value it replaces, and zeroes its load."""
   for name, part, value in expert_arrays(moved):
-    home = own["params"] if part is None else own["QuantizedWeight"][name]
-    key = name if part is None else part
+    if part is None:
+      home, key = own["params"], name
+    else:  # a quantized matrix's values or scales, or an adapter's field
+      home, key = own["LoRAParam" if name == "lora" else "QuantizedWeight"][name], part
     home[key] = _reboxed(home[key], value)
   placement = own["ExpertPlacement"]["placement"]
   for field, value in zip(Placement._fields, new, strict=True):
@@ -127,7 +135,8 @@ def _write(own: dict[str, dict], moved: MoEParams, new: Placement) -> None:
 def _collections(config: MoEConfig) -> tuple[str, ...]:
   """The Linen collections holding what `rebalance` reads and writes."""
   quantized = ("QuantizedWeight",) if config.expert_quant else ()
-  return ("params", "ExpertPlacement", "ExpertLoad", *quantized)
+  adapters = ("LoRAParam",) if config.lora_rank else ()
+  return ("params", "ExpertPlacement", "ExpertLoad", *quantized, *adapters)
 
 
 def _module_of(variables: dict, collection: str, path: Sequence[str]) -> dict:

@@ -145,9 +145,10 @@ def compute_weights(
 
 
 def expert_arrays(params: MoEParams) -> list[tuple[str, str | None, jax.Array]]:
-  """The expert parameters' arrays as (name, part, array): part None for a float weight,
-  "values" and "scales" for a `BlockScaled` one. Where moved weights are written back
-  (`MoELayer.rebalance`, `moejax.linen.rebalance`), each array goes to its own variable.
+  """The per-expert parameters' arrays as (name, part, array): part None for a float weight,
+  "values" and "scales" for a `BlockScaled` one, the field ("gate_up_a", ...) for the
+  adapters. Where moved weights are written back (`MoELayer.rebalance`,
+  `moejax.linen.rebalance`), each array goes to its own variable.
 
   >>> import jax.numpy as jnp
   >>> params = MoEParams(jnp.ones((4, 2)), jnp.ones((2, 4, 6)), jnp.ones((2, 3, 4)))
@@ -161,6 +162,9 @@ def expert_arrays(params: MoEParams) -> list[tuple[str, str | None, jax.Array]]:
       arrays += [(name, "values", value.values), (name, "scales", value.scales)]
     elif value is not None:
       arrays.append((name, None, value))
+  if params.lora is not None:
+    fields = zip(ExpertLoRA._fields, params.lora, strict=True)
+    arrays += [("lora", field, value) for field, value in fields]
   return arrays
 
 

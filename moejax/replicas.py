@@ -24,7 +24,7 @@ from moejax import axis_groups, ids, sharding
 from moejax.axis_groups import spec_entry
 from moejax.collectives import filled_like, platform_has_ragged_all_to_all, ragged_all_to_all
 from moejax.config import MoEConfig
-from moejax.params import EXPERT_PARAMS, MoEParams
+from moejax.params import PER_EXPERT_FIELDS, MoEParams
 from moejax.placement import Placement, check_values
 
 
@@ -144,29 +144,30 @@ def place(
 
 def sum_replicas(grads: MoEParams, placement: Placement) -> MoEParams:
   """Gradients of physical expert parameters [P, ...] summed per logical expert [E, ...]:
-  the gradients of the logical weights that `place` replicated (the others unchanged;
-  quantized weights, constants, have none: None)."""
+  the gradients of the logical weights that `place` replicated, adapters included (the
+  others unchanged; quantized weights, constants, have none: None)."""
   experts = np.shape(placement.replica_counts)[-1]
   segments = jnp.asarray(placement.physical_to_logical)
   summed = {
     name: None
     if is_block_scaled(value)
-    else jax.ops.segment_sum(value, segments, num_segments=experts)
+    else jax.tree.map(lambda g: jax.ops.segment_sum(g, segments, num_segments=experts), value)
     for name, value in _expert_leaves(grads).items()
   }
   return grads._replace(**summed)
 
 
-def _expert_leaves(params: MoEParams) -> dict[str, jax.Array]:
-  """The expert parameters present, by name."""
-  present = (name for name in EXPERT_PARAMS if getattr(params, name) is not None)
+def _expert_leaves(params: MoEParams) -> dict:
+  """The per-expert parameters present (arrays, `BlockScaled`s, adapters), by name."""
+  present = (name for name in PER_EXPERT_FIELDS if getattr(params, name) is not None)
   return {name: getattr(params, name) for name in present}
 
 
-def _check_leading(experts: dict[str, jax.Array], size: int, what: str) -> None:
+def _check_leading(experts: dict, size: int, what: str) -> None:
   for name, value in experts.items():
-    if np.shape(value)[0] != size:
-      raise ValueError(f"params.{name} has leading size {np.shape(value)[0]}, expected {what}")
+    for leaf in jax.tree.leaves(value):
+      if np.shape(leaf)[0] != size:
+        raise ValueError(f"params.{name} has leading size {np.shape(leaf)[0]}, expected {what}")
 
 
 def _first_slot(physical_to_logical: np.ndarray, expert: int) -> int:
@@ -189,7 +190,7 @@ def _mesh_of(experts: dict[str, jax.Array], config: MoEConfig) -> Mesh | None:
 
 def _gather(experts, source: np.ndarray, mesh: Mesh | None, config: MoEConfig):
   """experts[name][source] for each leaf: one jitted gather, laid out as the layer's."""
-  take = lambda leaves, index: {name: value[index] for name, value in leaves.items()}
+  take = lambda leaves, index: jax.tree.map(lambda leaf: leaf[index], leaves)
   if mesh is None:
     return jax.jit(take)(experts, jnp.asarray(source))
   specs = _expert_specs(experts, config)
@@ -201,9 +202,12 @@ def _gather(experts, source: np.ndarray, mesh: Mesh | None, config: MoEConfig):
 
 
 def _expert_specs(experts: dict[str, jax.Array], config: MoEConfig) -> dict:
-  """The layer's spec of each expert leaf (`sharding.LayerSpecs.expert_leaf`)."""
+  """The layer's spec of each per-expert parameter (`sharding.LayerSpecs.expert_leaf`), one
+  for all its leaves (a `BlockScaled`'s or adapters' leaves share their rank)."""
   specs = sharding.LayerSpecs.from_config(config)
-  return {name: specs.expert_leaf(np.ndim(value)) for name, value in experts.items()}
+  return {
+    name: specs.expert_leaf(jax.tree.leaves(value)[0].ndim) for name, value in experts.items()
+  }
 
 
 def _move(experts, plan: MovePlan, *, mesh: Mesh, config: MoEConfig):

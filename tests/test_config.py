@@ -50,7 +50,6 @@ BASE = dict(num_experts=8, top_k=2, hidden_size=16, intermediate_size=32)
     (dict(lora_rank=-1), "lora_rank must be an int >= 0"),
     (dict(lora_rank=4, lora_alpha=0.0), "lora_alpha must be > 0"),
     (dict(lora_rank=4, lora_rslora=1), "lora_rslora must be a bool"),
-    (dict(lora_rank=4, num_redundant_experts=8), "lora_rank with num_redundant_experts"),
   ],
 )
 def test_bad_field_raises_naming_it(overrides, message):

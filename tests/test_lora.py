@@ -13,8 +13,9 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from moejax import MoEConfig, MoELayer, lora, moe_apply, quant, reference_moe
+from moejax import MoEConfig, MoELayer, eplb, lora, moe_apply, param_shapes, quant, reference_moe
 from moejax.models import shard_model
+from moejax.placement import initial_placement
 from moejax.stacking import layer_of
 from tests.helpers import (
   check_against_reference,
@@ -40,11 +41,13 @@ BASE = MoEConfig(
 
 
 def with_adapters(config: MoEConfig, key: jax.Array):
-  """Random parameters with random (non-zero) adapters of both kinds: s · A @ B about half
-  the size of the base weights."""
+  """Random parameters with random (non-zero) adapters of the kinds the config has: s · A @ B
+  about half the size of the base weights."""
   params = random_params(config, key)
 
   def draw(shapes, key):
+    if shapes is None:
+      return None
     keys = jax.random.split(key, len(shapes))
     return type(shapes)(*(0.1 * jax.random.normal(k, s) for k, s in zip(keys, shapes, strict=True)))
 
@@ -246,3 +249,54 @@ def test_a_scanned_stack_trains_its_adapters_alone(request):
     params = layer_of(stack.layers.moe_params(), layer)
     looped = looped + moe_apply(params, looped, config=config, mesh=mesh)[0]
   chex.assert_trees_all_close(stack(x), looped, **tolerance())
+
+
+def test_replicas_hold_their_experts_adapters(request):
+  """With redundant experts each replica computes with its expert's adapters (`eplb.place`
+  moves them with the weights; `eplb.sum_replicas` sums their gradients into the logical
+  expert's): the reference's output and gradients, and a rebalanced layer's output is the
+  one before, adapters moved with the weights."""
+  seed = seed_of(request.node.name)
+  config = MoEConfig(
+    num_experts=8,
+    top_k=2,
+    hidden_size=16,
+    intermediate_size=16,
+    chunk_size=4,
+    num_redundant_experts=8,
+    dispatch="all_to_all",
+    lora_rank=2,
+  )
+  logical = dataclasses.replace(config, num_redundant_experts=0)
+  placement = initial_placement(8, 8)
+  x = jax.random.normal(jax.random.key(seed), (24, 16))
+  mask = jnp.arange(24) % 4 != 1
+  mesh = mesh_of(2, 4)
+  params = with_adapters(logical, jax.random.key(seed))
+  check_against_reference(params, x, config, mesh, mask, seed=seed, placement=placement)
+  layer = MoELayer(config, mesh=mesh, rngs=nnx.Rngs(seed))
+  _load(layer, eplb.place(params, placement, config))
+  before = layer(x, mask)
+  layer.rebalance(np.arange(1.0, 9.0) ** 3)  # expert 7 the busiest: it gets replicas
+  moved = eplb.Placement(*layer.placement.get_value())
+  assert not np.array_equal(moved.physical_to_logical, placement.physical_to_logical)
+  chex.assert_trees_all_close(layer(x, mask), before, **tolerance())
+  adapters = jax.device_get(layer.lora.get_value())
+  placed = jax.tree.map(lambda a: a[moved.physical_to_logical], params.lora)
+  chex.assert_trees_all_equal(adapters, placed)
+
+
+def _load(layer: MoELayer, params) -> None:
+  """Sets the layer's parameters and adapters to `params`, each on the devices of the value
+  it replaces."""
+  variables = [(getattr(layer, name), getattr(params, name)) for name in param_shapes(layer.config)]
+  for name in ("lora", "shared_lora"):
+    if getattr(params, name) is None:
+      continue
+    adapters = getattr(layer, name)
+    variables += [
+      (getattr(adapters, f), v)
+      for f, v in zip(adapters.kind._fields, getattr(params, name), strict=True)
+    ]
+  for variable, value in variables:
+    variable.set_value(jax.device_put(value, variable.get_value().sharding))
