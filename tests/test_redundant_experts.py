@@ -114,7 +114,7 @@ def test_sum_replicas_adds_each_experts_slots(request):
 
 @pytest.mark.parametrize(
   "dispatch, mesh_shape",
-  [("all_gather", (2, 4)), ("all_gather", (8, 1)), ("all_to_all", (4, 2))],
+  [("all_gather", (2, 4)), ("all_to_all", (4, 2))],  # one device's: the contract's no-mesh case
   ids=str,
 )
 def test_replicated_layer_equals_the_unreplicated_one(dispatch, mesh_shape, request):
