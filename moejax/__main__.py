@@ -65,6 +65,12 @@ def _parser() -> argparse.ArgumentParser:
     default=0,
     help="train LoRA adapters of this rank on the experts only (default 0: every weight)",
   )
+  train.add_argument(
+    "--expert-quant",
+    choices=["fp8_block", "mxfp4"],
+    default=None,
+    help="quantized, frozen experts (e.g. under LoRA adapters); default float",
+  )
   train.add_argument("--checkpoint", default="checkpoints/moe_transformer")
   train.add_argument("--resume", action="store_true", help="continue from --checkpoint")
   for command in (demo, train):

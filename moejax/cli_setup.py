@@ -24,12 +24,16 @@ def auto_mesh(shape: tuple[int, int]) -> Mesh:
 
 
 def moe_config(args: argparse.Namespace, **overrides) -> MoEConfig:
-  """The MoEConfig of the --experts, --top-k, --hidden, --intermediate, --chunk-size flags."""
-  return MoEConfig(
-    num_experts=args.experts,
-    top_k=args.top_k,
-    hidden_size=args.hidden,
-    intermediate_size=args.intermediate,
-    chunk_size=args.chunk_size,
-    **overrides,
-  )
+  """The MoEConfig of the --experts, --top-k, --hidden, --intermediate, --chunk-size flags;
+  flags that make no valid config exit with its message."""
+  try:
+    return MoEConfig(
+      num_experts=args.experts,
+      top_k=args.top_k,
+      hidden_size=args.hidden,
+      intermediate_size=args.intermediate,
+      chunk_size=args.chunk_size,
+      **overrides,
+    )
+  except ValueError as error:
+    raise SystemExit(f"moejax {args.command}: {error}") from None

@@ -109,7 +109,9 @@ def run(args, mesh_shape: tuple[int, int]) -> list[dict[str, float]]:
   from tqdm import tqdm  # imported here: only the command line shows a progress bar
 
   mesh = auto_mesh(mesh_shape)
-  moe = moe_config(args, expert_backend=args.backend, lora_rank=args.lora_rank)
+  moe = moe_config(
+    args, expert_backend=args.backend, lora_rank=args.lora_rank, expert_quant=args.expert_quant
+  )
   task = ClusterTask(vocab_size=args.vocab, seq_len=args.seq_len, seed=args.seed)
   config = TransformerConfig(
     args.vocab,

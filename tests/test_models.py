@@ -80,11 +80,11 @@ def test_checkpoint_restores_onto_another_mesh(tmp_path, scan_layers, expert_fsd
 
 
 def test_train_command_checkpoints_and_resumes(tmp_path):
-  """A scanned model, each block rematerialized saving the layer's checkpoint names, its
-  experts' LoRA adapters trained alone."""
+  """A scanned model, each block rematerialized saving the layer's checkpoint names, LoRA
+  adapters trained alone over mxfp4 experts."""
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   base = [sys.executable, "-m", "moejax", "train", "--checkpoint", str(tmp_path / "ck")]
-  base += ["--scan-layers", "--remat", "names", "--lora-rank", "4"]
+  base += ["--scan-layers", "--remat", "names", "--lora-rank", "4", "--expert-quant", "mxfp4"]
   first = subprocess.run(
     [*base, "--steps", "12"], capture_output=True, text=True, timeout=600, env=env
   )
