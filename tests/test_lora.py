@@ -10,10 +10,22 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import linen as nn
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from moejax import MoEConfig, MoELayer, eplb, lora, moe_apply, param_shapes, quant, reference_moe
+from moejax import (
+  MoEConfig,
+  MoELayer,
+  eplb,
+  linen,
+  lora,
+  moe_apply,
+  param_shapes,
+  quant,
+  reference_moe,
+)
+from moejax.linen import moe_linen
 from moejax.models import shard_model
 from moejax.placement import initial_placement
 from moejax.stacking import layer_of
@@ -300,3 +312,29 @@ def _load(layer: MoELayer, params) -> None:
     ]
   for variable, value in variables:
     variable.set_value(jax.device_put(value, variable.get_value().sharding))
+
+
+def test_linen_rebalance_moves_the_adapters(request):
+  """In a Linen model the adapters sit in the `LoRAParam` collection; `linen.rebalance` moves
+  them with the weights: each slot's adapter is its new expert's, the output unchanged."""
+  config = MoEConfig(
+    num_experts=4,
+    top_k=2,
+    hidden_size=8,
+    intermediate_size=16,
+    lora_rank=2,
+    num_redundant_experts=2,
+  )
+  module = moe_linen(config)
+  x = jax.random.normal(jax.random.key(seed_of(request.node.name)), (6, 8))
+  variables = nn.unbox(module.init(jax.random.key(0), x))
+  old = np.asarray(variables["ExpertPlacement"]["placement"]["physical_to_logical"])
+  logical_b = np.asarray(jax.random.normal(jax.random.key(1), (4, 2, 32)))  # [E, r, 2F]
+  variables["LoRAParam"]["lora"]["gate_up_b"] = jnp.asarray(logical_b[old])  # replicas equal
+  before = module.apply(variables, x)
+  moved, new = linen.rebalance(variables, config, load=np.array([1.0, 1.0, 1.0, 9.0]))
+  assert not np.array_equal(new.physical_to_logical, old)
+  chex.assert_trees_all_equal(
+    moved["LoRAParam"]["lora"]["gate_up_b"], logical_b[new.physical_to_logical]
+  )
+  chex.assert_trees_all_close(module.apply(moved, x), before, **tolerance())
