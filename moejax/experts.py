@@ -7,7 +7,8 @@
   kernels use) and runs one dense [B, D] x [D, 2F] x [F, D] MLP per tile in a `lax.scan`,
   skipping unused tiles with `lax.cond`.
 - "ragged_dot" and "pallas" (`sorted_mlp`): `kernels_pallas.moe_mlp` on the plan's backend
-  (XLA's two `jax.lax.ragged_dot`s, or the fused kernels).
+  (XLA's two `jax.lax.ragged_dot`s, or the fused kernels); with LoRA adapters, unfused
+  `kernels_pallas.gmm`s on that backend (`adapted_mlp`).
 
 Every path sorts the assignments with `sort_by_expert`, and takes the experts' weights as one
 `moejax.params.ExpertWeights`.
@@ -15,11 +16,14 @@ Every path sorts the assignments with `sort_by_expert`, and takes the experts' w
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
 import kernels_pallas
 from kernels_pallas.metadata import aligned_rows
+from kernels_pallas.quantized import is_block_scaled
 from moejax import ids
 from moejax.activations import GatedActivation
 from moejax.chunking import seed_gradient
@@ -130,34 +134,77 @@ def sorted_mlp(
   weights: jax.Array,
   experts: ExpertWeights,
   *,
-  activation: str,
+  activation: GatedActivation,
   backend: str,
   interpret: bool = False,
 ) -> jax.Array:
   """`grouped_mlp`'s contract on `kernels_pallas.moe_mlp` (fused kernels, or XLA ragged_dot).
 
   Sorts the N*K assignments by local expert (the others last, past the groups' sum, where
-  `moe_mlp` writes 0), runs the MLP with the routing weights in its epilogue, and sums each
-  row's K results.
+  `moe_mlp` writes 0), runs the MLP with the routing weights in its epilogue (`adapted_mlp`
+  with adapters), and sums each row's K results.
 
   Args and returns: as `grouped_mlp` (without biases, `tile_rows` and seeds; `activation`
-  "silu" or "gelu"), plus `backend`, a `kernels_pallas` backend name, and `interpret`, to
-  run a kernel in its interpreter.
+  silu or gelu), plus `backend`, a `kernels_pallas` backend name, and `interpret`, to run a
+  kernel in its interpreter.
   """
   rows, top_k = expert_ids.shape
   order, group_sizes = sort_by_expert(expert_ids, experts.w_gate_up.shape[0])  # [N*K], [El]
-  out_sorted = kernels_pallas.moe_mlp(
-    x[order // top_k],
-    experts.w_gate_up,
-    experts.w_down,
-    group_sizes,
-    row_weights=weights.reshape(-1)[order].astype(x.dtype),
-    activation=activation,
-    implementation=backend,
-    interpret=interpret,
-  )  # [N*K, D]
+  x_sorted, row_weights = x[order // top_k], weights.reshape(-1)[order]
+  if experts.lora is None:
+    out_sorted = kernels_pallas.moe_mlp(
+      x_sorted,
+      experts.w_gate_up,
+      experts.w_down,
+      group_sizes,
+      row_weights=row_weights.astype(x.dtype),
+      activation=activation.name,
+      implementation=backend,
+      interpret=interpret,
+    )  # [N*K, D]
+  else:
+    gmm = functools.partial(
+      kernels_pallas.gmm, group_sizes=group_sizes, implementation=backend, interpret=interpret
+    )
+    out_sorted = adapted_mlp(x_sorted, experts, row_weights, activation, gmm)
   out = jnp.zeros_like(out_sorted).at[order].set(out_sorted)  # back to assignment order
   return jnp.sum(out.reshape(rows, top_k, -1).astype(jnp.float32), axis=1)
+
+
+def adapted_mlp(
+  x_sorted: jax.Array,
+  experts: ExpertWeights,
+  row_weights: jax.Array,
+  activation: GatedActivation,
+  gmm,
+) -> jax.Array:
+  """`kernels_pallas.moe_mlp` with the experts' adapters: each projection is three grouped
+  matmuls, `gmm(rows, W) + gmm(gmm(rows, A), B)`, the gated activation between them in XLA.
+
+  Unfused: the [M, 2F] pre-activation goes to memory, and the rank-r products are grouped
+  matmuls of their own (r columns, padded to the kernel's blocks).
+
+  Args:
+    x_sorted: [M, D] rows grouped by local expert in order, in the compute dtype.
+    experts: the local `ExpertWeights`, with `lora`.
+    row_weights: [M] float32 routing weight of each row.
+    activation: the gate/up combination.
+    gmm: `kernels_pallas.gmm` bound to the groups and the backend: (lhs, rhs) -> [M, N];
+      rows past the groups' sum give 0.
+
+  Returns:
+    [M, D] float32.
+  """
+
+  def project(rows, w, a, b):
+    low_rank = gmm(rows, a, preferred_element_type=jnp.float32).astype(rows.dtype)  # [M, r]
+    full = gmm(rows, w, preferred_element_type=jnp.float32)
+    return full + gmm(low_rank, b, preferred_element_type=jnp.float32)
+
+  lora = experts.lora
+  gate_up = project(x_sorted, experts.w_gate_up, lora.gate_up_a, lora.gate_up_b)  # [M, 2F]
+  hidden = activation(*jnp.split(gate_up, 2, axis=-1)).astype(x_sorted.dtype)  # [M, F]
+  return project(hidden, experts.w_down, lora.down_a, lora.down_b) * row_weights[:, None]
 
 
 def routed_mlp(
@@ -194,22 +241,25 @@ def routed_mlp(
       tile_rows=default_tile_rows(expert_ids.size, config.num_physical_experts),
       grad_seeds=grad_seeds,
     )
-  if grad_seeds is not None and not experts.quantized:
-    experts = ExpertWeights(
-      *(
-        w if seed is None else seed_gradient(w, seed)
-        for w, seed in zip(experts, grad_seeds, strict=True)
-      )
-    )
+  if grad_seeds is not None:
+    experts = ExpertWeights(*map(_seeded, experts, grad_seeds))
   return sorted_mlp(
     x,
     expert_ids,
     weights,
     experts,
-    activation=config.activation,
+    activation=GatedActivation.of(config),
     backend=plan.backend,
     interpret=plan.interpret,
   )
+
+
+def _seeded(weight, seed):
+  """`weight` (an array or adapters) with `seed` added to its gradient; a constant
+  (quantized) matrix, or one without a seed, as it is."""
+  if seed is None or is_block_scaled(weight):
+    return weight
+  return jax.tree.map(seed_gradient, weight, seed)
 
 
 def zero_experts(

@@ -16,8 +16,8 @@ on an H200 (docs/performance.md, "GPU"):
 
 `expert_backend="xla"` takes the better XLA path; "pallas" the device's kernel (interpreted on
 a CPU, for testing); "auto" a kernel only where `kernels_pallas.api.MEASURED_FASTER` has a
-measurement showing it faster, else the XLA path. With LoRA adapters (`lora_rank` > 0) every
-call takes the tile loop: it is the only path that adds the adapters' products so far.
+measurement showing it faster, else the XLA path. LoRA adapters change no choice: every path
+adds their products (the sorted paths in unfused grouped matmuls, `experts.adapted_mlp`).
 """
 
 from __future__ import annotations
@@ -90,14 +90,6 @@ def plan_experts(config: MoEConfig, num_rows: int, local_experts: int) -> Expert
   >>> plan_experts(config, num_rows=512, local_experts=8)  # on a CPU
   ExpertPlan(path='tile_loop', backend=None, interpret=False)
   """
-  if config.lora_rank:
-    if config.expert_backend == "pallas":
-      warnings.warn(
-        "expert_backend='pallas' falls back to the XLA tile loop: with LoRA adapters "
-        "(lora_rank > 0) only the tile loop runs the experts so far",
-        stacklevel=2,
-      )
-    return ExpertPlan("tile_loop")
   case = expert_case(config)
   kernel = select_kernel(case)
   if config.expert_backend == "pallas":

@@ -1,7 +1,7 @@
 """The tensors of a local safetensors checkpoint (one file or sharded), read with NumPy.
 
-No torch: safetensors' NumPy reader, and for the fp8 dtypes it lacks a memory map of the
-raw bytes viewed as `ml_dtypes`.
+No torch: safetensors' NumPy reader, and for the dtypes NumPy lacks (bfloat16, the fp8s) a
+memory map of the raw bytes viewed as `ml_dtypes`.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from kernels_pallas.quantized import BlockScaled
 
 # safetensors dtypes NumPy lacks (safetensors' NumPy reader fails on them): read raw.
 _RAW_DTYPES = {
+  "BF16": ml_dtypes.bfloat16,
   "F8_E4M3": ml_dtypes.float8_e4m3fn,
   "F8_E5M2": ml_dtypes.float8_e5m2,
   "F8_E8M0": ml_dtypes.float8_e8m0fnu,
@@ -32,20 +33,20 @@ class SafetensorsFiles(contextlib.ExitStack):
   `fp8_block`, [out, in]); `get_raw` returns what the file holds.
   """
 
-  def __init__(self, path: Path, fp8_block: tuple[int, int] | None = None):
+  def __init__(self, path: Path, fp8_block: tuple[int, int] | None = None, *, stem: str = "model"):
     super().__init__()
     self.fp8_block = fp8_block
     self._open: dict[Path, Any] = {}
     self._headers: dict[Path, dict] = {}
-    index = path / "model.safetensors.index.json"
+    index = path / f"{stem}.safetensors.index.json"
     if index.exists():
       weight_map = json.loads(index.read_text())["weight_map"]
       self.files = {key: path / name for key, name in weight_map.items()}
-    elif (path / "model.safetensors").exists():
-      single = path / "model.safetensors"
+    elif (path / f"{stem}.safetensors").exists():
+      single = path / f"{stem}.safetensors"
       self.files = dict.fromkeys(self._file(single).keys(), single)
     else:
-      raise FileNotFoundError(f"{path} has neither model.safetensors nor its index")
+      raise FileNotFoundError(f"{path} has neither {stem}.safetensors nor its index")
 
   def _file(self, path: Path):
     if path not in self._open:

@@ -7,8 +7,10 @@ import json
 import chex
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
+from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from moejax import hf, moe_apply
@@ -460,6 +462,33 @@ def test_sharded_checkpoint_loads_straight_onto_a_mesh(tmp_path):
   assert on_mesh.w_gate_up.sharding.spec[0] == "expert"
   assert on_mesh.w_gate_up.addressable_shards[0].data.shape == (E // 4, D, 2 * F)
   assert on_mesh.router_kernel.sharding.is_fully_replicated
+
+
+def save_raw(tensors: dict[str, np.ndarray], path, dtype: str) -> None:
+  """A safetensors file written byte by byte, for dtypes NumPy's writer lacks ("BF16")."""
+  header, data, offset = {}, [], 0
+  for name, value in tensors.items():
+    raw = np.ascontiguousarray(value).tobytes()
+    header[name] = {
+      "dtype": dtype,
+      "shape": list(value.shape),
+      "data_offsets": [offset, offset + len(raw)],
+    }
+    data.append(raw)
+    offset += len(raw)
+  encoded = json.dumps(header).encode()
+  path.write_bytes(len(encoded).to_bytes(8, "little") + encoded + b"".join(data))
+
+
+def test_a_bfloat16_checkpoint_loads(tmp_path):
+  """Released checkpoints are mostly bfloat16, a dtype safetensors' NumPy reader lacks."""
+  write_checkpoint(tmp_path, "qwen3_moe", layer=0)
+  as_float32 = hf.load_layer(tmp_path, 0)
+  with safe_open(tmp_path / "model.safetensors", "np") as file:
+    tensors = {k: file.get_tensor(k).astype(ml_dtypes.bfloat16) for k in file.keys()}  # noqa: SIM118
+  save_raw(tensors, tmp_path / "model.safetensors", "BF16")
+  rounded = jax.tree.map(lambda a: a.astype(ml_dtypes.bfloat16).astype(np.float32), as_float32)
+  chex.assert_trees_all_equal(hf.load_layer(tmp_path, 0), rounded)
 
 
 def test_missing_tensor_names_the_key(tmp_path):

@@ -2,6 +2,7 @@
 
 import collections
 import dataclasses
+import functools
 import re
 
 import chex
@@ -14,6 +15,7 @@ from flax import linen as nn
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+import kernels_pallas
 from moejax import (
   MoEConfig,
   MoELayer,
@@ -22,11 +24,16 @@ from moejax import (
   lora,
   moe_apply,
   param_shapes,
+  plan,
   quant,
   reference_moe,
 )
+from moejax.activations import GatedActivation
+from moejax.experts import adapted_mlp
 from moejax.linen import moe_linen
+from moejax.lora import ExpertLoRA
 from moejax.models import shard_model
+from moejax.params import ExpertWeights
 from moejax.placement import initial_placement
 from moejax.stacking import layer_of
 from tests.helpers import (
@@ -37,6 +44,7 @@ from tests.helpers import (
   seed_of,
   tolerance,
 )
+from tests.kernels.test_gmm import block_scaled_spec, cuda_custom_calls
 from tests.test_depth import Stack
 
 BASE = MoEConfig(
@@ -74,19 +82,31 @@ def tokens(seed: int, count: int = 48):
   return x, jax.random.bernoulli(jax.random.key(seed + 1), 0.75, (count,))
 
 
+def expect_path(config: MoEConfig, path: str, monkeypatch) -> None:
+  """Makes calls of `config` plan `path` on this CPU: ragged_dot as on a GPU with few local
+  experts, the Pallas kernels in their interpreter."""
+  if path == "ragged_dot":
+    monkeypatch.setattr(plan, "on_cpu", lambda: False)
+  assert plan.plan_experts(config, num_rows=64, local_experts=2).path == path
+
+
+@pytest.mark.filterwarnings("ignore:expert_backend='pallas' on a CPU:UserWarning")
 @pytest.mark.parametrize(
-  "options, mesh_shape",
+  "options, mesh_shape, path",
   [
-    (dict(expert_bias=True, activation="gelu"), None),
-    (dict(dispatch="all_to_all", expert_fsdp=True, lora_rslora=True), (2, 4)),
+    (dict(expert_bias=True, activation="gelu"), None, "tile_loop"),
+    (dict(dispatch="all_to_all", expert_fsdp=True, lora_rslora=True), (2, 4), "tile_loop"),
+    (dict(expert_backend="xla", activation="gelu"), None, "ragged_dot"),
+    (dict(expert_backend="pallas", dispatch="all_to_all"), (2, 4), "pallas"),
   ],
-  ids=["biases-no mesh", "2x4-all_to_all-fsdp-rslora"],
+  ids=["biases-no mesh", "2x4-all_to_all-fsdp-rslora", "ragged_dot-gelu", "pallas-2x4"],
 )
-def test_adapters_match_the_reference(options, mesh_shape, request):
+def test_adapters_match_the_reference(options, mesh_shape, path, request, monkeypatch):
   """Output and every gradient (base, adapters, router, x) as the reference computes them
-  with W + s·A·B per expert, on NaN-poisoned padding."""
+  with W + s·A·B per expert, on NaN-poisoned padding, on each expert path."""
   seed = seed_of(request.node.name)
   config = dataclasses.replace(BASE, **options)
+  expect_path(config, path, monkeypatch)
   x, mask = tokens(seed)
   mesh = None if mesh_shape is None else mesh_of(*mesh_shape)
   check_against_reference(
@@ -94,14 +114,18 @@ def test_adapters_match_the_reference(options, mesh_shape, request):
   )
 
 
-def test_adapters_over_a_quantized_base(request):
-  """fp8_block experts stay quantized: the output is the reference's on the dequantized
-  weights plus the adapters, and the adapters, router and x get its gradients."""
+@pytest.mark.filterwarnings("ignore:expert_backend='pallas' on a CPU:UserWarning")
+@pytest.mark.parametrize("backend, path", [("xla", "tile_loop"), ("pallas", "pallas")])
+def test_adapters_over_a_quantized_base(backend, path, request, monkeypatch):
+  """fp8_block experts stay quantized (sliced per tile, or in the kernels): the output is the
+  reference's on the dequantized weights plus the adapters, and the adapters, router and x
+  get its gradients."""
   seed = seed_of(request.node.name)
-  float_config = dataclasses.replace(BASE, quant_block_size=(32, 32))
+  float_config = dataclasses.replace(BASE, quant_block_size=(32, 32), expert_backend=backend)
   params, config = quant.quantize_experts(
     with_adapters(float_config, jax.random.key(seed)), float_config, "fp8_block"
   )
+  expect_path(config, path, monkeypatch)
   dequantized, _ = quant.dequantize_experts(params, config)
   x, mask = tokens(seed)
   mesh = mesh_of(2, 4)
@@ -151,14 +175,17 @@ def test_a_new_adapter_changes_nothing_and_trains_alone(request):
   chex.assert_trees_all_equal(nnx.state(layer, nnx.Not(nnx.LoRAParam)), before)
 
 
-def test_adapter_gradients_compute_no_base_weight_gradient(request):
+@pytest.mark.parametrize("path", ["tile_loop", "ragged_dot"])
+def test_adapter_gradients_compute_no_base_weight_gradient(path, request, monkeypatch):
   """Differentiating the adapters only, the compiled program builds no buffer shaped like a
   device's base expert weights (the full gradient does: its accumulator)."""
   mesh = mesh_of(2, 4)
-  params = with_adapters(BASE, jax.random.key(seed_of(request.node.name)))
+  config = dataclasses.replace(BASE, expert_backend="xla")
+  expect_path(config, path, monkeypatch)
+  params = with_adapters(config, jax.random.key(seed_of(request.node.name)))
   x, mask = tokens(0)
   loss = lambda adapters, params: jnp.sum(
-    moe_apply(params._replace(lora=adapters), x, config=BASE, mesh=mesh, token_mask=mask)[0] ** 2
+    moe_apply(params._replace(lora=adapters), x, config=config, mesh=mesh, token_mask=mask)[0] ** 2
   )
   local = "f32[2,64,128]"  # El = 2 experts' w_gate_up on each device
   computed = lambda argnums: _ops_producing(
@@ -338,3 +365,32 @@ def test_linen_rebalance_moves_the_adapters(request):
     moved["LoRAParam"]["lora"]["gate_up_b"], logical_b[new.physical_to_logical]
   )
   chex.assert_trees_all_close(module.apply(moved, x), before, **tolerance())
+
+
+@pytest.mark.parametrize("base", ["bf16", "fp8_block"])
+def test_the_adapted_sorted_mlp_lowers_to_mosaic_gpu_kernels(base):
+  """On the Pallas path the adapters are rank-r grouped matmuls of their own (r = 4, padded to
+  the kernel's blocks): forward and gradient lower for cuda to Mosaic GPU kernels only."""
+  spec = jax.ShapeDtypeStruct
+  groups, rows, dim, width, rank = 4, 256, 128, 256, 4
+  w_gate_up, w_down = (groups, dim, 2 * width), (groups, width, dim)
+  if base == "bf16":
+    matrices = spec(w_gate_up, jnp.bfloat16), spec(w_down, jnp.bfloat16)
+  else:
+    matrices = block_scaled_spec(w_gate_up, base), block_scaled_spec(w_down, base)
+  shapes = dict(num_experts=groups, hidden_size=dim, intermediate_size=width, lora_rank=rank)
+  adapter_shapes = lora.expert_lora_shapes(dataclasses.replace(BASE, **shapes))
+  adapters = ExpertLoRA(*(spec(s, jnp.bfloat16) for s in adapter_shapes))
+
+  def loss(x, adapters, matrices, group_sizes):
+    experts = ExpertWeights(*matrices, lora=adapters)
+    gmm = functools.partial(kernels_pallas.gmm, group_sizes=group_sizes, implementation="mosaic")
+    out = adapted_mlp(x, experts, jnp.ones(rows), GatedActivation("silu"), gmm)
+    return jnp.sum(out**2)
+
+  args = (spec((rows, dim), jnp.bfloat16), adapters, matrices, spec((groups,), jnp.int32))
+  mlir = cuda_custom_calls(jax.grad(loss, argnums=(0, 1)), *args)
+  kernels = re.findall(r"custom_call @(\S+)\(", mlir)
+  # Forward: 6 matmuls; backward: d(x) and d(A), d(B) (a tgmm each) of each of them.
+  assert len(kernels) >= 6 + 6 + 4 and set(kernels) == {"mosaic_gpu_v2"}, kernels
+  assert "ragged_dot" not in mlir
