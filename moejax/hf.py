@@ -170,6 +170,7 @@ class Fused(_Layout):
   down: str = "experts.down_proj"
   input_major: bool = False
   interleaved: bool = False
+  marked_transposed: bool = False  # transformers marks the module `is_transposed` (PEFT reads)
 
   def present(self, files, key) -> bool:
     return key(self.gate_up) in files or key(f"{self.gate_up}_blocks") in files
@@ -363,7 +364,7 @@ FAMILIES: dict[str, Family] = {
          renormalize=True,  # softmax over the top-k logits
          router_bias=True, expert_bias=True, activation="swiglu_oai",
          swiglu_limit=Read("swiglu_limit", 7.0, float)),
-    (Fused(input_major=True, interleaved=True),),
+    (Fused(input_major=True, interleaved=True, marked_transposed=True),),
     router_bias="router.bias",
   ),
   "llama4_text": Family(
@@ -421,7 +422,11 @@ FAMILIES: dict[str, Family] = {
 
 
 def _family(hf: dict) -> Family:
-  model_type = hf.get("model_type")
+  return family_of(hf.get("model_type"))
+
+
+def family_of(model_type: str | None) -> Family:
+  """The `FAMILIES` row of a config.json `model_type`; ValueError listing them otherwise."""
   if model_type not in FAMILIES:
     raise ValueError(
       f"model_type={model_type!r} is not supported; moejax.hf reads {sorted(FAMILIES)}"
@@ -498,7 +503,8 @@ def load_layer(
       checkpoint's format. Quantized shared experts are always dequantized.
 
   Returns:
-    `MoEParams` in the config's `param_dtype` (quantized experts kept as stored).
+    `MoEParams` in the config's `param_dtype` (quantized experts kept as stored), without
+    LoRA adapters whatever `config.lora_rank` (`load_lora` reads a PEFT adapter's).
 
   Raises:
     KeyError: a tensor the layer needs is missing (the message names the key).
@@ -521,8 +527,8 @@ def load_layer(
     params = params._replace(
       **{name: np.asarray(v.dequantize(dtype)) for name, v in values.items() if is_block_scaled(v)}
     )
-  try:
-    check_params(params, config)
+  try:  # the base weights only: adapters come from `load_lora` (or `moejax.lora.init_like`)
+    check_params(params, dataclasses.replace(config, lora_rank=0))
   except ValueError as error:
     raise ValueError(f"read from {block}: {error}") from None
   if mesh is None:
@@ -583,3 +589,18 @@ def unpack_mxfp4(blocks: np.ndarray) -> np.ndarray:
   codes = np.stack([blocks & 0x0F, blocks >> 4], axis=-1)  # [..., n, 16, 2]
   codes = codes.reshape(*blocks.shape[:-2], -1)
   return _E2M1[codes].astype(ml_dtypes.float4_e2m1fn)
+
+
+# PEFT adapters of these layers: `moejax.hf_lora` (it reads `FAMILIES`, so it comes last).
+from moejax.hf_lora import LoadedAdapters, load_lora, save_lora  # noqa: E402
+
+__all__ = [
+  "FAMILIES",
+  "LoadedAdapters",
+  "config_from_hf",
+  "family_of",
+  "load_layer",
+  "load_lora",
+  "save_lora",
+  "unpack_mxfp4",
+]

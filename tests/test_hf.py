@@ -2,6 +2,7 @@
 loaded and run on one device and on the 2x4 mesh, against NumPy versions of each family's MoE
 block written here (not moejax's reference); sharded checkpoints; placement on a mesh; errors."""
 
+import dataclasses
 import json
 
 import chex
@@ -13,7 +14,7 @@ import pytest
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from moejax import hf, moe_apply
+from moejax import hf, hf_lora, lora, moe_apply
 from tests.helpers import mesh_of, seed_of
 
 D, F, FS, E, T = 16, 12, 10, 8, 24
@@ -507,3 +508,56 @@ def test_shape_mismatch_names_the_key_and_shapes(tmp_path):
 def test_unsupported_family_lists_the_supported_ones():
   with pytest.raises(ValueError, match=r"model_type='bert'.*'mixtral'"):
     hf.config_from_hf({"model_type": "bert", "hidden_size": 8})
+
+
+def adapters_of(config, seed: int):
+  """Random `ExpertLoRA` / `SharedLoRA` (every entry, B included) of the config's rank."""
+  keys = iter(jax.random.split(jax.random.key(seed), 8))
+  draw = lambda shapes: (
+    None
+    if shapes is None
+    else type(shapes)(*(np.asarray(jax.random.normal(next(keys), shape)) for shape in shapes))
+  )
+  return draw(lora.expert_lora_shapes(config)), draw(lora.shared_lora_shapes(config))
+
+
+@pytest.mark.parametrize("layout", hf_lora.LAYOUTS)
+def test_adapters_written_read_back_onto_a_mesh(layout, tmp_path):
+  """save_lora then load_lora: the same adapters (the per-expert layout fuses gate's and up's
+  A: rank 2r, with the same products), placed over the expert axis."""
+  hf_config, _ = write_checkpoint(tmp_path, "deepseek_v3", layer=1)
+  config = hf.config_from_hf(hf_config, lora_rank=3, lora_alpha=2.0)
+  expert, shared = adapters_of(config, 0)
+  params = hf.load_layer(tmp_path, 1, config)._replace(lora=expert, shared_lora=shared)
+  hf.save_lora(tmp_path / "adapter", {1: params}, config, model_type="deepseek_v3", layout=layout)
+  mesh = mesh_of(2, 4)
+  back = hf.load_lora(tmp_path / "adapter", 1, config, model_type="deepseek_v3", mesh=mesh)
+  assert back.lora.gate_up_a.sharding.spec[0] == "expert"
+  delta = lambda adapters, c: [c.lora_scale * np.einsum("...ir,...ro->...io", a, b)
+                               for a, b in (adapters[:2], adapters[2:])]  # fmt: skip
+  for ours, theirs in ((back.lora, expert), (back.shared_lora, shared)):
+    got = jax.tree.map(np.asarray, ours)
+    chex.assert_trees_all_close(delta(got, back.config), delta(theirs, config), atol=1e-5)
+  assert back.config.lora_rank == 6 and back.config.lora_scale == config.lora_scale
+
+
+def test_adapter_errors_name_the_tensor(tmp_path):
+  hf_config, _ = write_checkpoint(tmp_path, "qwen3_moe", layer=0)
+  config = hf.config_from_hf(hf_config, lora_rank=2)
+  params = hf.load_layer(tmp_path, 0, config)._replace(lora=adapters_of(config, 1)[0])
+  hf.save_lora(tmp_path / "adapter", {0: params}, config, model_type="qwen3_moe")
+  read = lambda layer=0, **changes: hf.load_lora(
+    tmp_path / "adapter", layer, dataclasses.replace(config, **changes), model_type="qwen3_moe"
+  )
+  with pytest.raises(KeyError, match=r"layers\.5\.mlp\.experts"):
+    read(layer=5)  # another layer (or another model's file)
+  with pytest.raises(
+    ValueError, match=r"experts.*lora_A/B\.weight have shapes .* expected gate_up: A \[r\*8, 17\]"
+  ):
+    read(hidden_size=D + 1, intermediate_size=F)
+  with pytest.raises(NotImplementedError, match="no adapter layout"):
+    hf.save_lora(tmp_path / "dbrx", {0: params}, config, model_type="dbrx")
+  with pytest.raises(NotImplementedError, match="use layout='fused'"):
+    hf.save_lora(tmp_path / "oss", {0: params}, config, model_type="gpt_oss", layout="per_expert")
+  with pytest.raises(ValueError, match=r"params\.lora must be a moejax\.lora\.ExpertLoRA"):
+    hf.save_lora(tmp_path / "none", {0: params._replace(lora=None)}, config, model_type="qwen3_moe")

@@ -1,0 +1,141 @@
+"""PEFT adapters on transformers' MoE blocks against moejax, both ways: PEFT writes an adapter
+(random, non-zero B), moejax reads it and computes PEFT's block output; moejax writes one,
+PEFT loads it and computes moejax's. Needs the `.[hf]` extra (transformers, torch, peft)."""
+
+import dataclasses
+import json
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from moejax import hf, lora, moe_apply
+from tests.helpers import seed_of
+from tests.test_hf_transformers import FAMILIES, hf_checkpoint
+
+torch = pytest.importorskip("torch")
+peft = pytest.importorskip("peft")
+
+pytestmark = [  # PEFT's own use of transformers' deprecated names, and its notices
+  pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning"),
+  pytest.mark.filterwarnings("ignore::UserWarning:peft"),
+]
+TOKENS = 24
+# model_type -> the block's expert parameters PEFT targets, and its shared experts' module
+FUSED = {
+  "qwen2_moe": (("experts.gate_up_proj", "experts.down_proj"), "shared_expert"),
+  "gpt_oss": (("experts.gate_up_proj", "experts.down_proj"), None),  # [E, in, out], marked
+  "llama4_text": (("experts.gate_up_proj", "experts.down_proj"), "shared_expert"),  # unmarked
+  "granitemoe": (("experts.gate_up_proj", "experts.down_proj"), None),  # stored input_linear
+}
+
+
+def tiny_model(model_type: str, path, seed: int):
+  fields, layer, block_name = FAMILIES[model_type]
+  model = hf_checkpoint(model_type, dict(fields), path, seed)
+  config = hf.config_from_hf(json.loads((path / "config.json").read_text()), chunk_size=5)
+  return model, config, f"model.layers.{layer}.{block_name}", layer
+
+
+def block_of(model, block: str):
+  return model.get_submodule(block)
+
+
+def block_output(model, block: str, x: np.ndarray) -> np.ndarray:
+  with torch.no_grad():
+    out = block_of(model, block)(torch.from_numpy(x[None]))
+  return (out[0] if isinstance(out, tuple) else out).numpy().reshape(x.shape)
+
+
+def moejax_output(model_dir, layer, config, adapters, x) -> np.ndarray:
+  params = hf.load_layer(model_dir, layer, config)
+  params = params._replace(lora=adapters.lora, shared_lora=adapters.shared_lora)
+  return np.asarray(moe_apply(params, jnp.asarray(x), config=adapters.config)[0])
+
+
+@pytest.mark.parametrize("model_type", FUSED)
+def test_fused_adapters_both_ways(model_type, tmp_path, request):
+  seed = seed_of(request.node.name) % 2**31
+  model, config, block, layer = tiny_model(model_type, tmp_path / "model", seed)
+  parameters, shared = FUSED[model_type]
+  targets = dict(
+    target_parameters=[f"{block}.{name}" for name in parameters],
+    target_modules=[f"{block}.{shared}.{n}" for n in ("gate_proj", "up_proj", "down_proj")]
+    if shared
+    else [],
+  )
+  peft_model = peft.get_peft_model(model, peft.LoraConfig(r=3, lora_alpha=5.0, **targets))
+  torch.manual_seed(seed)
+  with torch.no_grad():
+    for name, value in peft_model.named_parameters():
+      if "lora_" in name:
+        value.normal_(0.0, 0.3)
+  x = np.random.default_rng(seed).standard_normal((TOKENS, config.hidden_size)).astype(np.float32)
+  theirs = block_output(peft_model.base_model.model, block, x)
+  with peft_model.disable_adapter():  # the adapters matter: the check can fail
+    assert not np.allclose(block_output(peft_model.base_model.model, block, x), theirs, atol=1e-2)
+  peft_model.save_pretrained(tmp_path / "peft")
+
+  adapters = hf.load_lora(tmp_path / "peft", layer, config, model_type=model_type)
+  # The shared experts' gate and up adapters (rank 3 each) fuse into one of rank 6.
+  assert adapters.config.lora_rank == (6 if shared else 3)
+  assert adapters.config.lora_scale == pytest.approx(5 / 3)
+  ours = moejax_output(tmp_path / "model", layer, config, adapters, x)
+  chex.assert_trees_all_close(ours, theirs, atol=1e-4, rtol=1e-4)
+
+  # moejax -> PEFT: other random adapters, written by moejax, loaded by PEFT.
+  mine = random_adapters(adapters.config, seed)
+  written = hf.load_layer(tmp_path / "model", layer, config)
+  written = written._replace(lora=mine.lora, shared_lora=mine.shared_lora)
+  hf.save_lora(tmp_path / "ours", {layer: written}, mine.config, model_type=model_type)
+  fresh, *_ = tiny_model(model_type, tmp_path / "fresh", seed)
+  loaded = peft.PeftModel.from_pretrained(fresh, tmp_path / "ours")
+  chex.assert_trees_all_close(
+    moejax_output(tmp_path / "model", layer, config, mine, x),
+    block_output(loaded.base_model.model, block, x),
+    atol=1e-4,
+    rtol=1e-4,
+  )
+
+
+def random_adapters(config, seed: int) -> hf.LoadedAdapters:
+  """Adapters of the config's rank with every entry random (B too)."""
+  keys = iter(jax.random.split(jax.random.key(seed), 8))
+  draw = lambda shapes: (
+    None
+    if shapes is None
+    else type(shapes)(*(0.3 * np.asarray(jax.random.normal(next(keys), shape)) for shape in shapes))
+  )
+  return hf.LoadedAdapters(
+    config, draw(lora.expert_lora_shapes(config)), draw(lora.shared_lora_shapes(config))
+  )
+
+
+# PEFT checks the rank and alpha patterns of its conversion against modules only, not the
+# fused parameters they apply to (they do apply: the outputs agree).
+@pytest.mark.filterwarnings("ignore:The following (rank|alpha)_pattern keys:RuntimeWarning")
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral"])
+def test_per_expert_adapters_both_ways(model_type, tmp_path, request):
+  """moejax writes one adapter per expert and projection (transformers 4's modules: PEFT
+  converts them for transformers 5's fused experts) and reads it back: gate's and up's of
+  rank 4 become one of rank 8, down's is padded to it; the outputs are PEFT's."""
+  seed = seed_of(request.node.name) % 2**31
+  model, config, block, layer = tiny_model(model_type, tmp_path / "model", seed)
+  mine = random_adapters(dataclasses.replace(config, lora_rank=4, lora_alpha=3.0), seed)
+  written = hf.load_layer(tmp_path / "model", layer, config)._replace(lora=mine.lora)
+  hf.save_lora(
+    tmp_path / "ours", {layer: written}, mine.config, model_type=model_type, layout="per_expert"
+  )
+  x = np.random.default_rng(seed).standard_normal((TOKENS, config.hidden_size)).astype(np.float32)
+  ours = moejax_output(tmp_path / "model", layer, config, mine, x)
+  loaded = peft.PeftModel.from_pretrained(model, tmp_path / "ours")
+  chex.assert_trees_all_close(
+    ours, block_output(loaded.base_model.model, block, x), atol=1e-4, rtol=1e-4
+  )
+  back = hf.load_lora(tmp_path / "ours", layer, config, model_type=model_type)
+  assert back.config.lora_rank == 8 and back.config.lora_scale == pytest.approx(0.75)
+  chex.assert_trees_all_close(
+    moejax_output(tmp_path / "model", layer, config, back, x), ours, atol=1e-5, rtol=1e-5
+  )
