@@ -57,4 +57,5 @@ def test_every_notebook_is_listed():
     FROM_TRANSFORMERS,
     "05_quantized.ipynb",
     "06_load_balancing.ipynb",
+    "07_lora.ipynb",
   ]
