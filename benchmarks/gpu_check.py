@@ -236,7 +236,13 @@ def _expert_paths(with_kernel: bool) -> dict[str, Callable]:
     def sorted_path(x, ids, weights, w_gate_up, w_down):
       experts = ExpertWeights(w_gate_up, w_down)
       return sorted_mlp(
-        x, ids, weights, experts, activation="silu", backend=backend, interpret=on_cpu()
+        x,
+        ids,
+        weights,
+        experts,
+        activation=GatedActivation("silu"),
+        backend=backend,
+        interpret=on_cpu(),
       )
 
     return sorted_path
