@@ -391,6 +391,7 @@ def test_the_adapted_sorted_mlp_lowers_to_mosaic_gpu_kernels(base):
   args = (spec((rows, dim), jnp.bfloat16), adapters, matrices, spec((groups,), jnp.int32))
   mlir = cuda_custom_calls(jax.grad(loss, argnums=(0, 1)), *args)
   kernels = re.findall(r"custom_call @(\S+)\(", mlir)
-  # Forward: 6 matmuls; backward: d(x) and d(A), d(B) (a tgmm each) of each of them.
-  assert len(kernels) >= 6 + 6 + 4 and set(kernels) == {"mosaic_gpu_v2"}, kernels
+  # Forward: 6 grouped matmuls; backward at least as many (d(rows) of each, d(A) and d(B) as
+  # tgmms; a lowering may share one kernel between identical calls).
+  assert len(kernels) >= 12 and set(kernels) == {"mosaic_gpu_v2"}, kernels
   assert "ragged_dot" not in mlir
