@@ -11,7 +11,9 @@ losses, gradient, Adam) on 32 sequences of 16 tokens, E=8, K=2, D=128, F=256:
   policies  4 scanned blocks, each rematerialized by a policy built from
             `moejax.CHECKPOINT_NAMES`, and one layer whose output feeds a nonlinearity
             inside the remat (where saving the layer output matters): compiled temp, FLOPs
-            of the compiled gradient, and the largest gradient difference from no remat
+            of the compiled gradient, its exchanges (the dispatch's collectives in the
+            compiled program), and the largest gradient difference from no remat; the
+            dispatched rows' name with `save_dispatched_rows` on (it marks nothing off)
   compile   one layer call against a dense gated MLP of the same width (D -> 2F -> D) on
             the same tokens: seconds to lower and compile the forward pass and the
             gradient (the better of two fresh compiles), and the optimized HLO's lines
@@ -19,7 +21,9 @@ losses, gradient, Adam) on 32 sequences of 16 tokens, E=8, K=2, D=128, F=256:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import re
 import time
 from collections.abc import Callable
 
@@ -33,6 +37,7 @@ from jax.sharding import AxisType, NamedSharding
 from kernels_pallas import autotune
 from moejax import CHECKPOINT_NAMES, MoEConfig, moe_apply, param_shapes
 from moejax.models import ClusterTask, MoETransformer, TransformerConfig, shard_model
+from moejax.remat import DISPATCHED_ROWS
 from moejax.sharding import LayerSpecs
 from moejax.train import LossWeights, loss_fn, train_step
 
@@ -55,8 +60,10 @@ def _mesh() -> jax.sharding.Mesh:
   return jax.make_mesh((2, 4), ("data", "expert"), axis_types=(AxisType.Auto,) * 2)
 
 
-def _model(blocks: int, scanned: bool, policy: Callable | None, mesh) -> MoETransformer:
-  config = TransformerConfig(64, blocks, 2, MOE, scan_layers=scanned, remat_policy=policy)
+def _model(
+  blocks: int, scanned: bool, policy: Callable | None, mesh, moe: MoEConfig = MOE
+) -> MoETransformer:
+  config = TransformerConfig(64, blocks, 2, moe, scan_layers=scanned, remat_policy=policy)
   model = MoETransformer(config, mesh=mesh, rngs=nnx.Rngs(0))
   shard_model(model, mesh)
   return model
@@ -135,14 +142,26 @@ def _derived_columns(rows: list[dict]) -> None:
     previous[r["scanned"]] = r
 
 
-def _policies() -> dict[str, Callable | None]:
-  named = {name: POLICIES.save_only_these_names(name) for name in CHECKPOINT_NAMES}
+def _policies() -> dict[str, tuple[Callable | None, MoEConfig]]:
+  """Policy name -> (policy, the layer's config): `DISPATCHED_ROWS` only names a value with
+  `save_dispatched_rows`, so its rows (and the one without remat to compare) turn it on."""
+  keeping = dataclasses.replace(MOE, save_dispatched_rows=True)
+  only = POLICIES.save_only_these_names
+  named = {name: (only(name), MOE) for name in CHECKPOINT_NAMES if name != DISPATCHED_ROWS}
   return {
-    "no remat": None,
-    "nothing_saveable": POLICIES.nothing_saveable,
+    "no remat": (None, MOE),
+    "nothing_saveable": (POLICIES.nothing_saveable, MOE),
     **named,
-    "all CHECKPOINT_NAMES": POLICIES.save_only_these_names(*CHECKPOINT_NAMES),
+    "all CHECKPOINT_NAMES": (only(*CHECKPOINT_NAMES), MOE),
+    "no remat, save_dispatched_rows": (None, keeping),
+    f"{DISPATCHED_ROWS}, save_dispatched_rows": (only(DISPATCHED_ROWS), keeping),
+    "all CHECKPOINT_NAMES, save_dispatched_rows": (only(*CHECKPOINT_NAMES), keeping),
   }
+
+
+def _exchanges(compiled) -> int:
+  """The dispatch's collectives (MOE's "auto": all_gather on a CPU) in a compiled program."""
+  return len(re.findall(r" all-gather(?:-start)?\(", compiled.as_text()))
 
 
 def _flops(compiled) -> float:
@@ -161,16 +180,16 @@ def _max_difference(a, b) -> float:
   return max(float(jnp.max(jnp.abs(x - y))) for x, y in pairs)
 
 
-def _scanned_blocks_case(policy: Callable | None, mesh, batch, params, x) -> tuple:
+def _scanned_blocks_case(policy: Callable | None, moe, mesh, batch, params, x) -> tuple:
   """(loss, its arguments): the 4 scanned blocks, each rematerialized by `policy`."""
-  graphdef, state = nnx.split(_model(4, True, policy, mesh))
+  graphdef, state = nnx.split(_model(4, True, policy, mesh, moe))
   loss = lambda state: loss_fn(nnx.merge(graphdef, state), *batch, LossWeights())[0]
   return loss, (state,)
 
 
-def _layer_under_tanh_case(policy: Callable | None, mesh, batch, params, x) -> tuple:
+def _layer_under_tanh_case(policy: Callable | None, moe, mesh, batch, params, x) -> tuple:
   """(loss, its arguments): one layer whose output feeds tanh inside the remat."""
-  layer = lambda params: jnp.tanh(moe_apply(params, x, config=MOE, mesh=mesh)[0])
+  layer = lambda params: jnp.tanh(moe_apply(params, x, config=moe, mesh=mesh)[0])
   if policy is not None:
     layer = jax.checkpoint(layer, policy=policy)
   return (lambda params: jnp.sum(layer(params) ** 2)), (params,)
@@ -185,8 +204,8 @@ def policy_rows() -> list[dict]:
   rows = []
   for model_name, case in cases.items():
     reference = None
-    for name, policy in _policies().items():
-      compiled, grads = _gradient_case(*case(policy, mesh, batch, params, x))
+    for name, (policy, moe) in _policies().items():
+      compiled, grads = _gradient_case(*case(policy, moe, mesh, batch, params, x))
       reference = grads if reference is None else reference
       rows.append(
         dict(
@@ -196,6 +215,7 @@ def policy_rows() -> list[dict]:
           policy=name,
           temp_mib=compiled.memory_analysis().temp_size_in_bytes / 2**20,
           gflops=_flops(compiled) / 1e9,
+          exchanges=_exchanges(compiled),
           grad_difference=_max_difference(grads, reference),
         )
       )
@@ -267,7 +287,7 @@ def depth_section(repeats: int, table: Callable[[str, list[dict], list[str]], No
   table(
     "depth: remat policies built from moejax.CHECKPOINT_NAMES (gradients)",
     policies,
-    ["model", "policy", "temp_mib", "gflops", "grad_difference"],
+    ["model", "policy", "temp_mib", "gflops", "exchanges", "grad_difference"],
   )
   compiles = compile_rows()
   table(

@@ -30,6 +30,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 
 from moejax.axis_groups import AxisGroup, names
 from moejax.collectives import filled_like, sum_over
@@ -145,6 +146,7 @@ def chunk_scan(
   chunk_size: int,
   lockstep_axis: AxisGroup | None,
   pipelined: bool,
+  saved_in_flight: str | None = None,
 ) -> tuple[jax.Array, jax.Array]:
   """Applies `stages` to chunks of C rows, valid rows first, skipping all-padding chunks.
 
@@ -162,12 +164,18 @@ def chunk_scan(
       mesh): a chunk runs on all its devices when any of them holds a valid row in it.
     pipelined: send chunk i+1 while chunk i computes (worth it only where an exchange crosses
       devices); else each step runs both stages of its chunk under one cond.
+    saved_in_flight: None, or a `checkpoint_name`: then the forward pass of a gradient keeps
+      every chunk's in-flight value (what `send` returned, [chunks, ...]) under that name,
+      and the backward pass reuses it instead of sending each chunk again (memory for one
+      exchange per chunk; a remat policy may still drop it, and then the forward reruns).
 
   Returns:
     (out, chunks_run): out [L, ...] holds the chunks' outputs and zeros for the skipped ones;
     chunks_run [] int32 counts the chunks that ran.
   """
-  return _chunk_scan(stages, chunk_size, lockstep_axis, pipelined, weights, inputs, token_mask)
+  return _chunk_scan(
+    stages, chunk_size, lockstep_axis, pipelined, saved_in_flight, weights, inputs, token_mask
+  )
 
 
 def _chunk_order(token_mask: jax.Array, chunk_size: int) -> jax.Array:
@@ -207,8 +215,15 @@ def _put_rows(total: jax.Array, rows: jax.Array, update: jax.Array) -> jax.Array
   return total.at[rows].set(update, unique_indices=True, indices_are_sorted=False)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
-def _chunk_scan(stages, chunk_size, lockstep_axis, pipelined, weights, inputs, token_mask):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4))
+def _chunk_scan(stages, chunk_size, lockstep_axis, pipelined, saved, weights, inputs, token_mask):
+  args = (stages, chunk_size, lockstep_axis, pipelined, False, weights, inputs, token_mask)
+  return _forward(*args)[0]
+
+
+def _forward(stages, chunk_size, lockstep_axis, pipelined, keep, weights, inputs, token_mask):
+  """The loop: ((out, chunks_run), the in-flight values): with `keep`, [chunks, ...] each
+  chunk's (zeros for skipped chunks), else None."""
   weights = stages.prepare(weights)
   order = _chunk_order(token_mask, chunk_size)  # [chunks, C]
   live = _live_chunks(token_mask, order, lockstep_axis)  # [chunks]
@@ -216,26 +231,33 @@ def _chunk_scan(stages, chunk_size, lockstep_axis, pipelined, weights, inputs, t
   out_type = jax.eval_shape(stages.whole, weights, take(0))
   out_rows = jax.ShapeDtypeStruct((token_mask.shape[0], *out_type.shape[1:]), out_type.dtype)
   out = _zeros_of(token_mask, out_rows)  # the output, filled in place chunk by chunk
+  in_flight_type = jax.eval_shape(stages.send, weights, take(0))
   if pipelined:
-    out = _pipelined_steps(stages, weights, take, order, live, token_mask, out, out_type)
+    out, in_flights = _pipelined_steps(
+      stages, weights, take, order, live, token_mask, out, out_type, in_flight_type, keep
+    )
   else:
 
+    def both_stages(i):
+      in_flight = stages.send(weights, take(i))
+      return stages.finish(weights, take(i), in_flight, None), in_flight
+
     def step(out, i):
-      chunk_out = jax.lax.cond(
-        live[i],
-        lambda: stages.whole(weights, take(i)),
-        lambda: _zeros_of(token_mask, out_type),
-      )
-      return _put_rows(out, order[i], chunk_out), None
+      run = (lambda: both_stages(i)) if keep else lambda: (stages.whole(weights, take(i)), None)
+      skipped = (out_type, in_flight_type if keep else None)
+      chunk_out, in_flight = jax.lax.cond(live[i], run, lambda: _zeros_of(token_mask, skipped))
+      return _put_rows(out, order[i], chunk_out), in_flight
 
-    out = jax.lax.scan(step, out, jnp.arange(order.shape[0]))[0]
-  return out, jnp.sum(live, dtype=jnp.int32)
+    out, in_flights = jax.lax.scan(step, out, jnp.arange(order.shape[0]))
+  return (out, jnp.sum(live, dtype=jnp.int32)), in_flights
 
 
-def _pipelined_steps(stages, weights, take, order, live, token_mask, out, out_type) -> jax.Array:
-  """The loop in which step i finishes chunk i and sends chunk i+1; returns `out` filled."""
+def _pipelined_steps(
+  stages, weights, take, order, live, token_mask, out, out_type, in_flight_type, keep
+):
+  """The loop in which step i finishes chunk i and sends chunk i+1; returns `out` filled and
+  each chunk's in-flight value."""
   chunks = live.shape[0]
-  in_flight_type = jax.eval_shape(stages.send, weights, take(0))
   send_or_skip = lambda run, i: jax.lax.cond(
     run, lambda: stages.send(weights, take(i)), lambda: _zeros_of(token_mask, in_flight_type)
   )
@@ -250,18 +272,21 @@ def _pipelined_steps(stages, weights, take, order, live, token_mask, out, out_ty
     )
     # The next chunk's exchange reads only inputs: it can overlap this chunk's compute.
     next_in_flight = send_or_skip(next_live[i], jnp.minimum(i + 1, chunks - 1))
-    return (_put_rows(out, order[i], chunk_out), next_in_flight), None
+    return (_put_rows(out, order[i], chunk_out), next_in_flight), in_flight if keep else None
 
-  (out, _), _ = jax.lax.scan(step, (out, send_or_skip(live[0], 0)), jnp.arange(chunks))
-  return out
-
-
-def _chunk_scan_fwd(stages, chunk_size, lockstep_axis, pipelined, weights, inputs, token_mask):
-  out = _chunk_scan(stages, chunk_size, lockstep_axis, pipelined, weights, inputs, token_mask)
-  return out, (weights, inputs, token_mask)
+  (out, _), in_flights = jax.lax.scan(step, (out, send_or_skip(live[0], 0)), jnp.arange(chunks))
+  return out, in_flights
 
 
-def _chunk_scan_bwd(stages, chunk_size, lockstep_axis, pipelined, residuals, cotangents):
+def _chunk_scan_fwd(stages, chunk_size, lockstep_axis, pipelined, saved, weights, inputs, mask):
+  keep = saved is not None
+  args = (stages, chunk_size, lockstep_axis, pipelined, keep, weights, inputs, mask)
+  out, in_flights = _forward(*args)
+  kept = checkpoint_name(in_flights, saved) if keep else None
+  return out, (weights, inputs, mask, kept)
+
+
+def _chunk_scan_bwd(stages, chunk_size, lockstep_axis, pipelined, saved, residuals, cotangents):
   """Recomputes each live chunk under `jax.vjp` and accumulates gradients in the scan carry.
 
   Left to autodiff, the scan would stack per-chunk residuals (copies of the weights among
@@ -270,10 +295,12 @@ def _chunk_scan_bwd(stages, chunk_size, lockstep_axis, pipelined, residuals, cot
   needs of the forward pass is recomputed, unpipelined), the collectives' transposes run
   inside the same lockstep cond as the forward pass, and the seeded weights' gradients
   accumulate in place across chunks. `prepare` runs once, and its transpose (the psum of a
-  per-device mark, a cast back) once after the loop.
+  per-device mark, a cast back) once after the loop. With the in-flight values kept
+  (`saved_in_flight`), a chunk's `finish` is differentiated at its kept value and `send` is
+  only transposed: the outbound exchange does not run again.
   """
-  del pipelined
-  given, inputs, token_mask = residuals
+  del pipelined, saved
+  given, inputs, token_mask, in_flights = residuals
   weights, unprepare = jax.vjp(stages.prepare, given)
   d_out = cotangents[0]
   is_float = lambda a: jnp.issubdtype(a.dtype, jnp.inexact)
@@ -286,9 +313,18 @@ def _chunk_scan_bwd(stages, chunk_size, lockstep_axis, pipelined, residuals, cot
 
     def accumulate(carry):
       (d_seeded, d_rest), d_inputs = carry
-      whole = lambda weights, chunk: stages.whole(weights, chunk, d_seeded)
-      _, vjp = jax.vjp(whole, weights, _rows_of(inputs, rows))
-      (chunk_d_seeded, chunk_d_rest), chunk_d_inputs = vjp(d_out[rows])
+      chunk = _rows_of(inputs, rows)
+      if in_flights is None:
+        whole = lambda weights, chunk: stages.whole(weights, chunk, d_seeded)
+        _, vjp = jax.vjp(whole, weights, chunk)
+        (chunk_d_seeded, chunk_d_rest), chunk_d_inputs = vjp(d_out[rows])
+      else:
+        in_flight = jax.tree.map(lambda a: a[i], in_flights)
+        finish = lambda weights, chunk, sent: stages.finish(weights, chunk, sent, d_seeded)
+        _, vjp = jax.vjp(finish, weights, chunk, in_flight)
+        (chunk_d_seeded, chunk_d_rest), d_direct, d_sent = vjp(d_out[rows])
+        (d_via_send,) = jax.vjp(lambda chunk: stages.send(weights, chunk), chunk)[1](d_sent)
+        chunk_d_inputs = jax.tree.map(_add_tangents, d_direct, d_via_send)
       chunk_d_inputs = [
         c
         for c, a in zip(jax.tree.leaves(chunk_d_inputs), jax.tree.leaves(inputs), strict=True)
@@ -310,6 +346,11 @@ def _chunk_scan_bwd(stages, chunk_size, lockstep_axis, pipelined, residuals, cot
     inputs,
   )
   return d_given, d_inputs, np.zeros(token_mask.shape, jax.dtypes.float0)
+
+
+def _add_tangents(a: jax.Array, b: jax.Array) -> jax.Array:
+  """a + b, for float0 (integer inputs') tangents too."""
+  return a if a.dtype == jax.dtypes.float0 else a + b
 
 
 def _tangent_of(primal: jax.Array, cotangent: jax.Array) -> jax.Array:

@@ -110,6 +110,10 @@ class MoEConfig:
       `x @ (W_gate_up[e] + s · A[e] @ B[e])`, and the same for down, s = `lora_scale`.
     lora_alpha: PEFT's `lora_alpha`: s = alpha / r.
     lora_rslora: PEFT's `use_rslora`: s = alpha / sqrt(r).
+    save_dispatched_rows: in a gradient's forward pass, keep what each chunk's outbound
+      exchange delivered (`moejax.remat.DISPATCHED_ROWS`, [chunks, ...] per device) for the
+      backward pass, which then sends no chunk again: one exchange per chunk less, for the
+      memory of all dispatched rows. Off: the backward pass sends each chunk again.
 
   >>> MoEConfig(num_experts=8, top_k=2, hidden_size=64, intermediate_size=128).chunk_size
   'auto'
@@ -154,6 +158,7 @@ class MoEConfig:
   lora_rank: int = 0
   lora_alpha: float = 8.0
   lora_rslora: bool = False
+  save_dispatched_rows: bool = False
 
   def __post_init__(self) -> None:
     self._check_sizes()
@@ -181,8 +186,9 @@ class MoEConfig:
         f"mesh axis {both[0]!r} is in both data_axis={self.data_axis!r} and "
         f"expert_axis={self.expert_axis!r}: each axis belongs to one group"
       )
-    if not isinstance(self.expert_fsdp, bool):
-      raise ValueError(f"expert_fsdp must be a bool, got {self.expert_fsdp!r}")
+    for name in ("expert_fsdp", "save_dispatched_rows"):
+      if not isinstance(getattr(self, name), bool):
+        raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
 
   def _check_sizes(self) -> None:
     for name in ("num_experts", "hidden_size", "intermediate_size"):

@@ -300,6 +300,7 @@ def local_forward(
     chunk_size=chunk_size,
     lockstep_axis=exchange.axis,
     pipelined=crosses_devices(exchange),
+    saved_in_flight=remat.DISPATCHED_ROWS if config.save_dispatched_rows else None,
   )
   rows_sent = exchange.rows_sent(expert_ids, chunks_run, chunk_size).astype(jnp.int32)
   counts = DeviceCounts(chunks_run[None], rows_sent[None])

@@ -47,6 +47,7 @@ BASE = dict(num_experts=8, top_k=2, hidden_size=16, intermediate_size=32)
     (dict(expert_axis=()), "expert_axis must be a mesh axis name or a tuple of names"),
     (dict(data_axis=["data"]), "data_axis must be a mesh axis name or a tuple of names"),
     (dict(expert_fsdp=1), "expert_fsdp must be a bool"),
+    (dict(save_dispatched_rows="yes"), "save_dispatched_rows must be a bool"),
     (dict(lora_rank=-1), "lora_rank must be an int >= 0"),
     (dict(lora_rank=4, lora_alpha=0.0), "lora_alpha must be > 0"),
     (dict(lora_rank=4, lora_rslora=1), "lora_rslora must be a bool"),

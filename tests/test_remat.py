@@ -2,6 +2,8 @@
 and recomputes the rest, with the gradients of no remat at all."""
 
 import collections
+import dataclasses
+import re
 
 import chex
 import jax
@@ -11,13 +13,22 @@ import pytest
 from moejax import CHECKPOINT_NAMES, MoEConfig, moe_apply, remat
 from tests.helpers import mesh_of, poison, random_params, seed_of, tolerance
 
-CONFIG = MoEConfig(num_experts=8, top_k=2, hidden_size=16, intermediate_size=32, chunk_size=8)
+CONFIG = MoEConfig(
+  num_experts=8,
+  top_k=2,
+  hidden_size=16,
+  intermediate_size=32,
+  chunk_size=8,
+  save_dispatched_rows=True,
+)
 TOKENS = 60  # padded to L = 8 rows on each of the 8 devices: 64 rows in all
 
 # What each name adds to the saved residuals of the 2x4 mesh's layer: (shape, dtype), global.
 SAVED = {
   remat.ROUTER_LOGITS: [((64, 8), "float32")],
   remat.ROUTED_ROWS: [((64, 16), "float32"), ((64, 2), "int32"), ((64, 2), "float32")],
+  # all_gather: each device's one chunk receives S * C = 32 rows with their ids and weights.
+  remat.DISPATCHED_ROWS: [((8, 32, 16), "float32"), ((8, 32, 2), "int32"), ((8, 32, 2), "float32")],
   remat.LAYER_OUTPUT: [((TOKENS, 16), "float32")],
 }
 
@@ -61,3 +72,28 @@ def test_a_policy_saves_the_named_value_and_gives_the_same_gradients(case, name)
   gradients = save_one(cotangent)
   chex.assert_tree_all_finite(gradients)  # nothing from the NaN padding
   chex.assert_trees_all_close(gradients, expected, **tolerance())
+
+
+@pytest.mark.parametrize(
+  "dispatch, mesh_shape", [("all_gather", (2, 4)), ("all_to_all", (2, 4)), ("all_gather", None)]
+)
+def test_kept_dispatched_rows_spare_the_backward_its_exchange(dispatch, mesh_shape, request):
+  """With `save_dispatched_rows` the compiled gradient has one outbound exchange fewer per
+  chunk body (rows, ids and weights: three collectives; none to spare without a mesh, where
+  the loop runs both stages in one step) and the same gradients."""
+  key = jax.random.key(seed_of(request.node.name))
+  config = dataclasses.replace(CONFIG, dispatch=dispatch, save_dispatched_rows=False)
+  params = random_params(config, key)
+  mesh = None if mesh_shape is None else mesh_of(*mesh_shape)
+  x = jax.random.normal(jax.random.fold_in(key, 1), (TOKENS, 16))
+  collective = {"all_gather": "all-gather", "all_to_all": "all-to-all"}[dispatch]
+  found = {}
+  for save in (False, True):
+    kept = dataclasses.replace(config, save_dispatched_rows=save)
+    loss = lambda p, x, c=kept: jnp.sum(jnp.sin(moe_apply(p, x, config=c, mesh=mesh)[0]))
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1)))
+    hlo = grad.lower(params, x).compile().as_text()
+    found[save] = (len(re.findall(rf" {collective}(?:-start)?\(", hlo)), grad(params, x))
+  spared = 0 if mesh is None else 3
+  assert found[True][0] == found[False][0] - spared, (found[False][0], found[True][0])
+  chex.assert_trees_all_close(found[True][1], found[False][1], **tolerance())
