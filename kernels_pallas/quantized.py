@@ -1,7 +1,7 @@
 """`BlockScaled`: a weight stored in a narrow dtype with one scale per block, as checkpoints
 ship it (fine-grained fp8: float8_e4m3fn values, a float32 scale per 128x128 block; MXFP4:
 float4_e2m1fn values, a power-of-two float8_e8m0fnu scale per 32 values along the
-contraction axis).
+contraction axis; INT4: int4 values, a bfloat16 scale per group of inputs).
 
 One value travels through the layer and into the kernels (no separate scale arguments):
 `values` and `scales` are its pytree leaves, `block` its static aux data. Indexing the leading
@@ -126,19 +126,30 @@ class QuantFormat(NamedTuple):
 
   Attributes:
     values: dtype of the quantized values.
-    scales: dtype of the scales.
+    scales: dtype of the scales (what quantizing writes).
     block: the fixed (bi, bo) block, or None where the checkpoint chooses it.
+    other_scales: further scale dtypes checkpoints of the format store (kept as stored).
   """
 
   values: jnp.dtype
   scales: jnp.dtype
   block: tuple[int, int] | None
+  other_scales: tuple[jnp.dtype, ...] = ()
+
+  def takes_scales(self, dtype) -> bool:
+    """Whether `dtype` is one of the format's scale dtypes."""
+    return jnp.dtype(dtype) in (self.scales, *self.other_scales)
 
 
-# The formats by name: DeepSeek-V3's fine-grained fp8 and OCP MXFP4 (GPT-OSS).
+# The formats by name: DeepSeek-V3's fine-grained fp8, OCP MXFP4 (GPT-OSS), and symmetric
+# INT4 with a scale per group of inputs (compressed-tensors' pack-quantized: Kimi-K2-Thinking,
+# K2.5; blocks (group, 1)).
 FORMATS = {
   "fp8_block": QuantFormat(jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float32), None),
   "mxfp4": QuantFormat(jnp.dtype(jnp.float4_e2m1fn), jnp.dtype(jnp.float8_e8m0fnu), (32, 1)),
+  "int4_group": QuantFormat(
+    jnp.dtype(jnp.int4), jnp.dtype(jnp.bfloat16), None, (jnp.dtype(jnp.float32),)
+  ),
 }
 
 
@@ -154,9 +165,9 @@ def format_of(w) -> str | None:
   """
   if not is_block_scaled(w):
     return None
-  dtypes = (jnp.dtype(w.values.dtype), jnp.dtype(w.scales.dtype))
   for name, form in FORMATS.items():
-    if dtypes == (form.values, form.scales) and form.block in (None, w.block):
+    same_values = jnp.dtype(w.values.dtype) == form.values
+    if same_values and form.takes_scales(w.scales.dtype) and form.block in (None, w.block):
       return name
   raise ValueError(f"{w!r} is in none of the formats {sorted(FORMATS)}")
 

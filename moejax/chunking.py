@@ -325,6 +325,8 @@ def _chunk_scan_bwd(stages, chunk_size, lockstep_axis, pipelined, saved, residua
         (chunk_d_seeded, chunk_d_rest), d_direct, d_sent = vjp(d_out[rows])
         (d_via_send,) = jax.vjp(lambda chunk: stages.send(weights, chunk), chunk)[1](d_sent)
         chunk_d_inputs = jax.tree.map(_add_tangents, d_direct, d_via_send)
+      # An integer weight (int4 values) has float0 cotangents; the carry holds zeros of its type.
+      chunk_d_seeded, chunk_d_rest = jax.tree.map(_carried, weights, (chunk_d_seeded, chunk_d_rest))
       chunk_d_inputs = [
         c
         for c, a in zip(jax.tree.leaves(chunk_d_inputs), jax.tree.leaves(inputs), strict=True)
@@ -346,6 +348,11 @@ def _chunk_scan_bwd(stages, chunk_size, lockstep_axis, pipelined, saved, residua
     inputs,
   )
   return d_given, d_inputs, np.zeros(token_mask.shape, jax.dtypes.float0)
+
+
+def _carried(primal: jax.Array, cotangent: jax.Array) -> jax.Array:
+  """`cotangent` as the backward loop carries it: zeros of the primal's type for float0."""
+  return jnp.zeros_like(primal) if cotangent.dtype == jax.dtypes.float0 else cotangent
 
 
 def _add_tangents(a: jax.Array, b: jax.Array) -> jax.Array:

@@ -19,6 +19,8 @@ Dispatch = Literal["all_gather", "all_to_all", "auto"]
 
 _ACTIVATIONS = tuple(GATED)
 _SCORINGS = ("softmax", "sigmoid", "sparsemixer")
+# Group sizes of int4_group experts (inputs per scale): compressed-tensors and GPTQ releases.
+INT4_GROUP_SIZES = (32, 64, 128)
 _BACKENDS = ("xla", "pallas", "auto")
 _DISPATCHES = ("all_gather", "all_to_all", "auto")
 
@@ -101,10 +103,13 @@ class MoEConfig:
     expert_quant: None (float expert weights), "fp8_block" (float8_e4m3fn values with a
       float32 scale per `quant_block_size` block, DeepSeek-V3's fine-grained fp8) or "mxfp4"
       (float4_e2m1fn values with a float8_e8m0fnu scale per 32 values along the input axis,
-      OCP MX as GPT-OSS ships it): `w_gate_up` and `w_down` are then
+      OCP MX as GPT-OSS ships it) or "int4_group" (symmetric int4 values with a bfloat16 (or
+      float32) scale per group of `quant_block_size[0]` inputs, compressed-tensors'
+      pack-quantized as Kimi-K2-Thinking ships it): `w_gate_up` and `w_down` are then
       `kernels_pallas.quantized.BlockScaled` (`moejax.quant`).
     quant_block_size: (bi, bo), the fp8_block block over [in, out]; F must be a multiple of
-      bo so that no block straddles gate and up.
+      bo so that no block straddles gate and up. For int4_group, (group, 1) with group in
+      `INT4_GROUP_SIZES` (Kimi's: 32).
     lora_rank: r, the rank of LoRA adapters on every routed expert's two projections (and
       on the shared experts'), 0 for none (`moejax.lora`): expert e computes
       `x @ (W_gate_up[e] + s · A[e] @ B[e])`, and the same for down, s = `lora_scale`.
@@ -153,7 +158,7 @@ class MoEConfig:
   expert_backend: ExpertBackend = "auto"
   dispatch: Dispatch = "auto"
   num_redundant_experts: int = 0
-  expert_quant: Literal["fp8_block", "mxfp4"] | None = None
+  expert_quant: Literal["fp8_block", "mxfp4", "int4_group"] | None = None
   quant_block_size: tuple[int, int] = (128, 128)
   lora_rank: int = 0
   lora_alpha: float = 8.0
@@ -283,6 +288,19 @@ class MoEConfig:
         f"intermediate_size={self.intermediate_size} must be a multiple of quant_block_size[1]"
         f"={block[1]} with expert_quant='fp8_block' (no block may straddle gate and up)"
       )
+    if self.expert_quant == "int4_group":
+      group = block[0]
+      if block[1] != 1 or group not in INT4_GROUP_SIZES:
+        raise ValueError(
+          f"quant_block_size must be (group, 1) with group in {INT4_GROUP_SIZES} with "
+          f"expert_quant='int4_group', got {block}"
+        )
+      for name in ("hidden_size", "intermediate_size"):
+        if getattr(self, name) % group:
+          raise ValueError(
+            f"{name}={getattr(self, name)} must be a multiple of the group size {group} with "
+            "expert_quant='int4_group' (one scale per group along each matrix's input axis)"
+          )
     if self.expert_quant == "mxfp4":
       for name in ("hidden_size", "intermediate_size"):
         if getattr(self, name) % 32:

@@ -7,7 +7,7 @@ quantized. Adding a family is adding a row. The files are read by `moejax.safete
 (NumPy, no torch).
 
 >>> len(FAMILIES), sorted(FAMILIES)[:3]
-(19, ['dbrx', 'deepseek_v2', 'deepseek_v3'])
+(21, ['dbrx', 'deepseek_v2', 'deepseek_v3'])
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from kernels_pallas.quantized import BlockScaled, is_block_scaled
-from moejax.config import MoEConfig
+from moejax.config import INT4_GROUP_SIZES, MoEConfig
 from moejax.params import MoEParams, check_params
 from moejax.safetensors_files import SafetensorsFiles
 from moejax.sharding import LayerSpecs, check_mesh, map_params, placement
@@ -108,6 +108,9 @@ class _Layout(abc.ABC):
   def mxfp4(self, files: SafetensorsFiles, key, e: int, d: int, f: int) -> dict:
     raise NotImplementedError(f"mxfp4 experts stored as {self} are not read")
 
+  def int4(self, files: SafetensorsFiles, key, e: int, d: int, f: int, group: int) -> dict:
+    raise NotImplementedError(f"pack-quantized int4 experts stored as {self} are not read")
+
 
 def _read_fp8(files: SafetensorsFiles, weight: str, shape: tuple[int, ...], block):
   """(values, scales) of an fp8 `weight` [..., out, in] as [..., in, out] and its blocks."""
@@ -121,6 +124,34 @@ def _read_fp8(files: SafetensorsFiles, weight: str, shape: tuple[int, ...], bloc
       f"{values.dtype} and {scales.dtype}"
     )
   return np.swapaxes(values, -1, -2), np.swapaxes(scales, -1, -2)
+
+
+def unpack_int4(packed: np.ndarray, columns: int) -> np.ndarray:
+  """compressed-tensors' pack-quantized int32 words [..., n] -> int4 [..., columns]: value i
+  of a row is nibble i (low nibble first, little-endian words) minus 8.
+
+  >>> unpack_int4(np.array([[0x0000_00F8]], np.uint32).view(np.int32), 2).astype(int).tolist()
+  [[0, 7]]
+  """
+  data = np.ascontiguousarray(packed).astype("<i4").view(np.uint8)
+  nibbles = np.stack([data & 0x0F, data >> 4], axis=-1).reshape(*packed.shape[:-1], -1)
+  return (nibbles[..., :columns].astype(np.int8) - 8).astype(ml_dtypes.int4)
+
+
+def _read_int4(files: SafetensorsFiles, weight: str, shape: tuple[int, int], group: int):
+  """A pack-quantized `weight` [out, in] (`…_packed` int32 [out, in/8], `…_scale` [out,
+  in/group], `…_shape`) as a `BlockScaled` [in, out] with scales [in/group, out]."""
+  rows, cols = shape
+  stored_shape = tuple(int(n) for n in np.asarray(files.get_raw(f"{weight}_shape")))
+  if stored_shape != shape:
+    raise ValueError(f"{weight}_shape is {stored_shape}, expected {shape}")
+  packed = np.asarray(files.get_raw(f"{weight}_packed", (rows, -(-cols // 8))))
+  scales = np.asarray(files.get_raw(f"{weight}_scale", (rows, cols // group)))
+  if packed.dtype != np.int32:
+    raise ValueError(f"{weight}_packed: expected int32 words, got {packed.dtype}")
+  if scales.dtype != ml_dtypes.bfloat16:
+    scales = scales.astype(np.float32)  # float16 or float32: exact in float32
+  return BlockScaled(unpack_int4(packed, cols).T, scales.T, (group, 1))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,6 +189,20 @@ class PerExpert(_Layout):
       np.stack([v for v, _ in pairs]), np.stack([s for _, s in pairs]), block
     )
     return {"w_gate_up": stacked(gate_up), "w_down": stacked(down)}
+
+  def int4(self, files, key, e, d, f, group) -> dict:
+    read = lambda i, name, shape: _read_int4(files, key(self._weight(i, name)), shape, group)
+    matrices = lambda name, shape: [read(i, name, shape) for i in range(e)]
+    gate_up = [
+      BlockScaled.concatenate_columns([g, u])
+      for g, u in zip(matrices(self.gate, (f, d)), matrices(self.up, (f, d)), strict=True)
+    ]
+    stacked = lambda ws: BlockScaled(
+      np.stack([np.asarray(w.values) for w in ws]),
+      np.stack([np.asarray(w.scales) for w in ws]),
+      (group, 1),
+    )
+    return {"w_gate_up": stacked(gate_up), "w_down": stacked(matrices(self.down, (d, f)))}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -409,6 +454,9 @@ FAMILIES: dict[str, Family] = {
          renormalize=Read("ffn_config.moe_normalize_expert_weights", None, _dbrx_renormalize)),
     (Flat("experts.mlp.w1", "experts.mlp.v1", "experts.mlp.w2"),),
   ),
+  "kimi_k2": _DEEPSEEK_V3,  # Kimi-K2 (Thinking): DeepSeek-V3's MoE
+  # Kimi-K2.5: DeepSeek-V3's MoE under a multimodal model (config in `text_config`)
+  "kimi_k25": dataclasses.replace(_DEEPSEEK_V3, block="language_model.model.layers.{layer}.mlp"),
   "longcat_flash": Family(
     "model.layers.{layer}.mlp", "router.classifier.weight",
     dict(**_sizes("n_routed_experts", "moe_topk", "expert_ffn_hidden_size"),
@@ -419,6 +467,8 @@ FAMILIES: dict[str, Family] = {
   ),
 }
 # fmt: on
+# Multimodal model types whose text model's config.json fields sit in `text_config`.
+NESTED_TEXT = ("kimi_k25",)
 
 
 def _family(hf: dict) -> Family:
@@ -449,13 +499,17 @@ def config_from_hf(config: dict[str, Any], **overrides: Any) -> MoEConfig:
     **overrides: further `MoEConfig` fields (chunk_size, dtype, dispatch, ...).
 
   A checkpoint's `quantization_config` sets `expert_quant`: `quant_method` "fp8" with a
-  `weight_block_size` [out, in] is "fp8_block" with `quant_block_size` (in, out); "mxfp4" is
-  "mxfp4".
+  `weight_block_size` [out, in] is "fp8_block" with `quant_block_size` (in, out) (`scale_fmt`
+  "ue8m0": power-of-two scales, checked on load); "mxfp4" is "mxfp4"; "compressed-tensors"
+  with symmetric INT4 weights `pack-quantized` in groups is "int4_group" with
+  `quant_block_size` (group, 1). A multimodal config whose text model is nested (Kimi-K2.5's
+  `text_config`) is read from its text model.
 
   Raises:
     ValueError: for an unsupported model_type (the message lists the supported ones).
     NotImplementedError: for quantization methods and activations moejax lacks.
   """
+  config = _text_model(config)
   options = {
     "hidden_size": Read(("hidden_size", "d_model"))(config),
     "activation": _activation(config),
@@ -465,20 +519,82 @@ def config_from_hf(config: dict[str, Any], **overrides: Any) -> MoEConfig:
   return MoEConfig(**{**options, **overrides})
 
 
+def _text_model(hf: dict) -> dict:
+  """config.json's fields of the text model: a `NESTED_TEXT` model's `text_config` (with the
+  outer `quantization_config` where the text model has none, and the outer model_type, which
+  names its family), else `hf` itself."""
+  if hf.get("model_type") not in NESTED_TEXT:
+    return hf
+  text = dict(hf.get("text_config") or {})
+  text.setdefault("quantization_config", hf.get("quantization_config"))
+  return {**text, "model_type": hf["model_type"]}
+
+
 def _quantization(quantization: dict | None) -> dict:
   """`MoEConfig` fields of a checkpoint's `quantization_config`."""
   if not quantization:
     return {}
   method = quantization.get("quant_method")
   if method == "fp8" and quantization.get("weight_block_size"):
+    if quantization.get("scale_fmt") not in (None, "ue8m0"):
+      raise ValueError(
+        f"quantization_config.scale_fmt={quantization['scale_fmt']!r}: moejax reads fp8 "
+        "block scales as float32 (scale_fmt absent) or powers of two ('ue8m0')"
+      )
     out_block, in_block = quantization["weight_block_size"]
     return dict(expert_quant="fp8_block", quant_block_size=(int(in_block), int(out_block)))
   if method == "mxfp4":
     return dict(expert_quant="mxfp4")
+  if method == "compressed-tensors":
+    return _compressed_tensors(quantization)
   raise NotImplementedError(
     f"quantization_config with quant_method={method!r} is not supported: moejax reads "
-    "'fp8' with weight_block_size (fine-grained fp8) and 'mxfp4'"
+    "'fp8' with weight_block_size (fine-grained fp8), 'mxfp4' and 'compressed-tensors' "
+    "(pack-quantized INT4)"
   )
+
+
+# compressed-tensors' weight quantization that "int4_group" is, field by field.
+_INT4_WEIGHTS = dict(num_bits=4, type="int", symmetric=True, strategy="group")
+
+
+def _compressed_tensors(quantization: dict) -> dict:
+  """The fields of compressed-tensors' `pack-quantized` symmetric INT4 weights with a scale
+  per group (Kimi-K2-Thinking, K2.5, W4A16 releases); ValueError naming any other field."""
+  where = "quantization_config"
+  groups = quantization.get("config_groups") or {}
+  if len(groups) != 1:
+    raise ValueError(f"{where}.config_groups: expected one group, got {sorted(groups)}")
+  ((name, group),) = groups.items()
+  form = group.get("format") or quantization.get("format")
+  if form != "pack-quantized":
+    raise ValueError(
+      f"{where}.format={form!r}: moejax reads compressed-tensors 'pack-quantized' (INT4)"
+    )
+  weights = group.get("weights") or {}
+  for field, expected in _INT4_WEIGHTS.items():
+    if weights.get(field) != expected:
+      what = " (asymmetric INT4 has zero points)" if field == "symmetric" else ""
+      raise ValueError(
+        f"{where}.config_groups.{name}.weights.{field}={weights.get(field)!r}, expected "
+        f"{expected!r}{what}"
+      )
+  if weights.get("actorder") == "group":
+    raise ValueError(
+      f"{where}.config_groups.{name}.weights.actorder='group' (a per-input g_idx) is not read"
+    )
+  size = weights.get("group_size")
+  if size not in INT4_GROUP_SIZES:
+    raise ValueError(
+      f"{where}.config_groups.{name}.weights.group_size={size!r}, expected one of "
+      f"{INT4_GROUP_SIZES}"
+    )
+  if group.get("input_activations") is not None:
+    raise NotImplementedError(
+      f"{where}.config_groups.{name}.input_activations: quantized activations are not read "
+      "(moejax computes in float: W4A16)"
+    )
+  return dict(expert_quant="int4_group", quant_block_size=(int(size), 1))
 
 
 def load_layer(
@@ -512,13 +628,15 @@ def load_layer(
     NotImplementedError: a quantized layout moejax does not read (named).
   """
   path = Path(path)
-  hf = json.loads((path / "config.json").read_text())
+  hf = _text_model(json.loads((path / "config.json").read_text()))
   family = _family(hf)
   config = config_from_hf(hf) if config is None else config
   block = family.block.format(layer=layer)
-  fp8_block = (hf.get("quantization_config") or {}).get("weight_block_size")
-  with SafetensorsFiles(path, fp8_block) as files:
+  quantization = hf.get("quantization_config") or {}
+  with SafetensorsFiles(path, quantization.get("weight_block_size")) as files:
     values = _read_layer(files, block, family, config)
+  if quantization.get("scale_fmt") == "ue8m0":
+    _check_powers_of_two(values, block)
   dtype = np.dtype(config.param_dtype)
   as_stored = lambda v: v if is_block_scaled(v) else np.asarray(v).astype(dtype)
   params = MoEParams(**{name: as_stored(value) for name, value in values.items()})
@@ -538,6 +656,18 @@ def load_layer(
     value.shape, placement(mesh, spec), value.__getitem__
   )  # each device gets only its slice
   return map_params(place, LayerSpecs.from_config(config).params(params), params)
+
+
+def _check_powers_of_two(values: dict, block: str) -> None:
+  """Raises ValueError unless every quantized weight's scales are powers of two (an fp8
+  checkpoint with `scale_fmt: "ue8m0"`)."""
+  for name, value in values.items():
+    if is_block_scaled(value):
+      scales = np.asarray(value.scales, np.float32)
+      if not np.all((scales > 0) & (np.frexp(scales)[0] == 0.5)):
+        raise ValueError(
+          f"{block}: {name}'s scales are not all powers of two, as scale_fmt='ue8m0' says"
+        )
 
 
 def _read_layer(files: SafetensorsFiles, block: str, family: Family, config: MoEConfig) -> dict:
@@ -560,12 +690,14 @@ def _read_layer(files: SafetensorsFiles, block: str, family: Family, config: MoE
     values.update(layout.fp8(files, key, e, d, f, config.quant_block))
   elif config.expert_quant == "mxfp4":
     values.update(layout.mxfp4(files, key, e, d, f))
+  elif config.expert_quant == "int4_group":
+    values.update(layout.int4(files, key, e, d, f, config.quant_block[0]))
   else:
     values.update(layout.floats(files, key, e, d, f))
   if config.has_shared_experts and family.shared:
     fs = config.shared_intermediate_size
     gate, up, down = (
-      files.get(key(f"{family.shared}.{name}.weight"), shape)
+      _float_linear(files, key(f"{family.shared}.{name}.weight"), shape, config)
       for name, shape in (("gate_proj", (fs, d)), ("up_proj", (fs, d)), ("down_proj", (d, fs)))
     )
     values["shared_w_gate_up"] = np.concatenate([gate.T, up.T], axis=1)
@@ -573,6 +705,15 @@ def _read_layer(files: SafetensorsFiles, block: str, family: Family, config: MoE
   if config.shared_expert_gate and family.shared_gate:
     values["shared_gate_kernel"] = files.get(key(family.shared_gate), (1, d)).T
   return values
+
+
+def _float_linear(files: SafetensorsFiles, weight: str, shape, config: MoEConfig) -> np.ndarray:
+  """A linear layer's [out, in] weight in float32: as stored, fp8 dequantized with its
+  `scale_inv`, or a pack-quantized one (an INT4 checkpoint that quantizes it: its `ignore`
+  list does not name it) dequantized."""
+  if weight not in files and f"{weight}_packed" in files:
+    return np.asarray(_read_int4(files, weight, shape, config.quant_block[0]).dequantize()).T
+  return files.get(weight, shape)
 
 
 # e2m1 codes 0..15 (sign in bit 3) as the values they stand for.

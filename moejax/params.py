@@ -228,9 +228,15 @@ def _check_format(name: str, value, config: MoEConfig) -> None:
       "(see moejax.quant.quantize_experts)"
     )
   form = FORMATS[config.expert_quant]
+  scales_dtype = jax.numpy.result_type(value.scales)
+  if not form.takes_scales(scales_dtype):
+    expected = " or ".join(str(d) for d in (form.scales, *form.other_scales))
+    raise ValueError(
+      f"params.{name} has scales dtype {scales_dtype}, expected {expected} for "
+      f"expert_quant={config.expert_quant!r}"
+    )
   found = {
     "values dtype": (jax.numpy.result_type(value.values), form.values),
-    "scales dtype": (jax.numpy.result_type(value.scales), form.scales),
     "block": (value.block, config.quant_block),
     "scales shape": (tuple(value.scales.shape), value.expected_scales_shape()),
   }

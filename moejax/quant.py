@@ -8,6 +8,11 @@
 - "mxfp4": float4_e2m1fn values, one power-of-two float8_e8m0fnu scale per 32 values along
   the input axis, scale = 2^(floor(log2 amax) - 2) with values clamped to ±6 (OCP MX v1.0,
   e2m1's largest exponent is 2).
+- "int4_group": int4 values, one bfloat16 scale per group of inputs (blocks (group, 1)),
+  scale = amax / 7.5 rounded to bfloat16, values round(w / scale) clamped to [-8, 7], as
+  compressed-tensors quantizes symmetric INT4 (its range 15 over 2).
+
+Each format is a rule in `_RULES`: (the blocks, their largest magnitudes) -> (scales, values).
 
 A block of zeros gets scale 1. `dequantize_experts` is the inverse map to float weights.
 """
@@ -26,6 +31,7 @@ from moejax.params import QUANTIZED_PARAMS, MoEParams, check_params
 _E4M3_MAX = 448.0
 _E2M1_MAX = 6.0
 _E2M1_MAX_EXPONENT = 2
+_INT4_HALF_RANGE = 7.5  # (7 - (-8)) / 2: compressed-tensors' symmetric scale divisor
 
 
 def _blocks(w: jax.Array, block: tuple[int, int]) -> jax.Array:
@@ -55,15 +61,29 @@ def quantize(w: jax.Array, expert_quant: str, block: tuple[int, int]) -> BlockSc
   *_, rows, cols = w.shape
   blocks = _blocks(jnp.asarray(w, jnp.float32), block)
   amax = jnp.max(jnp.abs(blocks), axis=(-3, -1), keepdims=True)
-  if expert_quant == "fp8_block":
-    scale = jnp.where(amax > 0, _divide(amax, jnp.float32(_E4M3_MAX)), 1.0)
-    values = _divide(blocks, scale)
-  else:
-    exponent = jnp.floor(jnp.log2(jnp.where(amax > 0, amax, 1.0))) - _E2M1_MAX_EXPONENT
-    scale = jnp.where(amax > 0, jnp.exp2(exponent), 1.0)
-    values = jnp.clip(blocks / scale, -_E2M1_MAX, _E2M1_MAX)  # a power of two: exact
+  scale, values = _RULES[expert_quant](blocks, amax)
   values = values.reshape(*blocks.shape[:-4], blocks.shape[-4] * block[0], -1)[..., :rows, :cols]
   return BlockScaled(values.astype(form.values), scale[..., 0, :, 0].astype(form.scales), block)
+
+
+def _fp8_block(blocks: jax.Array, amax: jax.Array) -> tuple[jax.Array, jax.Array]:
+  scale = jnp.where(amax > 0, _divide(amax, jnp.float32(_E4M3_MAX)), 1.0)
+  return scale, _divide(blocks, scale)
+
+
+def _mxfp4(blocks: jax.Array, amax: jax.Array) -> tuple[jax.Array, jax.Array]:
+  exponent = jnp.floor(jnp.log2(jnp.where(amax > 0, amax, 1.0))) - _E2M1_MAX_EXPONENT
+  scale = jnp.where(amax > 0, jnp.exp2(exponent), 1.0)
+  return scale, jnp.clip(blocks / scale, -_E2M1_MAX, _E2M1_MAX)  # a power of two: exact
+
+
+def _int4_group(blocks: jax.Array, amax: jax.Array) -> tuple[jax.Array, jax.Array]:
+  scale = jnp.where(amax > 0, _divide(amax, jnp.float32(_INT4_HALF_RANGE)), 1.0)
+  scale = scale.astype(jnp.bfloat16).astype(jnp.float32)  # as stored
+  return scale, jnp.clip(jnp.round(_divide(blocks, scale)), -8, 7)
+
+
+_RULES = {"fp8_block": _fp8_block, "mxfp4": _mxfp4, "int4_group": _int4_group}
 
 
 def quantize_experts(
@@ -74,7 +94,8 @@ def quantize_experts(
   Args:
     params: float parameters of `config` (not quantized already).
     config: their config.
-    expert_quant: "fp8_block" (blocks of `config.quant_block_size`) or "mxfp4".
+    expert_quant: "fp8_block" or "int4_group" (blocks of `config.quant_block_size`), or
+      "mxfp4".
 
   Returns:
     (params, config with `expert_quant` set); the other parameters unchanged.

@@ -465,13 +465,14 @@ def test_sharded_checkpoint_loads_straight_onto_a_mesh(tmp_path):
   assert on_mesh.router_kernel.sharding.is_fully_replicated
 
 
-def save_raw(tensors: dict[str, np.ndarray], path, dtype: str) -> None:
-  """A safetensors file written byte by byte, for dtypes NumPy's writer lacks ("BF16")."""
+def save_raw(tensors: dict[str, np.ndarray], path, dtype: str | dict[str, str]) -> None:
+  """A safetensors file written byte by byte, for dtypes NumPy's writer lacks ("BF16");
+  `dtype` is every tensor's safetensors dtype, or each one's by name."""
   header, data, offset = {}, [], 0
   for name, value in tensors.items():
     raw = np.ascontiguousarray(value).tobytes()
     header[name] = {
-      "dtype": dtype,
+      "dtype": dtype if isinstance(dtype, str) else dtype[name],
       "shape": list(value.shape),
       "data_offsets": [offset, offset + len(raw)],
     }

@@ -34,6 +34,7 @@ from tests.helpers import (
 BASE = dict(num_experts=8, top_k=2, hidden_size=64, intermediate_size=64, chunk_size=8)
 FP8 = dict(expert_quant="fp8_block", quant_block_size=(32, 32))
 MXFP4 = dict(expert_quant="mxfp4")
+INT4 = dict(expert_quant="int4_group", quant_block_size=(32, 1))
 
 
 def numpy_quantize(w: np.ndarray, expert_quant: str, block) -> tuple[np.ndarray, np.ndarray]:
@@ -48,6 +49,10 @@ def numpy_quantize(w: np.ndarray, expert_quant: str, block) -> tuple[np.ndarray,
   if expert_quant == "fp8_block":
     scales = np.where(amax > 0, amax / np.float32(448), np.float32(1)).astype(np.float32)
     dtypes = (ml_dtypes.float8_e4m3fn, np.float32)
+  elif expert_quant == "int4_group":  # compressed-tensors' symmetric rule, bf16 scales
+    scales = np.where(amax > 0, amax / np.float32(7.5), np.float32(1)).astype(np.float32)
+    scales = scales.astype(ml_dtypes.bfloat16).astype(np.float32)
+    dtypes = (ml_dtypes.int4, ml_dtypes.bfloat16)
   else:
     exponent = np.floor(np.log2(np.where(amax > 0, amax, 1))) - 2
     scales = np.where(amax > 0, np.exp2(exponent), 1).astype(np.float32)
@@ -56,6 +61,8 @@ def numpy_quantize(w: np.ndarray, expert_quant: str, block) -> tuple[np.ndarray,
   values = w / full
   if expert_quant == "mxfp4":
     values = np.clip(values, -6, 6)
+  if expert_quant == "int4_group":
+    values = np.clip(np.round(values), -8, 7)  # half to even, as torch.round
   return values.astype(dtypes[0]), scales.astype(dtypes[1])
 
 
@@ -70,11 +77,14 @@ def numpy_dequantize(w: BlockScaled) -> np.ndarray:
 
 def as_bits(a) -> np.ndarray:
   a = np.asarray(a)
-  return a.view(np.uint8) if a.dtype.itemsize == 1 else a.view(np.uint32)
+  if a.dtype == ml_dtypes.int4:  # no bit view of a 4-bit type: its integers are its codes
+    return a.astype(np.int8)
+  return a.view({1: np.uint8, 2: np.uint16}.get(a.dtype.itemsize, np.uint32))
 
 
 @pytest.mark.parametrize(
-  "expert_quant, block", [("fp8_block", (32, 32)), ("fp8_block", (16, 48)), ("mxfp4", (32, 1))]
+  "expert_quant, block",
+  [("fp8_block", (32, 32)), ("fp8_block", (16, 48)), ("mxfp4", (32, 1)), ("int4_group", (32, 1))],
 )
 def test_quantize_matches_numpy_bit_for_bit(expert_quant, block, request):
   w = 3.0 * jax.random.normal(jax.random.key(seed_of(request.node.name)), (3, 64, 80))
@@ -171,8 +181,15 @@ class TestLayer:
       (FP8, (2, 4), "all_to_all"),
       ({**MXFP4, "expert_fsdp": True}, (2, 4), "all_gather"),
       (MXFP4, (1, 8), "all_to_all"),
+      ({**INT4, "num_shared_experts": 1, "shared_intermediate_size": 32}, (2, 4), "all_to_all"),
     ],
-    ids=["fp8-no mesh", "fp8-2x4-all_to_all", "mxfp4-2x4-all_gather-fsdp", "mxfp4-1x8-all_to_all"],
+    ids=[
+      "fp8-no mesh",
+      "fp8-2x4-all_to_all",
+      "mxfp4-2x4-all_gather-fsdp",
+      "mxfp4-1x8-all_to_all",
+      "int4-2x4-all_to_all-shared",
+    ],
   )
   def test_matches_the_dequantized_reference(self, expert_quant, mesh_shape, dispatch, request):
     config = MoEConfig(**BASE, **expert_quant, dispatch=dispatch)
@@ -226,16 +243,19 @@ class TestLayer:
 def test_compiled_temporaries_hold_no_dequantized_copy():
   """E=32 experts of D=F=256: the compiled layer's temporary memory with quantized experts
   stays well under the dequantized weights' size, and the parameters shrink as the formats
-  promise at their bit widths (fp8 ~0.5x of bf16, mxfp4 ~0.27x; XLA:CPU stores a 4-bit value
-  in a byte)."""
+  promise at their bit widths (fp8 ~0.5x of bf16, mxfp4 ~0.27x, int4 with bf16 scales per 32
+  ~0.28x; XLA:CPU stores a 4-bit value in a byte)."""
   config = MoEConfig(num_experts=32, top_k=2, hidden_size=256, intermediate_size=256)
   params = random_params(config, jax.random.key(0))
   x = jnp.zeros((64, 256), jnp.float32)
   bits = lambda leaf: leaf.size * jax.dtypes.itemsize_bits(leaf.dtype)
   nbytes = lambda tree: sum(bits(leaf) for leaf in jax.tree.leaves(tree)) // 8
   experts_bf16 = nbytes((params.w_gate_up, params.w_down)) // 2
-  for expert_quant, ratio in (("fp8_block", 0.5), ("mxfp4", 0.27)):
-    qparams, qconfig = quant.quantize_experts(params, config, expert_quant)
+  for expert_quant, ratio in (("fp8_block", 0.5), ("mxfp4", 0.27), ("int4_group", 0.28)):
+    quantizable = dataclasses.replace(config, quant_block_size=(32, 1))
+    if expert_quant == "fp8_block":
+      quantizable = config
+    qparams, qconfig = quant.quantize_experts(params, quantizable, expert_quant)
     stored = nbytes((qparams.w_gate_up, qparams.w_down))
     assert stored <= 1.05 * ratio * experts_bf16, (expert_quant, stored / experts_bf16)
     run = jax.jit(lambda p, x, c=qconfig: moe_apply(p, x, config=c)[0])
