@@ -123,7 +123,7 @@ def gmm(
 
   Args:
     lhs: [M, K].
-    rhs: [G, K, N], or a `BlockScaled` (fp8_block, mxfp4) for a backend that lists its
+    rhs: [G, K, N], or a `BlockScaled` (fp8_block, mxfp4, int4_group) for a backend that lists its
       format in `quant_formats`: dequantized tile by tile in the kernel, no gradient. A
       qwix `QArray` in one of those formats is taken as its `BlockScaled`.
     group_sizes: [G] int, sum <= M.

@@ -86,7 +86,7 @@ BACKENDS: dict[str, Backend] = {
     unsupported_reason=gmm_mosaic.unsupported_reason,
     gmm=gmm_mosaic.gmm_mosaic,
     tgmm=gmm_mosaic.tgmm_mosaic,
-    quant_formats=("fp8_block", "mxfp4"),
+    quant_formats=("fp8_block", "mxfp4", "int4_group"),
     fit_blocks=mosaic_quant.fit_blocks,
   ),
   "triton": Backend(
@@ -99,7 +99,7 @@ BACKENDS: dict[str, Backend] = {
     unsupported_reason=gmm_triton.unsupported_reason,
     gmm=gmm_triton.gmm_triton,
     tgmm=gmm_triton.tgmm_triton,
-    quant_formats=("fp8_block", "mxfp4"),
+    quant_formats=("fp8_block", "mxfp4", "int4_group"),
     fit_blocks=gmm_triton.fit_blocks,
   ),
   "xla": Backend(

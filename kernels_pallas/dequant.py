@@ -9,11 +9,13 @@ exactly the float32 values `BlockScaled.dequantize` gives, then multiplied by it
 - mxfp4: the float4_e2m1fn values bitcast in pairs along the last axis to uint8 [..., out/2]:
   byte j of a row holds value 2j in its low nibble and value 2j+1 in its high one (the
   layout of JAX's float4 bitcast and of GPT-OSS's checkpoints).
+- int4_group: the int4 values paired the same way (two's-complement nibbles); its scales
+  come in 32-row blocks like mxfp4's (`kernel_form` repeats a coarser group's rows).
 
-Scales go in as float32 (e8m0 scales are powers of two: exact); they are 1/32 of the values
-or fewer, so this copy is small next to the weights. An mxfp4 scale row is kept by column
-parity ([..., 2, out/2]: the even columns' scales, then the odd ones'), so that a kernel
-loads the scales of each nibble's columns contiguously.
+Scales go in as float32 (e8m0 scales are powers of two, bfloat16 ones widen: exact); they
+are 1/32 of the values or fewer, so this copy is small next to the weights. A paired
+format's scale row is kept by column parity ([..., 2, out/2]: the even columns' scales, then
+the odd ones'), so that a kernel loads the scales of each nibble's columns contiguously.
 
 >>> w = BlockScaled(jnp.array([[[0.5, -6.0]]], jnp.float4_e2m1fn),
 ...                 jnp.ones((1, 1, 2), jnp.float8_e8m0fnu), (32, 1))
@@ -30,6 +32,20 @@ import jax
 import jax.numpy as jnp
 
 from kernels_pallas.quantized import BlockScaled, format_of
+
+# Formats whose bytes hold two values (neighbouring columns, low nibble first), with a scale
+# per column and 32 rows: the kernels read them alike and decode them apart.
+PAIRED = ("mxfp4", "int4_group")
+PAIRED_ROWS = 32  # rows of one paired-format scale, as the kernels load it
+
+
+def kernel_form(w: BlockScaled) -> BlockScaled:
+  """`w` as the kernels take it: an int4_group weight with groups coarser than 32 rows gets
+  each scale repeated over its group's 32-row blocks (the same weight); others as they are."""
+  if format_of(w) != "int4_group" or w.block[0] == PAIRED_ROWS:
+    return w
+  scales = jnp.repeat(w.scales, w.block[0] // PAIRED_ROWS, axis=-2)
+  return BlockScaled(w.values, scales, (PAIRED_ROWS, 1))
 
 
 class KernelRhs(NamedTuple):
@@ -50,20 +66,22 @@ class KernelRhs(NamedTuple):
 
   @property
   def values_per_byte(self) -> int:
-    return 2 if self.format == "mxfp4" else 1
+    return 2 if self.format in PAIRED else 1
 
 
 def kernel_rhs(w: BlockScaled) -> KernelRhs:
-  """The bits and float32 scales of `w` (no float copy of its values is made)."""
+  """The bits and float32 scales of `w` (in its `kernel_form`; no float copy of its values
+  is made)."""
+  w = kernel_form(w)
   name = format_of(w)
   values = w.values
-  if name == "mxfp4":
+  if name in PAIRED:
     if values.shape[-1] % 2:
-      raise ValueError(f"mxfp4 values need an even number of columns, got {values.shape}")
+      raise ValueError(f"{name} values need an even number of columns, got {values.shape}")
     values = values.reshape(*values.shape[:-1], values.shape[-1] // 2, 2)
   bits = jax.lax.bitcast_convert_type(values, jnp.uint8)
   scales = w.scales.astype(jnp.float32)
-  if name == "mxfp4":
+  if name in PAIRED:
     scales = jnp.swapaxes(scales.reshape(*scales.shape[:-1], -1, 2), -1, -2)
   return KernelRhs(bits, scales, name, w.block)
 
@@ -91,13 +109,16 @@ def decode(bits: jax.Array, format: str):
   """Exact float32 values of a tile of `KernelRhs.bits`.
 
   Returns:
-    fp8_block: one array shaped like `bits`. mxfp4: (even, odd), each shaped like `bits`:
-    the values of the low nibbles (columns 2j) and of the high nibbles (columns 2j+1).
+    fp8_block: one array shaped like `bits`. mxfp4, int4_group: (even, odd), each shaped
+    like `bits`: the values of the low nibbles (columns 2j) and of the high nibbles (2j+1).
   """
   code = bits.astype(jnp.int32)
   if format == "fp8_block":  # float8_e4m3fn: 4 exponent bits, 3 mantissa bits, NaN = S.1111.111
     value = _minifloat(code, 4, 3)
     return jnp.where((code & 0x7F) == 0x7F, jnp.float32(jnp.nan), value)
+  if format == "int4_group":  # two's-complement nibbles
+    signed = lambda nibble: ((nibble ^ 8) - 8).astype(jnp.float32)
+    return signed(code & 0xF), signed(code >> 4)
   return _minifloat(code & 0xF, 2, 1), _minifloat(code >> 4, 2, 1)  # float4_e2m1fn
 
 

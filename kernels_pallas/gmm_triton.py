@@ -29,7 +29,7 @@ from jax.experimental import pallas as pl
 
 from kernels_pallas.activations import activate, erf_in_kernel
 from kernels_pallas.compat import out_struct, pallas_triton, triton_missing_reason
-from kernels_pallas.dequant import by_parity, decode, from_parity, kernel_rhs
+from kernels_pallas.dequant import PAIRED, by_parity, decode, from_parity, kernel_form, kernel_rhs
 from kernels_pallas.metadata import GroupTiles, group_tiles, max_visits
 from kernels_pallas.quantized import BlockScaled, format_of, is_block_scaled
 
@@ -72,8 +72,9 @@ def fit_blocks(blocks: TritonBlocks, rhs: BlockScaled) -> TritonBlocks:
 
   A tile spans block_k rows of the stored [in, out] weight and block_n columns read
   forward, the other way round read transposed (the backward pass), so both must divide the
-  scale block's bi, and its bo unless bo is 1 (a scale per column). An mxfp4 tile splits
-  its columns into even and odd halves, each at least 16 wide (Triton's smallest dot).
+  scale block's bi, and its bo unless bo is 1 (a scale per column). A paired format's tile
+  (mxfp4, int4_group: two values a byte) splits its columns into even and odd halves, each
+  at least 16 wide (Triton's smallest dot).
 
   >>> values = jnp.ones((1, 64, 64), jnp.float4_e2m1fn)
   >>> mxfp4 = BlockScaled(values, jnp.ones((1, 2, 64), jnp.float8_e8m0fnu), (32, 1))
@@ -81,10 +82,11 @@ def fit_blocks(blocks: TritonBlocks, rhs: BlockScaled) -> TritonBlocks:
   TritonBlocks(block_m=64, block_n=32, block_k=32, num_warps=4, num_stages=2)
 
   Raises:
-    NotImplementedError: no power-of-two tile of at least 16 (32 for mxfp4) fits the block.
+    NotImplementedError: no power-of-two tile of at least 16 (32 paired) fits the block.
   """
+  rhs = kernel_form(rhs)
   bi, bo = rhs.block
-  smallest = 32 if format_of(rhs) == "mxfp4" else 16
+  smallest = 32 if format_of(rhs) in PAIRED else 16
 
   def fit(size: int) -> int:
     size = _dividing(max(size, smallest), bi)
@@ -137,7 +139,7 @@ def _rhs_products(
 ):
   """The tile's partial products lhs[rows, k0:k0+bk] @ rhs[group][k0:k0+bk, col:col+bn].
 
-  Returns a list: one [bm, bn] product, or for an mxfp4 rhs read forward two [bm, bn/2] ones
+  Returns a list: one [bm, bn] product, or for a paired rhs read forward two [bm, bn/2] ones
   (even and odd output columns, as its bytes pack them).
   """
   bm, bn, bk = call.blocks.block_m, call.blocks.block_n, call.blocks.block_k
@@ -154,8 +156,8 @@ def _rhs_products(
     bits = plgpu.load(rhs_ref.at[group, pl.ds(in0, in_size), pl.ds(out0, out_size)])
     scale = scales_ref[group, scale_row, out0 // quant_block[1]]  # one per tile
     return [dot(lhs, (decode(bits, rhs_format) * scale).astype(dtype))]
-  # mxfp4: byte j holds stored columns out0 + 2j (low nibble) and out0 + 2j + 1 (high), one
-  # scale per column, kept by parity (`KernelRhs.scales` [G, in/32, 2, out/2]).
+  # mxfp4, int4_group: byte j holds stored columns out0 + 2j (low nibble) and out0 + 2j + 1
+  # (high), one scale per column, kept by parity (`KernelRhs.scales` [G, in/32, 2, out/2]).
   half = out_size // 2
   bits = plgpu.load(rhs_ref.at[group, pl.ds(in0, in_size), pl.ds(out0 // 2, half)])
 
@@ -199,8 +201,8 @@ def _gmm_kernel(
   out_ref = refs[-1]
   bm, bn, bk = call.blocks.block_m, call.blocks.block_n, call.blocks.block_k
   visit, col_block = pl.program_id(0), pl.program_id(1)
-  # mxfp4 read forward computes even and odd output columns apart (its bytes pack pairs).
-  parities = 2 if rhs_format == "mxfp4" and not transpose_rhs else 1
+  # A paired rhs read forward computes even and odd output columns apart (its bytes pack pairs).
+  parities = 2 if rhs_format in PAIRED and not transpose_rhs else 1
 
   @pl.when(visit < num_active_ref[0])
   def _():
@@ -219,8 +221,8 @@ def _gmm_kernel(
 
     def k_step(k_block, accs):
       k0 = k_block * bk
-      lhs = None  # mxfp4 read transposed loads lhs's columns by parity itself
-      if not (rhs_format == "mxfp4" and transpose_rhs):
+      lhs = None  # a paired rhs read transposed loads lhs's columns by parity itself
+      if not (rhs_format in PAIRED and transpose_rhs):
         mask = jnp.broadcast_to(in_group[:, None], (bm, bk))
         lhs = plgpu.load(lhs_ref.at[rows, pl.ds(k0, bk)], mask=mask, other=0)  # [bm, bk]
       products = [p for col in col_starts for p in rhs_products(lhs, k0, col)]
@@ -234,7 +236,7 @@ def _gmm_kernel(
       if call.weighted:
         weights = plgpu.load(row_weights_ref.at[rows], mask=in_group, other=0)  # [bm]
         out = out * weights[:, None].astype(jnp.float32)
-      width = bn // parities  # mxfp4's output columns come by parity (`by_parity`)
+      width = bn // parities  # a paired rhs's output columns come by parity (`by_parity`)
       mask = jnp.broadcast_to(in_group[:, None], (bm, width))
       cols = pl.ds(parity * (out_ref.shape[1] // parities) + col_block * width, width)
       plgpu.store(out_ref.at[rows, cols], out.astype(out_ref.dtype), mask=mask)
@@ -263,7 +265,7 @@ def gmm_triton(
     lhs: [M, K], M a multiple of block_m, K of block_k.
     rhs: [G, K, N] ([G, N, K] with `transpose_rhs`); N a multiple of block_n. With
       `activation`, the columns are [gate | up] and the output has N/2 columns. A
-      `BlockScaled` rhs (fp8_block or mxfp4) is dequantized tile by tile in registers, to
+      `BlockScaled` rhs (fp8_block, mxfp4, int4_group) is dequantized tile by tile in registers, to
       lhs's dtype, before each dot (`kernels_pallas.dequant`); `blocks` shrink to fit its
       scale blocks: `blocks` must fit them (`fit_blocks`, which `ops` applies).
     group_sizes: [G] int32, sum <= M.

@@ -39,10 +39,8 @@ from kernels_pallas.compat import (
   mosaic_operands_transposed_in_smem,
   mosaic_registers,
 )
-from kernels_pallas.dequant import decode
+from kernels_pallas.dequant import PAIRED, PAIRED_ROWS, decode, kernel_form
 from kernels_pallas.quantized import format_of
-
-_MXFP4_ROWS = 32  # rows of one mxfp4 scale
 
 
 def swizzled(dtype, minor: int) -> tuple:
@@ -57,7 +55,7 @@ class QuantTiles:
   """How one kernel call loads, decodes and multiplies its quantized rhs tiles.
 
   Attributes:
-    format: "fp8_block" or "mxfp4".
+    format: "fp8_block", "mxfp4" or "int4_group".
     block: the scale block (bi, bo) of the stored [in, out] weight.
     block_k, block_n: the kernel's contraction step and output columns per tile.
     transpose_rhs: the weight is read transposed (stored [N, K]).
@@ -73,8 +71,8 @@ class QuantTiles:
 
   @property
   def paired(self) -> bool:
-    """Two values a byte (mxfp4): a tile's stored columns come by parity."""
-    return self.format == "mxfp4"
+    """Two values a byte (mxfp4, int4_group): a tile's stored columns come by parity."""
+    return self.format in PAIRED
 
   @property
   def split_contraction(self) -> bool:
@@ -120,7 +118,7 @@ class QuantTiles:
     if not self.paired:
       return [bits]
     scales_index = lambda step: (index(step)[0], 0, index(step)[1])
-    return [bits, plgpu.BlockSpec((rows // _MXFP4_ROWS, 2, width), scales_index, delay_release=1)]
+    return [bits, plgpu.BlockSpec((rows // PAIRED_ROWS, 2, width), scales_index, delay_release=1)]
 
   def tile_scale(self, scales_gmem, group, tile_index) -> jax.Array:
     """fp8_block: the one scale of the stored tile at (row block, column block) `tile_index`."""
@@ -162,11 +160,11 @@ class QuantTiles:
     parts = []
     for parity, values in enumerate(decode(bits, self.format)):
       scale = jnp.zeros(bits.shape, jnp.float32)
-      for block_row in range(bits.shape[0] // _MXFP4_ROWS):
+      for block_row in range(bits.shape[0] // PAIRED_ROWS):
         index = (block_row, parity)
         column_scales = mosaic_registers(scales, index, layout.reduce(0), self.interpret)
         row_scales = jax.lax.broadcast_in_dim(column_scales, bits.shape, [1])
-        scale = jnp.where(rows // _MXFP4_ROWS == block_row, row_scales, scale)
+        scale = jnp.where(rows // PAIRED_ROWS == block_row, row_scales, scale)
       parts.append(values * scale)
     return parts
 
@@ -182,14 +180,15 @@ def fit_blocks(blocks, rhs):
 
   fp8_block: block_k and block_n both divide the scale block's bi and bo (read forward and
   transposed, a tile spans either way round), so one scale covers a tile; both at least 32
-  (a row of bytes needs 32+ for a swizzle). mxfp4: block_k = 64 and block_n a multiple of
-  64 (a tile of bytes in the wgmma layout has 64-row multiples, and its rows of packed bytes
-  need 32+).
+  (a row of bytes needs 32+ for a swizzle). mxfp4 and int4_group (in its `kernel_form`):
+  block_k = 64 and block_n a multiple of 64 (a tile of bytes in the wgmma layout has 64-row
+  multiples, and its rows of packed bytes need 32+).
 
   Raises:
     NotImplementedError: no such blocks fit the scale block.
   """
-  if format_of(rhs) == "mxfp4":
+  rhs = kernel_form(rhs)
+  if format_of(rhs) in PAIRED:
     block_n = max(64, blocks.block_n // 64 * 64)
     return dataclasses.replace(blocks, block_k=64, block_n=block_n)
   limit = math.gcd(*rhs.block)

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 
 from kernels_pallas.activations import activate
 from kernels_pallas.backends import BACKENDS, Case, unsupported_reason
+from kernels_pallas.dequant import kernel_form
 from kernels_pallas.quantized import BlockScaled, format_of, is_block_scaled
 
 
@@ -97,6 +98,7 @@ def grouped_matmul(
     [M, N] ([M, N'] with `activation`).
   """
   _check_supported(settings, lhs.dtype, activation, rhs)
+  rhs = kernel_form(rhs) if is_block_scaled(rhs) else rhs
   backend = BACKENDS[settings.implementation]
   # The one place blocks are fitted to a quantized rhs's scale blocks.
   blocks = backend.fit_blocks(settings.blocks, rhs) if is_block_scaled(rhs) else settings.blocks

@@ -222,8 +222,9 @@ class TestLayer:
       (MXFP4, (2, 4), jnp.float32),
       (FP8, (2, 4), jnp.bfloat16),
       (MXFP4, None, jnp.bfloat16),
+      ({**INT4, "quant_block_size": (64, 1)}, None, jnp.bfloat16),
     ],
-    ids=["fp8_block", "mxfp4", "fp8_block-bf16", "mxfp4-bf16"],
+    ids=["fp8_block", "mxfp4", "fp8_block-bf16", "mxfp4-bf16", "int4_group-64-bf16"],
   )
   def test_pallas_kernels_dequantize_tile_by_tile(self, expert_quant, mesh_shape, dtype, request):
     """expert_backend="pallas" runs the kernel that takes the format (Triton, interpreted

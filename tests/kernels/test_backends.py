@@ -79,6 +79,10 @@ def random_block_scaled(key, shape, rhs_format: str, block) -> tuple[BlockScaled
   if rhs_format == "fp8_block":
     values = jnp.clip(jax.random.normal(k1, shape) * 100, -448, 448).astype(jnp.float8_e4m3fn)
     scales = jax.random.uniform(k2, scales_shape, minval=0.5, maxval=2.0) / (100 * rows**0.5)
+  elif rhs_format == "int4_group":
+    values = jax.random.randint(k1, shape, -8, 8).astype(jnp.int4)
+    scales = jax.random.uniform(k2, scales_shape, minval=0.5, maxval=2.0) / (4 * rows**0.5)
+    scales = scales.astype(jnp.bfloat16)
   else:
     values = (jax.random.normal(k1, shape) * 2).astype(jnp.float4_e2m1fn)
     exponents = jax.random.randint(k2, scales_shape, -2, 0) - int(np.log2(rows)) // 2
@@ -88,7 +92,8 @@ def random_block_scaled(key, shape, rhs_format: str, block) -> tuple[BlockScaled
   return BlockScaled(values, scales, block), np.asarray(values).astype(np.float32) * np_scales
 
 
-QUANTIZED = [("fp8_block", (64, 32)), ("mxfp4", (32, 1))]
+# int4_group in groups of 64: the kernels take it in 32-row scale blocks (`kernel_form`).
+QUANTIZED = [("fp8_block", (64, 32)), ("mxfp4", (32, 1)), ("int4_group", (64, 1))]
 
 
 class GroupedMatmulTestBase:

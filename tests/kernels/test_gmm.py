@@ -116,7 +116,7 @@ def test_triton_kernels_lower_for_cuda():
         ),
         (lhs, block_scaled_spec(shape, rhs_format), sizes),
       )
-      for rhs_format in ("fp8_block", "mxfp4")
+      for rhs_format in ("fp8_block", "mxfp4", "int4_group")
       for transpose, shape in ((False, (4, 128, 256)), (True, (4, 256, 128)))
     ],
   ]:
@@ -126,9 +126,10 @@ def test_triton_kernels_lower_for_cuda():
 
 
 def block_scaled_spec(shape: tuple[int, ...], rhs_format: str) -> BlockScaled:
-  """Abstract `BlockScaled` weights [G, in, out] in a format (fp8_block with 128x128 blocks)."""
+  """Abstract `BlockScaled` weights [G, in, out] in a format (fp8_block with 128x128 blocks,
+  int4_group in groups of 128: the kernels take them as 32-row blocks)."""
   form = FORMATS[rhs_format]
-  block = form.block or (128, 128)
+  block = form.block or ((128, 1) if rhs_format == "int4_group" else (128, 128))
   scales = (shape[0], -(-shape[1] // block[0]), -(-shape[2] // block[1]))
   spec = jax.ShapeDtypeStruct
   return BlockScaled(spec(shape, form.values), spec(scales, form.scales), block)
@@ -136,13 +137,13 @@ def block_scaled_spec(shape: tuple[int, ...], rhs_format: str) -> BlockScaled:
 
 def test_mosaic_kernels_lower_for_cuda():
   """The forward kernel (plain, gated, reading rhs transposed in shared memory; bf16,
-  fp8_block and mxfp4 weights) and tgmm."""
+  fp8_block, mxfp4 and int4_group weights) and tgmm."""
   lhs = jax.ShapeDtypeStruct((512, 256), jnp.bfloat16)
   sizes = jax.ShapeDtypeStruct((8,), jnp.int32)
   blocks = MosaicBlocks()
   for (activation, transpose, rhs_shape), rhs_format in itertools.product(
     [(None, False, (8, 256, 512)), ("silu", False, (8, 256, 1024)), (None, True, (8, 512, 256))],
-    [None, "fp8_block", "mxfp4"],
+    [None, "fp8_block", "mxfp4", "int4_group"],
   ):
     rhs = jax.ShapeDtypeStruct(rhs_shape, jnp.bfloat16)
     if rhs_format:
