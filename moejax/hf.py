@@ -82,7 +82,7 @@ class Shared:
     return dict(num_shared_experts=count, shared_intermediate_size=count * width, **gate)
 
 
-def _halves(gate_up: np.ndarray, interleaved: bool) -> np.ndarray:
+def halves(gate_up: np.ndarray, interleaved: bool) -> np.ndarray:
   """[..., 2F] with gate then up halves (de-interleaving GPT-OSS's alternating columns)."""
   if not interleaved:
     return gate_up
@@ -230,13 +230,13 @@ class Fused(_Layout):
         f"{(e, d, 2 * f)} / {(e, f, d)}"
       )
     biases = self._biases(files, key, e)
-    return {"w_gate_up": _halves(gate_up, self.interleaved), "w_down": down, **biases}
+    return {"w_gate_up": halves(gate_up, self.interleaved), "w_down": down, **biases}
 
   def _biases(self, files, key, e: int) -> dict:
     if key(f"{self.gate_up}_bias") not in files:
       return {}
     return {
-      "b_gate_up": _halves(files.get(key(f"{self.gate_up}_bias"))[:e], self.interleaved),
+      "b_gate_up": halves(files.get(key(f"{self.gate_up}_bias"))[:e], self.interleaved),
       "b_down": files.get(key(f"{self.down}_bias"))[:e],
     }
 
@@ -260,9 +260,9 @@ class Fused(_Layout):
       return BlockScaled(values, scales, (32, 1))
 
     gate_up = matrix(self.gate_up, 2 * f, d)
-    halves = lambda a: _halves(a, self.interleaved)
+    split = lambda a: halves(a, self.interleaved)
     return {
-      "w_gate_up": BlockScaled(halves(gate_up.values), halves(gate_up.scales), gate_up.block),
+      "w_gate_up": BlockScaled(split(gate_up.values), split(gate_up.scales), gate_up.block),
       "w_down": matrix(self.down, d, f),
       **self._biases(files, key, e),
     }

@@ -97,8 +97,7 @@ def _read_config(path: Path) -> dict:
   return adapter_config
 
 
-def _checked(files: SafetensorsFiles, key: str, shape: tuple[int, ...], what: str) -> np.ndarray:
-  value = np.asarray(files.get(key), np.float32)
+def _checked(value: np.ndarray, key: str, shape: tuple[int, ...], what: str) -> np.ndarray:
   if value.shape != shape:
     raise ValueError(f"adapter tensor {key!r} has shape {value.shape}, expected {shape} ({what})")
   return value
@@ -107,10 +106,10 @@ def _checked(files: SafetensorsFiles, key: str, shape: tuple[int, ...], what: st
 def _linear_pair(files, adapter_config, module: str, d_in: int, d_out: int) -> _Pair:
   """A linear layer's adapter (A [r, in], B [out, r]) as moejax's pair."""
   key = f"{PREFIX}{module}"
-  a = np.asarray(files.get(f"{key}.lora_A.weight"), np.float32)
+  a, b = (np.asarray(files.get(f"{key}.lora_{x}.weight"), np.float32) for x in "AB")
   rank = a.shape[0]
-  a = _checked(files, f"{key}.lora_A.weight", (rank, d_in), f"[r, in={d_in}]")
-  b = _checked(files, f"{key}.lora_B.weight", (d_out, rank), f"[out={d_out}, r={rank}]")
+  _checked(a, f"{key}.lora_A.weight", (rank, d_in), f"[r, in={d_in}]")
+  _checked(b, f"{key}.lora_B.weight", (d_out, rank), f"[out={d_out}, r={rank}]")
   return _Pair(a.T, b.T, _peft_scale(adapter_config, module, rank))
 
 
@@ -184,7 +183,7 @@ def _fused_pairs(files, adapter_config, block: str, layout, config) -> tuple[_Pa
     b3 = b.reshape(b.shape[0], rank, e).transpose(2, 1, 0)  # [E, r, out]
     moejax_a, moejax_b = (b3.transpose(0, 2, 1), a3) if swapped else (a3.transpose(0, 2, 1), b3)
     if name == "gate_up":
-      moejax_b = hf._halves(moejax_b, layout.interleaved)
+      moejax_b = hf.halves(moejax_b, layout.interleaved)
     pairs[name] = _Pair(moejax_a, moejax_b, _peft_scale(adapter_config, key, rank))
   if "gate_up" not in pairs and "down" not in pairs:
     raise KeyError(
