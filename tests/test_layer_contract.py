@@ -169,20 +169,30 @@ class LayerContract:
       chex.assert_trees_all_close(y, reference_moe(params, x, logical, mask), **tolerance())
 
 
+# Options whose exchange differs by scheme (biases, zero experts that are never sent, every
+# expert chosen) run under both; the rest are shared out, as on the ragged_dot path.
+BOTH_SCHEMES = ("gpt_oss", "longcat", "all-experts")
+
+
 class TestAllGather(LayerContract):
   scheme = "all_gather"
+  options = (*BOTH_SCHEMES, "softmax", "grouped", "llama4", "qwen2_moe")
 
 
 class TestAllToAll(LayerContract):
   scheme = "all_to_all"
+  options = (*BOTH_SCHEMES, "sigmoid-renorm-scaled", "gelu-top1", "gelu_tanh", "phimoe")
+
+
+def test_every_option_runs_on_the_tile_loop():
+  assert set(TestAllGather.options) | set(TestAllToAll.options) == set(OPTIONS)
 
 
 class RaggedDotPath(LayerContract):
   """The XLA path a GPU takes for few local experts (sort + ragged_dot), forced on the CPU.
   expert_backend="xla" keeps its traces apart from the other classes' in the jit cache.
   Each option runs on this path under one scheme (the two schemes share the options out:
-  the expert path sees what arrives, whichever scheme sent it; the tile loop's classes run
-  every option under both)."""
+  the expert path sees what arrives, whichever scheme sent it)."""
 
   expert_backend = "xla"
   meshes = (None, (2, 4))
