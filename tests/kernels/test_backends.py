@@ -21,6 +21,7 @@ import pytest
 
 from kernels_pallas import MosaicBlocks, TritonBlocks, gmm, moe_mlp
 from kernels_pallas.backends import BACKENDS, Case, unsupported_reason
+from kernels_pallas.compat import jax_version
 from kernels_pallas.gmm_xla import moe_mlp_reference
 from kernels_pallas.ops import KernelSettings, transposed_grouped_matmul
 from kernels_pallas.quantized import BlockScaled
@@ -165,7 +166,12 @@ class GroupedMatmulTestBase:
       assert_close(run(sizes), reference_gmm(lhs, rhs, sizes), *TOLERANCE[BF16])
 
   # Four of the peer suite's eight (m, k, n) in [128, 1024] x [64, 128] x [128, 256]: each
-  # size of each dimension twice, each pair of sizes once.
+  # size of each dimension twice, each pair of sizes once. On the JAX of the GPU machine
+  # (0.11) and later: the oldest JAX runs the same kernels' VJPs in the other cases.
+  @pytest.mark.skipif(
+    jax_version() < (0, 11),
+    reason="the mixed-precision VJP sweep runs on JAX 0.11+ (the GPU machine's and newer)",
+  )
   @pytest.mark.parametrize(
     "m, k, n", [(128, 64, 128), (128, 128, 256), (1024, 64, 256), (1024, 128, 128)]
   )
