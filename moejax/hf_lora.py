@@ -184,7 +184,8 @@ def _fused_pairs(files, adapter_config, block: str, layout, config) -> tuple[_Pa
     moejax_a, moejax_b = (b3.transpose(0, 2, 1), a3) if swapped else (a3.transpose(0, 2, 1), b3)
     if name == "gate_up":
       moejax_b = hf.halves(moejax_b, layout.interleaved)
-    pairs[name] = _Pair(moejax_a, moejax_b, _peft_scale(adapter_config, key, rank))
+    parameter = f"{block}.{getattr(layout, name)}"  # PEFT matches alpha_pattern against it
+    pairs[name] = _Pair(moejax_a, moejax_b, _peft_scale(adapter_config, parameter, rank))
   if "gate_up" not in pairs and "down" not in pairs:
     raise KeyError(
       f"no LoRA adapters for the experts of {block} in the adapter file (looked for "

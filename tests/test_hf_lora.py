@@ -21,6 +21,9 @@ peft = pytest.importorskip("peft")
 pytestmark = [  # PEFT's own use of transformers' deprecated names, and its notices
   pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning"),
   pytest.mark.filterwarnings("ignore::UserWarning:peft"),
+  # PEFT checks rank and alpha patterns against modules only, not the expert parameters they
+  # apply to (they do apply: the outputs agree).
+  pytest.mark.filterwarnings("ignore:The following (rank|alpha)_pattern keys:RuntimeWarning"),
 ]
 TOKENS = 24
 # model_type -> the block's expert parameters PEFT targets, and its shared experts' module
@@ -66,7 +69,9 @@ def test_fused_adapters_both_ways(model_type, tmp_path, request):
     if shared
     else [],
   )
-  peft_model = peft.get_peft_model(model, peft.LoraConfig(r=3, lora_alpha=5.0, **targets))
+  # down's own alpha (`alpha_pattern`): moejax folds the ratio of the scales into its B
+  lora_config = peft.LoraConfig(r=3, lora_alpha=5.0, alpha_pattern={"down_proj": 2.0}, **targets)
+  peft_model = peft.get_peft_model(model, lora_config)
   torch.manual_seed(seed)
   with torch.no_grad():
     for name, value in peft_model.named_parameters():
@@ -113,9 +118,6 @@ def random_adapters(config, seed: int) -> hf.LoadedAdapters:
   )
 
 
-# PEFT checks the rank and alpha patterns of its conversion against modules only, not the
-# fused parameters they apply to (they do apply: the outputs agree).
-@pytest.mark.filterwarnings("ignore:The following (rank|alpha)_pattern keys:RuntimeWarning")
 @pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral"])
 def test_per_expert_adapters_both_ways(model_type, tmp_path, request):
   """moejax writes one adapter per expert and projection (transformers 4's modules: PEFT
