@@ -733,15 +733,4 @@ def unpack_mxfp4(blocks: np.ndarray) -> np.ndarray:
 
 
 # PEFT adapters of these layers: `moejax.hf_lora` (it reads `FAMILIES`, so it comes last).
-from moejax.hf_lora import LoadedAdapters, load_lora, save_lora  # noqa: E402
-
-__all__ = [
-  "FAMILIES",
-  "LoadedAdapters",
-  "config_from_hf",
-  "family_of",
-  "load_layer",
-  "load_lora",
-  "save_lora",
-  "unpack_mxfp4",
-]
+from moejax.hf_lora import LoadedAdapters, load_lora, save_lora  # noqa: E402, F401
