@@ -15,7 +15,7 @@ import pytest
 from jax.sharding import Mesh
 
 from kernels_pallas import compat
-from moejax import MoEConfig, MoEParams, eplb, moe_apply, param_shapes, reference_moe
+from moejax import MoEConfig, MoEParams, eplb, lora, moe_apply, param_shapes, reference_moe
 
 # (atol, rtol) per compute dtype; float32 differs from the reference only by summation order.
 TOLERANCES = {
@@ -101,6 +101,25 @@ def random_params(config: MoEConfig, key: jax.Array, scale: float = 0.5) -> MoEP
     for k, (name, shape) in zip(keys, shapes.items(), strict=True)
   }
   return MoEParams(**values)
+
+
+def random_adapters(config: MoEConfig, key: jax.Array, scale: float = 0.1):
+  """(ExpertLoRA, SharedLoRA or None) of the config's rank, every entry random (B too: a
+  trained adapter, not PEFT's zero-B start), `scale` times standard normal."""
+  draw = lambda shapes, key: (
+    None
+    if shapes is None
+    else type(shapes)(
+      *(
+        scale * jax.random.normal(k, shape)
+        for k, shape in zip(jax.random.split(key, len(shapes)), shapes, strict=True)
+      )
+    )
+  )
+  return (
+    draw(lora.expert_lora_shapes(config), jax.random.fold_in(key, 1)),
+    draw(lora.shared_lora_shapes(config), jax.random.fold_in(key, 2)),
+  )
 
 
 def mesh_of(data: int, expert: int, axis_names=("data", "expert")) -> Mesh:

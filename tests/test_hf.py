@@ -14,8 +14,8 @@ import pytest
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from moejax import hf, hf_lora, lora, moe_apply
-from tests.helpers import mesh_of, seed_of
+from moejax import hf, hf_lora, moe_apply
+from tests.helpers import mesh_of, random_adapters, seed_of
 
 D, F, FS, E, T = 16, 12, 10, 8, 24
 
@@ -511,24 +511,13 @@ def test_unsupported_family_lists_the_supported_ones():
     hf.config_from_hf({"model_type": "bert", "hidden_size": 8})
 
 
-def adapters_of(config, seed: int):
-  """Random `ExpertLoRA` / `SharedLoRA` (every entry, B included) of the config's rank."""
-  keys = iter(jax.random.split(jax.random.key(seed), 8))
-  draw = lambda shapes: (
-    None
-    if shapes is None
-    else type(shapes)(*(np.asarray(jax.random.normal(next(keys), shape)) for shape in shapes))
-  )
-  return draw(lora.expert_lora_shapes(config)), draw(lora.shared_lora_shapes(config))
-
-
 @pytest.mark.parametrize("layout", hf_lora.LAYOUTS)
 def test_adapters_written_read_back_onto_a_mesh(layout, tmp_path):
   """save_lora then load_lora: the same adapters (the per-expert layout fuses gate's and up's
   A: rank 2r, with the same products), placed over the expert axis."""
   hf_config, _ = write_checkpoint(tmp_path, "deepseek_v3", layer=1)
   config = hf.config_from_hf(hf_config, lora_rank=3, lora_alpha=2.0)
-  expert, shared = adapters_of(config, 0)
+  expert, shared = random_adapters(config, jax.random.key(0), scale=1.0)
   params = hf.load_layer(tmp_path, 1, config)._replace(lora=expert, shared_lora=shared)
   hf.save_lora(tmp_path / "adapter", {1: params}, config, model_type="deepseek_v3", layout=layout)
   mesh = mesh_of(2, 4)
@@ -545,7 +534,9 @@ def test_adapters_written_read_back_onto_a_mesh(layout, tmp_path):
 def test_adapter_errors_name_the_tensor(tmp_path):
   hf_config, _ = write_checkpoint(tmp_path, "qwen3_moe", layer=0)
   config = hf.config_from_hf(hf_config, lora_rank=2)
-  params = hf.load_layer(tmp_path, 0, config)._replace(lora=adapters_of(config, 1)[0])
+  params = hf.load_layer(tmp_path, 0, config)._replace(
+    lora=random_adapters(config, jax.random.key(1), scale=1.0)[0]
+  )
   hf.save_lora(tmp_path / "adapter", {0: params}, config, model_type="qwen3_moe")
   read = lambda layer=0, **changes: hf.load_lora(
     tmp_path / "adapter", layer, dataclasses.replace(config, **changes), model_type="qwen3_moe"

@@ -11,8 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from moejax import hf, lora, moe_apply
-from tests.helpers import seed_of
+from moejax import hf, moe_apply
+from tests.helpers import random_adapters, seed_of
 from tests.test_hf_transformers import FAMILIES, hf_checkpoint
 
 torch = pytest.importorskip("torch")
@@ -91,7 +91,7 @@ def test_fused_adapters_both_ways(model_type, tmp_path, request):
   chex.assert_trees_all_close(ours, theirs, atol=1e-4, rtol=1e-4)
 
   # moejax -> PEFT: other random adapters, written by moejax, loaded by PEFT.
-  mine = random_adapters(adapters.config, seed)
+  mine = trained(adapters.config, seed)
   written = hf.load_layer(tmp_path / "model", layer, config)
   written = written._replace(lora=mine.lora, shared_lora=mine.shared_lora)
   hf.save_lora(tmp_path / "ours", {layer: written}, mine.config, model_type=model_type)
@@ -105,17 +105,9 @@ def test_fused_adapters_both_ways(model_type, tmp_path, request):
   )
 
 
-def random_adapters(config, seed: int) -> hf.LoadedAdapters:
+def trained(config, seed: int) -> hf.LoadedAdapters:
   """Adapters of the config's rank with every entry random (B too)."""
-  keys = iter(jax.random.split(jax.random.key(seed), 8))
-  draw = lambda shapes: (
-    None
-    if shapes is None
-    else type(shapes)(*(0.3 * np.asarray(jax.random.normal(next(keys), shape)) for shape in shapes))
-  )
-  return hf.LoadedAdapters(
-    config, draw(lora.expert_lora_shapes(config)), draw(lora.shared_lora_shapes(config))
-  )
+  return hf.LoadedAdapters(config, *random_adapters(config, jax.random.key(seed), scale=0.3))
 
 
 @pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral"])
@@ -125,7 +117,7 @@ def test_per_expert_adapters_both_ways(model_type, tmp_path, request):
   rank 4 become one of rank 8, down's is padded to it; the outputs are PEFT's."""
   seed = seed_of(request.node.name) % 2**31
   model, config, block, layer = tiny_model(model_type, tmp_path / "model", seed)
-  mine = random_adapters(dataclasses.replace(config, lora_rank=4, lora_alpha=3.0), seed)
+  mine = trained(dataclasses.replace(config, lora_rank=4, lora_alpha=3.0), seed)
   written = hf.load_layer(tmp_path / "model", layer, config)._replace(lora=mine.lora)
   hf.save_lora(
     tmp_path / "ours", {layer: written}, mine.config, model_type=model_type, layout="per_expert"

@@ -40,6 +40,7 @@ from tests.helpers import (
   check_against_reference,
   mesh_of,
   poison,
+  random_adapters,
   random_params,
   seed_of,
   tolerance,
@@ -63,18 +64,8 @@ BASE = MoEConfig(
 def with_adapters(config: MoEConfig, key: jax.Array):
   """Random parameters with random (non-zero) adapters of the kinds the config has: s · A @ B
   about half the size of the base weights."""
-  params = random_params(config, key)
-
-  def draw(shapes, key):
-    if shapes is None:
-      return None
-    keys = jax.random.split(key, len(shapes))
-    return type(shapes)(*(0.1 * jax.random.normal(k, s) for k, s in zip(keys, shapes, strict=True)))
-
-  return params._replace(
-    lora=draw(lora.expert_lora_shapes(config), jax.random.fold_in(key, 1)),
-    shared_lora=draw(lora.shared_lora_shapes(config), jax.random.fold_in(key, 2)),
-  )
+  expert, shared = random_adapters(config, key)
+  return random_params(config, key)._replace(lora=expert, shared_lora=shared)
 
 
 def tokens(seed: int, count: int = 48):
