@@ -123,9 +123,9 @@ def gmm(
 
   Args:
     lhs: [M, K].
-    rhs: [G, K, N], or a `BlockScaled` (fp8_block, mxfp4, int4_group) for a backend that lists its
-      format in `quant_formats`: dequantized tile by tile in the kernel, no gradient. A
-      qwix `QArray` in one of those formats is taken as its `BlockScaled`.
+    rhs: [G, K, N], or a `BlockScaled` (fp8_block, mxfp4, int4_group, nvfp4) for a backend
+      that lists its format in `quant_formats`: dequantized tile by tile in the kernel, no
+      gradient. A qwix `QArray` in one of those formats is taken as its `BlockScaled`.
     group_sizes: [G] int, sum <= M.
     precision: `jax.lax.Precision` of the products.
     preferred_element_type: output dtype (default lhs's).

@@ -52,7 +52,8 @@ class Backend:
       out_dtype, precision, interpret)` -> [M, N]; operands padded to whole blocks.
     tgmm: `tgmm(lhs, dout, group_sizes, *, blocks, out_dtype, precision, interpret)` ->
       [G, K, N]; operands padded to `tgmm_multiples`.
-    fit_blocks: (blocks, BlockScaled rhs) -> the blocks its kernels run that rhs with.
+    fit_blocks: (blocks, BlockScaled rhs, transpose_rhs) -> the blocks its kernels run that
+      rhs with, read that way.
   """
 
   name: str
@@ -65,7 +66,7 @@ class Backend:
   gmm: Callable
   tgmm: Callable
   quant_formats: tuple[str, ...] = ()
-  fit_blocks: Callable = lambda blocks, rhs: blocks
+  fit_blocks: Callable = lambda blocks, rhs, transpose_rhs=False: blocks
 
 
 def _mosaic_tgmm_blocks(num_rows: int, k: int, n: int) -> MosaicBlocks:
@@ -86,7 +87,7 @@ BACKENDS: dict[str, Backend] = {
     unsupported_reason=gmm_mosaic.unsupported_reason,
     gmm=gmm_mosaic.gmm_mosaic,
     tgmm=gmm_mosaic.tgmm_mosaic,
-    quant_formats=("fp8_block", "mxfp4", "int4_group"),
+    quant_formats=("fp8_block", "mxfp4", "int4_group", "nvfp4"),
     fit_blocks=mosaic_quant.fit_blocks,
   ),
   "triton": Backend(
@@ -99,7 +100,7 @@ BACKENDS: dict[str, Backend] = {
     unsupported_reason=gmm_triton.unsupported_reason,
     gmm=gmm_triton.gmm_triton,
     tgmm=gmm_triton.tgmm_triton,
-    quant_formats=("fp8_block", "mxfp4", "int4_group"),
+    quant_formats=("fp8_block", "mxfp4", "int4_group", "nvfp4"),
     fit_blocks=gmm_triton.fit_blocks,
   ),
   "xla": Backend(

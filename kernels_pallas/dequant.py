@@ -11,11 +11,14 @@ exactly the float32 values `BlockScaled.dequantize` gives, then multiplied by it
   layout of JAX's float4 bitcast and of GPT-OSS's checkpoints).
 - int4_group: the int4 values paired the same way (two's-complement nibbles); its scales
   come in 32-row blocks like mxfp4's (`kernel_form` repeats a coarser group's rows).
+- nvfp4: float4_e2m1fn values paired as mxfp4's, scales in 16-row blocks: each e4m3 scale
+  times its column's global scale, the product `BlockScaled.dequantize` multiplies by.
 
-Scales go in as float32 (e8m0 scales are powers of two, bfloat16 ones widen: exact); they
-are 1/32 of the values or fewer, so this copy is small next to the weights. A paired
-format's scale row is kept by column parity ([..., 2, out/2]: the even columns' scales, then
-the odd ones'), so that a kernel loads the scales of each nibble's columns contiguously.
+Scales go in as float32 (e8m0 scales are powers of two, bfloat16 ones widen: exact; nvfp4's
+products are the float32 ones the format defines); they are 1/16 of the values or fewer, so
+this copy is small next to the weights. A paired format's scale row is kept by column
+parity ([..., 2, out/2]: the even columns' scales, then the odd ones'), so that a kernel
+loads the scales of each nibble's columns contiguously.
 
 >>> w = BlockScaled(jnp.array([[[0.5, -6.0]]], jnp.float4_e2m1fn),
 ...                 jnp.ones((1, 1, 2), jnp.float8_e8m0fnu), (32, 1))
@@ -34,27 +37,27 @@ import jax.numpy as jnp
 from kernels_pallas.quantized import BlockScaled, format_of
 
 # Formats whose bytes hold two values (neighbouring columns, low nibble first), with a scale
-# per column and 32 rows: the kernels read them alike and decode them apart.
-PAIRED = ("mxfp4", "int4_group")
-PAIRED_ROWS = 32  # rows of one paired-format scale, as the kernels load it
+# per column and 32 (nvfp4: 16) rows: the kernels read them alike and decode them apart.
+PAIRED = ("mxfp4", "int4_group", "nvfp4")
+_INT4_KERNEL_ROWS = 32  # rows of an int4_group scale as the kernels load it
 
 
 def kernel_form(w: BlockScaled) -> BlockScaled:
   """`w` as the kernels take it: an int4_group weight with groups coarser than 32 rows gets
   each scale repeated over its group's 32-row blocks (the same weight); others as they are."""
-  if format_of(w) != "int4_group" or w.block[0] == PAIRED_ROWS:
+  if format_of(w) != "int4_group" or w.block[0] == _INT4_KERNEL_ROWS:
     return w
-  scales = jnp.repeat(w.scales, w.block[0] // PAIRED_ROWS, axis=-2)
-  return BlockScaled(w.values, scales, (PAIRED_ROWS, 1))
+  scales = jnp.repeat(w.scales, w.block[0] // _INT4_KERNEL_ROWS, axis=-2)
+  return BlockScaled(w.values, scales, (_INT4_KERNEL_ROWS, 1))
 
 
 class KernelRhs(NamedTuple):
   """A `BlockScaled` weight as a kernel loads it.
 
   Attributes:
-    bits: uint8 [G, in, out] (fp8_block) or [G, in, out/2] (mxfp4, two values a byte).
-    scales: float32 [G, ceil(in/bi), ceil(out/bo)] (fp8_block) or [G, in/32, 2, out/2]
-      (mxfp4: by column parity).
+    bits: uint8 [G, in, out] (fp8_block) or [G, in, out/2] (paired: two values a byte).
+    scales: float32 [G, ceil(in/bi), ceil(out/bo)] (fp8_block) or [G, in/bi, 2, out/2]
+      (paired: by column parity; nvfp4's times the global scale).
     format: its `FORMATS` name.
     block: (bi, bo).
   """
@@ -81,6 +84,8 @@ def kernel_rhs(w: BlockScaled) -> KernelRhs:
     values = values.reshape(*values.shape[:-1], values.shape[-1] // 2, 2)
   bits = jax.lax.bitcast_convert_type(values, jnp.uint8)
   scales = w.scales.astype(jnp.float32)
+  if w.global_scale is not None:
+    scales = scales * w.global_scale
   if name in PAIRED:
     scales = jnp.swapaxes(scales.reshape(*scales.shape[:-1], -1, 2), -1, -2)
   return KernelRhs(bits, scales, name, w.block)
@@ -109,7 +114,7 @@ def decode(bits: jax.Array, format: str):
   """Exact float32 values of a tile of `KernelRhs.bits`.
 
   Returns:
-    fp8_block: one array shaped like `bits`. mxfp4, int4_group: (even, odd), each shaped
+    fp8_block: one array shaped like `bits`. The paired formats: (even, odd), each shaped
     like `bits`: the values of the low nibbles (columns 2j) and of the high nibbles (2j+1).
   """
   code = bits.astype(jnp.int32)
@@ -119,7 +124,7 @@ def decode(bits: jax.Array, format: str):
   if format == "int4_group":  # two's-complement nibbles
     signed = lambda nibble: ((nibble ^ 8) - 8).astype(jnp.float32)
     return signed(code & 0xF), signed(code >> 4)
-  return _minifloat(code & 0xF, 2, 1), _minifloat(code >> 4, 2, 1)  # float4_e2m1fn
+  return _minifloat(code & 0xF, 2, 1), _minifloat(code >> 4, 2, 1)  # mxfp4, nvfp4: e2m1
 
 
 def by_parity(x: jax.Array, tile: int) -> jax.Array:

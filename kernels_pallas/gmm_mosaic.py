@@ -303,7 +303,7 @@ def gmm_mosaic(
   """
   del precision
   quantized = kernel_rhs(rhs) if is_block_scaled(rhs) else None
-  if quantized is not None and fit_blocks(blocks, rhs) != blocks:
+  if quantized is not None and fit_blocks(blocks, rhs, transpose_rhs) != blocks:
     raise ValueError(f"{blocks} do not fit the {rhs.block} scale blocks (see fit_blocks)")
   if transpose_rhs and not mosaic_operands_transposed_in_smem(interpret) and quantized is None:
     rhs, transpose_rhs = jnp.swapaxes(rhs, 1, 2), False

@@ -67,37 +67,38 @@ def default_blocks(num_rows: int, k: int, n: int) -> TritonBlocks:
   return TritonBlocks(block_m=block_m, block_n=64 if n <= 1024 else 128, block_k=32)
 
 
-def fit_blocks(blocks: TritonBlocks, rhs: BlockScaled) -> TritonBlocks:
+def fit_blocks(blocks: TritonBlocks, rhs: BlockScaled, transpose_rhs: bool = False) -> TritonBlocks:
   """`blocks` shrunk (by powers of two) so that every tile of `rhs` has one scale row.
 
   A tile spans block_k rows of the stored [in, out] weight and block_n columns read
-  forward, the other way round read transposed (the backward pass), so both must divide the
-  scale block's bi, and its bo unless bo is 1 (a scale per column). A paired format's tile
-  (mxfp4, int4_group: two values a byte) splits its columns into even and odd halves, each
-  at least 16 wide (Triton's smallest dot).
+  forward, the other way round read `transpose_rhs` (the backward pass): the tile's rows
+  must divide the scale block's bi, and its columns its bo unless bo is 1 (a scale per
+  column). Each is at least 16 (Triton's smallest dot); a paired format's columns (mxfp4,
+  int4_group, nvfp4: two values a byte) split into even and odd halves, so at least 32.
 
   >>> values = jnp.ones((1, 64, 64), jnp.float4_e2m1fn)
   >>> mxfp4 = BlockScaled(values, jnp.ones((1, 2, 64), jnp.float8_e8m0fnu), (32, 1))
-  >>> fit_blocks(TritonBlocks(64, 128, 16), mxfp4)
-  TritonBlocks(block_m=64, block_n=32, block_k=32, num_warps=4, num_stages=2)
+  >>> fit_blocks(TritonBlocks(64, 128, 64), mxfp4)  # forward: 32 rows (bi) a tile
+  TritonBlocks(block_m=64, block_n=128, block_k=32, num_warps=4, num_stages=2)
+  >>> fit_blocks(TritonBlocks(64, 128, 64), mxfp4, transpose_rhs=True)  # rows are block_n
+  TritonBlocks(block_m=64, block_n=32, block_k=64, num_warps=4, num_stages=2)
 
   Raises:
     NotImplementedError: no power-of-two tile of at least 16 (32 paired) fits the block.
   """
   rhs = kernel_form(rhs)
   bi, bo = rhs.block
-  smallest = 32 if format_of(rhs) in PAIRED else 16
-
-  def fit(size: int) -> int:
-    size = _dividing(max(size, smallest), bi)
-    return _dividing(size, bo) if bo > 1 else size
-
-  sizes = dict(block_k=fit(blocks.block_k), block_n=fit(blocks.block_n))
-  if min(sizes.values()) < smallest:
+  smallest_columns = 32 if format_of(rhs) in PAIRED else 16
+  tile_rows = _dividing(max(blocks.block_n if transpose_rhs else blocks.block_k, 16), bi)
+  tile_columns = max(blocks.block_k if transpose_rhs else blocks.block_n, smallest_columns)
+  tile_columns = _dividing(tile_columns, bo) if bo > 1 else tile_columns
+  if tile_rows < 16 or tile_columns < smallest_columns:
     raise NotImplementedError(
-      f"triton needs tiles of >= {smallest} rows and columns within a {rhs.block} scale block"
+      f"triton needs tiles of >= 16 rows and >= {smallest_columns} columns within a "
+      f"{rhs.block} scale block"
     )
-  return dataclasses.replace(blocks, **sizes)
+  k, n = (tile_columns, tile_rows) if transpose_rhs else (tile_rows, tile_columns)
+  return dataclasses.replace(blocks, block_k=k, block_n=n)
 
 
 def _dividing(size: int, block: int) -> int:
@@ -286,7 +287,7 @@ def gmm_triton(
   n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
   out_cols = n // 2 if activation is not None else n
   quantized = kernel_rhs(rhs) if is_block_scaled(rhs) else None
-  if quantized is not None and fit_blocks(blocks, rhs) != blocks:
+  if quantized is not None and fit_blocks(blocks, rhs, transpose_rhs) != blocks:
     raise ValueError(f"{blocks} do not fit the {rhs.block} scale blocks (see fit_blocks)")
   paired = quantized is not None and quantized.values_per_byte == 2
   if paired and transpose_rhs:

@@ -7,15 +7,15 @@ then reads. Per format:
 
 - fp8_block: the tile lies in one scale block (`fit_blocks`); its scale is one float32,
   read from global memory.
-- mxfp4: a byte holds two values of neighbouring columns (low nibble first), and every
-  column has its own scale per 32 rows. TMA brings the tile's scales too ([rows/32, 2,
-  cols/2]: by column parity, `KernelRhs.scales`); each parity's scales are broadcast over
-  their 32 rows. Read forward, the decoded tile is stored with its even columns first, then
-  its odd ones: output columns, which `gmm_mosaic` interleaves back. Read transposed, those
-  columns are the contraction's: each half is its own tile and wgmma, against the matching
-  half of lhs (laid out by parity).
+- mxfp4 (int4_group, nvfp4 alike): a byte holds two values of neighbouring columns (low
+  nibble first), and every column has its own scale per 32 rows (nvfp4: 16). TMA brings the
+  tile's scales too ([rows/bi, 2, cols/2]: by column parity, `KernelRhs.scales`); each
+  parity's scales are broadcast over their rows. Read forward, the decoded tile is stored
+  with its even columns first, then its odd ones: output columns, which `gmm_mosaic`
+  interleaves back. Read transposed, those columns are the contraction's: each half is its
+  own tile and wgmma, against the matching half of lhs (laid out by parity).
 
-The mxfp4 path gives its row index and scales explicit layouts (the wgmma layout, and its
+The paired path gives its row index and scales explicit layouts (the wgmma layout, and its
 columns' reduction for a row of scales), which is what Mosaic's layout inference needs to
 place the broadcast; the decoded bytes follow from them.
 
@@ -39,7 +39,7 @@ from kernels_pallas.compat import (
   mosaic_operands_transposed_in_smem,
   mosaic_registers,
 )
-from kernels_pallas.dequant import PAIRED, PAIRED_ROWS, decode, kernel_form
+from kernels_pallas.dequant import PAIRED, decode, kernel_form
 from kernels_pallas.quantized import format_of
 
 
@@ -55,7 +55,7 @@ class QuantTiles:
   """How one kernel call loads, decodes and multiplies its quantized rhs tiles.
 
   Attributes:
-    format: "fp8_block", "mxfp4" or "int4_group".
+    format: "fp8_block", or a paired one ("mxfp4", "int4_group", "nvfp4").
     block: the scale block (bi, bo) of the stored [in, out] weight.
     block_k, block_n: the kernel's contraction step and output columns per tile.
     transpose_rhs: the weight is read transposed (stored [N, K]).
@@ -71,7 +71,8 @@ class QuantTiles:
 
   @property
   def paired(self) -> bool:
-    """Two values a byte (mxfp4, int4_group): a tile's stored columns come by parity."""
+    """Two values a byte (mxfp4, int4_group, nvfp4): a tile's stored columns come by
+    parity."""
     return self.format in PAIRED
 
   @property
@@ -118,7 +119,8 @@ class QuantTiles:
     if not self.paired:
       return [bits]
     scales_index = lambda step: (index(step)[0], 0, index(step)[1])
-    return [bits, plgpu.BlockSpec((rows // PAIRED_ROWS, 2, width), scales_index, delay_release=1)]
+    scales_shape = (rows // self.block[0], 2, width)
+    return [bits, plgpu.BlockSpec(scales_shape, scales_index, delay_release=1)]
 
   def tile_scale(self, scales_gmem, group, tile_index) -> jax.Array:
     """fp8_block: the one scale of the stored tile at (row block, column block) `tile_index`."""
@@ -139,7 +141,8 @@ class QuantTiles:
   def decode_into(self, tile_smems, bits_smem, scales) -> None:
     """tile_smems <- the decoded tile times its scales, in their dtype.
 
-    `scales`: fp8_block's one scale, or mxfp4's [rows/32, 2, cols/2] shared-memory tile.
+    `scales`: fp8_block's one scale, or a paired format's [rows/bi, 2, cols/2] shared-memory
+    tile.
     """
     for part, tile in enumerate(self._scaled_parts(bits_smem, scales)):
       tile = tile.astype(tile_smems[0].dtype)
@@ -160,11 +163,11 @@ class QuantTiles:
     parts = []
     for parity, values in enumerate(decode(bits, self.format)):
       scale = jnp.zeros(bits.shape, jnp.float32)
-      for block_row in range(bits.shape[0] // PAIRED_ROWS):
+      for block_row in range(bits.shape[0] // self.block[0]):
         index = (block_row, parity)
         column_scales = mosaic_registers(scales, index, layout.reduce(0), self.interpret)
         row_scales = jax.lax.broadcast_in_dim(column_scales, bits.shape, [1])
-        scale = jnp.where(rows // PAIRED_ROWS == block_row, row_scales, scale)
+        scale = jnp.where(rows // self.block[0] == block_row, row_scales, scale)
       parts.append(values * scale)
     return parts
 
@@ -175,18 +178,21 @@ class QuantTiles:
       plgpu.wgmma(acc_ref, lhs_smem, tile_smem.transpose((1, 0)) if read_transposed else tile_smem)
 
 
-def fit_blocks(blocks, rhs):
-  """`blocks` adjusted so that every tile of `rhs` has the scales its format decodes.
+def fit_blocks(blocks, rhs, transpose_rhs: bool = False):
+  """`blocks` adjusted so that every tile of `rhs` has the scales its format decodes (the
+  same blocks read forward and `transpose_rhs`).
 
   fp8_block: block_k and block_n both divide the scale block's bi and bo (read forward and
   transposed, a tile spans either way round), so one scale covers a tile; both at least 32
-  (a row of bytes needs 32+ for a swizzle). mxfp4 and int4_group (in its `kernel_form`):
-  block_k = 64 and block_n a multiple of 64 (a tile of bytes in the wgmma layout has 64-row
-  multiples, and its rows of packed bytes need 32+).
+  (a row of bytes needs 32+ for a swizzle). The paired formats (int4_group in its
+  `kernel_form`; scale blocks of 32 or 16 rows): block_k = 64 and block_n a multiple of 64
+  (a tile of bytes in the wgmma layout has 64-row multiples, and its rows of packed bytes
+  need 32+).
 
   Raises:
     NotImplementedError: no such blocks fit the scale block.
   """
+  del transpose_rhs
   rhs = kernel_form(rhs)
   if format_of(rhs) in PAIRED:
     block_n = max(64, blocks.block_n // 64 * 64)

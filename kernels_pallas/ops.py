@@ -101,7 +101,9 @@ def grouped_matmul(
   rhs = kernel_form(rhs) if is_block_scaled(rhs) else rhs
   backend = BACKENDS[settings.implementation]
   # The one place blocks are fitted to a quantized rhs's scale blocks.
-  blocks = backend.fit_blocks(settings.blocks, rhs) if is_block_scaled(rhs) else settings.blocks
+  blocks = settings.blocks
+  if is_block_scaled(rhs):
+    blocks = backend.fit_blocks(blocks, rhs, transpose_rhs)
   num_rows = lhs.shape[0]
   n_axis, k_axis = (1, 2) if transpose_rhs else (2, 1)
   out_cols = rhs.shape[n_axis] // (2 if activation else 1)

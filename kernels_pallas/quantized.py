@@ -1,12 +1,13 @@
 """`BlockScaled`: a weight stored in a narrow dtype with one scale per block, as checkpoints
 ship it (fine-grained fp8: float8_e4m3fn values, a float32 scale per 128x128 block; MXFP4:
 float4_e2m1fn values, a power-of-two float8_e8m0fnu scale per 32 values along the
-contraction axis; INT4: int4 values, a bfloat16 scale per group of inputs).
+contraction axis; INT4: int4 values, a bfloat16 scale per group of inputs; NVFP4:
+float4_e2m1fn values, a float8_e4m3fn scale per 16 inputs and a float32 global scale).
 
 One value travels through the layer and into the kernels (no separate scale arguments):
-`values` and `scales` are its pytree leaves, `block` its static aux data. Indexing the leading
-axis (`w[e]`, `w[1:3]`) indexes both leaves, so a tile loop slices one expert's quantized
-weights and dequantizes only that slice.
+`values`, `scales` (and NVFP4's `global_scale`) are its pytree leaves, `block` its static aux
+data. Indexing the leading axis (`w[e]`, `w[1:3]`) indexes every leaf, so a tile loop slices
+one expert's quantized weights and dequantizes only that slice.
 """
 
 from __future__ import annotations
@@ -22,30 +23,47 @@ import numpy as np
 @jax.tree_util.register_pytree_node_class
 class BlockScaled:
   """`values` [..., in, out] with `scales` [..., ceil(in/bi), ceil(out/bo)] for blocks
-  `block` = (bi, bo): the weight is `values * scales`, each scale broadcast over its block.
+  `block` = (bi, bo): the weight is `values * scales`, each scale broadcast over its block
+  (times `global_scale`, where the format has one).
 
   Attributes:
     values: the quantized values (float8_e4m3fn, float4_e2m1fn, ...).
     scales: one multiplier per block (float32, float8_e8m0fnu, ...), as DeepSeek's
       `weight_scale_inv` is used: dequantized = values * scale.
     block: (bi, bo) static block shape over the last two axes.
+    global_scale: None, or float32 [..., 1, out]: a second multiplier per column (NVFP4's
+      per-matrix scale, ModelOpt's `weight_scale_2`; kept per column so that a fused
+      [gate | up] matrix keeps each half's own): dequantized = values * (scales * global).
 
   >>> w = BlockScaled(jnp.ones((2, 4, 6), jnp.float8_e4m3fn), jnp.full((2, 2, 1), 0.5), (2, 6))
   >>> w.shape, w[1].shape, float(w.dequantize()[1, 3, 5])
   ((2, 4, 6), (4, 6), 0.5)
   """
 
-  def __init__(self, values, scales, block: tuple[int, int]):
+  def __init__(self, values, scales, block: tuple[int, int], global_scale=None):
     self.values = values
     self.scales = scales
     self.block = tuple(int(b) for b in block)
+    self.global_scale = global_scale
 
   def tree_flatten(self):
-    return (self.values, self.scales), self.block
+    return (self.values, self.scales, self.global_scale), self.block
 
   @classmethod
   def tree_unflatten(cls, block, leaves):
-    return cls(*leaves, block)
+    values, scales, global_scale = leaves
+    return cls(values, scales, block, global_scale)
+
+  def parts(self) -> dict[str, jax.Array]:
+    """The leaves by name ("values", "scales", and "global_scale" where present): how a
+    module stores them, one variable each."""
+    parts = {"values": self.values, "scales": self.scales}
+    return parts if self.global_scale is None else {**parts, "global_scale": self.global_scale}
+
+  @classmethod
+  def from_parts(cls, parts: dict, block: tuple[int, int]) -> BlockScaled:
+    """The inverse of `parts`."""
+    return cls(parts["values"], parts["scales"], block, parts.get("global_scale"))
 
   @property
   def shape(self) -> tuple[int, ...]:
@@ -57,13 +75,14 @@ class BlockScaled:
     return len(self.shape)
 
   def __getitem__(self, index) -> BlockScaled:
-    """Indexes the leading (expert) axes of both leaves; the last two axes stay whole."""
-    return BlockScaled(self.values[index], self.scales[index], self.block)
+    """Indexes the leading (expert) axes of every leaf; the last two axes stay whole."""
+    return jax.tree.map(lambda leaf: leaf[index], self)
 
   def __repr__(self) -> str:
+    more = "" if self.global_scale is None else f", global_scale={_describe(self.global_scale)}"
     return (
       f"BlockScaled(values={_describe(self.values)}, scales={_describe(self.scales)}, "
-      f"block={self.block})"
+      f"block={self.block}{more})"
     )
 
   def expected_scales_shape(self) -> tuple[int, ...]:
@@ -71,13 +90,21 @@ class BlockScaled:
     *lead, rows, cols = self.shape
     return (*lead, math.ceil(rows / self.block[0]), math.ceil(cols / self.block[1]))
 
+  def expected_global_shape(self) -> tuple[int, ...]:
+    """[..., 1, out]: the shape of a `global_scale`."""
+    return (*self.shape[:-2], 1, self.shape[-1])
+
   def pad(self, axis: int, size: int) -> BlockScaled:
     """Zero values appended along `axis` (-2 or -1, or its positive index) up to `size`; the
     scales grow to cover them (with 1: a zero value is zero under any scale)."""
     axis = axis % self.ndim
     block = self.block[axis - self.ndim + 2]
     values = _pad_axis(self.values, axis, size, 0)
-    return BlockScaled(values, _pad_axis(self.scales, axis, -(-size // block), 1), self.block)
+    scales = _pad_axis(self.scales, axis, -(-size // block), 1)
+    global_scale = self.global_scale
+    if global_scale is not None and axis == self.ndim - 1:
+      global_scale = _pad_axis(global_scale, axis, size, 1)
+    return BlockScaled(values, scales, self.block, global_scale)
 
   def split_columns(self, parts: int) -> list[BlockScaled]:
     """The weight cut into `parts` equal column ranges ([gate | up] halves for 2); each range
@@ -87,22 +114,24 @@ class BlockScaled:
       raise ValueError(
         f"cannot split {cols} columns into {parts} parts of whole {block_cols}-column blocks"
       )
-    values = jnp.split(self.values, parts, axis=-1)
-    scales = jnp.split(self.scales, parts, axis=-1)
-    return [BlockScaled(v, s, self.block) for v, s in zip(values, scales, strict=True)]
+    leaves, structure = jax.tree.flatten(self)
+    split = [jnp.split(leaf, parts, axis=-1) for leaf in leaves]
+    return [jax.tree.unflatten(structure, column) for column in zip(*split, strict=True)]
 
   @staticmethod
   def concatenate_columns(parts: list[BlockScaled]) -> BlockScaled:
     """The inverse of `split_columns`: the parts side by side (each of whole scale blocks)."""
-    values = jnp.concatenate([p.values for p in parts], axis=-1)
-    return BlockScaled(values, jnp.concatenate([p.scales for p in parts], -1), parts[0].block)
+    return jax.tree.map(lambda *leaves: jnp.concatenate(leaves, axis=-1), *parts)
 
   def dequantize(self, dtype=jnp.float32) -> jax.Array:
-    """values.astype(float32) * scales, each scale broadcast over its block; in `dtype`."""
+    """values.astype(float32) * scales (* global_scale), each scale broadcast over its
+    block; in `dtype`."""
     *_, rows, cols = self.shape
     scales = jnp.asarray(self.scales).astype(jnp.float32)
     scales = jnp.repeat(jnp.repeat(scales, self.block[0], axis=-2), self.block[1], axis=-1)
     scales = scales[..., :rows, :cols]
+    if self.global_scale is not None:
+      scales = scales * jnp.asarray(self.global_scale, jnp.float32)
     return (jnp.asarray(self.values).astype(jnp.float32) * scales).astype(dtype)
 
 
@@ -129,26 +158,32 @@ class QuantFormat(NamedTuple):
     scales: dtype of the scales (what quantizing writes).
     block: the fixed (bi, bo) block, or None where the checkpoint chooses it.
     other_scales: further scale dtypes checkpoints of the format store (kept as stored).
+    global_scale: whether its weights carry a float32 `global_scale` (NVFP4).
   """
 
   values: jnp.dtype
   scales: jnp.dtype
   block: tuple[int, int] | None
   other_scales: tuple[jnp.dtype, ...] = ()
+  global_scale: bool = False
 
   def takes_scales(self, dtype) -> bool:
     """Whether `dtype` is one of the format's scale dtypes."""
     return jnp.dtype(dtype) in (self.scales, *self.other_scales)
 
 
-# The formats by name: DeepSeek-V3's fine-grained fp8, OCP MXFP4 (GPT-OSS), and symmetric
-# INT4 with a scale per group of inputs (compressed-tensors' pack-quantized: Kimi-K2-Thinking,
-# K2.5; blocks (group, 1)).
+# The formats by name: DeepSeek-V3's fine-grained fp8, OCP MXFP4 (GPT-OSS), symmetric INT4
+# with a scale per group of inputs (compressed-tensors' pack-quantized: Kimi-K2-Thinking,
+# K2.5; blocks (group, 1)), and NVFP4 (NVIDIA's ModelOpt FP4 releases, compressed-tensors'
+# nvfp4-pack-quantized: e4m3 scales per 16 inputs under a float32 global scale).
 FORMATS = {
   "fp8_block": QuantFormat(jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float32), None),
   "mxfp4": QuantFormat(jnp.dtype(jnp.float4_e2m1fn), jnp.dtype(jnp.float8_e8m0fnu), (32, 1)),
   "int4_group": QuantFormat(
     jnp.dtype(jnp.int4), jnp.dtype(jnp.bfloat16), None, (jnp.dtype(jnp.float32),)
+  ),
+  "nvfp4": QuantFormat(
+    jnp.dtype(jnp.float4_e2m1fn), jnp.dtype(jnp.float8_e4m3fn), (16, 1), global_scale=True
   ),
 }
 
@@ -166,8 +201,13 @@ def format_of(w) -> str | None:
   if not is_block_scaled(w):
     return None
   for name, form in FORMATS.items():
-    same_values = jnp.dtype(w.values.dtype) == form.values
-    if same_values and form.takes_scales(w.scales.dtype) and form.block in (None, w.block):
+    matches = (
+      jnp.dtype(w.values.dtype) == form.values
+      and form.takes_scales(w.scales.dtype)
+      and form.global_scale == (w.global_scale is not None)
+      and form.block in (None, w.block)
+    )
+    if matches:
       return name
   raise ValueError(f"{w!r} is in none of the formats {sorted(FORMATS)}")
 

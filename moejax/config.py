@@ -105,7 +105,9 @@ class MoEConfig:
       (float4_e2m1fn values with a float8_e8m0fnu scale per 32 values along the input axis,
       OCP MX as GPT-OSS ships it) or "int4_group" (symmetric int4 values with a bfloat16 (or
       float32) scale per group of `quant_block_size[0]` inputs, compressed-tensors'
-      pack-quantized as Kimi-K2-Thinking ships it): `w_gate_up` and `w_down` are then
+      pack-quantized as Kimi-K2-Thinking ships it) or "nvfp4" (float4_e2m1fn values with a
+      float8_e4m3fn scale per 16 values along the input axis and a float32 global scale per
+      matrix, NVIDIA's ModelOpt FP4): `w_gate_up` and `w_down` are then
       `kernels_pallas.quantized.BlockScaled` (`moejax.quant`).
     quant_block_size: (bi, bo), the fp8_block block over [in, out]; F must be a multiple of
       bo so that no block straddles gate and up. For int4_group, (group, 1) with group in
@@ -158,7 +160,7 @@ class MoEConfig:
   expert_backend: ExpertBackend = "auto"
   dispatch: Dispatch = "auto"
   num_redundant_experts: int = 0
-  expert_quant: Literal["fp8_block", "mxfp4", "int4_group"] | None = None
+  expert_quant: Literal["fp8_block", "mxfp4", "int4_group", "nvfp4"] | None = None
   quant_block_size: tuple[int, int] = (128, 128)
   lora_rank: int = 0
   lora_alpha: float = 8.0
@@ -301,12 +303,19 @@ class MoEConfig:
             f"{name}={getattr(self, name)} must be a multiple of the group size {group} with "
             "expert_quant='int4_group' (one scale per group along each matrix's input axis)"
           )
-    if self.expert_quant == "mxfp4":
+    if FORMATS[self.expert_quant].global_scale and self.expert_fsdp:
+      raise NotImplementedError(
+        f"expert_fsdp=True with expert_quant={self.expert_quant!r} is not supported yet: its "
+        "global scales [E, 1, out] have no dim 1 to split over the data axis"
+      )
+    fixed = FORMATS[self.expert_quant].block
+    if fixed is not None:  # mxfp4, nvfp4
       for name in ("hidden_size", "intermediate_size"):
-        if getattr(self, name) % 32:
+        if getattr(self, name) % fixed[0]:
           raise ValueError(
-            f"{name}={getattr(self, name)} must be a multiple of 32 with expert_quant='mxfp4' "
-            "(one scale per 32 values along each matrix's input axis)"
+            f"{name}={getattr(self, name)} must be a multiple of {fixed[0]} with "
+            f"expert_quant={self.expert_quant!r} (one scale per {fixed[0]} values along each "
+            "matrix's input axis)"
           )
 
   @property
@@ -338,8 +347,8 @@ class MoEConfig:
 
   @property
   def quant_block(self) -> tuple[int, int] | None:
-    """(bi, bo) of the expert weights' scale blocks: `quant_block_size` for fp8_block, (32, 1)
-    for mxfp4, None without quantization."""
+    """(bi, bo) of the expert weights' scale blocks: `quant_block_size` for fp8_block and
+    int4_group, (32, 1) for mxfp4, (16, 1) for nvfp4, None without quantization."""
     if self.expert_quant is None:
       return None
     return FORMATS[self.expert_quant].block or self.quant_block_size

@@ -25,6 +25,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from kernels_pallas.quantized import BlockScaled, is_block_scaled
+from moejax import hf_nvfp4
 from moejax.config import INT4_GROUP_SIZES, MoEConfig
 from moejax.params import MoEParams, check_params
 from moejax.safetensors_files import SafetensorsFiles
@@ -111,6 +112,9 @@ class _Layout(abc.ABC):
   def int4(self, files: SafetensorsFiles, key, e: int, d: int, f: int, group: int) -> dict:
     raise NotImplementedError(f"pack-quantized int4 experts stored as {self} are not read")
 
+  def nvfp4(self, files: SafetensorsFiles, key, e: int, d: int, f: int) -> dict:
+    raise NotImplementedError(f"nvfp4 experts stored as {self} are not read")
+
 
 def _read_fp8(files: SafetensorsFiles, weight: str, shape: tuple[int, ...], block):
   """(values, scales) of an fp8 `weight` [..., out, in] as [..., in, out] and its blocks."""
@@ -191,18 +195,37 @@ class PerExpert(_Layout):
     return {"w_gate_up": stacked(gate_up), "w_down": stacked(down)}
 
   def int4(self, files, key, e, d, f, group) -> dict:
-    read = lambda i, name, shape: _read_int4(files, key(self._weight(i, name)), shape, group)
-    matrices = lambda name, shape: [read(i, name, shape) for i in range(e)]
+    read = lambda layer, shape: _read_int4(files, f"{layer}.weight", shape, group)
+    return self._quantized(read, key, e, d, f)
+
+  def nvfp4(self, files, key, e, d, f) -> dict:
+    def read(layer: str, shape: tuple[int, int]) -> BlockScaled:
+      names = hf_nvfp4.stored_names(files, layer)
+      if names is None:
+        raise KeyError(
+          f"checkpoint has no NVFP4 matrix scale at {layer} (ModelOpt's "
+          f"{hf_nvfp4.MODELOPT.matrix_scale!r} or compressed-tensors' "
+          f"{hf_nvfp4.COMPRESSED_TENSORS.matrix_scale!r})"
+        )
+      return hf_nvfp4.read_nvfp4(files, layer, shape, names)
+
+    return self._quantized(read, key, e, d, f)
+
+  def _quantized(self, read, key, e: int, d: int, f: int) -> dict:
+    """`w_gate_up` and `w_down` of `BlockScaled` matrices `read(layer, [out, in])` gives,
+    one per expert and projection ([in, out]; gate and up side by side)."""
+    layer = lambda i, name: key(self._weight(i, name).removesuffix(".weight"))
+    matrices = lambda name, shape: [read(layer(i, name), shape) for i in range(e)]
     gate_up = [
       BlockScaled.concatenate_columns([g, u])
       for g, u in zip(matrices(self.gate, (f, d)), matrices(self.up, (f, d)), strict=True)
     ]
-    stacked = lambda ws: BlockScaled(
-      np.stack([np.asarray(w.values) for w in ws]),
-      np.stack([np.asarray(w.scales) for w in ws]),
-      (group, 1),
-    )
-    return {"w_gate_up": stacked(gate_up), "w_down": stacked(matrices(self.down, (d, f)))}
+    return {"w_gate_up": _stacked(gate_up), "w_down": _stacked(matrices(self.down, (d, f)))}
+
+
+def _stacked(matrices: list[BlockScaled]) -> BlockScaled:
+  """The experts' matrices stacked along a new leading axis, as NumPy arrays."""
+  return jax.tree.map(lambda *leaves: np.stack([np.asarray(leaf) for leaf in leaves]), *matrices)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -502,8 +525,10 @@ def config_from_hf(config: dict[str, Any], **overrides: Any) -> MoEConfig:
   `weight_block_size` [out, in] is "fp8_block" with `quant_block_size` (in, out) (`scale_fmt`
   "ue8m0": power-of-two scales, checked on load); "mxfp4" is "mxfp4"; "compressed-tensors"
   with symmetric INT4 weights `pack-quantized` in groups is "int4_group" with
-  `quant_block_size` (group, 1). A multimodal config whose text model is nested (Kimi-K2.5's
-  `text_config`) is read from its text model.
+  `quant_block_size` (group, 1), its `nvfp4-pack-quantized` and "modelopt" with `quant_algo`
+  "NVFP4" are "nvfp4" (activation quantization, if any, is not read: moejax computes W4A16).
+  A multimodal config whose text model is nested (Kimi-K2.5's `text_config`) is read from
+  its text model.
 
   Raises:
     ValueError: for an unsupported model_type (the message lists the supported ones).
@@ -547,38 +572,46 @@ def _quantization(quantization: dict | None) -> dict:
     return dict(expert_quant="mxfp4")
   if method == "compressed-tensors":
     return _compressed_tensors(quantization)
+  if method == "modelopt":
+    return hf_nvfp4.modelopt_fields(quantization)
   raise NotImplementedError(
     f"quantization_config with quant_method={method!r} is not supported: moejax reads "
-    "'fp8' with weight_block_size (fine-grained fp8), 'mxfp4' and 'compressed-tensors' "
-    "(pack-quantized INT4)"
+    "'fp8' with weight_block_size (fine-grained fp8), 'mxfp4', 'compressed-tensors' "
+    "(pack-quantized INT4, nvfp4-pack-quantized) and 'modelopt' (NVFP4)"
   )
 
 
-# compressed-tensors' weight quantization that "int4_group" is, field by field.
-_INT4_WEIGHTS = dict(num_bits=4, type="int", symmetric=True, strategy="group")
+# compressed-tensors' formats moejax reads: weight quantization fields, field by field.
+_COMPRESSED_TENSORS = {
+  "pack-quantized": dict(num_bits=4, type="int", symmetric=True, strategy="group"),
+  "nvfp4-pack-quantized": hf_nvfp4.COMPRESSED_TENSORS_WEIGHTS,
+}
 
 
 def _compressed_tensors(quantization: dict) -> dict:
   """The fields of compressed-tensors' `pack-quantized` symmetric INT4 weights with a scale
-  per group (Kimi-K2-Thinking, K2.5, W4A16 releases); ValueError naming any other field."""
+  per group (Kimi-K2-Thinking, K2.5, W4A16 releases) or its `nvfp4-pack-quantized` ones;
+  ValueError naming any other field."""
   where = "quantization_config"
   groups = quantization.get("config_groups") or {}
   if len(groups) != 1:
     raise ValueError(f"{where}.config_groups: expected one group, got {sorted(groups)}")
   ((name, group),) = groups.items()
   form = group.get("format") or quantization.get("format")
-  if form != "pack-quantized":
+  if form not in _COMPRESSED_TENSORS:
     raise ValueError(
-      f"{where}.format={form!r}: moejax reads compressed-tensors 'pack-quantized' (INT4)"
+      f"{where}.format={form!r}: moejax reads compressed-tensors {sorted(_COMPRESSED_TENSORS)}"
     )
   weights = group.get("weights") or {}
-  for field, expected in _INT4_WEIGHTS.items():
+  for field, expected in _COMPRESSED_TENSORS[form].items():
     if weights.get(field) != expected:
       what = " (asymmetric INT4 has zero points)" if field == "symmetric" else ""
       raise ValueError(
         f"{where}.config_groups.{name}.weights.{field}={weights.get(field)!r}, expected "
         f"{expected!r}{what}"
       )
+  if form == "nvfp4-pack-quantized":  # activation scales, if any, are not read (W4A16)
+    return dict(expert_quant="nvfp4")
   if weights.get("actorder") == "group":
     raise ValueError(
       f"{where}.config_groups.{name}.weights.actorder='group' (a per-input g_idx) is not read"
@@ -692,6 +725,8 @@ def _read_layer(files: SafetensorsFiles, block: str, family: Family, config: MoE
     values.update(layout.mxfp4(files, key, e, d, f))
   elif config.expert_quant == "int4_group":
     values.update(layout.int4(files, key, e, d, f, config.quant_block[0]))
+  elif config.expert_quant == "nvfp4":
+    values.update(layout.nvfp4(files, key, e, d, f))
   else:
     values.update(layout.floats(files, key, e, d, f))
   if config.has_shared_experts and family.shared:
@@ -709,15 +744,15 @@ def _read_layer(files: SafetensorsFiles, block: str, family: Family, config: MoE
 
 def _float_linear(files: SafetensorsFiles, weight: str, shape, config: MoEConfig) -> np.ndarray:
   """A linear layer's [out, in] weight in float32: as stored, fp8 dequantized with its
-  `scale_inv`, or a pack-quantized one (an INT4 checkpoint that quantizes it: its `ignore`
-  list does not name it) dequantized."""
+  `scale_inv`, or a pack-quantized INT4 or an NVFP4 one (a checkpoint that quantizes it: its
+  `ignore` list does not name it) dequantized."""
+  layer = weight.removesuffix(".weight")
+  nvfp4 = hf_nvfp4.stored_names(files, layer)
+  if nvfp4 is not None:
+    return np.asarray(hf_nvfp4.read_nvfp4(files, layer, shape, nvfp4).dequantize()).T
   if weight not in files and f"{weight}_packed" in files:
     return np.asarray(_read_int4(files, weight, shape, config.quant_block[0]).dequantize()).T
   return files.get(weight, shape)
-
-
-# e2m1 codes 0..15 (sign in bit 3) as the values they stand for.
-_E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float32)
 
 
 def unpack_mxfp4(blocks: np.ndarray) -> np.ndarray:
@@ -727,9 +762,7 @@ def unpack_mxfp4(blocks: np.ndarray) -> np.ndarray:
   >>> unpack_mxfp4(np.array([[0x21, 0xF7] + [0] * 14], np.uint8)).astype(float)[:4].tolist()
   [0.5, 1.0, 6.0, -6.0]
   """
-  codes = np.stack([blocks & 0x0F, blocks >> 4], axis=-1)  # [..., n, 16, 2]
-  codes = codes.reshape(*blocks.shape[:-2], -1)
-  return _E2M1[codes].astype(ml_dtypes.float4_e2m1fn)
+  return hf_nvfp4.unpack_fp4(blocks).reshape(*blocks.shape[:-2], -1)
 
 
 # PEFT adapters of these layers: `moejax.hf_lora` (it reads `FAMILIES`, so it comes last).

@@ -53,21 +53,25 @@ class PlacementState(nnx.Module):
 
 
 class QuantizedWeight(nnx.Variable):
-  """The values or the scales of a quantized expert matrix: computed with, never trained."""
+  """A leaf of a quantized expert matrix (values, scales, global scale): computed with, never
+  trained."""
 
 
 class QuantizedMatrix(nnx.Module):
-  """A `BlockScaled` expert matrix as two `QuantizedWeight` variables, each with the expert
-  axis's sharding metadata (so `nnx.get_partition_spec`, `shard_model` and orbax see plain
-  arrays). `get_value()` gives the `BlockScaled`, as `nnx.Param.get_value()` gives an array."""
+  """A `BlockScaled` expert matrix as one `QuantizedWeight` variable per leaf (`values`,
+  `scales`, NVFP4's `global_scale`), each with the expert axis's sharding metadata (so
+  `nnx.get_partition_spec`, `shard_model` and orbax see plain arrays). `get_value()` gives
+  the `BlockScaled`, as `nnx.Param.get_value()` gives an array."""
 
   def __init__(self, weight: BlockScaled, names: tuple[str | None, ...], on_mesh: dict):
-    self.values = QuantizedWeight(weight.values, out_sharding=names, **on_mesh)
-    self.scales = QuantizedWeight(weight.scales, out_sharding=names, **on_mesh)
+    for part, leaf in weight.parts().items():
+      setattr(self, part, QuantizedWeight(leaf, out_sharding=names, **on_mesh))
+    self.part_names = tuple(weight.parts())
     self.block = weight.block
 
   def get_value(self) -> BlockScaled:
-    return BlockScaled(self.values.get_value(), self.scales.get_value(), self.block)
+    parts = {part: getattr(self, part).get_value() for part in self.part_names}
+    return BlockScaled.from_parts(parts, self.block)
 
 
 class Adapters(nnx.Module):
@@ -124,9 +128,9 @@ class MoELayer(nnx.Module):
   `nnx.Optimizer(layer, tx, wrt=nnx.LoRAParam)` trains only them; the base weights, float or
   quantized, then get no gradient computed.
 
-  With `config.expert_quant`, `w_gate_up` and `w_down` are `QuantizedMatrix` modules (values
-  and scales as `QuantizedWeight` variables, quantized from `kernel_init`'s draw; load real
-  ones with `moejax.hf`): fixed weights, never trained.
+  With `config.expert_quant`, `w_gate_up` and `w_down` are `QuantizedMatrix` modules (values,
+  scales and NVFP4's global scale as `QuantizedWeight` variables, quantized from
+  `kernel_init`'s draw; load real ones with `moejax.hf`): fixed weights, never trained.
 
   Args:
     config: the layer's `MoEConfig`.

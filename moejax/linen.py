@@ -27,7 +27,7 @@ def moe_linen(config: MoEConfig, *, mesh: Mesh | None = None, name: str | None =
   Its parameters sit in the Linen `params` collection under the layer's own names
   (router_kernel, w_gate_up, w_down, ...), boxed with their sharding metadata. The layer's
   other variables get a collection each, named by type: quantized experts' values and scales
-  in `QuantizedWeight` (not trained); with redundant experts the placement in
+  (and global scales) in `QuantizedWeight` (not trained); with redundant experts the placement in
   `ExpertPlacement` and the counted load in `ExpertLoad`, which `apply` updates only when
   told (`mutable=["ExpertLoad"]`), and which `rebalance` uses.
 
@@ -119,7 +119,7 @@ def _write(own: dict[str, dict], moved: MoEParams, new: Placement) -> None:
   for name, part, value in expert_arrays(moved):
     if part is None:
       home, key = own["params"], name
-    else:  # a quantized matrix's values or scales, or an adapter's field
+    else:  # a quantized matrix's leaf, or an adapter's field
       home, key = own["LoRAParam" if name == "lora" else "QuantizedWeight"][name], part
     home[key] = _reboxed(home[key], value)
   placement = own["ExpertPlacement"]["placement"]
@@ -167,7 +167,7 @@ def _host_value_like(leaf, value: np.ndarray):
 
 
 def _matrix(variables: dict, config: MoEConfig) -> BlockScaled:
-  """A quantized expert matrix from its `QuantizedWeight` values and scales."""
-  return BlockScaled(
-    _unboxed(variables["values"]), _unboxed(variables["scales"]), config.quant_block
+  """A quantized expert matrix from its `QuantizedWeight` leaves."""
+  return BlockScaled.from_parts(
+    {part: _unboxed(leaf) for part, leaf in variables.items()}, config.quant_block
   )

@@ -146,7 +146,7 @@ def compute_weights(
 
 def expert_arrays(params: MoEParams) -> list[tuple[str, str | None, jax.Array]]:
   """The per-expert parameters' arrays as (name, part, array): part None for a float weight,
-  "values" and "scales" for a `BlockScaled` one, the field ("gate_up_a", ...) for the
+  each of `BlockScaled.parts()` for a quantized one, the field ("gate_up_a", ...) for the
   adapters. Where moved weights are written back (`MoELayer.rebalance`,
   `moejax.linen.rebalance`), each array goes to its own variable.
 
@@ -159,7 +159,7 @@ def expert_arrays(params: MoEParams) -> list[tuple[str, str | None, jax.Array]]:
   for name in EXPERT_PARAMS:
     value = getattr(params, name)
     if is_block_scaled(value):
-      arrays += [(name, "values", value.values), (name, "scales", value.scales)]
+      arrays += [(name, part, leaf) for part, leaf in value.parts().items()]
     elif value is not None:
       arrays.append((name, None, value))
   if params.lora is not None:
@@ -239,9 +239,17 @@ def _check_format(name: str, value, config: MoEConfig) -> None:
     "values dtype": (jax.numpy.result_type(value.values), form.values),
     "block": (value.block, config.quant_block),
     "scales shape": (tuple(value.scales.shape), value.expected_scales_shape()),
+    "global_scale (dtype, shape)": (
+      _dtype_and_shape(value.global_scale),
+      ("float32", value.expected_global_shape()) if form.global_scale else None,
+    ),
   }
   for what, (got, want) in found.items():
     if got != want:
       raise ValueError(
         f"params.{name} has {what} {got}, expected {want} for expert_quant={config.expert_quant!r}"
       )
+
+
+def _dtype_and_shape(a) -> tuple[str, tuple[int, ...]] | None:
+  return None if a is None else (str(jax.numpy.result_type(a)), tuple(a.shape))

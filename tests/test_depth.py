@@ -209,10 +209,11 @@ class LinenStep(nn.Module):
 
 
 def test_a_quantized_linen_stack_rebalances_each_layer_by_its_own_load(request):
-  """`linen.rebalance` on an `nn.scan` stack of MXFP4 layers with redundant experts: each
-  layer placed by its own counted load, its values and scales moved, the output kept."""
+  """`linen.rebalance` on an `nn.scan` stack of NVFP4 layers with redundant experts: each
+  layer placed by its own counted load, its values, scales and global scales moved, the
+  output kept."""
   config = dataclasses.replace(
-    CONFIG, hidden_size=32, chunk_size=8, num_redundant_experts=4, expert_quant="mxfp4"
+    CONFIG, hidden_size=32, chunk_size=8, num_redundant_experts=4, expert_quant="nvfp4"
   )
   stack = nn.scan(LinenStep, variable_axes={True: 0}, split_rngs={"params": True}, length=LAYERS)(
     config, name="layers"
@@ -230,7 +231,7 @@ def test_a_quantized_linen_stack_rebalances_each_layer_by_its_own_load(request):
   expected = eplb.rebalance(logical_load(load, old), num_physical=12, num_devices=1)
   chex.assert_trees_all_equal(new, expected)
   assert not np.array_equal(new.physical_to_logical, old.physical_to_logical)
-  for part in ("values", "scales"):
+  for part in ("values", "scales", "global_scale"):
     before = np.asarray(own(variables, "QuantizedWeight")["w_down"][part])
     after = np.asarray(own(moved, "QuantizedWeight")["w_down"][part])
     _moved_as_placed(before, after, old, expected)

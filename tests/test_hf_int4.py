@@ -89,17 +89,21 @@ def kimi_checkpoint(path, seed: int, nested: bool = False):
 
 
 def save_raw_or_numpy(tensors: dict, path) -> None:
-  """NumPy's writer for what it takes, the raw writer for the bfloat16 scales, one file."""
-  raw = {k: v for k, v in tensors.items() if v.dtype == ml_dtypes.bfloat16}
-  if not raw:
-    save_file(tensors, str(path / "model.safetensors"))
-    return
+  """NumPy's writer for what it takes, the raw writer for the dtypes it lacks (bfloat16,
+  float8_e4m3fn), one file."""
   header_dtypes = {
     np.dtype(np.float32): "F32",
     np.dtype(np.int32): "I32",
     np.dtype(np.int64): "I64",
+    np.dtype(np.uint8): "U8",
+    np.dtype(ml_dtypes.bfloat16): "BF16",
+    np.dtype(ml_dtypes.float8_e4m3fn): "F8_E4M3",
   }
-  by_dtype = {k: header_dtypes.get(v.dtype, "BF16") for k, v in tensors.items()}
+  raw = {k for k, v in tensors.items() if v.dtype in (ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn)}
+  if not raw:
+    save_file(tensors, str(path / "model.safetensors"))
+    return
+  by_dtype = {k: header_dtypes[v.dtype] for k, v in tensors.items()}
   save_raw(tensors, path / "model.safetensors", by_dtype)
 
 
@@ -153,7 +157,7 @@ def test_ue8m0_fp8_scales_are_checked(tmp_path, request):
 @pytest.mark.parametrize(
   "change, match",
   [
-    (dict(format="nvfp4-pack-quantized"), r"format='nvfp4-pack-quantized'"),
+    (dict(format="float-quantized"), r"format='float-quantized'"),
     (dict(num_bits=8), r"weights\.num_bits=8, expected 4"),
     (dict(symmetric=False), r"weights\.symmetric=False.*zero points"),
     (dict(actorder="group"), r"actorder='group' \(a per-input g_idx\)"),

@@ -195,9 +195,10 @@ def _ops_producing(hlo: str, shape: str) -> collections.Counter:
   return found
 
 
-@pytest.mark.parametrize("expert_quant", [None, "fp8_block"], ids=["float", "fp8_block"])
+@pytest.mark.parametrize("expert_quant", [None, "nvfp4"], ids=["float", "nvfp4"])
 def test_merge_computes_what_the_adapters_do(expert_quant, request):
-  """The merged layer (no adapters, float weights) gives the adapted layer's output."""
+  """The merged layer (no adapters, float weights) gives the adapted layer's output (over
+  float experts, and over NVFP4 ones: adapters on a quantized base)."""
   seed = seed_of(request.node.name)
   config = dataclasses.replace(BASE, quant_block_size=(32, 32))
   params = with_adapters(config, jax.random.key(seed))

@@ -35,10 +35,12 @@ BASE = dict(num_experts=8, top_k=2, hidden_size=64, intermediate_size=64, chunk_
 FP8 = dict(expert_quant="fp8_block", quant_block_size=(32, 32))
 MXFP4 = dict(expert_quant="mxfp4")
 INT4 = dict(expert_quant="int4_group", quant_block_size=(32, 1))
+NVFP4 = dict(expert_quant="nvfp4")
 
 
-def numpy_quantize(w: np.ndarray, expert_quant: str, block) -> tuple[np.ndarray, np.ndarray]:
-  """The formats written out in NumPy float32 with ml_dtypes: (values, scales)."""
+def numpy_quantize(w: np.ndarray, expert_quant: str, block):
+  """The formats written out in NumPy float32 with ml_dtypes: (values, scales, global scale
+  or None)."""
   w = np.asarray(w, np.float32)
   *lead, rows, cols = w.shape
   bi, bo = block
@@ -46,7 +48,14 @@ def numpy_quantize(w: np.ndarray, expert_quant: str, block) -> tuple[np.ndarray,
   padded[..., :rows, :cols] = w
   blocks = padded.reshape(*lead, padded.shape[-2] // bi, bi, padded.shape[-1] // bo, bo)
   amax = np.abs(blocks).max(axis=(-3, -1))  # [..., in/bi, out/bo]
-  if expert_quant == "fp8_block":
+  inverse = None
+  if expert_quant == "nvfp4":  # compressed-tensors' tensor_group rule: g = 448 * 6 / amax,
+    # rounded as torch computes a number over a tensor (through the tensor's reciprocal)
+    inverse = (np.float32(1) / amax.max(axis=(-2, -1), keepdims=True)) * np.float32(2688)
+    scales = np.clip(inverse * (amax / np.float32(6)), -448, 448).astype(ml_dtypes.float8_e4m3fn)
+    scales = np.where(scales > 0, scales.astype(np.float32), np.float32(1))
+    dtypes = (ml_dtypes.float4_e2m1fn, ml_dtypes.float8_e4m3fn)
+  elif expert_quant == "fp8_block":
     scales = np.where(amax > 0, amax / np.float32(448), np.float32(1)).astype(np.float32)
     dtypes = (ml_dtypes.float8_e4m3fn, np.float32)
   elif expert_quant == "int4_group":  # compressed-tensors' symmetric rule, bf16 scales
@@ -58,21 +67,25 @@ def numpy_quantize(w: np.ndarray, expert_quant: str, block) -> tuple[np.ndarray,
     scales = np.where(amax > 0, np.exp2(exponent), 1).astype(np.float32)
     dtypes = (ml_dtypes.float4_e2m1fn, ml_dtypes.float8_e8m0fnu)
   full = np.repeat(np.repeat(scales, bi, axis=-2), bo, axis=-1)[..., :rows, :cols]
-  values = w / full
-  if expert_quant == "mxfp4":
+  values = w / (full if inverse is None else full / inverse)
+  if expert_quant in ("mxfp4", "nvfp4"):
     values = np.clip(values, -6, 6)
   if expert_quant == "int4_group":
     values = np.clip(np.round(values), -8, 7)  # half to even, as torch.round
-  return values.astype(dtypes[0]), scales.astype(dtypes[1])
+  global_scale = None if inverse is None else np.broadcast_to(1 / inverse, (*lead, 1, cols))
+  return values.astype(dtypes[0]), scales.astype(dtypes[1]), global_scale
 
 
 def numpy_dequantize(w: BlockScaled) -> np.ndarray:
-  """values * scales broadcast over blocks, in NumPy float64 (ml_dtypes casts)."""
+  """values * (scales * global scale) broadcast over blocks, in NumPy (ml_dtypes casts):
+  the scales' product in float32 as the format defines it, the rest in float64."""
   values = np.asarray(w.values).astype(np.float64)
-  scales = np.asarray(w.scales).astype(np.float64)
+  scales = np.asarray(w.scales).astype(np.float32)
   *_, rows, cols = values.shape
-  full = np.repeat(np.repeat(scales, w.block[0], axis=-2), w.block[1], axis=-1)
-  return values * full[..., :rows, :cols]
+  full = np.repeat(np.repeat(scales, w.block[0], axis=-2), w.block[1], axis=-1)[..., :rows, :cols]
+  if w.global_scale is not None:
+    full = full * np.asarray(w.global_scale, np.float32)
+  return values * full
 
 
 def as_bits(a) -> np.ndarray:
@@ -84,22 +97,34 @@ def as_bits(a) -> np.ndarray:
 
 @pytest.mark.parametrize(
   "expert_quant, block",
-  [("fp8_block", (32, 32)), ("fp8_block", (16, 48)), ("mxfp4", (32, 1)), ("int4_group", (32, 1))],
+  [
+    ("fp8_block", (32, 32)),
+    ("fp8_block", (16, 48)),
+    ("mxfp4", (32, 1)),
+    ("int4_group", (32, 1)),
+    ("nvfp4", (16, 1)),
+  ],
 )
 def test_quantize_matches_numpy_bit_for_bit(expert_quant, block, request):
   w = 3.0 * jax.random.normal(jax.random.key(seed_of(request.node.name)), (3, 64, 80))
   w = w.at[1, :32, :].set(0.0)  # a block of zeros: scale 1
   got = quant.quantize(w, expert_quant, block)
-  values, scales = numpy_quantize(np.asarray(w), expert_quant, block)
+  values, scales, global_scale = numpy_quantize(np.asarray(w), expert_quant, block)
   assert got.block == block
   chex.assert_trees_all_equal(as_bits(got.values), as_bits(values))
   chex.assert_trees_all_equal(as_bits(got.scales), as_bits(scales))
+  chex.assert_trees_all_equal(
+    None if got.global_scale is None else as_bits(got.global_scale),
+    None if global_scale is None else as_bits(global_scale),
+  )
   chex.assert_trees_all_close(
     np.asarray(got.dequantize()), numpy_dequantize(got).astype(np.float32), rtol=0, atol=0
   )
 
 
-@pytest.mark.parametrize("expert_quant, block", [("fp8_block", (32, 32)), ("mxfp4", (32, 1))])
+@pytest.mark.parametrize(
+  "expert_quant, block", [("fp8_block", (32, 32)), ("mxfp4", (32, 1)), ("nvfp4", (16, 1))]
+)
 def test_padding_and_column_halves_keep_the_weight(expert_quant, block, request):
   """`BlockScaled.pad` appends zeros (any scale covers them) and `split_columns` /
   `concatenate_columns` cut and rejoin whole scale blocks: dequantized, each equals the
@@ -182,6 +207,7 @@ class TestLayer:
       ({**MXFP4, "expert_fsdp": True}, (2, 4), "all_gather"),
       (MXFP4, (1, 8), "all_to_all"),
       ({**INT4, "num_shared_experts": 1, "shared_intermediate_size": 32}, (2, 4), "all_to_all"),
+      ({**NVFP4, "num_shared_experts": 1, "shared_intermediate_size": 32}, (1, 8), "all_gather"),
     ],
     ids=[
       "fp8-no mesh",
@@ -189,6 +215,7 @@ class TestLayer:
       "mxfp4-2x4-all_gather-fsdp",
       "mxfp4-1x8-all_to_all",
       "int4-2x4-all_to_all-shared",
+      "nvfp4-1x8-all_gather-shared",
     ],
   )
   def test_matches_the_dequantized_reference(self, expert_quant, mesh_shape, dispatch, request):
@@ -223,8 +250,9 @@ class TestLayer:
       (FP8, (2, 4), jnp.bfloat16),
       (MXFP4, None, jnp.bfloat16),
       ({**INT4, "quant_block_size": (64, 1)}, None, jnp.bfloat16),
+      (NVFP4, (2, 4), jnp.float32),
     ],
-    ids=["fp8_block", "mxfp4", "fp8_block-bf16", "mxfp4-bf16", "int4_group-64-bf16"],
+    ids=["fp8_block", "mxfp4", "fp8_block-bf16", "mxfp4-bf16", "int4_group-64-bf16", "nvfp4"],
   )
   def test_pallas_kernels_dequantize_tile_by_tile(self, expert_quant, mesh_shape, dtype, request):
     """expert_backend="pallas" runs the kernel that takes the format (Triton, interpreted
@@ -245,14 +273,15 @@ def test_compiled_temporaries_hold_no_dequantized_copy():
   """E=32 experts of D=F=256: the compiled layer's temporary memory with quantized experts
   stays well under the dequantized weights' size, and the parameters shrink as the formats
   promise at their bit widths (fp8 ~0.5x of bf16, mxfp4 ~0.27x, int4 with bf16 scales per 32
-  ~0.28x; XLA:CPU stores a 4-bit value in a byte)."""
+  and nvfp4 with e4m3 scales per 16 ~0.28x; XLA:CPU stores a 4-bit value in a byte)."""
   config = MoEConfig(num_experts=32, top_k=2, hidden_size=256, intermediate_size=256)
   params = random_params(config, jax.random.key(0))
   x = jnp.zeros((64, 256), jnp.float32)
   bits = lambda leaf: leaf.size * jax.dtypes.itemsize_bits(leaf.dtype)
   nbytes = lambda tree: sum(bits(leaf) for leaf in jax.tree.leaves(tree)) // 8
   experts_bf16 = nbytes((params.w_gate_up, params.w_down)) // 2
-  for expert_quant, ratio in (("fp8_block", 0.5), ("mxfp4", 0.27), ("int4_group", 0.28)):
+  formats = (("fp8_block", 0.5), ("mxfp4", 0.27), ("int4_group", 0.28), ("nvfp4", 0.28))
+  for expert_quant, ratio in formats:
     quantizable = dataclasses.replace(config, quant_block_size=(32, 1))
     if expert_quant == "fp8_block":
       quantizable = config
@@ -288,6 +317,10 @@ class TestBadInput:
     with pytest.raises(ValueError, match="hidden_size=48 must be a multiple of 32"):
       MoEConfig(**{**BASE, "hidden_size": 48}, expert_quant="mxfp4")
 
+  def test_nvfp4_with_fsdp_is_not_supported_yet(self):
+    with pytest.raises(NotImplementedError, match="expert_fsdp=True with expert_quant='nvfp4'"):
+      MoEConfig(**BASE, expert_quant="nvfp4", expert_fsdp=True)
+
   def test_unknown_format(self):
     with pytest.raises(ValueError, match="expert_quant must be one of"):
       MoEConfig(**BASE, expert_quant="int4")
@@ -310,8 +343,12 @@ class TestBadInput:
       (lambda w: BlockScaled(w.values, w.scales.astype(jnp.float32), w.block), "scales dtype"),
       (lambda w: BlockScaled(w.values.astype(jnp.float8_e4m3fn), w.scales, w.block), "values"),
       (lambda w: BlockScaled(w.values, w.scales, (16, 1)), "block"),
+      (
+        lambda w: BlockScaled(w.values, w.scales, w.block, jnp.ones((8, 1, w.shape[-1]))),
+        r"global_scale \(dtype, shape\) \('float32', \(8, 1, 128\)\), expected None",
+      ),
     ],
-    ids=["scale shape", "scale dtype", "value dtype", "block"],
+    ids=["scale shape", "scale dtype", "value dtype", "block", "global scale"],
   )
   def test_a_blockscaled_that_disagrees_with_the_config(self, change, match):
     params, config = self.quantized()

@@ -84,17 +84,33 @@ def random_block_scaled(key, shape, rhs_format: str, block) -> tuple[BlockScaled
     values = jax.random.randint(k1, shape, -8, 8).astype(jnp.int4)
     scales = jax.random.uniform(k2, scales_shape, minval=0.5, maxval=2.0) / (4 * rows**0.5)
     scales = scales.astype(jnp.bfloat16)
+  elif rhs_format == "nvfp4":  # e4m3 scales of every mantissa, a global scale per column
+    values = (jax.random.normal(k1, shape) * 2).astype(jnp.float4_e2m1fn)
+    scales = jax.random.uniform(k2, scales_shape, minval=16.0, maxval=448.0)
+    scales = scales.astype(jnp.float8_e4m3fn)
+    global_scale = jax.random.uniform(k1, (groups, 1, cols), minval=0.5, maxval=2.0)
+    global_scale = global_scale / (1000 * rows**0.5)
   else:
     values = (jax.random.normal(k1, shape) * 2).astype(jnp.float4_e2m1fn)
     exponents = jax.random.randint(k2, scales_shape, -2, 0) - int(np.log2(rows)) // 2
     scales = jnp.exp2(exponents.astype(jnp.float32)).astype(jnp.float8_e8m0fnu)
   np_scales = np.asarray(scales).astype(np.float32)
   np_scales = np_scales.repeat(block[0], axis=1).repeat(block[1], axis=2)[:, :rows, :cols]
-  return BlockScaled(values, scales, block), np.asarray(values).astype(np.float32) * np_scales
+  if rhs_format != "nvfp4":
+    global_scale = None
+  else:
+    np_scales = np_scales * np.asarray(global_scale)
+  weights = BlockScaled(values, scales, block, global_scale)
+  return weights, np.asarray(values).astype(np.float32) * np_scales
 
 
 # int4_group in groups of 64: the kernels take it in 32-row scale blocks (`kernel_form`).
-QUANTIZED = [("fp8_block", (64, 32)), ("mxfp4", (32, 1)), ("int4_group", (64, 1))]
+QUANTIZED = [
+  ("fp8_block", (64, 32)),
+  ("mxfp4", (32, 1)),
+  ("int4_group", (64, 1)),
+  ("nvfp4", (16, 1)),
+]
 
 
 class GroupedMatmulTestBase:

@@ -110,13 +110,13 @@ def test_triton_kernels_lower_for_cuda():
           a,
           b,
           s,
-          blocks=BACKENDS["triton"].fit_blocks(blocks, b),
+          blocks=BACKENDS["triton"].fit_blocks(blocks, b, t),
           transpose_rhs=t,
           activation=None if t else "silu",
         ),
         (lhs, block_scaled_spec(shape, rhs_format), sizes),
       )
-      for rhs_format in ("fp8_block", "mxfp4", "int4_group")
+      for rhs_format in ("fp8_block", "mxfp4", "int4_group", "nvfp4")
       for transpose, shape in ((False, (4, 128, 256)), (True, (4, 256, 128)))
     ],
   ]:
@@ -132,18 +132,19 @@ def block_scaled_spec(shape: tuple[int, ...], rhs_format: str) -> BlockScaled:
   block = form.block or ((128, 1) if rhs_format == "int4_group" else (128, 128))
   scales = (shape[0], -(-shape[1] // block[0]), -(-shape[2] // block[1]))
   spec = jax.ShapeDtypeStruct
-  return BlockScaled(spec(shape, form.values), spec(scales, form.scales), block)
+  global_scale = spec((shape[0], 1, shape[2]), jnp.float32) if form.global_scale else None
+  return BlockScaled(spec(shape, form.values), spec(scales, form.scales), block, global_scale)
 
 
 def test_mosaic_kernels_lower_for_cuda():
   """The forward kernel (plain, gated, reading rhs transposed in shared memory; bf16,
-  fp8_block, mxfp4 and int4_group weights) and tgmm."""
+  fp8_block, mxfp4, int4_group and nvfp4 weights) and tgmm."""
   lhs = jax.ShapeDtypeStruct((512, 256), jnp.bfloat16)
   sizes = jax.ShapeDtypeStruct((8,), jnp.int32)
   blocks = MosaicBlocks()
   for (activation, transpose, rhs_shape), rhs_format in itertools.product(
     [(None, False, (8, 256, 512)), ("silu", False, (8, 256, 1024)), (None, True, (8, 512, 256))],
-    [None, "fp8_block", "mxfp4", "int4_group"],
+    [None, "fp8_block", "mxfp4", "int4_group", "nvfp4"],
   ):
     rhs = jax.ShapeDtypeStruct(rhs_shape, jnp.bfloat16)
     if rhs_format:
@@ -277,7 +278,8 @@ def test_qwix_qarray_rhs_is_taken_as_its_block_scaled(qtype, tiles):
 
 def test_kernel_decode_matches_ml_dtypes_for_every_code():
   """The kernels' bit decode gives exactly ml_dtypes' value for each of the 256 float8_e4m3fn
-  codes (NaN included) and, in both nibbles of a byte, each of the 16 float4_e2m1fn codes."""
+  codes (NaN included) and, in both nibbles of a byte, each of the 16 float4_e2m1fn codes
+  (mxfp4's and nvfp4's)."""
   codes = np.arange(256, dtype=np.uint8)
   fp8 = np.asarray(decode(jnp.asarray(codes), "fp8_block"))
   want = codes.view(ml_dtypes.float8_e4m3fn).astype(np.float32)
@@ -286,8 +288,9 @@ def test_kernel_decode_matches_ml_dtypes_for_every_code():
   pairs = jax.lax.bitcast_convert_type(
     jnp.asarray(codes, jnp.uint8), jnp.float4_e2m1fn
   )  # [256, 2]: (low nibble, high nibble) of each byte
-  even, odd = (np.asarray(v) for v in decode(jnp.asarray(codes), "mxfp4"))
-  for got, nibble in ((even, 0), (odd, 1)):
-    want = np.asarray(pairs[:, nibble]).astype(np.float32)
-    np.testing.assert_array_equal(got, want)
-    assert np.array_equal(np.signbit(got), np.signbit(want))
+  for rhs_format in ("mxfp4", "nvfp4"):
+    even, odd = (np.asarray(v) for v in decode(jnp.asarray(codes), rhs_format))
+    for got, nibble in ((even, 0), (odd, 1)):
+      want = np.asarray(pairs[:, nibble]).astype(np.float32)
+      np.testing.assert_array_equal(got, want)
+      assert np.array_equal(np.signbit(got), np.signbit(want))
