@@ -13,9 +13,9 @@
   compressed-tensors quantizes symmetric INT4 (its range 15 over 2).
 - "nvfp4": float4_e2m1fn values, one float8_e4m3fn scale per 16 inputs (blocks (16, 1)) and
   a float32 global scale per matrix, in compressed-tensors' arithmetic: g = 448 * 6 / the
-  matrix's largest magnitude (as (1 / amax) * 2688), scale = g * (the block's amax / 6) rounded to e4m3, values =
-  w / (scale / g) clamped to ±6 and rounded to e2m1; the global scale stored is 1 / g (a
-  multiplier, as ModelOpt's `weight_scale_2`), once per column of the matrix.
+  matrix's largest magnitude (as (1 / amax) * 2688), scale = g * (the block's amax / 6)
+  rounded to e4m3, values = w / (scale / g) clamped to ±6 and rounded to e2m1; the global
+  scale stored is 1 / g (a multiplier, as ModelOpt's `weight_scale_2`), once per column.
 
 Each format is a rule in `_RULES`: (the blocks, their largest magnitudes) -> (scales, values,
 global scale or None).
