@@ -85,7 +85,7 @@ def kernel_rhs(w: BlockScaled) -> KernelRhs:
   bits = jax.lax.bitcast_convert_type(values, jnp.uint8)
   scales = w.scales.astype(jnp.float32)
   if w.global_scale is not None:
-    scales = scales * w.global_scale
+    scales = scales * w.global_scale[..., None, :]
   if name in PAIRED:
     scales = jnp.swapaxes(scales.reshape(*scales.shape[:-1], -1, 2), -1, -2)
   return KernelRhs(bits, scales, name, w.block)

@@ -31,9 +31,10 @@ class BlockScaled:
     scales: one multiplier per block (float32, float8_e8m0fnu, ...), as DeepSeek's
       `weight_scale_inv` is used: dequantized = values * scale.
     block: (bi, bo) static block shape over the last two axes.
-    global_scale: None, or float32 [..., 1, out]: a second multiplier per column (NVFP4's
+    global_scale: None, or float32 [..., out]: a second multiplier per column (NVFP4's
       per-matrix scale, ModelOpt's `weight_scale_2`; kept per column so that a fused
-      [gate | up] matrix keeps each half's own): dequantized = values * (scales * global).
+      [gate | up] matrix keeps each half's own, and with the other leaves' rank less one,
+      so that its dim 1 splits as theirs does): dequantized = values * (scales * global).
 
   >>> w = BlockScaled(jnp.ones((2, 4, 6), jnp.float8_e4m3fn), jnp.full((2, 2, 1), 0.5), (2, 6))
   >>> w.shape, w[1].shape, float(w.dequantize()[1, 3, 5])
@@ -91,8 +92,8 @@ class BlockScaled:
     return (*lead, math.ceil(rows / self.block[0]), math.ceil(cols / self.block[1]))
 
   def expected_global_shape(self) -> tuple[int, ...]:
-    """[..., 1, out]: the shape of a `global_scale`."""
-    return (*self.shape[:-2], 1, self.shape[-1])
+    """[..., out]: the shape of a `global_scale`."""
+    return (*self.shape[:-2], self.shape[-1])
 
   def pad(self, axis: int, size: int) -> BlockScaled:
     """Zero values appended along `axis` (-2 or -1, or its positive index) up to `size`; the
@@ -103,7 +104,7 @@ class BlockScaled:
     scales = _pad_axis(self.scales, axis, -(-size // block), 1)
     global_scale = self.global_scale
     if global_scale is not None and axis == self.ndim - 1:
-      global_scale = _pad_axis(global_scale, axis, size, 1)
+      global_scale = _pad_axis(global_scale, axis - 1, size, 1)
     return BlockScaled(values, scales, self.block, global_scale)
 
   def split_columns(self, parts: int) -> list[BlockScaled]:
@@ -131,7 +132,7 @@ class BlockScaled:
     scales = jnp.repeat(jnp.repeat(scales, self.block[0], axis=-2), self.block[1], axis=-1)
     scales = scales[..., :rows, :cols]
     if self.global_scale is not None:
-      scales = scales * jnp.asarray(self.global_scale, jnp.float32)
+      scales = scales * jnp.asarray(self.global_scale, jnp.float32)[..., None, :]
     return (jnp.asarray(self.values).astype(jnp.float32) * scales).astype(dtype)
 
 

@@ -303,11 +303,6 @@ class MoEConfig:
             f"{name}={getattr(self, name)} must be a multiple of the group size {group} with "
             "expert_quant='int4_group' (one scale per group along each matrix's input axis)"
           )
-    if FORMATS[self.expert_quant].global_scale and self.expert_fsdp:
-      raise NotImplementedError(
-        f"expert_fsdp=True with expert_quant={self.expert_quant!r} is not supported yet: its "
-        "global scales [E, 1, out] have no dim 1 to split over the data axis"
-      )
     fixed = FORMATS[self.expert_quant].block
     if fixed is not None:  # mxfp4, nvfp4
       for name in ("hidden_size", "intermediate_size"):

@@ -77,7 +77,7 @@ def unpack_fp4(packed: np.ndarray) -> np.ndarray:
 
 def read_nvfp4(files, layer: str, shape: tuple[int, int], names: Nvfp4Names) -> BlockScaled:
   """The NVFP4 weight [out, in] `shape` of the linear layer at `layer` as a `BlockScaled`
-  [in, out]: values, scales [in/16, out] and global scale [1, out] as stored (its matrix
+  [in, out]: values, scales [in/16, out] and global scale [out] as stored (its matrix
   scale as a multiplier)."""
   rows, cols = shape
   packed = np.asarray(files.get_raw(f"{layer}.{names.codes}", (rows, cols // 2)))
@@ -96,7 +96,7 @@ def read_nvfp4(files, layer: str, shape: tuple[int, int], names: Nvfp4Names) -> 
   multiplier = matrix_scale.reshape(())
   if names.reciprocal:
     multiplier = np.float32(1) / multiplier
-  global_scale = np.full((1, rows), multiplier, np.float32)
+  global_scale = np.full((rows,), multiplier, np.float32)
   return BlockScaled(unpack_fp4(packed).T, scales.T, (GROUP, 1), global_scale)
 
 

@@ -59,13 +59,14 @@ class QuantizedWeight(nnx.Variable):
 
 class QuantizedMatrix(nnx.Module):
   """A `BlockScaled` expert matrix as one `QuantizedWeight` variable per leaf (`values`,
-  `scales`, NVFP4's `global_scale`), each with the expert axis's sharding metadata (so
-  `nnx.get_partition_spec`, `shard_model` and orbax see plain arrays). `get_value()` gives
-  the `BlockScaled`, as `nnx.Param.get_value()` gives an array."""
+  `scales`, NVFP4's `global_scale`), each with the expert axis's sharding metadata (`names`
+  cut to its rank, so `nnx.get_partition_spec`, `shard_model` and orbax see plain arrays).
+  `get_value()` gives the `BlockScaled`, as `nnx.Param.get_value()` gives an array."""
 
   def __init__(self, weight: BlockScaled, names: tuple[str | None, ...], on_mesh: dict):
     for part, leaf in weight.parts().items():
-      setattr(self, part, QuantizedWeight(leaf, out_sharding=names, **on_mesh))
+      leaf_names = names[: leaf.ndim]
+      setattr(self, part, QuantizedWeight(leaf, out_sharding=leaf_names, **on_mesh))
     self.part_names = tuple(weight.parts())
     self.block = weight.block
 

@@ -73,7 +73,7 @@ def quantize(w: jax.Array, expert_quant: str, block: tuple[int, int]) -> BlockSc
   values = values.reshape(*blocks.shape[:-4], blocks.shape[-4] * block[0], -1)[..., :rows, :cols]
   scale = scale[..., 0, :, 0].astype(form.scales)
   if global_scale is not None:  # one per matrix, kept per column
-    global_scale = jnp.broadcast_to(global_scale.reshape(*lead, 1, 1), (*lead, 1, cols))
+    global_scale = jnp.broadcast_to(global_scale.reshape(*lead, 1), (*lead, cols))
   return BlockScaled(values.astype(form.values), scale, block, global_scale)
 
 

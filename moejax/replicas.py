@@ -197,17 +197,19 @@ def _gather(experts, source: np.ndarray, mesh: Mesh | None, config: MoEConfig):
   if sharding.is_explicit(mesh):
     gather = sharding.with_auto_axes(lambda _, leaves, index: take(leaves, index), mesh, specs)
     return jax.jit(gather)(experts, jnp.asarray(source))
-  out = {name: NamedSharding(mesh, spec) for name, spec in specs.items()}
+  out = jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs, is_leaf=_is_spec)
   return jax.jit(take, out_shardings=out)(experts, jnp.asarray(source))
 
 
 def _expert_specs(experts: dict[str, jax.Array], config: MoEConfig) -> dict:
-  """The layer's spec of each per-expert parameter (`sharding.LayerSpecs.expert_leaf`), one
-  for all its leaves (a `BlockScaled`'s or adapters' leaves share their rank)."""
+  """The layer's spec of each leaf of each per-expert parameter
+  (`sharding.LayerSpecs.expert_leaf`, written out to the leaf's rank)."""
   specs = sharding.LayerSpecs.from_config(config)
-  return {
-    name: specs.expert_leaf(jax.tree.leaves(value)[0].ndim) for name, value in experts.items()
-  }
+  return jax.tree.map(lambda leaf: specs.expert_leaf(np.ndim(leaf)), experts)
+
+
+def _is_spec(node) -> bool:
+  return isinstance(node, P)
 
 
 def _move(experts, plan: MovePlan, *, mesh: Mesh, config: MoEConfig):

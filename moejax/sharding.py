@@ -16,6 +16,7 @@ import jax
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from kernels_pallas.quantized import FORMATS
 from moejax import axis_groups, lora
 from moejax.axis_groups import spec_entry
 from moejax.config import MoEConfig
@@ -172,6 +173,10 @@ def _check_fsdp_split(config: MoEConfig, shards: int) -> None:
   shapes = {name: shape for name, shape in param_shapes(config).items() if name in EXPERT_PARAMS}
   if adapters is not None:
     shapes.update({f"lora.{field}": s for field, s in zip(adapters._fields, adapters, strict=True)})
+  if config.expert_quant and FORMATS[config.expert_quant].global_scale:  # NVFP4's [E, out]
+    for name in QUANTIZED_PARAMS:
+      experts, _, out = shapes[name]
+      shapes[f"{name}.global_scale"] = (experts, out)
   for name, shape in shapes.items():
     blocks = block_rows if name in QUANTIZED_PARAMS else 1  # matrices' scale blocks
     if shape[1] % (shards * blocks):

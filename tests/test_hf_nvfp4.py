@@ -196,5 +196,5 @@ def test_packing_dequantization_and_rounding_are_compressed_tensors_own(tmp_path
     scale.to(torch.float8_e4m3fn).view(torch.uint8).numpy(),
   )
   chex.assert_trees_all_equal(
-    np.asarray(q.global_scale), np.full((1, 48), np.float32(1) / g.numpy()[0], np.float32)
+    np.asarray(q.global_scale), np.full(48, np.float32(1) / g.numpy()[0], np.float32)
   )

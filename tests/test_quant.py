@@ -72,7 +72,7 @@ def numpy_quantize(w: np.ndarray, expert_quant: str, block):
     values = np.clip(values, -6, 6)
   if expert_quant == "int4_group":
     values = np.clip(np.round(values), -8, 7)  # half to even, as torch.round
-  global_scale = None if inverse is None else np.broadcast_to(1 / inverse, (*lead, 1, cols))
+  global_scale = None if inverse is None else np.broadcast_to(1 / inverse[..., 0], (*lead, cols))
   return values.astype(dtypes[0]), scales.astype(dtypes[1]), global_scale
 
 
@@ -84,7 +84,7 @@ def numpy_dequantize(w: BlockScaled) -> np.ndarray:
   *_, rows, cols = values.shape
   full = np.repeat(np.repeat(scales, w.block[0], axis=-2), w.block[1], axis=-1)[..., :rows, :cols]
   if w.global_scale is not None:
-    full = full * np.asarray(w.global_scale, np.float32)
+    full = full * np.asarray(w.global_scale, np.float32)[..., None, :]
   return values * full
 
 
@@ -207,7 +207,7 @@ class TestLayer:
       ({**MXFP4, "expert_fsdp": True}, (2, 4), "all_gather"),
       (MXFP4, (1, 8), "all_to_all"),
       ({**INT4, "num_shared_experts": 1, "shared_intermediate_size": 32}, (2, 4), "all_to_all"),
-      ({**NVFP4, "num_shared_experts": 1, "shared_intermediate_size": 32}, (1, 8), "all_gather"),
+      ({**NVFP4, "expert_fsdp": True}, (2, 4), "all_to_all"),
     ],
     ids=[
       "fp8-no mesh",
@@ -215,7 +215,7 @@ class TestLayer:
       "mxfp4-2x4-all_gather-fsdp",
       "mxfp4-1x8-all_to_all",
       "int4-2x4-all_to_all-shared",
-      "nvfp4-1x8-all_gather-shared",
+      "nvfp4-2x4-all_to_all-fsdp",
     ],
   )
   def test_matches_the_dequantized_reference(self, expert_quant, mesh_shape, dispatch, request):
@@ -317,10 +317,6 @@ class TestBadInput:
     with pytest.raises(ValueError, match="hidden_size=48 must be a multiple of 32"):
       MoEConfig(**{**BASE, "hidden_size": 48}, expert_quant="mxfp4")
 
-  def test_nvfp4_with_fsdp_is_not_supported_yet(self):
-    with pytest.raises(NotImplementedError, match="expert_fsdp=True with expert_quant='nvfp4'"):
-      MoEConfig(**BASE, expert_quant="nvfp4", expert_fsdp=True)
-
   def test_unknown_format(self):
     with pytest.raises(ValueError, match="expert_quant must be one of"):
       MoEConfig(**BASE, expert_quant="int4")
@@ -344,8 +340,8 @@ class TestBadInput:
       (lambda w: BlockScaled(w.values.astype(jnp.float8_e4m3fn), w.scales, w.block), "values"),
       (lambda w: BlockScaled(w.values, w.scales, (16, 1)), "block"),
       (
-        lambda w: BlockScaled(w.values, w.scales, w.block, jnp.ones((8, 1, w.shape[-1]))),
-        r"global_scale \(dtype, shape\) \('float32', \(8, 1, 128\)\), expected None",
+        lambda w: BlockScaled(w.values, w.scales, w.block, jnp.ones((8, w.shape[-1]))),
+        r"global_scale \(dtype, shape\) \('float32', \(8, 128\)\), expected None",
       ),
     ],
     ids=["scale shape", "scale dtype", "value dtype", "block", "global scale"],

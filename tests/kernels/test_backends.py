@@ -88,7 +88,7 @@ def random_block_scaled(key, shape, rhs_format: str, block) -> tuple[BlockScaled
     values = (jax.random.normal(k1, shape) * 2).astype(jnp.float4_e2m1fn)
     scales = jax.random.uniform(k2, scales_shape, minval=16.0, maxval=448.0)
     scales = scales.astype(jnp.float8_e4m3fn)
-    global_scale = jax.random.uniform(k1, (groups, 1, cols), minval=0.5, maxval=2.0)
+    global_scale = jax.random.uniform(k1, (groups, cols), minval=0.5, maxval=2.0)
     global_scale = global_scale / (1000 * rows**0.5)
   else:
     values = (jax.random.normal(k1, shape) * 2).astype(jnp.float4_e2m1fn)
@@ -99,7 +99,7 @@ def random_block_scaled(key, shape, rhs_format: str, block) -> tuple[BlockScaled
   if rhs_format != "nvfp4":
     global_scale = None
   else:
-    np_scales = np_scales * np.asarray(global_scale)
+    np_scales = np_scales * np.asarray(global_scale)[:, None, :]
   weights = BlockScaled(values, scales, block, global_scale)
   return weights, np.asarray(values).astype(np.float32) * np_scales
 

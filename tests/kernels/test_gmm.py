@@ -132,7 +132,7 @@ def block_scaled_spec(shape: tuple[int, ...], rhs_format: str) -> BlockScaled:
   block = form.block or ((128, 1) if rhs_format == "int4_group" else (128, 128))
   scales = (shape[0], -(-shape[1] // block[0]), -(-shape[2] // block[1]))
   spec = jax.ShapeDtypeStruct
-  global_scale = spec((shape[0], 1, shape[2]), jnp.float32) if form.global_scale else None
+  global_scale = spec((shape[0], shape[2]), jnp.float32) if form.global_scale else None
   return BlockScaled(spec(shape, form.values), spec(scales, form.scales), block, global_scale)
 
 
