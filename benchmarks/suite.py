@@ -15,7 +15,7 @@ Sections (each prints a table; all rows go to `results/bench.json`, the chunk sw
   decode      decode-size calls (T per device 1 ... 128, E=32, K=2, D=1024, F=2048) against two
               baselines that read only the used experts, and on the 2x4 mesh (both schemes)
   padding     100 / 50 / 10 / 0 % valid tokens, and one busy rank among idle ones
-  quant       fp8_block, mxfp4 and int4_group experts vs float32 ones (T=512 and 4096,
+  quant       fp8_block, mxfp4, int4_group and nvfp4 experts vs float32 ones (T=512 and 4096,
               one device): time ratio, expert-weight bytes at each format's bit width and
               the compiled temporaries (no dequantized copy of all experts)
   compiles    executables compiled across 20 token-count patterns (must be 1)
@@ -578,7 +578,7 @@ def quant_section(repeats: int) -> list[dict]:
   config = config_of(32, 2, 512)
   params = make_params(config)
   layers = {"float32": (params, config)}
-  for expert_quant in ("fp8_block", "mxfp4", "int4_group"):
+  for expert_quant in ("fp8_block", "mxfp4", "int4_group", "nvfp4"):
     blocked = dataclasses.replace(config, quant_block_size=(32, 1))  # int4: groups of 32
     layers[expert_quant] = quant.quantize_experts(
       params, config if expert_quant == "fp8_block" else blocked, expert_quant

@@ -145,9 +145,11 @@ def test_bench_suite_quant_section_reports_formats(tmp_path):
   run_script("-m", "moejax", "bench", "--sections", "quant", "--repeats", "1", out=tmp_path)
   rows = [r for r in json.loads((tmp_path / "bench.json").read_text()) if r["section"] == "quant"]
   weights = {r["experts"]: r["weight_mb"] for r in rows if r["T"] == 512}
-  assert set(weights) == {"float32", "fp8_block", "mxfp4", "int4_group"}
-  # int4_group: half a byte a value and a bfloat16 per 32 (4.5 bits of float32's 32)
+  assert set(weights) == {"float32", "fp8_block", "mxfp4", "int4_group", "nvfp4"}
+  # int4_group: half a byte a value and a bfloat16 per 32 (4.5 bits of float32's 32); nvfp4:
+  # half a byte and an e4m3 per 16 (4.5 bits), and a float32 per column of each matrix
   assert 0.140 <= weights["int4_group"] / weights["float32"] < 0.141
+  assert 0.140 <= weights["nvfp4"] / weights["float32"] < 0.15
   # fp8: a byte per value plus one f32 scale per block; mxfp4: half a byte plus 1/32 byte
   assert 0.25 <= weights["fp8_block"] / weights["float32"] < 0.26
   assert 0.125 <= weights["mxfp4"] / weights["float32"] < 0.14
