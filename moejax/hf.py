@@ -117,11 +117,14 @@ class _Layout(abc.ABC):
 
 
 def _read_fp8(files: SafetensorsFiles, weight: str, shape: tuple[int, ...], block):
-  """(values, scales) of an fp8 `weight` [..., out, in] as [..., in, out] and its blocks."""
+  """(values, scales) of an fp8 `weight` [..., out, in] as [..., in, out] and its blocks;
+  scales stored as e8m0 (`scale_fmt: "ue8m0"` checkpoints may) widen to float32 (exact)."""
   *lead, rows, cols = shape
   scales_shape = (*lead, -(-rows // block[1]), -(-cols // block[0]))
   values = np.asarray(files.get_raw(weight, shape))
   scales = np.asarray(files.get_raw(f"{weight}_scale_inv", scales_shape))
+  if scales.dtype == ml_dtypes.float8_e8m0fnu:
+    scales = scales.astype(np.float32)
   if values.dtype != ml_dtypes.float8_e4m3fn or scales.dtype != np.float32:
     raise ValueError(
       f"{weight}: expected float8_e4m3fn values with float32 scale_inv, got "

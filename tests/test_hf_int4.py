@@ -89,8 +89,8 @@ def kimi_checkpoint(path, seed: int, nested: bool = False):
 
 
 def save_raw_or_numpy(tensors: dict, path) -> None:
-  """NumPy's writer for what it takes, the raw writer for the dtypes it lacks (bfloat16,
-  float8_e4m3fn), one file."""
+  """NumPy's writer for what it takes, the raw writer for the dtypes it lacks (bfloat16, the
+  fp8s), one file."""
   header_dtypes = {
     np.dtype(np.float32): "F32",
     np.dtype(np.int32): "I32",
@@ -98,9 +98,9 @@ def save_raw_or_numpy(tensors: dict, path) -> None:
     np.dtype(np.uint8): "U8",
     np.dtype(ml_dtypes.bfloat16): "BF16",
     np.dtype(ml_dtypes.float8_e4m3fn): "F8_E4M3",
+    np.dtype(ml_dtypes.float8_e8m0fnu): "F8_E8M0",
   }
-  raw = {k for k, v in tensors.items() if v.dtype in (ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn)}
-  if not raw:
+  if all(v.dtype in (np.float32, np.int32, np.int64, np.uint8) for v in tensors.values()):
     save_file(tensors, str(path / "model.safetensors"))
     return
   by_dtype = {k: header_dtypes[v.dtype] for k, v in tensors.items()}
@@ -133,7 +133,8 @@ def test_int4_experts_load_as_stored_and_match_the_reference(nested, tmp_path, r
 
 
 def test_ue8m0_fp8_scales_are_checked(tmp_path, request):
-  """`scale_fmt: "ue8m0"` (DeepSeek-V3.1 and later): powers of two load; others raise."""
+  """`scale_fmt: "ue8m0"` (DeepSeek-V3.1 and later): powers of two load, stored as float32
+  or as e8m0; others raise."""
   hf_config, stored, _ = test_hf_quantized.TestDeepSeekFp8().checkpoint(
     tmp_path, seed_of(request.node.name)
   )
@@ -152,6 +153,12 @@ def test_ue8m0_fp8_scales_are_checked(tmp_path, request):
   )
   params = hf.load_layer(tmp_path, LAYER, config)
   assert np.all(np.frexp(np.asarray(params.w_down.scales))[0] == 0.5)
+  e8m0 = {
+    k: v.astype(ml_dtypes.float8_e8m0fnu) if k.endswith("_scale_inv") else v
+    for k, v in powers.items()
+  }
+  save_raw_or_numpy({f"model.layers.{LAYER}.mlp.{k}": v for k, v in e8m0.items()}, tmp_path)
+  chex.assert_trees_all_equal(hf.load_layer(tmp_path, LAYER, config), params)
 
 
 @pytest.mark.parametrize(
