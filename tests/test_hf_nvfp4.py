@@ -67,10 +67,10 @@ def nvfp4_linear(rng, rows: int, cols: int, names: Nvfp4Names) -> tuple[dict, np
   return stored, E2M1[codes] * effective
 
 
-def nvfp4_checkpoint(path, seed: int, names: Nvfp4Names, quantization: dict):
+def nvfp4_checkpoint(path, seed: int, names: Nvfp4Names, quantization: dict, drop: str = ""):
   """A DeepSeek-V3 MoE layer with its routed and shared experts in NVFP4 (as NVIDIA's
-  DeepSeek-R1-FP4), the router float; returns the config.json dict and the float32
-  weights the stored ones stand for, by key."""
+  DeepSeek-R1-FP4), the router float, without the tensor `drop` names; returns the
+  config.json dict and the float32 weights the stored ones stand for, by key."""
   rng = np.random.default_rng(seed)
   stored = {
     "gate.weight": 0.3 * rng.standard_normal((E, D)).astype(np.float32),
@@ -87,7 +87,8 @@ def nvfp4_checkpoint(path, seed: int, names: Nvfp4Names, quantization: dict):
   config = dict(model_type="deepseek_v3", quantization_config=quantization, **KIMI)
   (path / "config.json").write_text(json.dumps(config))
   prefix = f"model.layers.{LAYER}.mlp"
-  save_raw_or_numpy({f"{prefix}.{name}": v for name, v in stored.items()}, path)
+  kept = {f"{prefix}.{name}": v for name, v in stored.items() if name != drop}
+  save_raw_or_numpy(kept, path)
   return config, floats
 
 
@@ -143,6 +144,13 @@ def test_nvfp4_experts_load_as_stored_and_match_the_reference(
 def test_nvfp4_configs_moejax_cannot_read_name_the_field(quantization, match):
   with pytest.raises(ValueError, match=match):
     hf.config_from_hf(dict(model_type="deepseek_v3", quantization_config=quantization, **KIMI))
+
+
+def test_an_nvfp4_layer_without_its_matrix_scale_names_both_conventions(tmp_path):
+  nvfp4_checkpoint(tmp_path, 0, MODELOPT, MODELOPT_CONFIG, drop="experts.3.up_proj.weight_scale_2")
+  match = r"no NVFP4 matrix scale at model\.layers\.2\.mlp\.experts\.3\.up_proj .*'weight_scale_2'"
+  with pytest.raises(KeyError, match=match):
+    hf.load_layer(tmp_path, LAYER)
 
 
 @pytest.mark.skipif(
