@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import zlib
 from collections.abc import Iterator
 
@@ -218,3 +219,15 @@ def check_against_reference(
   chex.assert_tree_all_finite(got)
   chex.assert_trees_all_close(got, want, **tol)
   assert np.all(np.asarray(got[1], np.float32)[padding] == 0), "gradient leaked into padding"
+
+
+def user_env(*drop: str) -> dict[str, str]:
+  """The environment for a subprocess that runs as a user would: without the test run's
+  XLA_FLAGS (and the `drop`ped variables), but with its compilation cache, so that a program
+  one subprocess compiled the next reads back."""
+  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", *drop)}
+  return env | {
+    "JAX_COMPILATION_CACHE_DIR": jax.config.jax_compilation_cache_dir,
+    "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+    "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
+  }

@@ -2,7 +2,6 @@
 
 import itertools
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -10,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from kernels_pallas import compat
+from tests.helpers import user_env
 
 ROOT = Path(__file__).parent.parent
 
@@ -22,7 +22,7 @@ def run_python(*args: str) -> subprocess.CompletedProcess:
     text=True,
     timeout=600,
     cwd=ROOT,
-    env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"},
+    env=user_env(),
   )
 
 

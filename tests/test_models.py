@@ -2,7 +2,6 @@
 
 import dataclasses
 import json
-import os
 import subprocess
 import sys
 
@@ -22,7 +21,7 @@ from moejax.linen import moe_linen
 from moejax.models import ClusterTask, MoETransformer, TransformerConfig, shard_model
 from moejax.placement import initial_placement, logical_load
 from moejax.train import train_step
-from tests.helpers import assert_close, mesh_of, seed_of
+from tests.helpers import assert_close, mesh_of, seed_of, user_env
 
 MOE = MoEConfig(num_experts=8, top_k=2, hidden_size=32, intermediate_size=64, chunk_size=32)
 
@@ -82,7 +81,7 @@ def test_checkpoint_restores_onto_another_mesh(tmp_path, scan_layers, expert_fsd
 def test_train_command_checkpoints_and_resumes(tmp_path):
   """A scanned model, each block rematerialized saving the layer's checkpoint names, LoRA
   adapters trained alone over mxfp4 experts."""
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env = user_env()  # the resumed run reads the first one's compiled programs
   base = [sys.executable, "-m", "moejax", "train", "--checkpoint", str(tmp_path / "ck")]
   base += ["--scan-layers", "--remat", "names", "--lora-rank", "4", "--expert-quant", "mxfp4"]
   first = subprocess.run(
