@@ -67,7 +67,7 @@ def _parser() -> argparse.ArgumentParser:
   )
   train.add_argument(
     "--expert-quant",
-    choices=["fp8_block", "mxfp4"],
+    choices=["fp8_block", "mxfp4", "nvfp4"],
     default=None,
     help="quantized, frozen experts (e.g. under LoRA adapters); default float",
   )
