@@ -219,7 +219,9 @@ def from_qarray(q) -> BlockScaled:
 
   Symmetric, one scale tile per group: fp8 (float8_e4m3fn values, their scales widened to
   float32, any tile) becomes fp8_block; qwix's "mxfp4" (float4_e2m1fn values, power-of-two
-  scales per 32 inputs) becomes mxfp4 with its scales as float8_e8m0fnu (exact).
+  scales per 32 inputs) becomes mxfp4 with its scales as float8_e8m0fnu, its "nvfp4"
+  (e4m3-valued scales per 16 inputs, no matrix scale) nvfp4 with e4m3 scales and a global
+  scale of 1 (both exact).
 
   Raises:
     ValueError: an asymmetric QArray, scales shared across groups, or another format.
@@ -234,6 +236,9 @@ def from_qarray(q) -> BlockScaled:
   values, scales = q.qvalue, q.scale
   if q.qtype == "mxfp4" and block == FORMATS["mxfp4"].block:
     return BlockScaled(values, scales.astype(FORMATS["mxfp4"].scales), block)
+  if q.qtype == "nvfp4" and block == FORMATS["nvfp4"].block:
+    ones = jnp.ones((*values.shape[:-2], values.shape[-1]), jnp.float32)
+    return BlockScaled(values, scales.astype(FORMATS["nvfp4"].scales), block, ones)
   if jnp.dtype(values.dtype) == FORMATS["fp8_block"].values:
     return BlockScaled(values, scales.astype(jnp.float32), block)
   raise ValueError(

@@ -253,7 +253,9 @@ def test_block_scaled_bad_input():
       gmm(lhs, tiny_blocks, sizes, implementation=implementation, interpret=True)
 
 
-@pytest.mark.parametrize("qtype, tiles", [(jnp.float8_e4m3fn, {1: 32, 2: 32}), ("mxfp4", {1: 32})])
+@pytest.mark.parametrize(
+  "qtype, tiles", [(jnp.float8_e4m3fn, {1: 32, 2: 32}), ("mxfp4", {1: 32}), ("nvfp4", {1: 16})]
+)
 def test_qwix_qarray_rhs_is_taken_as_its_block_scaled(qtype, tiles):
   """A qwix QArray (as tokamax's ragged_dot takes) runs as the BlockScaled it holds: the
   same result as passing that BlockScaled, and as ragged_dot on qwix's own dequantization."""
