@@ -1,5 +1,5 @@
-"""Test set-up: 8 simulated CPU devices (set before JAX is imported), strict JAX checks and a
-compilation cache for the run."""
+"""Test set-up: 8 simulated CPU devices and quick compiles (set before JAX is imported),
+strict JAX checks and a compilation cache for the run."""
 
 import atexit
 import gc
@@ -7,8 +7,17 @@ import os
 import shutil
 import tempfile
 
-os.environ["XLA_FLAGS"] = (
-  os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+# The suite compiles thousands of small programs and runs each a few times: XLA:CPU's LLVM
+# optimizations cost more compile time than they save (a third of the suite's time), and
+# change no number (no fast-math at any level). Subprocesses that run as a user would
+# (`tests.helpers.user_env`) keep XLA's defaults; the notebooks add theirs to these.
+os.environ["XLA_FLAGS"] = " ".join(
+  [
+    os.environ.get("XLA_FLAGS", ""),
+    "--xla_force_host_platform_device_count=8",
+    "--xla_backend_optimization_level=0",
+    "--xla_llvm_disable_expensive_passes=true",
+  ]
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
