@@ -82,10 +82,11 @@ class MoEConfig:
     expert_axis: the mesh axis, or tuple of axes, over which experts (and tokens) are split;
       the exchange runs over all of them, S = the product of their sizes. Every axis of the
       layer's mesh must be in exactly one of the two groups.
-    expert_fsdp: store the routed experts' weights (biases, quantized values and scales)
-      split over the data group too, along each one's dim 1 (a matrix's input axis): each
-      device holds 1 / (S · data-group size) of them. A call gathers them over the data group
-      once, before its chunk loop, and their gradients leave by a reduce-scatter.
+    expert_fsdp: store the routed experts' weights (biases, quantized values and scales,
+      NVFP4's global scales) split over the data group too, along each one's dim 1 (a
+      matrix's input axis; a global scale's columns): each device holds 1 / (S · data-group
+      size) of them. A call gathers them over the data group once, before its chunk loop,
+      and their gradients leave by a reduce-scatter.
     expert_backend: "xla" (the better XLA path for the device: the tile loop, or
       ragged_dot for few local experts on a GPU), "pallas" (the fused `kernels_pallas`
       kernels of the device; in the interpreter on a CPU, for testing) or "auto" (a kernel
