@@ -169,8 +169,11 @@ class PerExpert(_Layout):
   up: str = "up_proj"
   down: str = "down_proj"
 
+  def _layer(self, e: int, name: str) -> str:
+    return f"experts.{e}.{name}"
+
   def _weight(self, e: int, name: str) -> str:
-    return f"experts.{e}.{name}.weight"
+    return f"{self._layer(e, name)}.weight"
 
   def present(self, files, key) -> bool:
     return key(self._weight(0, self.gate)) in files
@@ -186,16 +189,10 @@ class PerExpert(_Layout):
     }
 
   def fp8(self, files, key, e, d, f, block) -> dict:
-    read = lambda i, name, shape: _read_fp8(files, key(self._weight(i, name)), shape, block)
-    gate_up, down = [], []
-    for i in range(e):
-      (gate_v, gate_s), (up_v, up_s) = (read(i, n, (f, d)) for n in (self.gate, self.up))
-      gate_up.append((np.concatenate([gate_v, up_v], 1), np.concatenate([gate_s, up_s], 1)))
-      down.append(read(i, self.down, (d, f)))
-    stacked = lambda pairs: BlockScaled(
-      np.stack([v for v, _ in pairs]), np.stack([s for _, s in pairs]), block
+    read = lambda layer, shape: BlockScaled(
+      *_read_fp8(files, f"{layer}.weight", shape, block), block
     )
-    return {"w_gate_up": stacked(gate_up), "w_down": stacked(down)}
+    return self._quantized(read, key, e, d, f)
 
   def int4(self, files, key, e, d, f, group) -> dict:
     read = lambda layer, shape: _read_int4(files, f"{layer}.weight", shape, group)
@@ -217,18 +214,21 @@ class PerExpert(_Layout):
   def _quantized(self, read, key, e: int, d: int, f: int) -> dict:
     """`w_gate_up` and `w_down` of `BlockScaled` matrices `read(layer, [out, in])` gives,
     one per expert and projection ([in, out]; gate and up side by side)."""
-    layer = lambda i, name: key(self._weight(i, name).removesuffix(".weight"))
-    matrices = lambda name, shape: [read(layer(i, name), shape) for i in range(e)]
+    matrices = lambda name, shape: [read(key(self._layer(i, name)), shape) for i in range(e)]
     gate_up = [
-      BlockScaled.concatenate_columns([g, u])
+      _on_host(np.concatenate, g, u, axis=-1)
       for g, u in zip(matrices(self.gate, (f, d)), matrices(self.up, (f, d)), strict=True)
     ]
-    return {"w_gate_up": _stacked(gate_up), "w_down": _stacked(matrices(self.down, (d, f)))}
+    down = matrices(self.down, (d, f))
+    return {"w_gate_up": _on_host(np.stack, *gate_up), "w_down": _on_host(np.stack, *down)}
 
 
-def _stacked(matrices: list[BlockScaled]) -> BlockScaled:
-  """The experts' matrices stacked along a new leading axis, as NumPy arrays."""
-  return jax.tree.map(lambda *leaves: np.stack([np.asarray(leaf) for leaf in leaves]), *matrices)
+def _on_host(join, *matrices: BlockScaled, **kwargs) -> BlockScaled:
+  """`join` (np.concatenate, np.stack) of the matrices' leaves, leaf by leaf, in host memory
+  (a checkpoint's experts pass no device on their way)."""
+  return jax.tree.map(
+    lambda *leaves: join([np.asarray(leaf) for leaf in leaves], **kwargs), *matrices
+  )
 
 
 @dataclasses.dataclass(frozen=True)
