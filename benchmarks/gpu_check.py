@@ -107,6 +107,7 @@ def part_test_base(out: Path, smoke: bool, record: Recorder) -> None:
     "-m",
     "pytest",
     "tests/kernels/test_backends.py",
+    "--all",  # the slow tier's sweeps too
     "-q",
     "-p",
     "no:cacheprovider",

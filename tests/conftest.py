@@ -1,5 +1,11 @@
 """Test set-up: 8 simulated CPU devices and quick compiles (set before JAX is imported),
-strict JAX checks and a compilation cache for the run."""
+strict JAX checks, a compilation cache for the run, and the test tiers.
+
+Tiers: `python -m pytest` runs the fast tier, every behavior once on small shapes; tests
+marked `slow` (subprocess runs, transformers and PEFT comparisons, extra meshes, kernel
+sweeps) run with `--all` (or when a `-m` expression selects them). `-n auto` spreads either
+over the cores (pytest-xdist).
+"""
 
 import atexit
 import gc
@@ -29,11 +35,41 @@ jax.config.update("jax_enable_x64", False)
 
 # A compilation cache for this run only: the same programs recur across test classes (each
 # ends by clearing JAX's in-memory caches, below), and are then read back, not recompiled.
-_compilation_cache = tempfile.mkdtemp(prefix="moejax-tests-compilation-cache-")
-atexit.register(shutil.rmtree, _compilation_cache, ignore_errors=True)
-jax.config.update("jax_compilation_cache_dir", _compilation_cache)
+# pytest-xdist's workers inherit the environment of the process that made it, and share it;
+# that process removes it at exit.
+_CACHE_VARIABLE = "MOEJAX_TESTS_COMPILATION_CACHE"
+if _CACHE_VARIABLE not in os.environ:
+  os.environ[_CACHE_VARIABLE] = tempfile.mkdtemp(prefix="moejax-tests-compilation-cache-")
+  atexit.register(shutil.rmtree, os.environ[_CACHE_VARIABLE], ignore_errors=True)
+jax.config.update("jax_compilation_cache_dir", os.environ[_CACHE_VARIABLE])
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+# Workers of `pytest -n auto` (pytest-xdist): one per core, at most this many (each holds
+# about 3 GB at its peak).
+MAX_WORKERS = 4
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+  return max(1, min(os.cpu_count() or 1, MAX_WORKERS))
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+  parser.addoption(
+    "--all", action="store_true", help="run every tier: the fast one and the tests marked slow"
+  )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+  """Deselects the slow tier unless `--all` or a `-m` expression asks otherwise."""
+  if config.getoption("--all") or config.getoption("markexpr"):
+    return
+  slow = [item for item in items if item.get_closest_marker("slow")]
+  if slow:
+    config.hook.pytest_deselected(items=slow)
+    items[:] = [item for item in items if not item.get_closest_marker("slow")]
 
 
 @pytest.fixture(autouse=True, scope="class")

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
-import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -60,6 +61,11 @@ OPTIONS = {
   "qwen2_moe": dict(num_shared_experts=1, shared_intermediate_size=12, shared_expert_gate=True),
   "longcat": dict(num_zero_experts=3, use_routing_bias=True, top_k=3, routed_scaling_factor=1.5),
 }
+
+
+def slow(*values, **kwargs):
+  """A `pytest.param` in the slow tier (tests/conftest.py)."""
+  return pytest.param(*values, marks=pytest.mark.slow, **kwargs)
 
 
 def tolerance(dtype=jnp.float32) -> dict[str, float]:
@@ -170,6 +176,88 @@ def mesh_id(shape: tuple[int, int] | None) -> str:
   return "no mesh" if shape is None else f"{shape[0]}x{shape[1]}"
 
 
+Layer = Callable[[Any, jax.Array, jax.Array], jax.Array]  # (params, x [T, D], mask [T]) -> y
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def output(layer: Layer, params, x: jax.Array, mask: jax.Array) -> jax.Array:
+  """layer(params, x, mask), compiled."""
+  return layer(params, x, mask)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def output_and_gradients(layer: Layer, params, x: jax.Array, mask: jax.Array, probe: jax.Array):
+  """y = layer(params, x, mask) and the gradients (params, x) of sum(sin(y) * probe), from
+  one `jax.vjp` in one compiled program. A probe of random signs and sizes makes every
+  output's cotangent differ, so no gradient can pass by symmetry.
+
+  Args:
+    layer: (params, x, mask) -> y [T, D]; hashable (the jit cache keys on it).
+    params: a pytree of arrays (integer leaves get float0 cotangents).
+    x: [T, D] tokens.
+    mask: [T] bool.
+    probe: [T, D] float32.
+  """
+  y, pullback = jax.vjp(lambda p, x: layer(p, x, mask), params, x)
+  cotangent = jnp.cos(y.astype(jnp.float32)) * probe  # d sum(sin(y) * probe) / dy
+  return y, pullback(cotangent.astype(y.dtype))
+
+
+def check_layer(
+  ours: Layer,
+  theirs: Layer,
+  params,
+  x: jax.Array,
+  mask: jax.Array,
+  *,
+  seed: int,
+  dtype=jnp.float32,
+  reference_params=None,
+  gradients_of: Callable | None = None,
+  gradients: bool = True,
+) -> None:
+  """`ours` against `theirs` on NaN-poisoned padding: y (exactly 0 on padding) and, with
+  `gradients`, those of every parameter and of x (0 on padding), at `tolerance(dtype)`.
+
+  Args:
+    ours: the layer under test, (params, x, mask) -> y [T, D].
+    theirs: the reference, (reference_params, x, mask) -> y [T, D] float32.
+    params: ours' parameters (those it is differentiated by).
+    x: [T, D] tokens (float32 or the compute dtype).
+    mask: [T] bool.
+    seed: draws the probe of the gradients' loss, sum(sin(y) * probe).
+    dtype: the compute dtype, which sets the tolerance.
+    reference_params: theirs' parameters (default: `params`).
+    gradients_of: maps ours' parameter gradients onto theirs' (e.g. summing replicas).
+    gradients: also compare gradients.
+  """
+  reference = params if reference_params is None else reference_params
+  if not gradients:
+    y, want_y = output(ours, params, poison(x, mask), mask), output(theirs, reference, x, mask)
+  else:
+    probe = jax.random.normal(jax.random.key(seed), x.shape)
+    y, (got, got_x) = output_and_gradients(ours, params, poison(x, mask), mask, probe)
+    want_y, (want, want_x) = output_and_gradients(theirs, reference, x, mask, probe)
+  assert_close(y, want_y, dtype, "y")
+  padding = ~np.asarray(mask)
+  assert np.all(np.asarray(y, np.float32)[padding] == 0), "padding rows not zero"
+  if not gradients:
+    return
+  assert np.all(np.asarray(got_x, np.float32)[padding] == 0), "gradient leaked into padding"
+  assert_close(got_x, want_x, dtype, "d x")
+  got = got if gradients_of is None else gradients_of(got)
+  assert_trees_close(got, want, dtype, "d params")
+
+
+def assert_trees_close(actual, expected, dtype=jnp.float32, what: str = "value") -> None:
+  """`assert_close` leaf by leaf (None leaves must match), each named by its path."""
+  paths = jax.tree_util.tree_flatten_with_path(expected)[0]
+  leaves = jax.tree.leaves(actual)
+  assert len(leaves) == len(paths), f"{what}: {len(leaves)} leaves, expected {len(paths)}"
+  for (path, want), got in zip(paths, leaves, strict=True):
+    assert_close(got, want, dtype, f"{what}{jax.tree_util.keystr(path)}")
+
+
 def check_against_reference(
   params: MoEParams,
   x: jax.Array,
@@ -178,11 +266,9 @@ def check_against_reference(
   mask: jax.Array,
   *,
   seed: int,
-  grads: bool = True,
   placement: eplb.Placement | None = None,
 ) -> None:
-  """The layer against `reference_moe` on NaN-poisoned padding: y (exactly 0 on padding) and,
-  with `grads`, the gradients of every parameter and of x (0 on padding), at `tolerance`.
+  """The layer against `reference_moe` (`check_layer`).
 
   With a `placement` the layer runs on physical weights (`eplb.place`), and the gradients of
   its expert weights, summed over replicas (`eplb.sum_replicas`), must be the reference's.
@@ -193,32 +279,36 @@ def check_against_reference(
     config: the layer's config.
     mesh: a (data, expert) mesh, or None.
     mask: [T] bool.
-    seed: draws the probe of the gradients' loss, sum(sin(y) * probe).
-    grads: also compare gradients.
+    seed: draws the probe of the gradients' loss.
     placement: with `config.num_redundant_experts`, the layer's placement.
   """
-  tol = tolerance(config.dtype)
-  ours = lambda p, x: moe_apply(
-    p, x, config=config, mesh=mesh, token_mask=mask, placement=placement
-  )[0]
-  logical = dataclasses.replace(config, num_redundant_experts=0)
-  theirs = lambda p, x: reference_moe(p, x, logical, mask)
   physical = params if placement is None else eplb.place(params, placement, config)
-  y = ours(physical, poison(x, mask))
-  chex.assert_trees_all_close(y.astype(jnp.float32), theirs(params, x), **tol)
-  padding = ~np.asarray(mask)
-  assert np.all(np.asarray(y, np.float32)[padding] == 0), "padding rows not zero"
-  if not grads:
-    return
-  probe = jax.random.normal(jax.random.key(seed), x.shape)
-  loss = lambda layer: lambda p, x: jnp.sum(jnp.sin(layer(p, x).astype(jnp.float32)) * probe)
-  got = jax.grad(loss(ours), argnums=(0, 1))(physical, poison(x, mask))
-  if placement is not None:
-    got = (eplb.sum_replicas(got[0], placement), got[1])
-  want = jax.grad(loss(theirs), argnums=(0, 1))(params, x)
-  chex.assert_tree_all_finite(got)
-  chex.assert_trees_all_close(got, want, **tol)
-  assert np.all(np.asarray(got[1], np.float32)[padding] == 0), "gradient leaked into padding"
+  check_layer(
+    _moe_layer(config, mesh),
+    _reference_layer(dataclasses.replace(config, num_redundant_experts=0)),
+    (physical, placement),
+    x,
+    mask,
+    seed=seed,
+    dtype=config.dtype,
+    reference_params=params,
+    gradients_of=lambda g: g[0] if placement is None else eplb.sum_replicas(g[0], placement),
+  )
+
+
+@functools.cache
+def _moe_layer(config: MoEConfig, mesh: Mesh | None) -> Layer:
+  """`moe_apply`'s y as a `Layer` of (params, placement), one per (config, mesh): a test
+  class's cases that share them share its compiled programs (placements included)."""
+  return lambda p, x, mask: moe_apply(
+    p[0], x, config=config, mesh=mesh, token_mask=mask, placement=p[1]
+  )[0]
+
+
+@functools.cache
+def _reference_layer(config: MoEConfig) -> Layer:
+  """`reference_moe` as a `Layer`, one per config."""
+  return lambda p, x, mask: reference_moe(p, x, config, mask)
 
 
 def user_env(*drop: str) -> dict[str, str]:

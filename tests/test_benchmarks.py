@@ -13,6 +13,8 @@ from tests.helpers import user_env
 
 ROOT = Path(__file__).parent.parent
 
+pytestmark = pytest.mark.slow  # each runs a benchmark script in a subprocess
+
 
 def run_python(*args: str) -> subprocess.CompletedProcess:
   """`python *args` from the repository root, as a user runs it (no inherited XLA_FLAGS)."""

@@ -5,6 +5,10 @@ import re
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.slow  # the demo in a subprocess
+
 
 def run_demo(*flags: str) -> str:
   result = subprocess.run(

@@ -18,41 +18,8 @@ from moejax import MoEConfig, MoELayer, eplb, linen, param_shapes
 from moejax.models import MoETransformer, TransformerConfig, shard_model
 from moejax.placement import logical_load
 from moejax.train import LossWeights, loss_fn, summed_aux
-from tests.helpers import assert_close, mesh_of, seed_of, tolerance
-
-CONFIG = MoEConfig(num_experts=8, top_k=2, hidden_size=16, intermediate_size=32)
-LAYERS = 3
-
-
-class Stack(nnx.Module):
-  """`layers` `MoELayer`s with a leading layer axis; `transform_metadata` as the user passes it."""
-
-  def __init__(
-    self,
-    transform_metadata: dict | None,
-    *,
-    rngs: nnx.Rngs,
-    config: MoEConfig = CONFIG,
-    mesh=None,
-    layers: int = LAYERS,
-  ):
-    self.metadata = (
-      {} if transform_metadata is None else dict(transform_metadata=transform_metadata)
-    )
-
-    @nnx.split_rngs(splits=layers)
-    @nnx.vmap(in_axes=(0,), out_axes=0, **self.metadata)
-    def make(rngs):
-      return MoELayer(config, mesh=mesh, rngs=rngs)
-
-    self.layers = make(rngs)
-
-  def __call__(self, x):
-    @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry, **self.metadata)
-    def apply(x, layer):
-      return x + layer(x)
-
-    return apply(x, self.layers)
+from tests.helpers import assert_close, mesh_of, seed_of, slow, tolerance
+from tests.stacks import CONFIG, LAYERS, Stack
 
 
 class Unrolled(nnx.Module):
@@ -251,7 +218,9 @@ def _training_temp_bytes(layers: int, config: MoEConfig, mesh) -> int:
   return compiled.memory_analysis().temp_size_in_bytes
 
 
-@pytest.mark.parametrize("expert_fsdp", [False, True], ids=["replicated", "fsdp"])
+@pytest.mark.parametrize(
+  "expert_fsdp", [slow(False, id="replicated"), pytest.param(True, id="fsdp")]
+)
 def test_a_scanned_stack_keeps_no_copy_of_its_weights_for_the_backward_pass(expert_fsdp):
   """Training a scanned stack on the 2x4 mesh without remat, each added layer grows the
   compiled temp by at most a quarter of its local expert weights: the backward pass reads

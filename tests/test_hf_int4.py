@@ -17,17 +17,10 @@ import pytest
 from safetensors.numpy import save_file
 
 from moejax import hf, moe_apply, quant, reference_moe
-from tests import test_hf_quantized
 from tests.helpers import mesh_of, seed_of, tolerance
-from tests.test_hf import save_raw
-from tests.test_hf_quantized import LAYER
+from tests.hf_checkpoints import KIMI, LAYER, deepseek_fp8_checkpoint, save_raw_or_numpy
 
-D, F, E, GROUP = 64, 32, 8, 32
-KIMI = dict(
-  hidden_size=D, hidden_act="silu", n_routed_experts=E, num_experts_per_tok=2,
-  moe_intermediate_size=F, n_shared_experts=1, n_group=1, topk_group=1, norm_topk_prob=True,
-  routed_scaling_factor=2.5,
-)  # fmt: skip
+D, F, E, GROUP = 64, 32, 8, 32  # KIMI's sizes
 INT4_WEIGHTS = dict(
   num_bits=4, type="int", symmetric=True, strategy="group", group_size=GROUP, actorder=None,
   dynamic=False, observer="minmax",
@@ -88,25 +81,6 @@ def kimi_checkpoint(path, seed: int, nested: bool = False):
   return config, floats
 
 
-def save_raw_or_numpy(tensors: dict, path) -> None:
-  """NumPy's writer for what it takes, the raw writer for the dtypes it lacks (bfloat16, the
-  fp8s), one file."""
-  header_dtypes = {
-    np.dtype(np.float32): "F32",
-    np.dtype(np.int32): "I32",
-    np.dtype(np.int64): "I64",
-    np.dtype(np.uint8): "U8",
-    np.dtype(ml_dtypes.bfloat16): "BF16",
-    np.dtype(ml_dtypes.float8_e4m3fn): "F8_E4M3",
-    np.dtype(ml_dtypes.float8_e8m0fnu): "F8_E8M0",
-  }
-  if all(v.dtype in (np.float32, np.int32, np.int64, np.uint8) for v in tensors.values()):
-    save_file(tensors, str(path / "model.safetensors"))
-    return
-  by_dtype = {k: header_dtypes[v.dtype] for k, v in tensors.items()}
-  save_raw(tensors, path / "model.safetensors", by_dtype)
-
-
 @pytest.mark.parametrize("nested", [False, True], ids=["kimi_k2", "kimi_k25"])
 def test_int4_experts_load_as_stored_and_match_the_reference(nested, tmp_path, request):
   seed = seed_of(request.node.name)
@@ -135,9 +109,7 @@ def test_int4_experts_load_as_stored_and_match_the_reference(nested, tmp_path, r
 def test_ue8m0_fp8_scales_are_checked(tmp_path, request):
   """`scale_fmt: "ue8m0"` (DeepSeek-V3.1 and later): powers of two load, stored as float32
   or as e8m0; others raise."""
-  hf_config, stored, _ = test_hf_quantized.TestDeepSeekFp8().checkpoint(
-    tmp_path, seed_of(request.node.name)
-  )
+  hf_config, stored, _ = deepseek_fp8_checkpoint(tmp_path, seed_of(request.node.name))
   hf_config["quantization_config"]["scale_fmt"] = "ue8m0"
   (tmp_path / "config.json").write_text(json.dumps(hf_config))
   config = hf.config_from_hf(hf_config)
@@ -180,6 +152,7 @@ def test_int4_configs_moejax_cannot_read_name_the_field(change, match):
     hf.config_from_hf(dict(model_type="kimi_k2", quantization_config=quantization, **KIMI))
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(
   importlib.util.find_spec("compressed_tensors") is None,
   reason="needs the hf extra (compressed-tensors)",

@@ -13,12 +13,14 @@ import pytest
 
 from moejax import hf, moe_apply
 from tests.helpers import random_adapters, seed_of
-from tests.test_hf_transformers import FAMILIES, hf_checkpoint
+from tests.transformers_models import FAMILIES, hf_checkpoint
 
 torch = pytest.importorskip("torch")
 peft = pytest.importorskip("peft")
 
-pytestmark = [  # PEFT's own use of transformers' deprecated names, and its notices
+pytestmark = [
+  pytest.mark.slow,  # transformers' models and PEFT
+  # PEFT's own use of transformers' deprecated names, and its notices
   pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning"),
   pytest.mark.filterwarnings("ignore::UserWarning:peft"),
   # PEFT checks rank and alpha patterns against modules only, not the expert parameters they

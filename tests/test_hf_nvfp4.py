@@ -19,10 +19,9 @@ import pytest
 from moejax import hf, moe_apply, quant, reference_moe
 from moejax.hf_nvfp4 import COMPRESSED_TENSORS, MODELOPT, Nvfp4Names
 from tests.helpers import mesh_of, seed_of, tolerance
-from tests.test_hf_int4 import KIMI, save_raw_or_numpy
-from tests.test_hf_quantized import LAYER
+from tests.hf_checkpoints import KIMI, LAYER, save_raw_or_numpy
 
-D, F, E = 64, 32, 8
+D, F, E = 64, 32, 8  # KIMI's sizes
 E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float32)
 MODELOPT_CONFIG = dict(
   quant_method="modelopt", quant_algo="NVFP4", group_size=16, kv_cache_quant_algo=None,
@@ -153,6 +152,7 @@ def test_an_nvfp4_layer_without_its_matrix_scale_names_both_conventions(tmp_path
     hf.load_layer(tmp_path, LAYER)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(
   importlib.util.find_spec("compressed_tensors") is None,
   reason="needs the hf extra (compressed-tensors)",

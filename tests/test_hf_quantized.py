@@ -1,6 +1,6 @@
 """Quantized Hugging Face checkpoints: a DeepSeek-V3 fine-grained fp8 layer (per-expert or
 fused) and a GPT-OSS MXFP4 layer, written here in their real key names and layouts, read
-without dequantizing and run against the NumPy blocks of `tests/test_hf.py` on weights
+without dequantizing and run against the NumPy blocks of `tests/hf_checkpoints.py` on weights
 dequantized here in NumPy (and, with the `hf` extra, against transformers' own fp8
 dequantization and MXFP4 unpacking)."""
 
@@ -9,90 +9,28 @@ import json
 
 import chex
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 import pytest
-from safetensors.numpy import save_file
 
 from kernels_pallas.quantized import BlockScaled
 from moejax import hf, moe_apply
 from tests.helpers import mesh_of, seed_of
-from tests.test_hf import DEEPSEEK, FAMILIES, T, deepseek_block, gpt_oss_block
-
-LAYER = 2
-FP8_BLOCK = [4, 8]  # weight_block_size: [out, in]
-
-
-def fp8_quantize(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-  """[out, in] float -> (float8_e4m3fn values, float32 scale_inv [ceil(out/4), ceil(in/8)]),
-  as DeepSeek quantizes (edge blocks partial)."""
-  bo, bi = FP8_BLOCK
-  rows, cols = w.shape
-  padded = np.zeros((-(-rows // bo) * bo, -(-cols // bi) * bi), np.float32)
-  padded[:rows, :cols] = w
-  blocks = padded.reshape(padded.shape[0] // bo, bo, padded.shape[1] // bi, bi)
-  scale = np.abs(blocks).max(axis=(1, 3)) / np.float32(448)
-  values = (blocks / scale[:, None, :, None]).reshape(padded.shape)[:rows, :cols]
-  return values.astype(ml_dtypes.float8_e4m3fn), scale.astype(np.float32)
-
-
-def fp8_dequantize(values: np.ndarray, scale: np.ndarray) -> np.ndarray:
-  bo, bi = FP8_BLOCK
-  full = np.repeat(np.repeat(scale, bo, 0), bi, 1)[: values.shape[0], : values.shape[1]]
-  return values.astype(np.float64) * full
-
-
-def write(path, config: dict, tensors: dict, prefix: str) -> None:
-  stored = {f"model.layers.{LAYER}.{prefix}.{name}": v for name, v in tensors.items()}
-  (path / "config.json").write_text(json.dumps(config))
-  save_file(stored, str(path / "model.safetensors"))
-
-
-def fuse_experts(stored: dict, experts: int) -> dict:
-  """Per-expert fp8 linears as transformers' fused `FP8Experts` tensors: gate_up [E, 2F, D]
-  (gate rows, then up rows) and down [E, D, F], each with its [E, out blocks, in blocks]
-  scale_inv."""
-  fused = {k: v for k, v in stored.items() if not k.startswith("experts.")}
-  stack = lambda name, suffix: np.stack(
-    [stored[f"experts.{i}.{name}.weight{suffix}"] for i in range(experts)]
-  )
-  for suffix in ("", "_scale_inv"):
-    gate_up = [stack(name, suffix) for name in ("gate_proj", "up_proj")]
-    fused[f"experts.gate_up_proj{suffix}"] = np.concatenate(gate_up, axis=1)
-    fused[f"experts.down_proj{suffix}"] = stack("down_proj", suffix)
-  return fused
+from tests.hf_checkpoints import (
+  DEEPSEEK,
+  FP8_BLOCK,
+  LAYER,
+  T,
+  deepseek_block,
+  deepseek_fp8_checkpoint,
+  gpt_oss_block,
+  write,
+)
 
 
 class TestDeepSeekFp8:
-  def checkpoint(self, path, seed, fused: bool = False):
-    """DeepSeek-V3's layer with every expert and shared-expert linear in fp8 (the routed
-    experts per expert, or `fused` as transformers saves them); returns the config.json
-    dict, the stored tensors and the dequantized float tensors by name."""
-    fields, _, make, _ = FAMILIES["deepseek_v3"]
-    rng = np.random.default_rng(seed)
-    floats = {name: 0.3 * v for name, v in make(rng).items()}
-    stored, dequantized = {}, {}
-    for name, w in floats.items():
-      if "experts" in name:  # routed and shared experts' linear weights
-        values, scale = fp8_quantize(w)
-        stored[name], stored[f"{name}_scale_inv"] = values, scale
-        dequantized[name] = fp8_dequantize(values, scale)
-      else:
-        stored[name] = w.astype(np.float32)
-        dequantized[name] = w
-    quantization = {"quant_method": "fp8", "weight_block_size": FP8_BLOCK}
-    config = dict(
-      model_type="deepseek_v3", hidden_size=16, hidden_act="silu", **fields,
-      quantization_config=quantization,
-    )  # fmt: skip
-    if fused:
-      stored = fuse_experts(stored, fields["n_routed_experts"])
-    write(path, config, stored, "mlp")
-    return config, stored, dequantized.__getitem__
-
   @pytest.mark.parametrize("fused", [False, True], ids=["per_expert", "fused"])
   def test_loads_quantized_and_matches_the_numpy_block(self, fused, tmp_path, request):
-    hf_config, _, get = self.checkpoint(tmp_path, seed_of(request.node.name), fused)
+    hf_config, _, get = deepseek_fp8_checkpoint(tmp_path, seed_of(request.node.name), fused)
     config = hf.config_from_hf(hf_config, chunk_size=5)
     assert (config.expert_quant, config.quant_block_size) == ("fp8_block", (8, 4))
     params = hf.load_layer(tmp_path, LAYER, config)
@@ -110,6 +48,7 @@ class TestDeepSeekFp8:
     on_mesh = hf.load_layer(tmp_path, LAYER, config, mesh=mesh_of(2, 4))
     assert on_mesh.w_gate_up.scales.sharding.spec[0] == "expert"
 
+  @pytest.mark.slow
   @pytest.mark.skipif(
     not all(importlib.util.find_spec(m) for m in ("torch", "transformers")),
     reason="needs the hf extra (torch, transformers)",
@@ -120,7 +59,7 @@ class TestDeepSeekFp8:
     import torch
     from transformers.integrations.finegrained_fp8 import _dequantize_fp8_weight
 
-    hf_config, stored, _ = self.checkpoint(tmp_path, seed_of(request.node.name), fused=True)
+    hf_config, stored, _ = deepseek_fp8_checkpoint(tmp_path, seed_of(request.node.name), fused=True)
     params = hf.load_layer(tmp_path, LAYER, hf.config_from_hf(hf_config))
     theirs = lambda name: _dequantize_fp8_weight(
       torch.from_numpy(stored[name].view(np.uint8)).view(torch.float8_e4m3fn),
@@ -207,6 +146,7 @@ class TestGptOssMxfp4:
       y, _ = moe_apply(params, jnp.asarray(x), config=config, mesh=mesh)
       chex.assert_trees_all_close(y, expected.astype(np.float32), atol=2e-4, rtol=2e-4)
 
+  @pytest.mark.slow
   @pytest.mark.skipif(
     not all(importlib.util.find_spec(m) for m in ("torch", "transformers")),
     reason="needs the hf extra (torch, transformers)",

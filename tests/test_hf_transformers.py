@@ -9,80 +9,12 @@ import pytest
 
 from moejax import hf, moe_apply
 from tests.helpers import mesh_of, seed_of
+from tests.transformers_models import FAMILIES, hf_checkpoint
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-ATTENTION = dict(vocab_size=32, hidden_size=16, num_attention_heads=2, num_key_value_heads=2)
-MLA = dict(kv_lora_rank=8, q_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8)
-# model_type -> (config.json fields of a tiny model, MoE layer index, the block's module path)
-FAMILIES = {
-  "mixtral": (dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=24), 0, "mlp"),
-  "phimoe": (dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=24,
-                  router_jitter_noise=0.2), 0, "mlp"),
-  "qwen2_moe": (dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
-                     shared_expert_intermediate_size=12, norm_topk_prob=False), 0, "mlp"),
-  "qwen3_moe": (dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
-                     norm_topk_prob=True), 0, "mlp"),
-  "qwen3_next": (dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
-                      shared_expert_intermediate_size=12, layer_types=["full_attention"]), 0,
-                 "mlp"),
-  "olmoe": (dict(num_experts=4, num_experts_per_tok=2, intermediate_size=24), 0, "mlp"),
-  "deepseek_v2": (dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=24,
-                       n_shared_experts=1, first_k_dense_replace=0, n_group=4, topk_group=2,
-                       topk_method="group_limited_greedy", routed_scaling_factor=1.5, **MLA),
-                  0, "mlp"),
-  "deepseek_v3": (dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=24,
-                       n_shared_experts=1, first_k_dense_replace=0, n_group=4, topk_group=2,
-                       routed_scaling_factor=2.5, norm_topk_prob=True, **MLA), 0, "mlp"),
-  "glm4_moe": (dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=24,
-                    intermediate_size=24, n_shared_experts=1, first_k_dense_replace=0,
-                    n_group=4, topk_group=2, norm_topk_prob=True, head_dim=8), 0, "mlp"),
-  "gpt_oss": (dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=24,
-                   swiglu_limit=1.0, layer_types=["full_attention"], head_dim=8), 0, "mlp"),
-  "llama4_text": (dict(num_local_experts=4, num_experts_per_tok=1, intermediate_size=24,
-                       intermediate_size_mlp=24, moe_layers=[0], no_rope_layers=[1],
-                       head_dim=8), 0, "feed_forward"),
-  "longcat_flash": (dict(n_routed_experts=4, zero_expert_num=2, moe_topk=2,
-                         expert_ffn_hidden_size=24, ffn_hidden_size=24, num_hidden_layers=2,
-                         routed_scaling_factor=1.5, head_dim=4, **MLA), 0, "mlp"),
-  "minimax": (dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=24,
-                   layer_types=["full_attention"], head_dim=8), 0, "mlp"),
-  "granitemoe": (dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=24), 0,
-                 "block_sparse_moe"),
-  "jamba": (dict(num_experts=4, num_experts_per_tok=2, intermediate_size=24,
-                 expert_layer_period=1, expert_layer_offset=0, attn_layer_period=1,
-                 attn_layer_offset=0), 0, "feed_forward"),
-  "ernie4_5_moe": (dict(moe_num_experts=4, moe_k=2, moe_intermediate_size=24,
-                        moe_layer_start_index=0, moe_num_shared_experts=1), 0, "mlp"),
-  "hunyuan_v1_moe": (dict(num_experts=4, moe_topk=2, intermediate_size=24, head_dim=8), 0,
-                     "mlp"),
-  "lfm2_moe": (dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
-                    intermediate_size=24, num_dense_layers=0, routed_scaling_factor=1.5,
-                    layer_types=["full_attention"]), 0, "feed_forward"),
-  "dbrx": (dict(d_model=16, n_heads=2, n_layers=1, attn_config=dict(kv_n_heads=2,
-                rope_theta=1e4), ffn_config=dict(moe_num_experts=4, moe_top_k=2,
-                ffn_hidden_size=24)), 0, "ffn"),
-}  # fmt: skip
-
-
-def hf_checkpoint(model_type: str, fields: dict, path, seed: int):
-  """A tiny model with random weights (biases and buffers too), saved with save_pretrained."""
-  if model_type == "dbrx":  # its own names for the attention sizes
-    config = transformers.AutoConfig.for_model(model_type, vocab_size=32, **fields)
-  else:
-    layers = fields.pop("num_hidden_layers", 1)
-    config = transformers.AutoConfig.for_model(
-      model_type, **ATTENTION, num_hidden_layers=layers, **fields
-    )
-  torch.manual_seed(seed)
-  model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
-  with torch.no_grad():
-    for tensor in [*model.parameters(), *model.buffers()]:
-      if tensor.is_floating_point():
-        tensor.normal_(0.0, 0.4)
-  model.save_pretrained(path)
-  return model
+pytestmark = pytest.mark.slow  # transformers' models
 
 
 @pytest.mark.parametrize("model_type", FAMILIES)

@@ -6,7 +6,16 @@ import numpy as np
 import pytest
 
 from moejax import MoEConfig, moe_apply, reference_moe
-from tests.helpers import SCHEMES, assert_close, mesh_of, poison, random_params, rank_mask, seed_of
+from tests.helpers import (
+  SCHEMES,
+  assert_close,
+  mesh_of,
+  poison,
+  random_params,
+  rank_mask,
+  seed_of,
+  slow,
+)
 
 ROWS_PER_RANK = 12
 
@@ -47,7 +56,7 @@ def test_chunks_skip_only_when_the_whole_expert_group_is_empty():
   np.testing.assert_array_equal(np.asarray(aux.chunks_run), [2, 2, 2, 2, 0, 0, 0, 0])
 
 
-@pytest.mark.parametrize("chunk_size", [1, 5, 12, 64])
+@pytest.mark.parametrize("chunk_size", [slow(1), 5, 12, slow(64)])
 def test_output_independent_of_chunk_size_and_mesh(chunk_size, request):
   config = small_config(chunk_size=chunk_size)
   params, x, rng = inputs(config, 8, "chunk-independence")  # same inputs for every chunk size
@@ -91,7 +100,7 @@ def test_leading_dims_and_tokens_not_divisible_by_mesh(request):
 
 @pytest.mark.parametrize(
   "param_dtype, scheme",
-  [(jnp.float32, "all_gather"), (jnp.bfloat16, "all_gather"), (jnp.bfloat16, "all_to_all")],
+  [slow(jnp.float32, "all_gather"), slow(jnp.bfloat16, "all_gather"), (jnp.bfloat16, "all_to_all")],
 )
 def test_bfloat16_compute(param_dtype, scheme, request):
   config = small_config(dtype=jnp.bfloat16, param_dtype=param_dtype, dispatch=scheme)

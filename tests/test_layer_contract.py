@@ -39,11 +39,16 @@ UNEVEN = [0, 4, 9, 2, 0, 7, 1, 9]  # ranks 0 and 4 empty, ranks 2 and 7 full
 
 
 def pytest_generate_tests(metafunc):
-  """Each subclass names its meshes and options (class attributes)."""
+  """Each subclass names its meshes and options (class attributes); those not in its
+  `fast_meshes` and `fast_options` are in the slow tier."""
+  cls = metafunc.cls
+  tier = lambda value, fast, name: pytest.param(
+    value, id=name, marks=() if value in fast else pytest.mark.slow
+  )
   if "mesh_shape" in metafunc.fixturenames:
-    metafunc.parametrize("mesh_shape", metafunc.cls.meshes, ids=mesh_id)
+    metafunc.parametrize("mesh_shape", [tier(m, cls.fast_meshes, mesh_id(m)) for m in cls.meshes])
   if "option" in metafunc.fixturenames:
-    metafunc.parametrize("option", metafunc.cls.options)
+    metafunc.parametrize("option", [tier(o, cls.fast_options, o) for o in cls.options])
 
 
 class LayerContract:
@@ -54,6 +59,9 @@ class LayerContract:
   meshes = MESHES
   options = tuple(OPTIONS)
   redundant_experts = 0
+  # The fast tier: one mesh, and each option once across the classes (the tile loop's).
+  fast_meshes = ((2, 4),)
+  fast_options = ()
 
   def config(self, **overrides) -> MoEConfig:
     fields = {**BASE, **overrides}
@@ -103,11 +111,9 @@ class LayerContract:
     config = self.config(**RICH)
     params, x = self.inputs(config, request.node.name)
     mesh = None if mesh_shape is None else mesh_of(*mesh_shape)
-    seed = seed_of(request.node.name)
-    for counts in ([0] * 8, [ROWS_PER_RANK] * 8):
+    for counts in ([0] * 8, [ROWS_PER_RANK] * 8, UNEVEN):  # one compiled program for all
       mask = rank_mask(counts, ROWS_PER_RANK)
-      self.check(params, x, config, mesh, mask, seed=seed, grads=False)
-    self.check(params, x, config, mesh, rank_mask(UNEVEN, ROWS_PER_RANK), seed=seed)
+      self.check(params, x, config, mesh, mask, seed=seed_of(request.node.name))
 
   def test_expert_counts_match_numpy(self, request):
     config = self.config()
@@ -177,11 +183,18 @@ BOTH_SCHEMES = ("gpt_oss", "longcat", "all-experts")
 class TestAllGather(LayerContract):
   scheme = "all_gather"
   options = (*BOTH_SCHEMES, "softmax", "grouped", "llama4", "qwen2_moe")
+  fast_options = options
 
 
 class TestAllToAll(LayerContract):
   scheme = "all_to_all"
   options = (*BOTH_SCHEMES, "sigmoid-renorm-scaled", "gelu-top1", "gelu_tanh", "phimoe")
+  fast_options = options[len(BOTH_SCHEMES) :]
+
+
+def test_every_option_is_in_the_fast_tier_once():
+  fast = [*TestAllGather.fast_options, *TestAllToAll.fast_options]
+  assert sorted(fast) == sorted(OPTIONS)
 
 
 def test_every_option_runs_on_the_tile_loop():

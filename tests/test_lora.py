@@ -38,15 +38,15 @@ from moejax.placement import initial_placement
 from moejax.stacking import layer_of
 from tests.helpers import (
   check_against_reference,
+  check_layer,
   mesh_of,
-  poison,
   random_adapters,
   random_params,
   seed_of,
   tolerance,
 )
-from tests.kernels.test_gmm import block_scaled_spec, cuda_custom_calls
-from tests.test_depth import Stack
+from tests.lowering import block_scaled_spec, cuda_custom_calls
+from tests.stacks import Stack
 
 BASE = MoEConfig(
   num_experts=8,
@@ -120,21 +120,18 @@ def test_adapters_over_a_quantized_base(backend, path, request, monkeypatch):
   dequantized, _ = quant.dequantize_experts(params, config)
   x, mask = tokens(seed)
   mesh = mesh_of(2, 4)
-  ours = lambda trainable, x: moe_apply(
-    params._replace(**trainable), x, config=config, mesh=mesh, token_mask=mask
-  )[0]
-  theirs = lambda trainable, x: reference_moe(
-    dequantized._replace(**trainable), x, float_config, mask
-  )
   trainable = dict(
     lora=params.lora, shared_lora=params.shared_lora, router_kernel=params.router_kernel
   )
-  chex.assert_trees_all_close(ours(trainable, poison(x, mask)), theirs(trainable, x), **tolerance())
-  probe = jax.random.normal(jax.random.key(seed + 2), x.shape)
-  loss = lambda f: lambda t, x: jnp.sum(jnp.sin(f(t, x)) * probe)
-  got = jax.grad(loss(ours), argnums=(0, 1))(trainable, poison(x, mask))
-  chex.assert_trees_all_close(
-    got, jax.grad(loss(theirs), argnums=(0, 1))(trainable, x), **tolerance()
+  check_layer(
+    lambda t, x, mask: moe_apply(
+      params._replace(**t), x, config=config, mesh=mesh, token_mask=mask
+    )[0],
+    lambda t, x, mask: reference_moe(dequantized._replace(**t), x, float_config, mask),
+    trainable,
+    x,
+    mask,
+    seed=seed + 2,
   )
 
 

@@ -80,6 +80,7 @@ def layer_cases(draw):
   return config, mesh_shape, rows, counts, draw(st.integers(0, 2**31 - 1))
 
 
+@pytest.mark.slow
 @SETTINGS
 @given(layer_cases())
 def test_random_configs_match_reference(case):

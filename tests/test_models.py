@@ -21,7 +21,7 @@ from moejax.linen import moe_linen
 from moejax.models import ClusterTask, MoETransformer, TransformerConfig, shard_model
 from moejax.placement import initial_placement, logical_load
 from moejax.train import train_step
-from tests.helpers import assert_close, mesh_of, seed_of, user_env
+from tests.helpers import assert_close, mesh_of, seed_of, slow, user_env
 
 MOE = MoEConfig(num_experts=8, top_k=2, hidden_size=32, intermediate_size=64, chunk_size=32)
 
@@ -58,7 +58,8 @@ def test_every_other_block_is_moe():
 
 
 @pytest.mark.parametrize(
-  "scan_layers, expert_fsdp", [(False, False), (True, True)], ids=["unrolled", "scanned-onto-fsdp"]
+  "scan_layers, expert_fsdp",
+  [slow(False, False, id="unrolled"), pytest.param(True, True, id="scanned-onto-fsdp")],
 )
 def test_checkpoint_restores_onto_another_mesh(tmp_path, scan_layers, expert_fsdp):
   """Saved on (2, 4), restored on (4, 2); the scanned model's expert weights restore split
@@ -78,6 +79,7 @@ def test_checkpoint_restores_onto_another_mesh(tmp_path, scan_layers, expert_fsd
   assert_close(restored(tokens, mask), model(tokens, mask), what="logits after restore")
 
 
+@pytest.mark.slow
 def test_train_command_checkpoints_and_resumes(tmp_path):
   """A scanned model, each block rematerialized saving the layer's checkpoint names, LoRA
   adapters trained alone over mxfp4 experts."""

@@ -8,6 +8,10 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow  # two processes
+
 WORKER = Path(__file__).parent / "multihost_worker.py"
 ROOT = Path(__file__).parent.parent
 

@@ -28,6 +28,7 @@ def run(path: Path, hide_modules: tuple[str, ...] = ()) -> str:
   return "".join(o.get("text", "") for o in outputs if o.output_type == "stream")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
 def test_notebook_runs(path):
   text = run(path)
@@ -35,6 +36,7 @@ def test_notebook_runs(path):
     assert "difference to the transformers block" in text
 
 
+@pytest.mark.slow
 def test_from_transformers_runs_without_the_hf_extra():
   text = run(Path(NOTEBOOKS[0]).parent / FROM_TRANSFORMERS, hide_modules=("torch", "transformers"))
   assert "difference to moejax.reference_moe" in text

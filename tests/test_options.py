@@ -19,6 +19,7 @@ from tests.helpers import (
   random_params,
   rank_mask,
   seed_of,
+  slow,
   tolerance,
 )
 
@@ -47,7 +48,7 @@ ALL_AT_ONCE = MoEConfig(
 )
 
 
-@pytest.mark.parametrize("mesh_shape", [None, (1, 8), (8, 1), (4, 2)], ids=str)
+@pytest.mark.parametrize("mesh_shape", [None, slow((1, 8)), slow((8, 1)), (4, 2)], ids=str)
 def test_options_together_on_every_mesh_and_token_pattern(mesh_shape, request):
   params, x, _ = make_inputs(ALL_AT_ONCE, request.node.name)
   mesh = None if mesh_shape is None else mesh_of(*mesh_shape)

@@ -29,6 +29,7 @@ from tests.helpers import (
   random_params,
   rank_mask,
   seed_of,
+  slow,
   tolerance,
 )
 
@@ -55,7 +56,7 @@ def test_place_puts_each_experts_weights_in_its_slots(request):
   chex.assert_trees_all_equal(physical.router_kernel, params.router_kernel)
 
 
-@pytest.mark.parametrize("mesh_shape", [None, (1, 8), (2, 4), (4, 2)], ids=str)
+@pytest.mark.parametrize("mesh_shape", [slow(None), slow((1, 8)), (2, 4), slow((4, 2))], ids=str)
 def test_moving_between_placements_equals_placing_afresh(mesh_shape, request):
   """From physical weights laid out by one placement to another: the same weights as placing
   the logical ones directly, laid out over the expert axis as the layer's."""
@@ -114,7 +115,7 @@ def test_sum_replicas_adds_each_experts_slots(request):
 
 @pytest.mark.parametrize(
   "dispatch, mesh_shape",
-  [("all_gather", (2, 4)), ("all_to_all", (4, 2))],  # one device's: the contract's no-mesh case
+  [("all_gather", (2, 4)), slow("all_to_all", (4, 2))],  # one device's: the contract's no-mesh case
   ids=str,
 )
 def test_replicated_layer_equals_the_unreplicated_one(dispatch, mesh_shape, request):

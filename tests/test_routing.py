@@ -19,18 +19,28 @@ from moejax.routing import (
 )
 from tests.helpers import assert_close, seed_of
 
+GROUPS = (
+  dict(),
+  dict(use_routing_bias=True),
+  dict(num_expert_groups=4, topk_groups=2),
+  dict(num_expert_groups=4, topk_groups=2, use_routing_bias=True),
+)
+
+
+def in_fast_tier(scoring: str, renormalize: bool, scale: float, group: int) -> bool:
+  """Eight of the 32 combinations: each scoring with each group choice, renormalize and the
+  scaling factor each both ways with each scoring."""
+  scaled = (group // 2 == 1) != (scoring == "sigmoid")
+  return renormalize == (group % 2 == 1) and (scale == 2.5) == scaled
+
+
 OPTIONS = [
-  dict(scoring=scoring, renormalize=renorm, routed_scaling_factor=scale, **groups)
-  for scoring, renorm, scale, groups in itertools.product(
-    ("softmax", "sigmoid"),
-    (False, True),
-    (1.0, 2.5),
-    (
-      dict(),
-      dict(use_routing_bias=True),
-      dict(num_expert_groups=4, topk_groups=2),
-      dict(num_expert_groups=4, topk_groups=2, use_routing_bias=True),
-    ),
+  pytest.param(
+    dict(scoring=scoring, renormalize=renorm, routed_scaling_factor=scale, **GROUPS[group]),
+    marks=() if in_fast_tier(scoring, renorm, scale, group) else pytest.mark.slow,
+  )
+  for scoring, renorm, scale, group in itertools.product(
+    ("softmax", "sigmoid"), (False, True), (1.0, 2.5), range(len(GROUPS))
   )
 ]
 

@@ -25,7 +25,7 @@ from kernels_pallas.compat import jax_version
 from kernels_pallas.gmm_xla import moe_mlp_reference
 from kernels_pallas.ops import KernelSettings, transposed_grouped_matmul
 from kernels_pallas.quantized import BlockScaled
-from tests.helpers import seed_of
+from tests.helpers import seed_of, slow
 
 ON_GPU = jax.devices()[0].platform == "gpu"
 INTERPRET = not ON_GPU
@@ -138,8 +138,11 @@ class GroupedMatmulTestBase:
         call()
     return reason is not None
 
-  @pytest.mark.parametrize("dtype", [F32, BF16])
-  @pytest.mark.parametrize("out_dtype", [None, BF16, F32])
+  @pytest.mark.parametrize(
+    "dtype, out_dtype",
+    [(F32, None), slow(BF16, None), slow(F32, BF16), slow(BF16, BF16), slow(F32, F32), (BF16, F32)],
+    ids=lambda d: str(d),
+  )
   def test_gmm_matches_ragged_dot(self, dtype, out_dtype, request):
     lhs, rhs, sizes = operands(request.node.name, 128, 64, 96, 8, dtype)
     # float32 inputs at full precision: a GPU's default would round them to TF32.
@@ -167,6 +170,7 @@ class GroupedMatmulTestBase:
     assert total < 100 and np.all(got[total:] == 0)
     assert_close(got[:total], reference_gmm(lhs, rhs, sizes)[:total], *TOLERANCE[BF16])
 
+  @pytest.mark.slow
   def test_every_zero_size_group_pattern(self, request):
     groups = 8
     lhs, rhs, _ = operands(request.node.name, 64, 64, 64, groups, BF16)
@@ -184,6 +188,7 @@ class GroupedMatmulTestBase:
   # Four of the peer suite's eight (m, k, n) in [128, 1024] x [64, 128] x [128, 256]: each
   # size of each dimension twice, each pair of sizes once. On the JAX of the GPU machine
   # (0.11) and later: the oldest JAX runs the same kernels' VJPs in the other cases.
+  @pytest.mark.slow
   @pytest.mark.skipif(
     jax_version() < (0, 11),
     reason="the mixed-precision VJP sweep runs on JAX 0.11+ (the GPU machine's and newer)",

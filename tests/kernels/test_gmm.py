@@ -20,12 +20,13 @@ from kernels_pallas.backends import (
   select_kernel,
   unsupported_reason,
 )
-from kernels_pallas.compat import cuda_target, triton_missing_reason
+from kernels_pallas.compat import triton_missing_reason
 from kernels_pallas.dequant import decode
 from kernels_pallas.gmm_mosaic import gmm_mosaic, tgmm_mosaic
 from kernels_pallas.gmm_triton import gmm_triton, tgmm_triton
-from kernels_pallas.quantized import FORMATS, BlockScaled, from_qarray
+from kernels_pallas.quantized import BlockScaled, from_qarray
 from tests.helpers import assert_close, expect_triton_deprecation
+from tests.lowering import block_scaled_spec, cuda_custom_calls
 
 
 def test_registry_records_are_complete_and_frozen():
@@ -77,12 +78,6 @@ def test_backend_choice_and_fallback():
 TRITON_CUSTOM_CALL = export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
 
 
-def cuda_custom_calls(fn, *shapes, disabled=(), device_kind="NVIDIA H100") -> str:
-  exported = export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=list(disabled))
-  with cuda_target(device_kind):
-    return exported(*shapes).mlir_module()
-
-
 @pytest.mark.skipif(triton_missing_reason() is not None, reason=str(triton_missing_reason()))
 def test_triton_kernels_lower_for_cuda():
   lhs = jax.ShapeDtypeStruct((256, 128), jnp.bfloat16)
@@ -123,17 +118,6 @@ def test_triton_kernels_lower_for_cuda():
     with expect_triton_deprecation():
       mlir = cuda_custom_calls(fn, *args, disabled=[TRITON_CUSTOM_CALL], device_kind="NVIDIA A100")
     assert "__gpu$xla.gpu.triton" in mlir
-
-
-def block_scaled_spec(shape: tuple[int, ...], rhs_format: str) -> BlockScaled:
-  """Abstract `BlockScaled` weights [G, in, out] in a format (fp8_block with 128x128 blocks,
-  int4_group in groups of 128: the kernels take them as 32-row blocks)."""
-  form = FORMATS[rhs_format]
-  block = form.block or ((128, 1) if rhs_format == "int4_group" else (128, 128))
-  scales = (shape[0], -(-shape[1] // block[0]), -(-shape[2] // block[1]))
-  spec = jax.ShapeDtypeStruct
-  global_scale = spec((shape[0], shape[2]), jnp.float32) if form.global_scale else None
-  return BlockScaled(spec(shape, form.values), spec(scales, form.scales), block, global_scale)
 
 
 def test_mosaic_kernels_lower_for_cuda():
