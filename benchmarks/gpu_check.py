@@ -135,10 +135,14 @@ def part_test_base(out: Path, smoke: bool, record: Recorder) -> None:
 
 
 def part_layer(out: Path, smoke: bool, record: Recorder) -> None:
-  """The layer on one device with every expert backend, against `reference_moe`."""
+  """The layer on one device with every expert backend, against `reference_moe`; the Pallas
+  path also on a 1x1 mesh, under `shard_map` (its gradient's types are checked there: the
+  case a CPU never compiles for real)."""
 
   import jax
   import jax.numpy as jnp
+  import numpy as np
+  from jax.sharding import Mesh
 
   import moejax
   from tests.helpers import poison, random_params
@@ -155,7 +159,9 @@ def part_layer(out: Path, smoke: bool, record: Recorder) -> None:
       ("pallas", jnp.bfloat16, "gelu"),
       ("auto", jnp.float32, "gelu"),
     ]
-  for backend, dtype, activation in cases:
+  one_device = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "expert"))
+  cases = [(*case, None) for case in cases] + [("pallas", jnp.bfloat16, "silu", one_device)]
+  for backend, dtype, activation, mesh in cases:
     config = moejax.MoEConfig(
       num_experts=8,
       top_k=2,
@@ -171,11 +177,13 @@ def part_layer(out: Path, smoke: bool, record: Recorder) -> None:
     # TF32 products (a GPU's float32 default) and bf16 bound the achievable agreement.
     bound = 3e-3 if dtype == jnp.float32 else 3e-2
 
-    def check(config=config, bound=bound):
+    def check(config=config, bound=bound, mesh=mesh):
       params = random_params(config, jax.random.key(1))
       x = jax.random.normal(jax.random.key(2), (tokens, dim))
       mask = jnp.arange(tokens) % 7 != 3
-      layer = lambda p: moejax.moe_apply(p, poison(x, mask), config=config, token_mask=mask)
+      layer = lambda p: moejax.moe_apply(
+        p, poison(x, mask), config=config, mesh=mesh, token_mask=mask
+      )
       reference = lambda p: moejax.reference_moe(p, x, config, token_mask=mask)
       error = _relative_error(layer(params)[0], reference(params))
       loss = lambda f: lambda p: jnp.sum(jnp.sin(f(p)))
@@ -190,7 +198,7 @@ def part_layer(out: Path, smoke: bool, record: Recorder) -> None:
         raise AssertionError(f"relative error {error:.3g}, gradients {grad_error:.3g}")
       return dict(out_rel=error, grad_rel=grad_error)
 
-    name = f"layer {backend} {jnp.dtype(dtype).name} {activation}"
+    name = f"layer {backend} {jnp.dtype(dtype).name} {activation}" + (" 1x1 mesh" if mesh else "")
     record.case(name, check)
 
 

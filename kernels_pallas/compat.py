@@ -30,6 +30,26 @@ def out_struct(shape: tuple[int, ...], dtype, like: jax.Array) -> jax.ShapeDtype
   return jax.ShapeDtypeStruct(shape, dtype, vma=aval.vma)
 
 
+def varying_axes(x: jax.Array) -> frozenset[str]:
+  """The `shard_map` axes over which x's type says it varies (none outside `shard_map`)."""
+  aval = jax.typeof(x)
+  if hasattr(aval, "manual_axis_type"):
+    return frozenset(aval.manual_axis_type.varying)
+  return frozenset(getattr(aval, "vma", ()))
+
+
+def vary_like(x: jax.Array, like: jax.Array) -> jax.Array:
+  """x, typed as varying over every `shard_map` axis `like` varies over.
+
+  A custom VJP's cotangent must have its primal's type. A Mosaic GPU kernel's output does not
+  carry the varying axes of its `out_type` (JAX 0.11), so the weights' cotangents computed by
+  the transposed kernel came back typed as invariant, and the gradient failed to trace on a
+  GPU ("... so the manual axis types do not match"); the values are per device already.
+  """
+  missing = tuple(sorted(varying_axes(like) - varying_axes(x)))
+  return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
 @jax.custom_jvp
 def erf(x: jax.Array) -> jax.Array:
   """`jax.lax.erf`, differentiable inside `shard_map` on every supported JAX.

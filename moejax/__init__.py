@@ -14,6 +14,7 @@ Shape letters, one meaning each, in names, docstrings and shape comments through
 """
 
 from kernels_pallas.quantized import BlockScaled
+from moejax import targets
 from moejax.config import MoEConfig
 from moejax.forward import MoEAux, chunk_layout, moe_apply
 from moejax.layer import MoELayer, collect_aux
@@ -33,4 +34,5 @@ __all__ = [
   "moe_apply",
   "param_shapes",
   "reference_moe",
+  "targets",
 ]

@@ -124,7 +124,8 @@ def chunk_layout(config: MoEConfig, num_tokens: int, mesh: Mesh | None = None) -
   share = max(-(-num_tokens // devices), 1)
   chunk = config.chunk_size
   if chunk == "auto":
-    chunk = auto_chunk(config, share, expert_axis)
+    with sharding.running_on(mesh):
+      chunk = auto_chunk(config, share, expert_axis)
   return TokenLayout.plan(num_tokens, devices, chunk)
 
 
@@ -162,6 +163,12 @@ def _check_inputs(params, x, token_mask, router_logits, config, mesh) -> None:
 
 @functools.partial(jax.jit, static_argnames=("config", "mesh"))
 def _moe_apply_jit(params, x, token_mask, router_logits, placement, *, config, mesh):
+  with sharding.running_on(mesh):  # plan for the mesh's devices, not the default one
+    return _moe_apply_traced(params, x, token_mask, router_logits, placement, config, mesh)
+
+
+def _moe_apply_traced(params, x, token_mask, router_logits, placement, config, mesh):
+  """`moe_apply`'s program (traced under jit)."""
   lead = x.shape[:-1]
   layout = chunk_layout(config, math.prod(lead), mesh)
   flat = lambda a, fill: layout.pad(a.reshape(layout.num_tokens, *a.shape[len(lead) :]), fill)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import warnings
 
+from kernels_pallas import platform
 from kernels_pallas.api import measured_faster
 from kernels_pallas.backends import (
   REFERENCE,
@@ -33,7 +34,6 @@ from kernels_pallas.backends import (
   select_kernel,
   unsupported_reason,
 )
-from kernels_pallas.platform import on_cpu
 from moejax.config import MoEConfig
 
 # Most local experts for which XLA's ragged_dot beats the tile loop on a GPU (H200, bf16).
@@ -100,18 +100,18 @@ def plan_experts(config: MoEConfig, num_rows: int, local_experts: int) -> Expert
         stacklevel=2,
       )
       return ExpertPlan("tile_loop")
-    if on_cpu():
+    if platform.on_cpu():
       warnings.warn(
         "expert_backend='pallas' on a CPU runs the Pallas kernels in the interpreter: slow, "
         "for testing only",
         stacklevel=2,
       )
-    return ExpertPlan("pallas", kernel, interpret=on_cpu())
+    return ExpertPlan("pallas", kernel, interpret=platform.on_cpu())
   if config.expert_backend == "auto" and kernel is not None and measured_faster(kernel, num_rows):
     return ExpertPlan("pallas", kernel)
   if (
     unsupported_reason(REFERENCE, case) is None
-    and not on_cpu()
+    and not platform.on_cpu()
     and local_experts <= RAGGED_DOT_MAX_LOCAL_EXPERTS
     and not decode_sized(num_rows, local_experts)
   ):

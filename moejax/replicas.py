@@ -222,6 +222,11 @@ def _move(experts, plan: MovePlan, *, mesh: Mesh, config: MoEConfig):
 
 def _move_leaves(experts, plan: MovePlan, *, mesh: Mesh, config: MoEConfig):
   """`_move` on a dict of arrays."""
+  with sharding.running_on(mesh):  # its exchange: the mesh's platform's
+    return _move_on_mesh(experts, plan, mesh=mesh, config=config)
+
+
+def _move_on_mesh(experts, plan: MovePlan, *, mesh: Mesh, config: MoEConfig):
   specs, axis = _expert_specs(experts, config), config.expert_axes
   body = functools.partial(_move_local, axis=axis, devices=axis_groups.size(mesh, axis))
   per_device = P(spec_entry(axis))  # a row of the plan each expert-group device

@@ -16,6 +16,7 @@ import jax
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from kernels_pallas import platform
 from kernels_pallas.quantized import FORMATS
 from moejax import axis_groups, lora
 from moejax.axis_groups import spec_entry
@@ -186,6 +187,12 @@ def _check_fsdp_split(config: MoEConfig, shards: int) -> None:
         f"{config.data_axis!r} ({shards} devices): {shape[1]} is not divisible into "
         f"{shards} shards{straddle}"
       )
+
+
+def running_on(mesh: Mesh | None):
+  """Makes the device-dependent decisions inside (`kernels_pallas.platform`) for the devices a
+  call on `mesh` runs on (None: the default device), not the process's default device."""
+  return platform.running_on(None if mesh is None else mesh.devices.flat[0])
 
 
 def is_explicit(mesh: Mesh) -> bool:

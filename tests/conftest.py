@@ -3,8 +3,9 @@ strict JAX checks, a compilation cache for the run, and the test tiers.
 
 Tiers: `python -m pytest` runs the fast tier, every behavior once on small shapes; tests
 marked `slow` (subprocess runs, transformers and PEFT comparisons, extra meshes, kernel
-sweeps) run with `--all` (or when a `-m` expression selects them). `-n auto` spreads either
-over the cores (pytest-xdist).
+sweeps) and `gpu_compile` (XLA's GPU compiler on compile-only GPUs: needs JAX's CUDA plugin,
+skipped without it) run with `--all` (or when a `-m` expression selects them). `-n auto`
+spreads them over the cores (pytest-xdist).
 """
 
 import atexit
@@ -62,14 +63,20 @@ def pytest_addoption(parser: pytest.Parser) -> None:
   )
 
 
+# The tiers past the fast one: their markers.
+TIERS = ("slow", "gpu_compile")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-  """Deselects the slow tier unless `--all` or a `-m` expression asks otherwise."""
+  """Deselects the tiers past the fast one unless `--all` or a `-m` expression asks
+  otherwise."""
   if config.getoption("--all") or config.getoption("markexpr"):
     return
-  slow = [item for item in items if item.get_closest_marker("slow")]
-  if slow:
-    config.hook.pytest_deselected(items=slow)
-    items[:] = [item for item in items if not item.get_closest_marker("slow")]
+  later = lambda item: any(item.get_closest_marker(tier) for tier in TIERS)
+  deselected = [item for item in items if later(item)]
+  if deselected:
+    config.hook.pytest_deselected(items=deselected)
+    items[:] = [item for item in items if not later(item)]
 
 
 @pytest.fixture(autouse=True, scope="class")

@@ -121,13 +121,12 @@ def test_the_budget_and_its_errors():
     MoEConfig(**BASE, chunk_size="large")
 
 
-def test_the_gpu_budget_is_a_fraction_of_its_memory(monkeypatch):
+def test_the_gpu_budget_is_a_fraction_of_its_memory():
   from kernels_pallas import platform
 
   config = MoEConfig(**BASE)
-  monkeypatch.setattr(platform, "platform", lambda: "gpu")
-  monkeypatch.setattr(platform, "gpu_memory_bytes", lambda: 141 * 10**9)  # an H200
-  assert budget_bytes(config) == 141 * 10**9 // 16
-  monkeypatch.setattr(platform, "gpu_memory_bytes", lambda: None)  # JAX reports none
-  assert budget_bytes(config) == 1 << 30
+  with platform.targeting(platform.Target(platform="gpu", memory_bytes=141 * 10**9)):
+    assert budget_bytes(config) == 141 * 10**9 // 16
+  with platform.targeting(platform.Target(platform="gpu")):  # an unknown kind, no stats
+    assert budget_bytes(config) == 1 << 30
   assert budget_bytes(MoEConfig(**BASE, chunk_memory_bytes=123)) == 123

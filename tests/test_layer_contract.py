@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from kernels_pallas import platform
 from moejax import MoEConfig, eplb, ids, moe_apply, plan, reference_moe
 from tests.helpers import (
   BASE,
@@ -212,7 +213,8 @@ class RaggedDotPath(LayerContract):
 
   @pytest.fixture(autouse=True)
   def _as_on_a_gpu(self, monkeypatch):
-    monkeypatch.setattr(plan, "on_cpu", lambda: False)
+    # Plans as a GPU does, run on the CPU (a GPU `Target` would also take its collectives).
+    monkeypatch.setattr(platform, "on_cpu", lambda: False)
     assert plan.plan_experts(self.config(), num_rows=64, local_experts=2).path == "ragged_dot"
 
 

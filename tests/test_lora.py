@@ -16,6 +16,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import kernels_pallas
+from kernels_pallas import platform
 from moejax import (
   MoEConfig,
   MoELayer,
@@ -77,7 +78,8 @@ def expect_path(config: MoEConfig, path: str, monkeypatch) -> None:
   """Makes calls of `config` plan `path` on this CPU: ragged_dot as on a GPU with few local
   experts, the Pallas kernels in their interpreter."""
   if path == "ragged_dot":
-    monkeypatch.setattr(plan, "on_cpu", lambda: False)
+    # Plans as a GPU does, run on the CPU (a GPU `Target` would also take its collectives).
+    monkeypatch.setattr(platform, "on_cpu", lambda: False)
   assert plan.plan_experts(config, num_rows=64, local_experts=2).path == path
 
 

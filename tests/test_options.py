@@ -165,11 +165,14 @@ def test_expert_biases_always_plan_the_tile_loop(backend, capability, monkeypatc
   from kernels_pallas import api, platform
   from moejax import plan
 
-  monkeypatch.setattr(plan, "on_cpu", lambda: capability is None)
-  monkeypatch.setattr(platform, "gpu_compute_capability", lambda: capability)
   monkeypatch.setattr(api, "MEASURED_FASTER", {"mosaic": 0, "triton": 0})  # kernels "faster"
   config = MoEConfig(**{**BASE, "expert_bias": True}, expert_backend=backend)
-  with warnings.catch_warnings(record=True) as caught:
+  device = (
+    platform.Target(platform="cpu")
+    if capability is None
+    else platform.Target(platform="gpu", compute_capability=capability)
+  )
+  with warnings.catch_warnings(record=True) as caught, platform.targeting(device):
     warnings.simplefilter("always")
     chosen = plan.plan_experts(config, num_rows=64, local_experts=2)
   assert chosen == plan.ExpertPlan("tile_loop"), chosen

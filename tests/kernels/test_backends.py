@@ -25,22 +25,13 @@ from kernels_pallas.compat import jax_version
 from kernels_pallas.gmm_xla import moe_mlp_reference
 from kernels_pallas.ops import KernelSettings, transposed_grouped_matmul
 from kernels_pallas.quantized import BlockScaled
-from tests.helpers import seed_of, slow
+from tests.helpers import assert_close, seed_of, slow
 
 ON_GPU = jax.devices()[0].platform == "gpu"
 INTERPRET = not ON_GPU
 F32, BF16 = jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)
-# (atol, rtol) by output dtype; float32 differs from XLA only by the K-block summation order.
-TOLERANCE = {F32: (1e-6, 1e-6), BF16: (1e-2, 5e-3)}
 GRAD_ATOL = 2e-2  # fused MLP gradients, relative to their largest value
 BF16_PRESET = jax.lax.DotAlgorithmPreset.BF16_BF16_F32
-
-
-def assert_close(actual, expected, atol: float, rtol: float) -> None:
-  """chex's comparison in float32, after checking that every value is finite."""
-  actual, expected = (jnp.asarray(a, jnp.float32) for a in (actual, expected))
-  chex.assert_tree_all_finite(actual)
-  chex.assert_trees_all_close(actual, expected, atol=atol, rtol=rtol)
 
 
 def random_sizes(key, groups: int, num_rows: int, empty: tuple[int, ...] = (1,)) -> jax.Array:
@@ -156,7 +147,7 @@ class GroupedMatmulTestBase:
       return
     got = call()
     assert got.dtype == (out_dtype or dtype)
-    assert_close(got, reference_gmm(lhs, rhs, sizes), *TOLERANCE[jnp.dtype(got.dtype)])
+    assert_close(got, reference_gmm(lhs, rhs, sizes), got.dtype, comparison="kernel")
 
   def test_rows_past_the_groups_sum_give_zero(self, request):
     lhs, rhs, sizes = operands(request.node.name, 100, 64, 64, 4, BF16)
@@ -168,7 +159,7 @@ class GroupedMatmulTestBase:
     got = np.asarray(call().astype(jnp.float32))
     total = int(jnp.sum(sizes))
     assert total < 100 and np.all(got[total:] == 0)
-    assert_close(got[:total], reference_gmm(lhs, rhs, sizes)[:total], *TOLERANCE[BF16])
+    assert_close(got[:total], reference_gmm(lhs, rhs, sizes)[:total], BF16, comparison="kernel")
 
   @pytest.mark.slow
   def test_every_zero_size_group_pattern(self, request):
@@ -183,7 +174,7 @@ class GroupedMatmulTestBase:
     full = jnp.array([3, 9, 1, 12, 7, 2, 15, 8], jnp.int32)  # sum 57 < 64
     for present in itertools.product([0, 1], repeat=groups):
       sizes = full * jnp.array(present, jnp.int32)
-      assert_close(run(sizes), reference_gmm(lhs, rhs, sizes), *TOLERANCE[BF16])
+      assert_close(run(sizes), reference_gmm(lhs, rhs, sizes), BF16, comparison="kernel")
 
   # Four of the peer suite's eight (m, k, n) in [128, 1024] x [64, 128] x [128, 256]: each
   # size of each dimension twice, each pair of sizes once. On the JAX of the GPU machine
@@ -262,13 +253,13 @@ class GroupedMatmulTestBase:
 
     if self.skip_unsupported(lambda: jax.jit(kernel)(*args), BF16, activation):
       return
-    assert_close(jax.jit(kernel)(*args), jax.jit(reference)(*args), *TOLERANCE[BF16])
+    assert_close(jax.jit(kernel)(*args), jax.jit(reference)(*args), BF16, comparison="kernel")
     loss = lambda mlp: lambda *a: jnp.sum(mlp(*a).astype(jnp.float32) * probe)
     got = jax.jit(jax.grad(loss(kernel), argnums=(0, 1, 2, 3)))(*args)
     want = jax.jit(jax.grad(loss(reference), argnums=(0, 1, 2, 3)))(*args)
     for g, w in zip(got, want, strict=True):
       scale = float(jnp.max(jnp.abs(w)))
-      assert_close(g.astype(jnp.float32) / scale, w / scale, GRAD_ATOL, 0.0)
+      assert_close(g.astype(jnp.float32) / scale, w / scale, atol=GRAD_ATOL, rtol=0.0)
 
   @pytest.mark.parametrize("rhs_format, block", QUANTIZED, ids=[q[0] for q in QUANTIZED])
   def test_block_scaled_rhs_matches_its_dequantized_weights(self, rhs_format, block, request):
@@ -288,10 +279,10 @@ class GroupedMatmulTestBase:
     reference = lambda a: reference_gmm(a, jnp.asarray(dequantized), sizes)
     got, kernel_vjp = jax.vjp(kernel, lhs)
     assert np.all(np.asarray(got)[total:] == 0)
-    assert_close(got[:total], reference(lhs)[:total], 1e-5, 1e-5)
+    assert_close(got[:total], reference(lhs)[:total], atol=1e-5, rtol=1e-5)
     d_out = jax.random.normal(keys[3], got.shape)
     want = jax.vjp(reference, jnp.where(jnp.isnan(lhs), 0.0, lhs))[1](d_out)
-    assert_close(jax.jit(kernel_vjp)(d_out)[0], want[0], 1e-5, 1e-5)
+    assert_close(jax.jit(kernel_vjp)(d_out)[0], want[0], atol=1e-5, rtol=1e-5)
 
   @pytest.mark.parametrize("rhs_format, block", QUANTIZED, ids=[q[0] for q in QUANTIZED])
   def test_moe_mlp_with_block_scaled_weights(self, rhs_format, block, request):
@@ -320,13 +311,13 @@ class GroupedMatmulTestBase:
     run = jax.jit(kernel)
     if self.skip_unsupported(lambda: run(x, weights), BF16, "silu", rhs_format=rhs_format):
       return
-    assert_close(run(x, weights), reference(x, weights), *TOLERANCE[BF16])
+    assert_close(run(x, weights), reference(x, weights), BF16, comparison="kernel")
     loss = lambda mlp: lambda *a: jnp.sum(mlp(*a).astype(jnp.float32) * probe)
     got = jax.jit(jax.grad(loss(kernel), argnums=(0, 1)))(x, weights)
     want = jax.jit(jax.grad(loss(reference), argnums=(0, 1)))(x, weights)
     for g, w in zip(got, want, strict=True):
       scale = float(jnp.max(jnp.abs(w)))
-      assert_close(g.astype(jnp.float32) / scale, w / scale, GRAD_ATOL, 0.0)
+      assert_close(g.astype(jnp.float32) / scale, w / scale, atol=GRAD_ATOL, rtol=0.0)
 
   @pytest.mark.parametrize("dtype", [F32, BF16])
   def test_tgmm_matches_per_group_products(self, dtype, request):
@@ -356,7 +347,7 @@ class GroupedMatmulTestBase:
     chex.assert_shape(got, (groups, k, n))
     assert np.all(np.asarray(got)[[0, 3]] == 0)  # empty groups
     atol = 1e-5 * np.sqrt(m) if dtype == F32 else 2e-2 * np.sqrt(m)
-    assert_close(got, want, atol, TOLERANCE[jnp.dtype(dtype)][1])
+    assert_close(got, want, dtype, comparison="kernel", atol=atol)
 
 
 class TestXla(GroupedMatmulTestBase):

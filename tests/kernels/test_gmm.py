@@ -183,13 +183,13 @@ def test_the_selector_walks_the_registry_in_order():
 def test_auto_takes_a_kernel_only_where_measured_faster(monkeypatch):
   from kernels_pallas import api, platform
 
-  monkeypatch.setattr(platform, "gpu_compute_capability", lambda: "9.0")
-  assert api.best_implementation(jnp.bfloat16, "silu", num_rows=1 << 20) == "xla"  # no record
-  monkeypatch.setattr(api, "MEASURED_FASTER", {"mosaic": 8192})
-  assert api.best_implementation(jnp.bfloat16, "silu", num_rows=8192) == "mosaic"
-  assert api.best_implementation(jnp.bfloat16, "silu", num_rows=4096) == "xla"  # unmeasured
-  assert api.best_implementation(jnp.float32, "silu", num_rows=8192) == "xla"  # unsupported
-  assert api.best_implementation(jnp.bfloat16, "gelu", num_rows=8192) == "xla"
+  with platform.targeting(platform.Target(platform="gpu", compute_capability="9.0")):
+    assert api.best_implementation(jnp.bfloat16, "silu", num_rows=1 << 20) == "xla"  # no record
+    monkeypatch.setattr(api, "MEASURED_FASTER", {"mosaic": 8192})
+    assert api.best_implementation(jnp.bfloat16, "silu", num_rows=8192) == "mosaic"
+    assert api.best_implementation(jnp.bfloat16, "silu", num_rows=4096) == "xla"  # unmeasured
+    assert api.best_implementation(jnp.float32, "silu", num_rows=8192) == "xla"  # unsupported
+    assert api.best_implementation(jnp.bfloat16, "gelu", num_rows=8192) == "xla"
 
 
 def test_a_jax_without_pallas_triton_is_reported_not_an_import_error(monkeypatch):
