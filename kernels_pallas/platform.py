@@ -74,7 +74,8 @@ _CALL: contextvars.ContextVar[Target | None] = contextvars.ContextVar("call", de
 @contextlib.contextmanager
 def targeting(target: Target | jax.Device) -> Iterator[None]:
   """Makes the decisions inside for `target` (a `Target` or a device), whatever devices the
-  calls inside run on."""
+  calls inside run on. It acts on what is traced inside: a program jit has already traced
+  and cached for the same arguments is not traced again (jit's cache does not key on it)."""
   token = _EXPLICIT.set(target if isinstance(target, Target) else Target.of(target))
   try:
     yield

@@ -19,6 +19,7 @@ The GPUs it knows are `GPUS` (`kernels_pallas.gpus`): A100, H100, H200 and B200,
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 import numpy as np
@@ -44,6 +45,9 @@ def compile_only_devices(target: str, nodes: int = 1, gpus_per_node: int = 8) ->
     raise ValueError(f"{nodes=} and {gpus_per_node=} must be >= 1")
   from jax.experimental import topologies
 
+  # Without a GPU driver the CUDA plugin refuses to load unless told to skip its checks of
+  # the driver's libraries; it reads this when JAX first initializes its backends.
+  os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
   try:
     topology = topologies.get_topology_desc(
       target,
@@ -54,7 +58,9 @@ def compile_only_devices(target: str, nodes: int = 1, gpus_per_node: int = 8) ->
   except Exception as error:  # the plugin's absence surfaces as several error types
     raise RuntimeError(
       "compile-only GPU devices need JAX's CUDA plugin (pip install 'jax[cuda13]' or "
-      f"'jax[cuda12]' at the installed JAX's version; no GPU needed): {error}"
+      "'jax[cuda12]' at the installed JAX's version; no GPU needed) and, on a machine "
+      "without a GPU driver, JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 or JAX_PLATFORMS=cpu set "
+      f"before JAX first initializes its backends: {error}"
     ) from error
   return list(topology.devices)
 

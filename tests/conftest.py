@@ -59,7 +59,7 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
 
 def pytest_addoption(parser: pytest.Parser) -> None:
   parser.addoption(
-    "--all", action="store_true", help="run every tier: the fast one and the tests marked slow"
+    "--all", action="store_true", help="run every tier: the fast one, slow and gpu_compile"
   )
 
 

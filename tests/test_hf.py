@@ -14,12 +14,13 @@ import pytest
 from safetensors import safe_open
 
 from moejax import hf, hf_lora, moe_apply
-from tests.helpers import mesh_of, random_adapters, seed_of
+from tests.helpers import mesh_id, mesh_of, random_adapters, seed_of, slow
 from tests.hf_checkpoints import FAMILIES, D, E, F, T, save_raw, write_checkpoint
 
 
+@pytest.mark.parametrize("mesh_shape", [slow(None), (2, 4)], ids=mesh_id)
 @pytest.mark.parametrize("model_type", FAMILIES)
-def test_family_loads_and_matches_its_numpy_block(model_type, tmp_path, request):
+def test_family_loads_and_matches_its_numpy_block(model_type, mesh_shape, tmp_path, request):
   layer = 3
   hf_config, get = write_checkpoint(tmp_path, model_type, layer, seed=seed_of(request.node.name))
   config = hf.config_from_hf(hf_config, chunk_size=5)
@@ -30,9 +31,8 @@ def test_family_loads_and_matches_its_numpy_block(model_type, tmp_path, request)
   expected = np.where(
     mask[:, None], FAMILIES[model_type][3](x.astype(np.float64), get, hf_config), 0
   )
-  y, _ = moe_apply(
-    params, jnp.asarray(x), config=config, mesh=mesh_of(2, 4), token_mask=jnp.asarray(mask)
-  )
+  mesh = None if mesh_shape is None else mesh_of(*mesh_shape)
+  y, _ = moe_apply(params, jnp.asarray(x), config=config, mesh=mesh, token_mask=jnp.asarray(mask))
   chex.assert_trees_all_close(y, expected.astype(np.float32), atol=2e-4, rtol=2e-4)
 
 
