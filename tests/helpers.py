@@ -267,11 +267,11 @@ def check_layer(
 
 
 def assert_trees_close(actual, expected, dtype=jnp.float32, what: str = "value") -> None:
-  """`assert_close` leaf by leaf (None leaves must match), each named by its path."""
+  """`assert_close` leaf by leaf, each named by its path; the trees' structures must match."""
+  structures = jax.tree.structure(actual), jax.tree.structure(expected)
+  assert structures[0] == structures[1], f"{what}: tree {structures[0]} != {structures[1]}"
   paths = jax.tree_util.tree_flatten_with_path(expected)[0]
-  leaves = jax.tree.leaves(actual)
-  assert len(leaves) == len(paths), f"{what}: {len(leaves)} leaves, expected {len(paths)}"
-  for (path, want), got in zip(paths, leaves, strict=True):
+  for (path, want), got in zip(paths, jax.tree.leaves(actual), strict=True):
     assert_close(got, want, dtype, f"{what}{jax.tree_util.keystr(path)}")
 
 
