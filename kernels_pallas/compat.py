@@ -41,10 +41,10 @@ def varying_axes(x: jax.Array) -> frozenset[str]:
 def vary_like(x: jax.Array, like: jax.Array) -> jax.Array:
   """x, typed as varying over every `shard_map` axis `like` varies over.
 
-  A custom VJP's cotangent must have its primal's type. A Mosaic GPU kernel's output does not
-  carry the varying axes of its `out_type` (JAX 0.11), so the weights' cotangents computed by
-  the transposed kernel came back typed as invariant, and the gradient failed to trace on a
-  GPU ("... so the manual axis types do not match"); the values are per device already.
+  A Mosaic GPU kernel's output does not carry the varying axes of its `out_type` (JAX 0.11):
+  the weights' cotangents of the transposed kernel came back typed as invariant, and the
+  gradient failed to trace on a GPU (a custom VJP's cotangent must have its primal's type:
+  "... so the manual axis types do not match"). The values are per device already.
   """
   missing = tuple(sorted(varying_axes(like) - varying_axes(x)))
   return jax.lax.pcast(x, missing, to="varying") if missing else x

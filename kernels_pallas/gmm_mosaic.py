@@ -34,6 +34,7 @@ from kernels_pallas.compat import (
   mosaic_operands_transposed_in_smem,
   out_struct,
   target_num_sms,
+  vary_like,
 )
 from kernels_pallas.dequant import by_parity, from_parity, kernel_rhs
 from kernels_pallas.metadata import aligned_rows, max_visits
@@ -340,7 +341,7 @@ def gmm_mosaic(
     **_launch(interpret),
   )
   rhs_operands = (rhs,) if quantized is None else (quantized.bits, quantized.scales)
-  out = kernel(rows.tile_ends, lhs_aligned, *rhs_operands)
+  out = vary_like(kernel(rows.tile_ends, lhs_aligned, *rhs_operands), lhs_aligned)
   if quant and quant.paired and not transpose_rhs:  # output columns came by parity
     out = from_parity(out, blocks.block_n)
   out = _gather_rows(out, rows.source_row)
@@ -492,4 +493,5 @@ def tgmm_mosaic(
     **_launch(interpret),
   )
   dout_aligned = _gather_rows(dout, rows.row_source)  # [R, N]
-  return kernel(rows.tile_ends - tile_counts, tile_counts, lhs_aligned, dout_aligned)
+  out = kernel(rows.tile_ends - tile_counts, tile_counts, lhs_aligned, dout_aligned)
+  return vary_like(out, lhs_aligned)

@@ -17,7 +17,6 @@ import jax.numpy as jnp
 
 from kernels_pallas.activations import activate
 from kernels_pallas.backends import BACKENDS, Case, unsupported_reason
-from kernels_pallas.compat import vary_like
 from kernels_pallas.dequant import kernel_form
 from kernels_pallas.quantized import BlockScaled, format_of, is_block_scaled
 
@@ -188,11 +187,11 @@ def _gmm_bwd(settings, residuals, dout):
   parts = split_in_parts(dout, lhs.dtype)
   d_lhs = sum(grouped_matmul(p, rhs, group_sizes, f32, transpose_rhs=True) for p in parts)
   if is_block_scaled(rhs):  # quantized weights are constants
-    return vary_like(d_lhs.astype(lhs.dtype), lhs), None, None
+    return d_lhs.astype(lhs.dtype), None, None
   # d(rhs) of every part in one call: the parts side by side as columns, summed after.
   d_rhs = transposed_grouped_matmul(lhs, jnp.concatenate(parts, axis=1), group_sizes, settings)
   d_rhs = sum(jnp.split(d_rhs, len(parts), axis=2))
-  return vary_like(d_lhs.astype(lhs.dtype), lhs), vary_like(d_rhs.astype(rhs.dtype), rhs), None
+  return d_lhs.astype(lhs.dtype), d_rhs.astype(rhs.dtype), None
 
 
 gmm_vjp.defvjp(_gmm_fwd, _gmm_bwd)
@@ -230,16 +229,8 @@ def _moe_mlp_bwd(activation, settings, residuals, d_out):
     d_scaled = (d_out * row_weights[:, None]).astype(x.dtype)
     d_w_down = transposed_grouped_matmul(hidden.astype(x.dtype), d_scaled, group_sizes, settings)
     d_w_gate_up = transposed_grouped_matmul(x, d_gate_up, group_sizes, settings)
-    d_weights = (
-      vary_like(d_w_gate_up.astype(w_gate_up.dtype), w_gate_up),
-      vary_like(d_w_down.astype(w_down.dtype), w_down),
-    )
-  return (
-    vary_like(d_x.astype(x.dtype), x),
-    *d_weights,
-    None,
-    vary_like(d_row_weights.astype(row_weights.dtype), row_weights),
-  )
+    d_weights = (d_w_gate_up.astype(w_gate_up.dtype), d_w_down.astype(w_down.dtype))
+  return (d_x.astype(x.dtype), *d_weights, None, d_row_weights.astype(row_weights.dtype))
 
 
 moe_mlp_vjp.defvjp(_moe_mlp_fwd, _moe_mlp_bwd)
