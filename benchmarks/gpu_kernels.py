@@ -268,9 +268,6 @@ def run_quant(smoke: bool, record: Callable[[dict], None]) -> None:
 
 def tune(cases) -> None:
   """Autotunes the Mosaic forward kernel's blocks for each case's gmm shape."""
-  candidates = [
-    MosaicBlocks(bm, bn, 64, steps) for bm in (64, 128) for bn in (128, 256) for steps in (3, 4)
-  ]
   for shape, tokens, _ in cases:
     rows = tokens * shape.top_k
     x = jnp.ones((rows, shape.d), jnp.bfloat16)
@@ -280,7 +277,7 @@ def tune(cases) -> None:
     make_call = lambda blocks, x=x, w=w, sizes=sizes: functools.partial(
       jax.jit(functools.partial(gmm, implementation="mosaic", config=blocks)), x, w, sizes
     )
-    print(f"tuned {key}: {autotune.autotune(key, candidates, make_call)}")
+    print(f"tuned {key}: {autotune.autotune(key, autotune.MOSAIC_CANDIDATES, make_call)}")
 
 
 def format_quant_table(rows: list[dict]) -> str:

@@ -16,12 +16,21 @@ from pathlib import Path
 
 import jax
 
+from kernels_pallas import platform
 from kernels_pallas.backends import BACKENDS
 from kernels_pallas.gmm_mosaic import MosaicBlocks
 from kernels_pallas.gmm_triton import TritonBlocks
 
 CONFIG_DIR = Path(__file__).parent / "configs"
 _BLOCK_TYPES = {b.blocks_type.__name__: b.blocks_type for b in BACKENDS.values() if b.blocks_type}
+
+# The Mosaic forward kernel's blocks `benchmarks/gpu_kernels.py --tune` times (bf16 gmm).
+MOSAIC_CANDIDATES = tuple(
+  MosaicBlocks(block_m, block_n, 64, steps)
+  for block_m in (64, 128)
+  for block_n in (128, 256)
+  for steps in (3, 4)
+)
 
 
 def cache_key(op: str, implementation: str, shape: Sequence[int], dtype) -> str:
@@ -31,8 +40,9 @@ def cache_key(op: str, implementation: str, shape: Sequence[int], dtype) -> str:
 
 
 def cache_file(device_kind: str | None = None, directory: Path = CONFIG_DIR) -> Path:
-  """The JSON file for a device kind (default: the default device's)."""
-  kind = device_kind or jax.devices()[0].device_kind
+  """The JSON file for a device kind (default: that of the device the call is made for,
+  `kernels_pallas.platform.target`)."""
+  kind = device_kind or platform.target().device_kind
   return directory / f"{re.sub(r'[^a-z0-9]+', '_', kind.lower()).strip('_')}.json"
 
 
@@ -80,7 +90,7 @@ def autotune(
     key: from `cache_key`.
     candidates: block configurations to try.
     make_call: maps blocks to a zero-argument function running the kernel with them.
-    path: the JSON cache (default: `cache_file()` of the default device).
+    path: the JSON cache (default: `cache_file()` of the device the call is made for).
     timer: measures a call in seconds.
 
   Returns:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import jax
+from jax.experimental.layout import Layout, with_layout_constraint
 
 from kernels_pallas.quantized import FORMATS, BlockScaled, is_block_scaled
 from moejax import lora as lora_lib
@@ -94,13 +95,27 @@ class ExpertWeights(NamedTuple):
     """One expert's weights ([D, 2F], [F, D], [2F], [D], its adapters) in `dtype`: slices, a
     quantized matrix dequantized (only this expert's values and scales are read)."""
     take = lambda w: None if w is None else jax.tree.map(lambda a: a[expert], w)
-    matrix = lambda w: w[expert].dequantize(dtype) if is_block_scaled(w) else w[expert]
+    matrix = lambda w: as_stored(w[expert]).dequantize(dtype) if is_block_scaled(w) else w[expert]
     return ExpertWeights(matrix(self.w_gate_up), matrix(self.w_down), *map(take, self[2:]))
 
   @property
   def quantized(self) -> bool:
     """Whether the matrices are `BlockScaled` (constants: no gradient is computed for them)."""
     return is_block_scaled(self.w_gate_up)
+
+
+def as_stored(w: BlockScaled) -> BlockScaled:
+  """`w` with every leaf held to the row-major layout it is stored in.
+
+  XLA:GPU gives a 4-bit matrix (mxfp4, int4_group, nvfp4) its input dimension minor for the
+  decode, and would give that layout to the array it is sliced from: in a loop over stacked
+  layers (`lax.scan` over stacked `MoEParams`, as deep models run), a transposed copy of
+  every layer's expert weights made before the loop. Held here, at the slice a decode reads,
+  only that slice is laid out anew (measured on a compile-only H200: the copy is gone, no
+  temp is added; docs/performance.md, "GPU").
+  """
+  pin = lambda leaf: with_layout_constraint(leaf, Layout(tuple(range(leaf.ndim))))
+  return jax.tree.map(pin, w)
 
 
 class SharedWeights(NamedTuple):
