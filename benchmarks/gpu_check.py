@@ -21,6 +21,13 @@ stop the others), each writing `DIR/<part>.json` as it goes:
              chunk_size="auto" (the default, by the GPU's memory) against 256, at 2048 and
              16384 tokens: the GPU default, measured
 
+Each part's JSON header records what moejax plans with on the device
+(`kernels_pallas.platform.Target`) beside what the device reports and the known GPUs' table
+(`kernels_pallas.gpus`, the facts `moejax.targets`' compile-only GPUs answer with), so a run
+shows where they differ. CI compiles every GPU path without a GPU (tests/test_gpu_compile.py);
+this run is what checks their numbers and speed: the Pallas gradient under `shard_map`, fixed
+from a compile-only H200 alone (`layer`), has not run on a GPU yet.
+
 The run ends with `DIR/gpu_check.json` (status per part) and `DIR/gpu_check.md` (tables), and
 exits non-zero if any part failed, crashed or timed out, saying which.
 
@@ -426,6 +433,31 @@ def run_parts(parts: list[str], out: Path, smoke: bool) -> dict[str, dict]:
   return summary
 
 
+def device_facts(device) -> dict:
+  """What moejax plans with on this device (`kernels_pallas.platform.Target`: the same facts
+  `moejax.targets`' compile-only GPUs answer with), beside what the device itself reports
+  and the known GPUs' table (`kernels_pallas.gpus`), so that a run shows where they differ."""
+  from kernels_pallas import gpus, platform
+
+  target = platform.Target.of(device)
+  known = gpus.BY_DEVICE_KIND.get(device.device_kind)
+  stats = device.memory_stats() or {}
+  return dict(
+    target=dict(
+      compute_capability=target.compute_capability,
+      sm_count=target.sm_count,
+      memory_bytes=target.memory_bytes,
+    ),
+    reported=dict(
+      core_count=getattr(device, "core_count", None),
+      bytes_limit=stats.get("bytes_limit"),
+    ),
+    known_gpu=None
+    if known is None
+    else dict(name=known.name, sm_count=known.sm_count, memory_bytes=known.memory_bytes),
+  )
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--out", required=True, help="folder for the JSON and markdown results")
@@ -439,9 +471,11 @@ def main() -> None:
     sys.path.insert(0, str(ROOT))  # moejax, kernels_pallas and tests, from this checkout
     import jax
 
-    device = jax.devices()[0].device_kind
-    print(f"{device}, JAX {jax.__version__}", flush=True)
-    PARTS[args.part](out, args.smoke, Recorder(out / f"{args.part}.json", device, jax.__version__))
+    device = jax.devices()[0]
+    print(f"{device.device_kind}, JAX {jax.__version__}", flush=True)
+    record = Recorder(out / f"{args.part}.json", device.device_kind, jax.__version__)
+    record.header |= device_facts(device)
+    PARTS[args.part](out, args.smoke, record)
     return
   unknown = set(args.parts.split(",")) - set(PARTS)
   if unknown:

@@ -4,10 +4,12 @@ The chunk exists to bound what one step of the chunk loop holds; every chunk als
 pass over the local experts' weights (docs/performance.md, "Chunk loop"), so the chunk
 should be as large as the budget allows. What one chunk holds grows with the rows a device
 receives for it, R = S·C (the gathered chunk of all_gather, the static receive buffers of
-all_to_all), and `CHUNK_TERMS` lists it, per received row. The sum is an upper bound for
-both exchange schemes and for the gradient, which the chunk does not know it will have (the
+all_to_all), and `CHUNK_TERMS` lists it, per received row, with what XLA:GPU's ragged_dot
+adds where the plan takes it (`ragged_dot_bytes`). The sum is an upper bound for both
+exchange schemes and for the gradient, which the chunk does not know it will have (the
 backward pass recomputes each chunk and holds its cotangents), checked against the compiled
-program's `memory_analysis()` (tests/test_chunk_budget.py). `outside_chunks` says what no
+program's `memory_analysis()` on XLA:CPU (tests/test_chunk_budget.py) and on compile-only
+H200s (tests/test_gpu_compile.py). `outside_chunks` says what no
 chunk size bounds (the stated slack): the device's padded inputs and outputs, and the
 gradient of its expert weights.
 
@@ -31,6 +33,7 @@ from kernels_pallas import platform
 from moejax.config import MoEConfig
 from moejax.dispatch import resolve_dispatch
 from moejax.experts import default_tile_rows
+from moejax.plan import choose_plan
 
 GRANULARITY = 8  # rows: a chunk of several is a multiple of the tile loop's smallest tile
 CPU_BUDGET_BYTES = 256 << 20
@@ -78,9 +81,25 @@ def tile_padding_bytes(config: MoEConfig, chunk: int, axis_size: int) -> int:
   return local_experts * tile_rows * config.hidden_size * 2 * F32
 
 
+def ragged_dot_bytes(config: MoEConfig, chunk: int, axis_size: int) -> int:
+  """What XLA:GPU's ragged_dot adds to a chunk where the plan takes it (0 elsewhere): its GPU
+  lowering expands each grouped matmul densely over the El local experts, and the gradient
+  holds, per received (row, choice) and local expert, up to (5·D + 10·F) times the compute
+  dtype's bytes. Measured on compile-only H200 programs in bf16 (El 4 and 8, K 2 and 4, D
+  1024 and 2048, F 512 and 1024: 146-578·D per received row, 6x the other terms; the
+  forward stays within them); float32 scaled by its size, not measured."""
+  received = axis_size * chunk
+  local_experts = config.num_physical_experts // axis_size
+  plan, _ = choose_plan(config, num_rows=received * config.top_k, local_experts=local_experts)
+  if plan.path != "ragged_dot":
+    return 0
+  per_pair = (5 * config.hidden_size + 10 * config.intermediate_size) * local_experts
+  return received * config.top_k * per_pair * np.dtype(config.dtype).itemsize
+
+
 def chunk_bytes(config: MoEConfig, chunk: int, axis_size: int) -> int:
   """What one chunk of `chunk` rows per device holds: `CHUNK_TERMS` for each of the S·C rows
-  it receives, and the tile padding."""
+  it receives, the tile padding, and ragged_dot's dense expansion on a GPU."""
   scheme = resolve_dispatch(config.dispatch, axis_size, platform.platform())
   row = RowShape(
     config.hidden_size,
@@ -90,7 +109,9 @@ def chunk_bytes(config: MoEConfig, chunk: int, axis_size: int) -> int:
     all_to_all=scheme == "all_to_all",
   )
   per_row = sum(term(row) for term in CHUNK_TERMS.values())
-  return math.ceil(per_row * axis_size * chunk) + tile_padding_bytes(config, chunk, axis_size)
+  padding = tile_padding_bytes(config, chunk, axis_size)
+  expansion = ragged_dot_bytes(config, chunk, axis_size)
+  return math.ceil(per_row * axis_size * chunk) + padding + expansion
 
 
 def outside_chunks(config: MoEConfig, rows: int, local_experts: int) -> int:

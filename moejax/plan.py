@@ -90,30 +90,40 @@ def plan_experts(config: MoEConfig, num_rows: int, local_experts: int) -> Expert
   >>> plan_experts(config, num_rows=512, local_experts=8)  # on a CPU
   ExpertPlan(path='tile_loop', backend=None, interpret=False)
   """
+  plan, warning = choose_plan(config, num_rows, local_experts)
+  if warning is not None:
+    warnings.warn(warning, stacklevel=2)
+  return plan
+
+
+def choose_plan(
+  config: MoEConfig, num_rows: int, local_experts: int
+) -> tuple[ExpertPlan, str | None]:
+  """`plan_experts`' choice, and the warning it deserves (None): for callers that only ask
+  which path a call would take (`moejax.chunk_budget`)."""
   case = expert_case(config)
   kernel = select_kernel(case)
   if config.expert_backend == "pallas":
     if kernel is None:
-      warnings.warn(
+      warning = (
         "expert_backend='pallas' falls back to the XLA tile loop: no kernel runs it "
-        f"({no_kernel_reason(case)})",
-        stacklevel=2,
+        f"({no_kernel_reason(case)})"
       )
-      return ExpertPlan("tile_loop")
+      return ExpertPlan("tile_loop"), warning
+    warning = None
     if platform.on_cpu():
-      warnings.warn(
+      warning = (
         "expert_backend='pallas' on a CPU runs the Pallas kernels in the interpreter: slow, "
-        "for testing only",
-        stacklevel=2,
+        "for testing only"
       )
-    return ExpertPlan("pallas", kernel, interpret=platform.on_cpu())
+    return ExpertPlan("pallas", kernel, interpret=platform.on_cpu()), warning
   if config.expert_backend == "auto" and kernel is not None and measured_faster(kernel, num_rows):
-    return ExpertPlan("pallas", kernel)
+    return ExpertPlan("pallas", kernel), None
   if (
     unsupported_reason(REFERENCE, case) is None
     and not platform.on_cpu()
     and local_experts <= RAGGED_DOT_MAX_LOCAL_EXPERTS
     and not decode_sized(num_rows, local_experts)
   ):
-    return ExpertPlan("ragged_dot", REFERENCE)
-  return ExpertPlan("tile_loop")
+    return ExpertPlan("ragged_dot", REFERENCE), None
+  return ExpertPlan("tile_loop"), None

@@ -10,6 +10,7 @@ import contextlib
 import dataclasses
 import functools
 import json
+import math
 import re
 from typing import NamedTuple
 
@@ -22,13 +23,25 @@ from kernels_pallas import autotune, platform
 from kernels_pallas.backends import BACKENDS
 from kernels_pallas.gpus import GPUS
 from kernels_pallas.ops import KernelSettings, grouped_matmul, transposed_grouped_matmul
-from moejax import MoEConfig, MoEParams, moe_apply, param_shapes, targets
-from moejax.chunk_budget import budget_bytes
+from moejax import MoEConfig, MoEParams, chunk_layout, moe_apply, param_shapes, targets
+from moejax.chunk_budget import budget_bytes, chunk_bytes, outside_chunks
 from moejax.lora import expert_lora_shapes, init_like
+from moejax.params import EXPERT_PARAMS
 from moejax.plan import ExpertPlan, plan_experts
-from moejax.quant import quantize, quantize_experts
+from moejax.quant import quantize_experts
 from moejax.sharding import LayerSpecs, map_params
 from tests.helpers import expect_triton_deprecation
+from tests.lowering import block_scaled_spec, branch_depths, collectives, instructions
+
+
+@pytest.fixture(autouse=True)
+def _no_persistent_compilation_cache():
+  """Off for these tests: a compile-only client cannot read a program back from JAX's
+  persistent cache ("PjRtCompiler must be constructed with a Client")."""
+  enabled = jax.config.jax_enable_compilation_cache
+  jax.config.update("jax_enable_compilation_cache", False)
+  yield
+  jax.config.update("jax_enable_compilation_cache", enabled)
 
 
 def _cuda_plugin_missing() -> str | None:
@@ -89,12 +102,13 @@ def abstract_tokens(
   )
 
 
-def compile_layer(config: MoEConfig, mesh, gradient: bool):
-  """The layer's forward, or its gradient with respect to every parameter and x, compiled."""
+def compile_layer(config: MoEConfig, mesh, gradient: bool, tokens_per_device=TOKENS_PER_DEVICE):
+  """The layer's forward, or its gradient with respect to every float parameter and x,
+  compiled."""
   forward = lambda p, x: moe_apply(p, x, config=config, mesh=mesh)[0]
   loss = lambda p, x: jnp.sum(forward(p, x).astype(jnp.float32))
-  program = jax.grad(loss, argnums=(0, 1)) if gradient else forward
-  inputs = abstract_params(config, mesh), abstract_tokens(config, mesh)
+  program = jax.grad(loss, argnums=(0, 1), allow_int=True) if gradient else forward
+  inputs = abstract_params(config, mesh), abstract_tokens(config, mesh, tokens_per_device)
   return jax.jit(program).lower(*inputs).compile()
 
 
@@ -165,6 +179,103 @@ def test_the_xla_paths_compile_on_two_nodes(dispatch):
     assert compiled.memory_analysis().temp_size_in_bytes < GPUS["h200"].memory_bytes
 
 
+BF16 = dict(dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
+# Each quantized format's fields (its scale block where the config chooses one).
+QUANTIZED = {
+  "fp8_block": dict(expert_quant="fp8_block", quant_block_size=(128, 128)),
+  "mxfp4": dict(expert_quant="mxfp4"),
+  "int4_group": dict(expert_quant="int4_group", quant_block_size=(32, 1)),
+  "nvfp4": dict(expert_quant="nvfp4"),
+}
+EXPERT_MESH = ((1, 8), ("data", "expert"))
+# (config fields, (mesh shape, mesh axis names)) of each path and option on 8 H200s.
+PATHS = {
+  "tile-loop": (dict(num_experts=128), EXPERT_MESH),  # 16 local experts
+  "lora-ragged-dot": (dict(lora_rank=8), EXPERT_MESH),
+  "lora-pallas": (dict(lora_rank=8, expert_backend="pallas"), EXPERT_MESH),
+  "axis-group": (dict(expert_axis=("expert", "tensor")), ((2, 2, 2), ("data", "expert", "tensor"))),
+  **{f"tile-loop-{name}": (fields, EXPERT_MESH) for name, fields in QUANTIZED.items()},
+  **{
+    f"pallas-{name}": (fields | dict(expert_backend="pallas"), EXPERT_MESH)
+    for name, fields in QUANTIZED.items()
+  },
+}
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_every_path_compiles_its_gradient(path):
+  """Each expert path the plan takes on an H200 and each option, with every quantized format
+  on the tile loop and the Mosaic kernels, the gradient of every float parameter (LoRA's
+  adapters, an axis group's experts) and x: XLA's GPU compiler builds it."""
+  fields, (shape, names) = PATHS[path]
+  config = MoEConfig(**LAYER | fields, **BF16)
+  mesh = targets.target_mesh("h200", shape, names)
+  memory = compile_layer(config, mesh, gradient=True).memory_analysis()
+  assert 0 < memory.temp_size_in_bytes < GPUS["h200"].memory_bytes
+
+
+def test_fsdp_gathers_outside_the_chunk_loop_on_the_gpu():
+  """FSDP over a data axis of 2 on 8 H200s: the gradient's program gathers the expert weights
+  once, before the chunk loop, reduce-scatters their gradients, and all-reduces nothing as
+  large as a device's gathered weights."""
+  config = MoEConfig(**LAYER, **BF16, expert_fsdp=True, dispatch="all_to_all", chunk_size=128)
+  compiled = compile_layer(config, targets.target_mesh("h200", (2, 4)), gradient=True)
+  text = compiled.as_text()
+  assert " while(" in text  # the chunk loop is there (4 chunks)
+  shapes, local_experts = param_shapes(config), config.num_experts // 4
+  gathered = sum(2 * local_experts * math.prod(shapes[name][1:]) for name in EXPERT_PARAMS[:2])
+  ops = collectives(text)
+  size = lambda kind, in_entry=True: sum(
+    b for op, b, entry in ops if op == kind and entry == in_entry
+  )
+  assert size("all-gather") >= gathered and size("all-gather", in_entry=False) == 0, ops
+  assert size("reduce-scatter") >= gathered / 2, ops  # each device keeps its half
+  assert max(b for op, b, _ in ops if op == "all-reduce") < gathered / 4, ops
+
+
+def test_a_decode_size_call_reads_only_the_experts_it_uses_on_the_gpu():
+  """One token per device over 16 local experts (8 tokens x 2 choices reach each device): the
+  GPU program reads an expert's weights only two branches deep, in the branch that runs for
+  a chunk with tokens and, inside it, the one that runs for a tile with rows (XLA:GPU keeps
+  the tile loop's conditionals; ragged_dot would read all 16 experts, in no branch)."""
+  config = MoEConfig(**LAYER | dict(num_experts=128, top_k=2), **BF16)
+  mesh = targets.target_mesh("h200", (1, 8))
+  text = compile_layer(config, mesh, gradient=False, tokens_per_device=1).as_text()
+  one_expert = ("bf16[1,1024,1024]", "bf16[1,512,1024]")  # [1, D, 2F] and [1, F, D]
+  reads = [
+    computation
+    for computation, line in instructions(text)
+    if "dynamic-slice(" in line and line.split(" = ")[1].startswith(one_expert)
+  ]
+  depths = branch_depths(text)
+  assert len(reads) >= 2 and all(depths[read] >= 2 for read in reads), (reads, depths)
+
+
+@pytest.mark.parametrize("num_experts, path", [(32, "ragged_dot"), (64, "tile_loop")])
+def test_the_chunk_budget_bounds_the_gpu_gradient(num_experts, path):
+  """On a (2, 4) H200 mesh at 16,384 tokens per device and a 64 MiB budget, for both XLA
+  paths: the chunk "auto" picks adds at most its `chunk_bytes` to the gradient's compiled
+  temp (against chunks of 8 rows), and the whole temp is at most the budget plus what no
+  chunk bounds. (ragged_dot's gradient used to add 6x its estimate: `ragged_dot_bytes`.)"""
+  mesh, tokens = targets.target_mesh("h200", (2, 4)), 16384
+  config = MoEConfig(
+    **LAYER | dict(num_experts=num_experts, top_k=2), **BF16, chunk_memory_bytes=64 << 20
+  )
+  with platform.running_on(mesh.devices.flat[0]):
+    layout = chunk_layout(config, tokens * 8, mesh)
+    local_experts = num_experts // 4
+    assert plan_experts(config, 4 * layout.chunk * 2, local_experts).path == path
+    estimate = chunk_bytes(config, layout.chunk, 4)
+    slack = outside_chunks(config, layout.local, local_experts)
+  assert 8 < layout.chunk < layout.share, layout
+  temp = lambda config: (
+    compile_layer(config, mesh, True, tokens).memory_analysis().temp_size_in_bytes
+  )
+  smallest = temp(dataclasses.replace(config, chunk_size=8))
+  assert temp(config) - smallest <= estimate, (temp(config) - smallest, estimate)
+  assert temp(config) <= (64 << 20) + slack
+
+
 def stack_copies_per_layer(config: MoEConfig, gradient: bool) -> float:
   """How much the compiled temp of a scanned stack (`lax.scan` over stacked `MoEParams`, as deep
   models apply their layers) grows per added layer, in layers' weights: 0 where each layer's
@@ -201,36 +312,25 @@ def test_a_scanned_stack_keeps_one_copy_of_its_weights(expert_quant, lora_rank):
   Kimi-K2-Thinking tune). The 4-bit formats used to copy the whole stack (0.98 copies per
   layer): XLA:GPU gave the stacked values the decode's layout before the loop
   (`moejax.params.as_stored`)."""
-  config = MoEConfig(
-    **LAYER,
-    dtype=jnp.bfloat16,
-    param_dtype=jnp.bfloat16,
-    expert_quant=expert_quant,
-    quant_block_size=(32, 1) if expert_quant == "int4_group" else (128, 128),
-    lora_rank=lora_rank,
-  )
+  config = MoEConfig(**LAYER, **BF16, **QUANTIZED.get(expert_quant, {}), lora_rank=lora_rank)
   assert stack_copies_per_layer(config, gradient=lora_rank > 0) <= 0.25
 
 
 # Row counts and output widths over the sizes a layer's kernels see: every shape class a
 # block heuristic tells apart (`Backend.default_blocks`, `tgmm_blocks`).
 SHAPE_CLASSES = [(2**rows, 1024, 2**n) for rows in range(3, 17) for n in range(8, 14)]
-# Each format's scale block (int4_group's coarser groups reach the kernels as 32-row blocks).
-SCALE_BLOCKS = {None: None, "fp8_block": (128, 128), "mxfp4": (32, 1), "int4_group": (32, 1)}
-SCALE_BLOCKS["nvfp4"] = (16, 1)
 K, N, GROUPS = 512, 1024, 2  # a kernel call's shape: whole blocks of every configuration
 
 
 def abstract_rhs(expert_quant: str | None, device, shape=(GROUPS, K, N)):
   """A [G, K, N] bf16 weight or `BlockScaled` of the format, as ShapeDtypeStructs on `device`."""
-  make = lambda: jnp.zeros(shape, jnp.bfloat16)
-  if expert_quant is not None:
-    make = lambda: quantize(jnp.zeros(shape), expert_quant, SCALE_BLOCKS[expert_quant])
-  sharding = SingleDeviceSharding(device)
-  return jax.tree.map(
-    lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
-    jax.eval_shape(make),
+  rhs = (
+    jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+    if expert_quant is None
+    else block_scaled_spec(shape, expert_quant)
   )
+  sharding = SingleDeviceSharding(device)
+  return jax.tree.map(lambda leaf: leaf.update(sharding=sharding), rhs)
 
 
 class KernelCall(NamedTuple):
@@ -256,9 +356,9 @@ def kernel_calls(name: str, device_kind: str) -> set[KernelCall]:
   calls = {KernelCall("tgmm", None, backend.tgmm_blocks(*shape)) for shape in SHAPE_CLASSES}
   if name == "mosaic":
     calls |= {KernelCall("gmm", None, blocks) for blocks in autotune.MOSAIC_CANDIDATES}
-  cpu = jax.devices("cpu")[0]
   for expert_quant in (None, *backend.quant_formats):
-    rhs = None if expert_quant is None else abstract_rhs(expert_quant, cpu)
+    rhs = None if expert_quant is None else block_scaled_spec((GROUPS, K, N), expert_quant)
+    rhs = jax.tree.map(lambda leaf: jnp.zeros(leaf.shape, leaf.dtype), rhs)  # fitting reads it
     for op, transposed in (("gmm", False), ("gated", False), ("transposed", True)):
       for blocks in forward:
         fitted = blocks if rhs is None else backend.fit_blocks(blocks, rhs, transposed)

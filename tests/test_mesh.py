@@ -35,6 +35,7 @@ from tests.helpers import (
   random_params,
   seed_of,
 )
+from tests.lowering import collectives
 
 BASE = MoEConfig(
   num_experts=8,
@@ -172,30 +173,12 @@ def test_fsdp_stores_a_share_and_reduce_scatters_gradients(request):
   assert weight_gathers and all(weight_gathers), ops[True]
 
 
-_COMPUTATION = re.compile(r"^(ENTRY )?%?\S+ .*\{$")
-_COLLECTIVE = re.compile(r"= (.+?) (all-reduce|reduce-scatter|all-gather)(?:-start)?\(")
-_ARRAY = re.compile(r"\b(pred|[a-z]+\d+)\[([\d,]*)\]")
-
-
 def _collectives(config, mesh, x, mask) -> list[tuple[str, int, bool]]:
   """(op, bytes of its result, whether in the entry computation) of each all-reduce,
   reduce-scatter and all-gather in the compiled gradient of the layer on `mesh`."""
   params = random_params(config, jax.random.key(0))
   loss = lambda p: jnp.sum(moe_apply(p, x, config=config, mesh=mesh, token_mask=mask)[0] ** 2)
-  text = jax.jit(jax.grad(loss)).lower(params).compile().as_text()
-  found, in_entry = [], False
-  for line in text.splitlines():
-    if computation := _COMPUTATION.match(line):
-      in_entry = computation.group(1) is not None
-    for result, op in _COLLECTIVE.findall(line):
-      arrays = _ARRAY.findall(result)
-      found.append((op, sum(_bytes(dtype, dims) for dtype, dims in arrays), in_entry))
-  return found
-
-
-def _bytes(dtype: str, dims: str) -> int:
-  itemsize = 1 if dtype == "pred" else int(re.sub(r"\D", "", dtype)) // 8
-  return itemsize * int(np.prod([int(d) for d in dims.split(",") if d]))
+  return collectives(jax.jit(jax.grad(loss)).lower(params).compile().as_text())
 
 
 class TestErrors:
