@@ -1,12 +1,15 @@
-"""Checkpoints written here in each family's real key names and layouts (float, fp8, raw
-safetensors for the dtypes NumPy's writer lacks), and each family's MoE block in NumPy, from
-the checkpoint's own tensors: what the `moejax.hf` tests load and compare against."""
+"""Checkpoints written here in each family's real key names and layouts (float; DeepSeek's fp8,
+GPT-OSS's MXFP4, Kimi's INT4 and NVIDIA's NVFP4 as released; raw safetensors for the dtypes
+NumPy's writer lacks), and each family's MoE block in NumPy, from the checkpoint's own
+tensors: what the `moejax.hf` tests load and compare against."""
 
 import json
 
 import ml_dtypes
 import numpy as np
 from safetensors.numpy import save_file
+
+from moejax.hf_nvfp4 import Nvfp4Names
 
 D, F, FS, E, T = 16, 12, 10, 8, 24
 
@@ -542,3 +545,189 @@ def deepseek_fp8_checkpoint(path, seed: int, fused: bool = False):
     stored = fuse_experts(stored, fields["n_routed_experts"])
   write(path, config, stored, "mlp")
   return config, stored, dequantized.__getitem__
+
+
+# --- GPT-OSS's MXFP4 ------------------------------------------------------------------------
+
+# An e2m1 code's value, by code (sign bit 8, 2 exponent bits of bias 1, 1 mantissa bit).
+E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float32)
+GPT_OSS_MXFP4 = dict(hidden_size=64, intermediate_size=32, num_local_experts=8)
+
+
+def mxfp4_dequantize(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+  """[E, rows, n, 16] uint8 + [E, rows, n] uint8 -> [E, 32 n, rows] float64, GPT-OSS's input-
+  major float layout (low nibble first, scale 2^(s - 127))."""
+  low, high = E2M1[blocks & 0x0F], E2M1[blocks >> 4]
+  values = np.stack([low, high], -1).reshape(*blocks.shape[:-1], 32).astype(np.float64)
+  values = values * 2.0 ** (scales.astype(np.float64) - 127)[..., None]
+  return values.reshape(*blocks.shape[:2], -1).transpose(0, 2, 1)
+
+
+def gpt_oss_mxfp4_checkpoint(path, seed: int):
+  """A GPT-OSS MoE layer as released: experts in MXFP4 (`_blocks`, `_scales`, gate and up
+  interleaved), their biases and the router float; returns the config.json dict, the stored
+  tensors and the float tensors they stand for (experts [E, in, out] float64)."""
+  rng = np.random.default_rng(seed)
+  d, f, e = (GPT_OSS_MXFP4[k] for k in ("hidden_size", "intermediate_size", "num_local_experts"))
+  blocks = lambda rows, cols: rng.integers(0, 256, (e, rows, cols // 32, 16), dtype=np.uint8)
+  scales = lambda rows, cols: rng.integers(122, 127, (e, rows, cols // 32), dtype=np.uint8)
+  stored = {
+    "router.weight": 0.3 * rng.standard_normal((e, d)).astype(np.float32),
+    "router.bias": 0.3 * rng.standard_normal(e).astype(np.float32),
+    "experts.gate_up_proj_blocks": blocks(2 * f, d),
+    "experts.gate_up_proj_scales": scales(2 * f, d),
+    "experts.gate_up_proj_bias": 0.3 * rng.standard_normal((e, 2 * f)).astype(np.float32),
+    "experts.down_proj_blocks": blocks(d, f),
+    "experts.down_proj_scales": scales(d, f),
+    "experts.down_proj_bias": 0.3 * rng.standard_normal((e, d)).astype(np.float32),
+  }
+  floats = {name: v for name, v in stored.items() if "proj_b" not in name[-7:]}
+  for name in ("gate_up_proj", "down_proj"):
+    floats[f"experts.{name}"] = mxfp4_dequantize(
+      stored[f"experts.{name}_blocks"], stored[f"experts.{name}_scales"]
+    )
+  config = dict(
+    model_type="gpt_oss", hidden_act="silu", num_experts_per_tok=2, swiglu_limit=2.0,
+    quantization_config={"quant_method": "mxfp4"}, **GPT_OSS_MXFP4,
+  )  # fmt: skip
+  write(path, config, stored, "mlp")
+  return config, stored, floats
+
+
+# --- Kimi-K2-Thinking's INT4 (compressed-tensors pack-quantized) ------------------------------
+
+INT4_GROUP = 32
+INT4_WEIGHTS = dict(
+  num_bits=4, type="int", symmetric=True, strategy="group", group_size=INT4_GROUP,
+  actorder=None, dynamic=False, observer="minmax",
+)  # fmt: skip
+# The linears of one DeepSeek-V3-style expert, [out, in] at KIMI's sizes.
+KIMI_LINEARS = {
+  "gate_proj": (KIMI["moe_intermediate_size"], KIMI["hidden_size"]),
+  "up_proj": (KIMI["moe_intermediate_size"], KIMI["hidden_size"]),
+  "down_proj": (KIMI["hidden_size"], KIMI["moe_intermediate_size"]),
+}
+
+
+def int4_quantization_config(**weights) -> dict:
+  """Kimi-K2-Thinking's `quantization_config`, with `weights` fields changed."""
+  group = dict(targets=["Linear"], weights={**INT4_WEIGHTS, **weights}, input_activations=None)
+  return dict(
+    quant_method="compressed-tensors", format="pack-quantized", quantization_status="compressed",
+    config_groups=dict(group_0=group), ignore=["lm_head", "re:.*self_attn.*", "re:.*shared.*"],
+  )  # fmt: skip
+
+
+def pack_int4(values: np.ndarray) -> np.ndarray:
+  """int values in [-8, 7] [..., n] -> int32 words [..., n / 8]: value i is nibble i of its
+  row's bytes (low nibble first) plus 8, the words little-endian."""
+  nibbles = (values.astype(np.int16) + 8).astype(np.uint8).reshape(*values.shape[:-1], -1, 2)
+  data = (nibbles[..., 0] | (nibbles[..., 1] << 4)).astype(np.uint8)
+  return np.ascontiguousarray(data).view("<i4").astype(np.int32)
+
+
+def kimi_checkpoint(path, seed: int, nested: bool = False):
+  """A Kimi-K2 (or, `nested`, K2.5) MoE layer: routed experts pack-quantized, shared experts
+  and the router float (the `ignore` list); returns the config.json dict and the float
+  tensors the stored ones stand for (NumPy float64 [out, in]: values times scales)."""
+  rng = np.random.default_rng(seed)
+  experts, dim = KIMI["n_routed_experts"], KIMI["hidden_size"]
+  stored = {
+    "gate.weight": 0.3 * rng.standard_normal((experts, dim)).astype(np.float32),
+    "gate.e_score_correction_bias": 0.1 * rng.standard_normal(experts).astype(np.float32),
+  }
+  for name, shape in KIMI_LINEARS.items():
+    stored[f"shared_experts.{name}.weight"] = (0.3 * rng.standard_normal(shape)).astype(np.float32)
+  floats = dict(stored)
+  for e in range(experts):
+    for name, (rows, cols) in KIMI_LINEARS.items():
+      values = rng.integers(-8, 8, (rows, cols))
+      groups = (rows, cols // INT4_GROUP)
+      scales = 2.0 ** rng.integers(-9, -5, groups) * rng.uniform(1, 2, groups)
+      scales = scales.astype(ml_dtypes.bfloat16)
+      key = f"experts.{e}.{name}.weight"
+      stored[f"{key}_packed"] = pack_int4(values)
+      stored[f"{key}_scale"] = scales
+      stored[f"{key}_shape"] = np.array([rows, cols], np.int64)
+      floats[key] = values * np.repeat(scales.astype(np.float64), INT4_GROUP, axis=1)
+  quantization = int4_quantization_config()
+  config = dict(model_type="kimi_k2", quantization_config=quantization, **KIMI)
+  prefix = f"model.layers.{LAYER}.mlp"
+  if nested:  # K2.5: the text model's fields in text_config, its weights under language_model
+    config = dict(model_type="kimi_k25", quantization_config=quantization,
+                  text_config=dict(model_type="kimi_k2", **KIMI))  # fmt: skip
+    prefix = f"language_model.{prefix}"
+  (path / "config.json").write_text(json.dumps(config))
+  save_raw_or_numpy({f"{prefix}.{name}": v for name, v in stored.items()}, path)
+  return config, floats
+
+
+# --- NVIDIA's NVFP4 (ModelOpt, compressed-tensors nvfp4-pack-quantized) ----------------------
+
+MODELOPT_CONFIG = dict(
+  quant_method="modelopt", quant_algo="NVFP4", group_size=16, kv_cache_quant_algo=None,
+  exclude_modules=["lm_head", "model.layers.*.self_attn*", "model.layers.*.mlp.gate"],
+)  # fmt: skip
+NVFP4_WEIGHTS = dict(
+  num_bits=4, type="float", symmetric=True, strategy="tensor_group", group_size=16,
+  dynamic=False, observer="minmax",
+)  # fmt: skip
+
+
+def nvfp4_quantization_config(**weights) -> dict:
+  """compressed-tensors' NVFP4 (W4A4) `quantization_config`, with `weights` fields changed."""
+  activations = {**NVFP4_WEIGHTS, "dynamic": "local"}
+  group = dict(targets=["Linear"], weights={**NVFP4_WEIGHTS, **weights},
+               input_activations=activations)  # fmt: skip
+  return dict(
+    quant_method="compressed-tensors", format="nvfp4-pack-quantized",
+    quantization_status="compressed", config_groups=dict(group_0=group),
+    ignore=["lm_head", "re:.*self_attn.*", "re:.*mlp.gate$"],
+  )  # fmt: skip
+
+
+def nvfp4_linear(rng, rows: int, cols: int, names: Nvfp4Names) -> tuple[dict, np.ndarray]:
+  """One NVFP4 linear layer [out, in]: its stored tensors (suffix -> array, activation scale
+  included) and the float32 weight they stand for, dequantized as the convention does
+  (ModelOpt: codes * (scale * scale_2); compressed-tensors: codes * (scale / g))."""
+  codes = rng.integers(0, 16, (rows, cols)).astype(np.uint8)
+  scales = rng.uniform(16, 448, (rows, cols // 16)).astype(ml_dtypes.float8_e4m3fn)
+  matrix = np.float32(2.0 ** rng.uniform(-13, -11))
+  if names.reciprocal:
+    matrix = np.float32(1) / matrix  # g, as compressed-tensors stores it
+  effective = np.repeat(scales.astype(np.float32), 16, axis=1)
+  effective = effective / matrix if names.reciprocal else effective * matrix
+  activation = "input_global_scale" if names.reciprocal else "input_scale"
+  stored = {
+    names.codes: codes[:, 0::2] | (codes[:, 1::2] << 4),
+    names.scales: scales,
+    names.matrix_scale: np.full((1,) if names.reciprocal else (), matrix, np.float32),
+    activation: np.ones((1,) if names.reciprocal else (), np.float32),
+  }
+  return stored, E2M1[codes] * effective
+
+
+def nvfp4_checkpoint(path, seed: int, names: Nvfp4Names, quantization: dict, drop: str = ""):
+  """A DeepSeek-V3 MoE layer with its routed and shared experts in NVFP4 (as NVIDIA's
+  DeepSeek-R1-FP4), the router float, without the tensor `drop` names; returns the
+  config.json dict and the float32 weights the stored ones stand for ([out, in], by linear:
+  "experts.5.gate_proj")."""
+  rng = np.random.default_rng(seed)
+  experts, dim = KIMI["n_routed_experts"], KIMI["hidden_size"]
+  stored = {
+    "gate.weight": 0.3 * rng.standard_normal((experts, dim)).astype(np.float32),
+    "gate.e_score_correction_bias": 0.1 * rng.standard_normal(experts).astype(np.float32),
+  }
+  floats = {}
+  layers = [f"shared_experts.{n}" for n in KIMI_LINEARS] + [
+    f"experts.{e}.{n}" for e in range(experts) for n in KIMI_LINEARS
+  ]
+  for layer in layers:
+    tensors, floats[layer] = nvfp4_linear(rng, *KIMI_LINEARS[layer.rsplit(".", 1)[1]], names)
+    stored.update({f"{layer}.{suffix}": value for suffix, value in tensors.items()})
+  config = dict(model_type="deepseek_v3", quantization_config=quantization, **KIMI)
+  (path / "config.json").write_text(json.dumps(config))
+  prefix = f"model.layers.{LAYER}.mlp"
+  kept = {f"{prefix}.{name}": v for name, v in stored.items() if name != drop}
+  save_raw_or_numpy(kept, path)
+  return config, floats
