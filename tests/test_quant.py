@@ -118,8 +118,8 @@ def test_quantize_matches_numpy_bit_for_bit(expert_quant, block, request):
     None if got.global_scale is None else as_bits(got.global_scale),
     None if global_scale is None else as_bits(global_scale),
   )
-  chex.assert_trees_all_close(
-    np.asarray(got.dequantize()), numpy_dequantize(got).astype(np.float32), rtol=0, atol=0
+  chex.assert_trees_all_equal(
+    np.asarray(got.dequantize()), numpy_dequantize(got).astype(np.float32)
   )
 
 
@@ -153,7 +153,7 @@ def test_mxfp4_codes_and_scales_are_the_ocp_ones():
   w = 4 * np.concatenate([codes, -codes, codes, -codes]).reshape(32, 1)
   got = quant.quantize(jnp.asarray(w), "mxfp4", (32, 1))
   assert np.asarray(got.scales).view(np.uint8).tolist() == [[129]]  # amax 24: 2^(4-2)
-  chex.assert_trees_all_close(np.asarray(got.dequantize()), w, atol=0, rtol=0)
+  chex.assert_trees_all_equal(np.asarray(got.dequantize()), w)
 
 
 class TestLayer:
@@ -386,7 +386,7 @@ class TestNNX:
     checkpoint.save(tmp_path / "ckpt", layer)
     restored = MoELayer(self.config, mesh=mesh, rngs=nnx.Rngs(1))
     checkpoint.restore(tmp_path / "ckpt", restored)
-    chex.assert_trees_all_close(restored(x), y, atol=0, rtol=0)
+    chex.assert_trees_all_equal(restored(x), y)
     layer.rebalance()
     chex.assert_trees_all_close(layer(x), y, **tolerance())
     for leaf in jax.tree.leaves(nnx.state(layer, QuantizedWeight)):
