@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Literal
 
 import jax.numpy as jnp
@@ -23,6 +24,19 @@ _SCORINGS = ("softmax", "sigmoid", "sparsemixer")
 INT4_GROUP_SIZES = (32, 64, 128)
 _BACKENDS = ("xla", "pallas", "auto")
 _DISPATCHES = ("all_gather", "all_to_all", "auto")
+
+
+# What a field annotated `bool`, `int` or `float` takes, and how its error says so: Python's
+# own scalars (hashable, and written as they are to JSON), a bool is no int here, an int is
+# a float, and a float must be finite.
+_FIELD_KINDS = {
+  "bool": ("a bool", lambda v: isinstance(v, bool)),
+  "int": ("an int", lambda v: isinstance(v, int) and not isinstance(v, bool)),
+  "float": (
+    "a finite number",
+    lambda v: isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v),
+  ),
+}
 
 
 def _positive_int(value) -> bool:
@@ -169,6 +183,7 @@ class MoEConfig:
   save_dispatched_rows: bool = False
 
   def __post_init__(self) -> None:
+    self._check_types()
     self._check_sizes()
     self._check_choices()
     self._check_groups()
@@ -185,6 +200,16 @@ class MoEConfig:
       raise ValueError(f"param_dtype must be a floating dtype, got {self.param_dtype}")
     self._check_axes()
 
+  def _check_types(self) -> None:
+    """Every field annotated `bool`, `int` or `float` holds one (a string "False" is no
+    bool, 2.0 no int, inf no float here), named in the error."""
+    for field in dataclasses.fields(self):
+      if field.type in _FIELD_KINDS:
+        expected, holds = _FIELD_KINDS[field.type]
+        value = getattr(self, field.name)
+        if not holds(value):
+          raise ValueError(f"{field.name} must be {expected}, got {value!r}")
+
   def _check_axes(self) -> None:
     axis_groups.check_group("data_axis", self.data_axis)
     axis_groups.check_group("expert_axis", self.expert_axis)
@@ -194,9 +219,6 @@ class MoEConfig:
         f"mesh axis {both[0]!r} is in both data_axis={self.data_axis!r} and "
         f"expert_axis={self.expert_axis!r}: each axis belongs to one group"
       )
-    for name in ("expert_fsdp", "save_dispatched_rows"):
-      if not isinstance(getattr(self, name), bool):
-        raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
 
   def _check_sizes(self) -> None:
     for name in ("num_experts", "hidden_size", "intermediate_size"):
@@ -330,8 +352,6 @@ class MoEConfig:
       raise ValueError(f"lora_rank must be an int >= 0 (0: no adapters), got {rank!r}")
     if not self.lora_alpha > 0:
       raise ValueError(f"lora_alpha must be > 0, got {self.lora_alpha!r}")
-    if not isinstance(self.lora_rslora, bool):
-      raise ValueError(f"lora_rslora must be a bool, got {self.lora_rslora!r}")
 
   @property
   def lora_scale(self) -> float:
