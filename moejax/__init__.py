@@ -13,6 +13,8 @@ Shape letters, one meaning each, in names, docstrings and shape comments through
 `kernels_pallas` uses matmul letters of its own (lhs [M, K], rhs [G, K, N]).
 """
 
+import importlib
+
 from kernels_pallas.quantized import BlockScaled
 from moejax import targets
 from moejax.config import MoEConfig
@@ -36,3 +38,13 @@ __all__ = [
   "reference_moe",
   "targets",
 ]
+
+# Submodules the docs write as `moejax.<name>`: reachable after a plain `import moejax`,
+# imported on first use (orbax, safetensors and Linen load only for those who use them).
+SUBMODULES = ("checkpoint", "eplb", "hf", "hf_lora", "linen", "lora", "models", "quant", "train")
+
+
+def __getattr__(name: str):
+  if name in SUBMODULES:
+    return importlib.import_module(f"moejax.{name}")
+  raise AttributeError(f"module 'moejax' has no attribute {name!r}")

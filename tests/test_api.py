@@ -189,3 +189,17 @@ def test_layer_on_an_explicit_axes_mesh_as_in_the_readme(request):
   assert_close(y, reference_moe(params, x, CONFIG, mask), what="y on an explicit mesh")
   want = jax.grad(lambda p: jnp.sum(reference_moe(p, x, CONFIG, mask) ** 2))(params)
   assert_close(grads.w_gate_up[...], want.w_gate_up, what="d w_gate_up on an explicit mesh")
+
+
+def test_the_documented_submodules_are_reachable_from_the_package(monkeypatch):
+  """`moejax.hf`, `moejax.checkpoint`, ... after a plain `import moejax` (imported on first
+  use): reached through the package even where no import has set them on it yet."""
+  import importlib
+
+  import moejax
+
+  for name in moejax.SUBMODULES:
+    monkeypatch.delattr(moejax, name, raising=False)  # as before any `import moejax.<name>`
+    assert getattr(moejax, name) is importlib.import_module(f"moejax.{name}")
+  with pytest.raises(AttributeError, match="no attribute 'hff'"):
+    moejax.hff  # noqa: B018
