@@ -141,7 +141,14 @@ def _check_inputs(params, x, token_mask, router_logits, config, mesh) -> None:
     raise TypeError(f"config must be a MoEConfig, got {type(config).__name__}")
   if mesh is not None:
     sharding.check_mesh(mesh, config)
+  if not isinstance(params, MoEParams):
+    raise TypeError(
+      f"params must be a moejax.MoEParams (e.g. `layer.moe_params()`), got {type(params).__name__}"
+    )
   check_params(params, config)
+  for name, value in (("x", x), ("token_mask", token_mask), ("router_logits", router_logits)):
+    if value is not None and not hasattr(value, "shape"):
+      raise TypeError(f"{name} must be an array (JAX or NumPy), got {type(value).__name__}")
   if not jnp.issubdtype(jnp.result_type(x), jnp.floating):
     raise TypeError(f"x must be a floating array, got dtype {jnp.result_type(x)}")
   if x.ndim < 1 or x.shape[-1] != config.hidden_size:

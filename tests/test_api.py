@@ -156,6 +156,8 @@ BAD_CALLS = {
   "expert axis": (dict(mesh=mesh_of(1, 3)), ValueError, "divisible by the size of expert_axis"),
   "mesh type": (dict(mesh="2x4"), TypeError, "mesh must be a jax.sharding.Mesh"),
   "params": (dict(params="drop_bias"), ValueError, "params.routing_bias is missing"),
+  "params as a dict": (dict(params="as_dict"), TypeError, "params must be a moejax.MoEParams"),
+  "mask as a list": (dict(token_mask=[True] * 4), TypeError, "token_mask must be an array"),
 }
 
 
@@ -165,8 +167,11 @@ def test_bad_input_raises_before_xla(case):
   params = random_params(CONFIG, jax.random.key(0))
   args = dict(x=jnp.ones((4, 16)), config=CONFIG, mesh=None, token_mask=None, router_logits=None)
   args.update(overrides)
-  if args.pop("params", None) == "drop_bias":
+  change = args.pop("params", None)
+  if change == "drop_bias":
     params = params._replace(routing_bias=None)
+  if change == "as_dict":
+    params = params._asdict()
   x = args.pop("x")
   with pytest.raises(error, match=message):
     moe_apply(params, x, **args)
