@@ -517,11 +517,13 @@ def _activation(hf: dict) -> str:
   return _ACTIVATIONS[name]
 
 
-def config_from_hf(config: dict[str, Any], **overrides: Any) -> MoEConfig:
-  """The `MoEConfig` of a model's MoE layers, from its `config.json` as a dict.
+def config_from_hf(config: dict[str, Any] | str | Path, **overrides: Any) -> MoEConfig:
+  """The `MoEConfig` of a model's MoE layers, from its `config.json`.
 
   Args:
-    config: the parsed config.json; `model_type` picks the family (see `FAMILIES`).
+    config: the parsed config.json (a dict), a transformers config (`model.config`: its
+      `to_dict()`), or the path of a checkpoint folder or of its config.json; `model_type`
+      picks the family (see `FAMILIES`).
     **overrides: further `MoEConfig` fields (chunk_size, dtype, dispatch, ...).
 
   A checkpoint's `quantization_config` sets `expert_quant`: `quant_method` "fp8" with a
@@ -536,8 +538,9 @@ def config_from_hf(config: dict[str, Any], **overrides: Any) -> MoEConfig:
   Raises:
     ValueError: for an unsupported model_type (the message lists the supported ones).
     NotImplementedError: for quantization methods and activations moejax lacks.
+    TypeError: `config` is none of the above.
   """
-  config = _text_model(config)
+  config = _text_model(_config_dict(config))
   options = {
     "hidden_size": Read(("hidden_size", "d_model"))(config),
     "activation": _activation(config),
@@ -545,6 +548,21 @@ def config_from_hf(config: dict[str, Any], **overrides: Any) -> MoEConfig:
     **_quantization(config.get("quantization_config")),
   }
   return MoEConfig(**{**options, **overrides})
+
+
+def _config_dict(config) -> dict:
+  """config.json as a dict, from a dict, a transformers config or a path."""
+  if isinstance(config, dict):
+    return config
+  if isinstance(config, str | Path):
+    path = Path(config)
+    return json.loads((path / "config.json" if path.is_dir() else path).read_text())
+  if callable(getattr(config, "to_dict", None)):
+    return config.to_dict()
+  raise TypeError(
+    "config must be config.json as a dict, a transformers config or a path, got "
+    f"{type(config).__name__}"
+  )
 
 
 def _text_model(hf: dict) -> dict:

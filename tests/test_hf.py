@@ -71,6 +71,22 @@ def test_shape_mismatch_names_the_key_and_shapes(tmp_path):
     hf.load_layer(tmp_path, 0, wider)
 
 
+def test_the_config_from_a_path_or_a_transformers_config(tmp_path):
+  """config.json's folder or file, or an object with `to_dict()` (a transformers config),
+  read as its dict; anything else named."""
+  hf_config, _ = write_checkpoint(tmp_path, "qwen3_moe", layer=0)
+  expected = hf.config_from_hf(hf_config)
+
+  class TransformersConfig:
+    def to_dict(self):
+      return dict(hf_config)
+
+  for given in (tmp_path, str(tmp_path / "config.json"), TransformersConfig()):
+    assert hf.config_from_hf(given) == expected
+  with pytest.raises(TypeError, match=r"config must be config\.json as a dict.*got int"):
+    hf.config_from_hf(3)
+
+
 def test_unsupported_family_lists_the_supported_ones():
   with pytest.raises(ValueError, match=r"model_type='bert'.*'mixtral'"):
     hf.config_from_hf({"model_type": "bert", "hidden_size": 8})
