@@ -11,16 +11,24 @@ import jax
 from jax.sharding import AxisType, Mesh
 
 from moejax.config import MoEConfig
+from moejax.sharding import check_mesh
 
 
-def auto_mesh(shape: tuple[int, int]) -> Mesh:
-  """A (data, expert) mesh of the first data*expert devices, with automatic axes."""
+def layer_mesh(args: argparse.Namespace, shape: tuple[int, int], config: MoEConfig) -> Mesh:
+  """A (data, expert) mesh of the first data*expert devices, with automatic axes; a --mesh
+  the layer cannot use (too few devices, experts that do not split over it) exits with its
+  message."""
   devices = len(jax.devices())
   if devices < shape[0] * shape[1]:
     raise SystemExit(
       f"a {shape[0]}x{shape[1]} mesh needs {shape[0] * shape[1]} devices, found {devices}"
     )
-  return jax.make_mesh(shape, ("data", "expert"), axis_types=(AxisType.Auto,) * 2)
+  mesh = jax.make_mesh(shape, ("data", "expert"), axis_types=(AxisType.Auto,) * 2)
+  try:
+    check_mesh(mesh, config)
+  except ValueError as error:
+    raise SystemExit(f"moejax {args.command}: --mesh {shape[0]}x{shape[1]}: {error}") from None
+  return mesh
 
 
 def moe_config(args: argparse.Namespace, **overrides) -> MoEConfig:

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from moejax.cli_setup import auto_mesh, moe_config
+from moejax.cli_setup import layer_mesh, moe_config
 from moejax.forward import chunk_layout, compiled_executables, moe_apply
 from moejax.layer import MoELayer
 from moejax.reference import reference_moe
@@ -44,8 +44,8 @@ def uneven_counts(ranks: int, rows_per_rank: int, rng: np.random.Generator) -> n
 def run(args: argparse.Namespace, mesh_shape: tuple[int, int]) -> None:
   """Builds the layer, runs it on three token-count patterns and prints the results."""
   ranks = mesh_shape[0] * mesh_shape[1]
-  mesh = auto_mesh(mesh_shape)
   config = moe_config(args, dtype=jnp.dtype(args.dtype))
+  mesh = layer_mesh(args, mesh_shape, config)
   layer = MoELayer(config, mesh=mesh, rngs=nnx.Rngs(args.seed))
   rng = np.random.default_rng(args.seed)
   rows = args.tokens_per_rank

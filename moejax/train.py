@@ -15,7 +15,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from moejax import checkpoint
-from moejax.cli_setup import auto_mesh, moe_config
+from moejax.cli_setup import layer_mesh, moe_config
 from moejax.layer import collect_aux
 from moejax.models import ClusterTask, MoETransformer, TransformerConfig, shard_model
 from moejax.remat import CHECKPOINT_NAMES
@@ -108,10 +108,10 @@ def run(args, mesh_shape: tuple[int, int]) -> list[dict[str, float]]:
   """
   from tqdm import tqdm  # imported here: only the command line shows a progress bar
 
-  mesh = auto_mesh(mesh_shape)
   moe = moe_config(
     args, expert_backend=args.backend, lora_rank=args.lora_rank, expert_quant=args.expert_quant
   )
+  mesh = layer_mesh(args, mesh_shape, moe)
   task = ClusterTask(vocab_size=args.vocab, seq_len=args.seq_len, seed=args.seed)
   config = TransformerConfig(
     args.vocab,

@@ -1,0 +1,34 @@
+"""`python -m moejax`'s flags, in this process: flags that make no valid run exit with a
+message naming them, not a traceback (the commands themselves run in tests/test_demo.py)."""
+
+import argparse
+
+import pytest
+
+from moejax.__main__ import parse_mesh
+from moejax.cli_setup import layer_mesh, moe_config
+
+FLAGS = argparse.Namespace(
+  command="demo", experts=16, top_k=2, hidden=32, intermediate=64, chunk_size="auto"
+)
+
+
+def test_a_mesh_flag_that_is_no_shape_exits_naming_it():
+  assert parse_mesh("2x4") == (2, 4)
+  with pytest.raises(SystemExit, match="--mesh must look like DATAxEXPERT"):
+    parse_mesh("two-by-four")
+  with pytest.raises(SystemExit, match="--mesh sizes must be positive"):
+    parse_mesh("0x8")
+
+
+def test_a_mesh_the_experts_do_not_split_over_exits_naming_it():
+  with pytest.raises(SystemExit, match=r"moejax demo: --mesh 1x3: num_experts=16 must be"):
+    layer_mesh(FLAGS, (1, 3), moe_config(FLAGS))
+  with pytest.raises(SystemExit, match="a 4x4 mesh needs 16 devices, found 8"):
+    layer_mesh(FLAGS, (4, 4), moe_config(FLAGS))
+  assert layer_mesh(FLAGS, (2, 4), moe_config(FLAGS)).devices.shape == (2, 4)
+
+
+def test_flags_that_make_no_config_exit_naming_the_field():
+  with pytest.raises(SystemExit, match="moejax demo: top_k=32 must be in"):
+    moe_config(argparse.Namespace(**{**vars(FLAGS), "top_k": 32}))
