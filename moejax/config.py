@@ -39,6 +39,17 @@ _FIELD_KINDS = {
 }
 
 
+def check_field_types(instance) -> None:
+  """Raises ValueError naming the first field of a dataclass `instance` annotated `bool`,
+  `int` or `float` that holds none (a string "False" is no bool, 2.0 no int, inf no float)."""
+  for field in dataclasses.fields(instance):
+    if field.type in _FIELD_KINDS:
+      expected, holds = _FIELD_KINDS[field.type]
+      value = getattr(instance, field.name)
+      if not holds(value):
+        raise ValueError(f"{field.name} must be {expected}, got {value!r}")
+
+
 def _positive_int(value) -> bool:
   return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
@@ -201,14 +212,7 @@ class MoEConfig:
     self._check_axes()
 
   def _check_types(self) -> None:
-    """Every field annotated `bool`, `int` or `float` holds one (a string "False" is no
-    bool, 2.0 no int, inf no float here), named in the error."""
-    for field in dataclasses.fields(self):
-      if field.type in _FIELD_KINDS:
-        expected, holds = _FIELD_KINDS[field.type]
-        value = getattr(self, field.name)
-        if not holds(value):
-          raise ValueError(f"{field.name} must be {expected}, got {value!r}")
+    check_field_types(self)
 
   def _check_axes(self) -> None:
     axis_groups.check_group("data_axis", self.data_axis)

@@ -17,7 +17,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from moejax import sharding
-from moejax.config import MoEConfig
+from moejax.config import MoEConfig, check_field_types
 from moejax.layer import MoELayer
 
 
@@ -52,6 +52,9 @@ class TransformerConfig:
   remat_policy: Callable | None = None
 
   def __post_init__(self) -> None:
+    check_field_types(self)
+    if not isinstance(self.moe, MoEConfig):
+      raise TypeError(f"moe must be a moejax.MoEConfig, got {type(self.moe).__name__}")
     if self.moe.hidden_size % self.num_heads:
       raise ValueError(f"hidden_size={self.moe.hidden_size} must divide by {self.num_heads=}")
     if self.moe_every not in (1, 2):

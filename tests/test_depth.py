@@ -82,6 +82,12 @@ def _unrolled_value(stacked: dict, path: tuple, moe_every: int) -> jax.Array:
 
 
 def test_the_transformer_config_refuses_what_it_cannot_scan_or_remat():
+  with pytest.raises(ValueError, match="scan_layers must be a bool, got 'yes'"):
+    TransformerConfig(32, 2, 2, CONFIG, scan_layers="yes")
+  with pytest.raises(ValueError, match=r"num_layers must be an int, got 2\.0"):
+    TransformerConfig(32, 2.0, 2, CONFIG)
+  with pytest.raises(TypeError, match=r"moe must be a moejax\.MoEConfig, got dict"):
+    TransformerConfig(32, 2, 2, {})
   with pytest.raises(ValueError, match="moe_every=2 blocks: num_layers=3 must divide by it"):
     TransformerConfig(32, 3, 2, CONFIG, moe_every=2, scan_layers=True)
   with pytest.raises(TypeError, match=r"remat_policy must be None or a jax\.checkpoint policy"):
