@@ -6,6 +6,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from moejax import MoEConfig, MoELayer, moe_apply, param_shapes, reference_moe
@@ -194,6 +195,10 @@ def test_layer_on_an_explicit_axes_mesh_as_in_the_readme(request):
   assert_close(y, reference_moe(params, x, CONFIG, mask), what="y on an explicit mesh")
   want = jax.grad(lambda p: jnp.sum(reference_moe(p, x, CONFIG, mask) ** 2))(params)
   assert_close(grads.w_gate_up[...], want.w_gate_up, what="d w_gate_up on an explicit mesh")
+  no_mesh = MoELayer(CONFIG, rngs=nnx.Rngs(0))
+  sharded = jax.device_put(x.reshape(40, 16), NamedSharding(mesh, P(("data", "expert"))))
+  with jax.set_mesh(mesh), pytest.raises(ValueError, match="but the layer has no mesh"):
+    no_mesh(sharded)
 
 
 def test_the_documented_submodules_are_reachable_from_the_package(monkeypatch):
