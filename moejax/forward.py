@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import AxisType, Mesh
+from jax.sharding import Mesh
 
 from moejax import axis_groups, remat, routing, sharding
 from moejax import placement as placement_lib
@@ -135,17 +135,6 @@ def compiled_executables() -> int:
   return _moe_apply_jit._cache_size()
 
 
-def _explicitly_sharded(x) -> bool:
-  """Whether x's type says it is split over an explicit mesh axis."""
-  sharding = getattr(jax.typeof(x), "sharding", None)
-  mesh = getattr(sharding, "mesh", None)
-  if mesh is None or not mesh.axis_names:
-    return False
-  kinds = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
-  used = [name for entry in sharding.spec if entry for name in axis_groups.names(entry)]
-  return any(kinds[name] == AxisType.Explicit for name in used)
-
-
 def _check_inputs(params, x, token_mask, router_logits, config, mesh) -> None:
   """Trace-time checks, so that bad input fails with a clear message before any XLA error."""
   if not isinstance(config, MoEConfig):
@@ -160,7 +149,7 @@ def _check_inputs(params, x, token_mask, router_logits, config, mesh) -> None:
   for name, value in (("x", x), ("token_mask", token_mask), ("router_logits", router_logits)):
     if value is not None and not hasattr(value, "shape"):
       raise TypeError(f"{name} must be an array (JAX or NumPy), got {type(value).__name__}")
-  if mesh is None and _explicitly_sharded(x):
+  if mesh is None and sharding.explicitly_sharded(x):
     raise ValueError(
       f"x is sharded over explicit mesh axes ({jax.typeof(x).sharding.spec}) but the layer has "
       "no mesh: build it on that mesh (`MoELayer(config, mesh=mesh)`, `moe_apply(..., "

@@ -43,12 +43,13 @@ _NVFP4_GLOBAL = _E4M3_MAX * _E2M1_MAX  # the global scale maps a matrix's amax t
 
 
 def _blocks(w: jax.Array, block: tuple[int, int]) -> jax.Array:
-  """[..., in, out] -> [..., in/bi, bi, out/bo, bo], zero padded to whole blocks."""
+  """[..., in, out] -> [..., in/bi, bi, out/bo, bo], zero padded to whole blocks. One axis is
+  split at a time: an explicitly sharded weight's leading axes keep their sharding."""
   *lead, rows, cols = w.shape
   pad_rows, pad_cols = -rows % block[0], -cols % block[1]
   w = jnp.pad(w, [(0, 0)] * len(lead) + [(0, pad_rows), (0, pad_cols)])
-  shape = (*lead, (rows + pad_rows) // block[0], block[0], (cols + pad_cols) // block[1], block[1])
-  return w.reshape(shape)
+  w = w.reshape(*lead, (rows + pad_rows) // block[0], block[0], cols + pad_cols)
+  return w.reshape(*lead, (rows + pad_rows) // block[0], block[0], -1, block[1])
 
 
 def _divide(a: jax.Array, b: jax.Array) -> jax.Array:
@@ -70,7 +71,8 @@ def quantize(w: jax.Array, expert_quant: str, block: tuple[int, int]) -> BlockSc
   blocks = _blocks(jnp.asarray(w, jnp.float32), block)
   amax = jnp.max(jnp.abs(blocks), axis=(-3, -1), keepdims=True)
   scale, values, global_scale = _RULES[expert_quant](blocks, amax)
-  values = values.reshape(*blocks.shape[:-4], blocks.shape[-4] * block[0], -1)[..., :rows, :cols]
+  values = values.reshape(*blocks.shape[:-2], -1)  # one axis merged at a time, as `_blocks`
+  values = values.reshape(*lead, -1, values.shape[-1])[..., :rows, :cols]
   scale = scale[..., 0, :, 0].astype(form.scales)
   if global_scale is not None:  # one per matrix, kept per column
     global_scale = jnp.broadcast_to(global_scale.reshape(*lead, 1), (*lead, cols))

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from kernels_pallas.quantized import is_block_scaled
+from moejax import sharding
 from moejax.config import MoEConfig
 from moejax.params import MoEParams
 
@@ -112,8 +113,10 @@ def reference_moe(
       `params.router_bias`).
 
   Returns:
-    [..., D] float32; rows whose mask is False are 0.
+    [..., D] float32; rows whose mask is False are 0. Inputs split over an explicit mesh
+    axis are made whole first (`sharding.gathered`): the reference computes densely.
   """
+  params, x, token_mask, router_logits = sharding.gathered((params, x, token_mask, router_logits))
   f32 = lambda a: None if a is None else jnp.asarray(a, jnp.float32)
   as_float = lambda a: a.dequantize(jnp.float32) if is_block_scaled(a) else f32(a)
   p = jax.tree.map(as_float, params, is_leaf=is_block_scaled)

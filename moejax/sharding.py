@@ -200,6 +200,29 @@ def is_explicit(mesh: Mesh) -> bool:
   return any(axis_type == AxisType.Explicit for axis_type in mesh.axis_types)
 
 
+def explicitly_sharded(x) -> bool:
+  """Whether x's type says it is split over an explicit mesh axis."""
+  sharding = getattr(jax.typeof(x), "sharding", None)
+  mesh = getattr(sharding, "mesh", None)
+  if mesh is None or not mesh.axis_names:
+    return False
+  kinds = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
+  used = [name for entry in sharding.spec if entry for name in axis_groups.names(entry)]
+  return any(kinds[name] == AxisType.Explicit for name in used)
+
+
+def gathered(tree: Any) -> Any:
+  """`tree` with every leaf split over an explicit mesh axis made whole (replicated on its
+  mesh), the others as they are: for code that computes on whole arrays (the reference)."""
+
+  def whole(leaf):
+    if leaf is None or not explicitly_sharded(leaf):
+      return leaf
+    return jax.reshard(leaf, NamedSharding(jax.typeof(leaf).sharding.mesh, P()))
+
+  return jax.tree.map(whole, tree)
+
+
 def with_auto_axes(fn: Callable, mesh: Mesh, out_specs: Any) -> Callable:
   """`fn(auto_mesh, *args)` run on an explicit-axes mesh, its axes automatic inside.
 

@@ -4,6 +4,7 @@ compiled memory, and bad input."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import chex
@@ -23,6 +24,7 @@ from moejax import MoEConfig, MoELayer, MoEParams, checkpoint, moe_apply, quant,
 from moejax.layer import QuantizedWeight
 from moejax.models import shard_model
 from tests.helpers import (
+  assert_close,
   check_layer,
   mesh_of,
   random_params,
@@ -291,6 +293,28 @@ def test_compiled_temporaries_hold_no_dequantized_copy():
     temp = run.lower(qparams, x).compile().memory_analysis().temp_size_in_bytes
     dequantized_f32 = 2 * experts_bf16
     assert temp < 0.25 * dequantized_f32, (expert_quant, temp, dequantized_f32)
+
+
+@pytest.mark.parametrize(
+  "inside_set_mesh", [True, slow(False)], ids=["in set_mesh", "outside set_mesh"]
+)
+def test_quantized_and_referenced_on_an_explicit_axes_mesh(inside_set_mesh, request):
+  """A layer's parameters on `jax.make_mesh`'s explicit axes: every format quantizes them
+  keeping their expert split, bit for bit as whole arrays do, and the reference takes them
+  as they are, inside `jax.set_mesh` or not."""
+  config = MoEConfig(**{**BASE, "quant_block_size": (32, 1)})
+  mesh = jax.make_mesh((2, 4), ("data", "expert"))  # explicit axes by default
+  layer = MoELayer(config, mesh=mesh, rngs=nnx.Rngs(seed_of(request.node.name)))
+  x = jax.random.normal(jax.random.key(1), (8, config.hidden_size))
+  whole = jax.device_get(layer.moe_params())
+  with jax.set_mesh(mesh) if inside_set_mesh else contextlib.nullcontext():
+    sharded = layer.moe_params()
+    assert_close(reference_moe(sharded, x, config), reference_moe(whole, x, config), what="y")
+    for expert_quant in ("mxfp4", "int4_group", "nvfp4"):
+      quantized, _ = quant.quantize_experts(sharded, config, expert_quant)
+      assert quantized.w_gate_up.values.sharding.spec[0] == "expert", expert_quant
+      expected, _ = quant.quantize_experts(whole, config, expert_quant)
+      chex.assert_trees_all_equal(jax.device_get(quantized), expected)
 
 
 def test_dequantize_experts_inverts_the_format(request):
