@@ -194,7 +194,7 @@ class MoEConfig:
   save_dispatched_rows: bool = False
 
   def __post_init__(self) -> None:
-    self._check_types()
+    check_field_types(self)
     self._check_sizes()
     self._check_choices()
     self._check_groups()
@@ -210,9 +210,6 @@ class MoEConfig:
     if not jnp.issubdtype(self.param_dtype, jnp.floating):
       raise ValueError(f"param_dtype must be a floating dtype, got {self.param_dtype}")
     self._check_axes()
-
-  def _check_types(self) -> None:
-    check_field_types(self)
 
   def _check_axes(self) -> None:
     axis_groups.check_group("data_axis", self.data_axis)
