@@ -60,6 +60,7 @@ pytestmark = [
 # A layer of DeepSeek-V3's shape class at a width that compiles in seconds: 32 experts of
 # D=1024, F=512, top 4, bf16, 512 tokens per device.
 LAYER = dict(num_experts=32, top_k=4, hidden_size=1024, intermediate_size=512)
+BF16 = dict(dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
 TOKENS_PER_DEVICE = 512
 
 
@@ -141,7 +142,7 @@ def test_compile_only_devices_are_the_gpus_they_describe():
 def test_decisions_follow_the_call_devices(gpu, pallas_kernel):
   """Planned for a GPU mesh from this CPU process: as on those GPUs, nothing patched."""
   device = targets.compile_only_devices(gpu)[0]
-  config = MoEConfig(**LAYER, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
+  config = MoEConfig(**LAYER, **BF16)
   with platform.running_on(device):
     assert plan_experts(config, num_rows=4096, local_experts=4) == ExpertPlan("ragged_dot", "xla")
     pallas = MoEConfig(**LAYER, dtype=jnp.bfloat16, expert_backend="pallas")
@@ -160,7 +161,7 @@ def test_the_pallas_layer_compiles_its_gradient(gpu, kernel_call):
   gradient. The gradient used to fail on a GPU: the Mosaic kernel's weight cotangents came
   back typed as invariant over the mesh axes (`kernels_pallas.compat.vary_like`)."""
   mesh = targets.target_mesh(gpu, (1, 8))
-  config = MoEConfig(**LAYER, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, expert_backend="pallas")
+  config = MoEConfig(**LAYER, **BF16, expert_backend="pallas")
   triton = kernel_call.endswith("triton")
   for gradient in (False, True):
     with expect_triton_deprecation() if triton else contextlib.nullcontext():
@@ -173,13 +174,12 @@ def test_the_pallas_layer_compiles_its_gradient(gpu, kernel_call):
 def test_the_xla_paths_compile_on_two_nodes(dispatch):
   """Both dispatch schemes, forward and gradient, on 2 H200 nodes (data 2 x expert 8)."""
   mesh = targets.target_mesh("h200", (2, 8), nodes=2)
-  config = MoEConfig(**LAYER, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, dispatch=dispatch)
+  config = MoEConfig(**LAYER, **BF16, dispatch=dispatch)
   for gradient in (False, True):
     compiled = compile_layer(config, mesh, gradient)
     assert compiled.memory_analysis().temp_size_in_bytes < GPUS["h200"].memory_bytes
 
 
-BF16 = dict(dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
 # Each quantized format's fields (its scale block where the config chooses one).
 QUANTIZED = {
   "fp8_block": dict(expert_quant="fp8_block", quant_block_size=(128, 128)),
@@ -210,8 +210,10 @@ def test_every_path_compiles_its_gradient(path):
   fields, (shape, names) = PATHS[path]
   config = MoEConfig(**LAYER | fields, **BF16)
   mesh = targets.target_mesh("h200", shape, names)
-  memory = compile_layer(config, mesh, gradient=True).memory_analysis()
-  assert 0 < memory.temp_size_in_bytes < GPUS["h200"].memory_bytes
+  compiled = compile_layer(config, mesh, gradient=True)
+  assert 0 < compiled.memory_analysis().temp_size_in_bytes < GPUS["h200"].memory_bytes
+  if config.expert_backend == "pallas":  # the Hopper kernel, never the interpreter
+    assert "mosaic_gpu_v2" in custom_calls(compiled), custom_calls(compiled)
 
 
 def test_fsdp_gathers_outside_the_chunk_loop_on_the_gpu():
