@@ -79,6 +79,24 @@ def test_checkpoint_restores_onto_another_mesh(tmp_path, scan_layers, expert_fsd
   assert_close(restored(tokens, mask), model(tokens, mask), what="logits after restore")
 
 
+def test_checkpoint_restores_a_subset_and_names_a_mismatch(tmp_path):
+  """A training checkpoint (model and optimizer) restores the model alone, and the first
+  part that does not fit another model is named in one sentence."""
+  model = MoELayer(MOE, rngs=nnx.Rngs(0))
+  optimizer = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
+  checkpoint.save(tmp_path / "ckpt", model, optimizer, step=7)
+  alone = MoELayer(MOE, rngs=nnx.Rngs(1))
+  assert checkpoint.restore(tmp_path / "ckpt", alone) == 7
+  chex.assert_trees_all_equal(nnx.state(alone), nnx.state(model))
+  wider = MoELayer(dataclasses.replace(MOE, intermediate_size=2 * MOE.intermediate_size),
+                   rngs=nnx.Rngs(0))  # fmt: skip
+  with pytest.raises(ValueError, match=r"model/w_down is \(\d+, \d+, \d+\) in the checkpoint"):
+    checkpoint.restore(tmp_path / "ckpt", wider)
+  checkpoint.save(tmp_path / "model_only", model)
+  with pytest.raises(ValueError, match="the checkpoint has no optimizer"):
+    checkpoint.restore(tmp_path / "model_only", alone, optimizer)
+
+
 @pytest.mark.slow
 def test_train_command_checkpoints_and_resumes(tmp_path):
   """A scanned model, each block rematerialized saving the layer's checkpoint names, LoRA
