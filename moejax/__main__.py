@@ -7,6 +7,7 @@ flags first and imports the JAX-using commands afterwards.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import runpy
 import sys
@@ -22,26 +23,46 @@ def chunk_size(value: str) -> int | str:
   return int(value)
 
 
+def positive_int(value: str) -> int:
+  """A flag that counts something: a positive int."""
+  if not value.isdigit() or int(value) < 1:
+    raise argparse.ArgumentTypeError(f"must be a positive int, got {value!r}")
+  return int(value)
+
+
+def positive_float(value: str) -> float:
+  """A rate: a finite float > 0."""
+  try:
+    number = float(value)
+  except ValueError:
+    number = math.nan
+  if not math.isfinite(number) or number <= 0:
+    raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {value!r}")
+  return number
+
+
 def _parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(prog="python -m moejax", description=__doc__)
   commands = parser.add_subparsers(dest="command", required=True)
   demo = commands.add_parser("demo", help="run the layer on uneven per-rank token counts")
-  demo.add_argument("--experts", type=int, default=16, help="E (default 16)")
-  demo.add_argument("--top-k", type=int, default=2, help="K (default 2)")
-  demo.add_argument("--hidden", type=int, default=128, help="D (default 128)")
-  demo.add_argument("--intermediate", type=int, default=256, help="F (default 256)")
-  demo.add_argument("--tokens-per-rank", type=int, default=96, help="buffer rows per device")
+  demo.add_argument("--experts", type=positive_int, default=16, help="E (default 16)")
+  demo.add_argument("--top-k", type=positive_int, default=2, help="K (default 2)")
+  demo.add_argument("--hidden", type=positive_int, default=128, help="D (default 128)")
+  demo.add_argument("--intermediate", type=positive_int, default=256, help="F (default 256)")
+  demo.add_argument(
+    "--tokens-per-rank", type=positive_int, default=96, help="buffer rows per device"
+  )
   demo.add_argument(
     "--chunk-size", type=chunk_size, default="auto", help='C, or "auto" (the default)'
   )
   demo.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
   train = commands.add_parser("train", help="train a small MoE transformer, checkpoint it")
-  train.add_argument("--steps", type=int, default=60)
-  train.add_argument("--batch-size", type=int, default=32)
-  train.add_argument("--seq-len", type=int, default=16)
-  train.add_argument("--vocab", type=int, default=64)
-  train.add_argument("--layers", type=int, default=2)
-  train.add_argument("--heads", type=int, default=2)
+  train.add_argument("--steps", type=positive_int, default=60)
+  train.add_argument("--batch-size", type=positive_int, default=32)
+  train.add_argument("--seq-len", type=positive_int, default=16)
+  train.add_argument("--vocab", type=positive_int, default=64)
+  train.add_argument("--layers", type=positive_int, default=2)
+  train.add_argument("--heads", type=positive_int, default=2)
   train.add_argument("--moe-every", type=int, default=1, choices=[1, 2])
   train.add_argument(
     "--scan-layers", action="store_true", help="build the blocks as one stack, apply it by scan"
@@ -52,13 +73,13 @@ def _parser() -> argparse.ArgumentParser:
     choices=["none", "full", "names"],
     help="rematerialize each block: recompute everything, or save moejax.CHECKPOINT_NAMES",
   )
-  train.add_argument("--experts", type=int, default=8)
-  train.add_argument("--top-k", type=int, default=2)
-  train.add_argument("--hidden", type=int, default=32)
-  train.add_argument("--intermediate", type=int, default=64)
+  train.add_argument("--experts", type=positive_int, default=8)
+  train.add_argument("--top-k", type=positive_int, default=2)
+  train.add_argument("--hidden", type=positive_int, default=32)
+  train.add_argument("--intermediate", type=positive_int, default=64)
   train.add_argument("--chunk-size", type=chunk_size, default="auto")
   train.add_argument("--backend", default="auto", choices=["auto", "xla", "pallas"])
-  train.add_argument("--learning-rate", type=float, default=3e-3)
+  train.add_argument("--learning-rate", type=positive_float, default=3e-3)
   train.add_argument(
     "--lora-rank",
     type=int,

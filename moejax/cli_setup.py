@@ -6,16 +6,21 @@ Imported by the commands only after `__main__` has set the simulated device coun
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
+from typing import TypeVar
 
 import jax
-from jax.sharding import AxisType, Mesh
+from jax.sharding import Mesh
 
 from moejax.config import MoEConfig
 from moejax.sharding import check_mesh
 
+T = TypeVar("T")
+
 
 def layer_mesh(args: argparse.Namespace, shape: tuple[int, int], config: MoEConfig) -> Mesh:
-  """A (data, expert) mesh of the first data*expert devices, with automatic axes; a --mesh
+  """A (data, expert) mesh of the first data*expert devices, explicit axes as
+  `jax.make_mesh` makes them by default; a --mesh
   the layer cannot use (too few devices, experts that do not split over it) exits with its
   message."""
   devices = len(jax.devices())
@@ -23,7 +28,7 @@ def layer_mesh(args: argparse.Namespace, shape: tuple[int, int], config: MoEConf
     raise SystemExit(
       f"a {shape[0]}x{shape[1]} mesh needs {shape[0] * shape[1]} devices, found {devices}"
     )
-  mesh = jax.make_mesh(shape, ("data", "expert"), axis_types=(AxisType.Auto,) * 2)
+  mesh = jax.make_mesh(shape, ("data", "expert"))
   try:
     check_mesh(mesh, config)
   except ValueError as error:
@@ -34,14 +39,22 @@ def layer_mesh(args: argparse.Namespace, shape: tuple[int, int], config: MoEConf
 def moe_config(args: argparse.Namespace, **overrides) -> MoEConfig:
   """The MoEConfig of the --experts, --top-k, --hidden, --intermediate, --chunk-size flags;
   flags that make no valid config exit with its message."""
+  return from_flags(
+    args,
+    MoEConfig,
+    num_experts=args.experts,
+    top_k=args.top_k,
+    hidden_size=args.hidden,
+    intermediate_size=args.intermediate,
+    chunk_size=args.chunk_size,
+    **overrides,
+  )
+
+
+def from_flags(args: argparse.Namespace, build: Callable[..., T], **fields) -> T:
+  """`build(**fields)`, for a config made of flags: one they make invalid exits with its
+  message (naming the field), not a traceback."""
   try:
-    return MoEConfig(
-      num_experts=args.experts,
-      top_k=args.top_k,
-      hidden_size=args.hidden,
-      intermediate_size=args.intermediate,
-      chunk_size=args.chunk_size,
-      **overrides,
-    )
-  except ValueError as error:
+    return build(**fields)
+  except (TypeError, ValueError) as error:
     raise SystemExit(f"moejax {args.command}: {error}") from None

@@ -80,8 +80,8 @@ def moe_apply(
     x: [..., D] float tokens (any leading dims; T = their product need not divide the mesh).
     config: the layer's `MoEConfig`.
     mesh: a mesh whose every axis is in `config.data_axis` or `config.expert_axis`, or None
-      for one device. With an explicit-axes mesh (`jax.make_mesh`'s default), call inside
-      `jax.set_mesh(mesh)`.
+      for one device. Explicit axes (`jax.make_mesh`'s default) and automatic ones alike,
+      inside `jax.set_mesh` or not.
     token_mask: [...] bool, True for real tokens; None means all real.
     router_logits: [..., E + Z] precomputed router logits (its bias, if any, included); then
       the router is not run again.

@@ -55,10 +55,20 @@ class TransformerConfig:
     check_field_types(self)
     if not isinstance(self.moe, MoEConfig):
       raise TypeError(f"moe must be a moejax.MoEConfig, got {type(self.moe).__name__}")
+    for name in ("vocab_size", "num_layers", "num_heads", "dense_ffn_size"):
+      if getattr(self, name) < 1:
+        raise ValueError(f"{name} must be a positive int, got {getattr(self, name)}")
     if self.moe.hidden_size % self.num_heads:
-      raise ValueError(f"hidden_size={self.moe.hidden_size} must divide by {self.num_heads=}")
+      raise ValueError(
+        f"hidden_size={self.moe.hidden_size} must divide by num_heads={self.num_heads}"
+      )
     if self.moe_every not in (1, 2):
       raise ValueError(f"moe_every must be 1 or 2, got {self.moe_every}")
+    if self.num_layers < self.moe_every:
+      raise ValueError(
+        f"num_layers={self.num_layers} with moe_every={self.moe_every} has no MoE block: "
+        f"num_layers must be at least moe_every"
+      )
     if self.remat_policy is not None and not callable(self.remat_policy):
       raise TypeError(
         f"remat_policy must be None or a jax.checkpoint policy (e.g. "
@@ -182,7 +192,7 @@ class MoETransformer(nnx.Module):
 
   def __call__(self, tokens: jax.Array, token_mask: jax.Array) -> jax.Array:
     """tokens [batch, seq] int, token_mask [batch, seq] bool -> logits [batch, seq, V] float32."""
-    x = self.embed(tokens)
+    x = self.embed(tokens, out_sharding=sharding.rows_sharded_like(tokens))
     if self.config.scan_layers:
       x = self.blocks(x, token_mask)
     else:

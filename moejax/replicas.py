@@ -147,14 +147,22 @@ def sum_replicas(grads: MoEParams, placement: Placement) -> MoEParams:
   the gradients of the logical weights that `place` replicated, adapters included (the
   others unchanged; quantized weights, constants, have none: None)."""
   experts = np.shape(placement.replica_counts)[-1]
-  segments = jnp.asarray(placement.physical_to_logical)
-  summed = {
-    name: None
-    if is_block_scaled(value)
-    else jax.tree.map(lambda g: jax.ops.segment_sum(g, segments, num_segments=experts), value)
-    for name, value in _expert_leaves(grads).items()
-  }
-  return grads._replace(**summed)
+  segments = np.asarray(placement.physical_to_logical)
+  per_expert = lambda g: jax.ops.segment_sum(g, segments, num_segments=experts)
+
+  def summed(g: jax.Array) -> jax.Array:
+    if not sharding.explicitly_sharded(g):
+      return per_expert(g)
+    # Slots split over an explicit axis: the sums, replicated, placed by the compiler.
+    whole = NamedSharding(jax.typeof(g).sharding.mesh, P())
+    return jax.sharding.auto_axes(per_expert, out_sharding=whole)(g)
+
+  return grads._replace(
+    **{
+      name: None if is_block_scaled(value) else jax.tree.map(summed, value)
+      for name, value in _expert_leaves(grads).items()
+    }
+  )
 
 
 def _expert_leaves(params: MoEParams) -> dict:

@@ -211,6 +211,16 @@ def explicitly_sharded(x) -> bool:
   return any(kinds[name] == AxisType.Explicit for name in used)
 
 
+def rows_sharded_like(index: jax.Array) -> NamedSharding | None:
+  """The layout of a gather `table[index]` (rows of a table [N, D]) split as `index` is over
+  explicit mesh axes, the row dimension whole; None (the compiler's choice) for an index not
+  split over an explicit axis. Explicit sharding asks a gather for its output's layout."""
+  if not explicitly_sharded(index):
+    return None
+  layout = jax.typeof(index).sharding
+  return NamedSharding(layout.mesh, P(*layout.spec, None))
+
+
 def gathered(tree: Any) -> Any:
   """`tree` with every leaf split over an explicit mesh axis made whole (replicated on its
   mesh), the others as they are: for code that computes on whole arrays (the reference)."""

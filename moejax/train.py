@@ -15,7 +15,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from moejax import checkpoint
-from moejax.cli_setup import layer_mesh, moe_config
+from moejax.cli_setup import from_flags, layer_mesh, moe_config
 from moejax.layer import collect_aux
 from moejax.models import ClusterTask, MoETransformer, TransformerConfig, shard_model
 from moejax.remat import CHECKPOINT_NAMES
@@ -113,11 +113,13 @@ def run(args, mesh_shape: tuple[int, int]) -> list[dict[str, float]]:
   )
   mesh = layer_mesh(args, mesh_shape, moe)
   task = ClusterTask(vocab_size=args.vocab, seq_len=args.seq_len, seed=args.seed)
-  config = TransformerConfig(
-    args.vocab,
-    args.layers,
-    args.heads,
-    moe,
+  config = from_flags(
+    args,
+    TransformerConfig,
+    vocab_size=args.vocab,
+    num_layers=args.layers,
+    num_heads=args.heads,
+    moe=moe,
     moe_every=args.moe_every,
     scan_layers=args.scan_layers,
     remat_policy=REMAT_POLICIES[args.remat],

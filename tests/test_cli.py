@@ -5,8 +5,9 @@ import argparse
 
 import pytest
 
-from moejax.__main__ import parse_mesh
-from moejax.cli_setup import layer_mesh, moe_config
+from moejax.__main__ import main, parse_mesh
+from moejax.cli_setup import from_flags, layer_mesh, moe_config
+from moejax.models import TransformerConfig
 
 FLAGS = argparse.Namespace(
   command="demo", experts=16, top_k=2, hidden=32, intermediate=64, chunk_size="auto"
@@ -32,3 +33,28 @@ def test_a_mesh_the_experts_do_not_split_over_exits_naming_it():
 def test_flags_that_make_no_config_exit_naming_the_field():
   with pytest.raises(SystemExit, match="moejax demo: top_k=32 must be in"):
     moe_config(argparse.Namespace(**{**vars(FLAGS), "top_k": 32}))
+
+
+@pytest.mark.parametrize(
+  "flag, value, message",
+  [
+    ("--steps", "0", "must be a positive int, got '0'"),
+    ("--vocab", "-3", "must be a positive int, got '-3'"),
+    ("--learning-rate", "nan", "must be a finite number > 0, got 'nan'"),
+  ],
+)
+def test_a_count_or_rate_flag_out_of_range_is_an_argparse_error(flag, value, message, capsys):
+  with pytest.raises(SystemExit):
+    main(["train", flag, value])
+  assert f"argument {flag}: {message}" in capsys.readouterr().err
+
+
+def test_flags_that_make_no_transformer_exit_naming_the_field():
+  train = argparse.Namespace(command="train")
+  moe = moe_config(FLAGS)
+  with pytest.raises(SystemExit, match="moejax train: hidden_size=32 must divide by num_heads=5"):
+    from_flags(train, TransformerConfig, vocab_size=64, num_layers=2, num_heads=5, moe=moe)
+  with pytest.raises(SystemExit, match="num_layers=1 with moe_every=2 has no MoE block"):
+    from_flags(
+      train, TransformerConfig, vocab_size=64, num_layers=1, num_heads=2, moe=moe, moe_every=2
+    )

@@ -86,6 +86,8 @@ def test_the_transformer_config_refuses_what_it_cannot_scan_or_remat():
     TransformerConfig(32, 2, 2, CONFIG, scan_layers="yes")
   with pytest.raises(ValueError, match=r"num_layers must be an int, got 2\.0"):
     TransformerConfig(32, 2.0, 2, CONFIG)
+  with pytest.raises(ValueError, match="vocab_size must be a positive int, got 0"):
+    TransformerConfig(0, 2, 2, CONFIG)
   with pytest.raises(TypeError, match=r"moe must be a moejax\.MoEConfig, got dict"):
     TransformerConfig(32, 2, 2, {})
   with pytest.raises(ValueError, match="moe_every=2 blocks: num_layers=3 must divide by it"):

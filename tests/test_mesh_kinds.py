@@ -1,0 +1,170 @@
+"""Every public function on the meshes users make: explicit axes (`jax.make_mesh`'s default)
+and automatic ones, called inside `jax.set_mesh` and outside it, on inputs split over the
+data axis as a user's batch is. Each result equals what the same call gives on one device
+(or the reference). The fast tier runs the explicit kinds (JAX's default; the automatic ones
+are what the rest of the suite uses), the slow tier all four."""
+
+import contextlib
+import dataclasses
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import linen as nn
+from flax import nnx
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from moejax import (
+  MoEConfig,
+  MoELayer,
+  MoEParams,
+  checkpoint,
+  eplb,
+  hf,
+  linen,
+  lora,
+  moe_apply,
+  reference_moe,
+)
+from moejax.models import MoETransformer, TransformerConfig, shard_model
+from moejax.train import train_step
+from tests.helpers import assert_close, poison, seed_of, slow
+from tests.hf_checkpoints import write_checkpoint
+
+CONFIG = MoEConfig(
+  num_experts=8,
+  top_k=2,
+  hidden_size=16,
+  intermediate_size=32,
+  chunk_size=4,
+  num_shared_experts=1,
+  shared_intermediate_size=8,
+)
+
+MESH_KINDS = [
+  pytest.param((AxisType.Explicit, True), id="explicit-in-set_mesh"),
+  pytest.param((AxisType.Explicit, False), id="explicit"),
+  slow((AxisType.Auto, True), id="auto-in-set_mesh"),
+  slow((AxisType.Auto, False), id="auto"),
+]
+
+
+@pytest.fixture(params=MESH_KINDS)
+def mesh(request):
+  """The 2x4 (data, expert) mesh of the kind asked, set as the current mesh or not."""
+  axis_type, inside = request.param
+  mesh = jax.make_mesh((2, 4), ("data", "expert"), axis_types=(axis_type,) * 2)
+  with jax.set_mesh(mesh) if inside else contextlib.nullcontext():
+    yield mesh
+
+
+def batch_of(mesh, *arrays):
+  """`arrays` split over the data axis along their first dimension, as a user's batch."""
+  return [jax.device_put(a, NamedSharding(mesh, P("data"))) for a in arrays]
+
+
+def random_batch(seed: int):
+  """x [4, 6, D] and a mask [4, 6] with one sequence empty, one full."""
+  x = jax.random.normal(jax.random.key(seed), (4, 6, CONFIG.hidden_size))
+  mask = jnp.arange(6)[None, :] < jnp.array([6, 0, 2, 5])[:, None]
+  return x, mask
+
+
+def test_the_layer_its_gradient_and_moe_apply(mesh, request):
+  seed = seed_of(request.node.name)
+  layer = MoELayer(CONFIG, mesh=mesh, rngs=nnx.Rngs(seed))
+  x, mask = random_batch(seed)
+  xs, masks = batch_of(mesh, poison(x, mask), mask)
+  y = layer(xs, token_mask=masks)
+  params = layer.moe_params()
+  want = reference_moe(params, x, CONFIG, mask)
+  assert_close(y, want, what="y")
+  if mesh.axis_types[0] == AxisType.Explicit:
+    assert jax.typeof(y).sharding.spec == jax.typeof(xs).sharding.spec
+  applied, _ = moe_apply(params, xs, config=CONFIG, mesh=mesh, token_mask=masks)
+  assert_close(applied, want, what="moe_apply's y")
+  loss = lambda y: jnp.sum(jnp.where(mask[..., None], y, 0.0) ** 2)
+  # Jitted: JAX's eager `grad` on an explicit mesh wants `jax.set_mesh` (for any function).
+  grads = nnx.jit(nnx.grad(lambda m: loss(m(xs, token_mask=masks))))(layer)
+  host = jax.device_get(params)
+  expected = jax.grad(lambda p: loss(reference_moe(p, x, CONFIG, mask)))(host)
+  assert_close(grads.w_down[...], expected.w_down, what="d w_down")
+
+
+def test_the_linen_module(mesh, request):
+  seed = seed_of(request.node.name)
+  module = linen.moe_linen(CONFIG, mesh=mesh)
+  x, mask = random_batch(seed)
+  xs, masks = batch_of(mesh, poison(x, mask), mask)
+  variables = module.init(jax.random.key(seed), xs, masks)
+  y = module.apply(variables, xs, masks)
+  params = MoEParams(**jax.device_get(nn.unbox(variables)["params"]))
+  assert_close(y, reference_moe(params, x, CONFIG, mask), what="linen's y")
+
+
+def test_rebalancing_and_summing_replicas(mesh, request):
+  """`layer.rebalance` (EPLB on the counted load, the weights moved over the mesh),
+  `eplb.place` and `eplb.sum_replicas` on weights and gradients split over the expert axis."""
+  seed = seed_of(request.node.name)
+  config = dataclasses.replace(CONFIG, num_redundant_experts=8)
+  layer = MoELayer(config, mesh=mesh, rngs=nnx.Rngs(seed))
+  x, mask = random_batch(seed)
+  xs, masks = batch_of(mesh, x, mask)
+  before = layer(xs, token_mask=masks)
+  placement = layer.rebalance()
+  assert_close(layer(xs, token_mask=masks), before, what="y after rebalancing")
+  params = layer.moe_params()
+  host = jax.device_get(params)
+  moved = eplb.place(params, placement, config, current=placement)
+  chex.assert_trees_all_equal(jax.device_get(moved), host)
+  summed = eplb.sum_replicas(params, placement)
+  chex.assert_trees_all_close(jax.device_get(summed), eplb.sum_replicas(host, placement), rtol=1e-6)
+
+
+def test_merging_adapters(mesh, request):
+  config = dataclasses.replace(CONFIG, lora_rank=2)
+  layer = MoELayer(config, mesh=mesh, rngs=nnx.Rngs(seed_of(request.node.name)))
+  params = layer.moe_params()
+  merged, merged_config = lora.merge(params, config)
+  want, _ = lora.merge(jax.device_get(params), config)
+  chex.assert_trees_all_close(jax.device_get(merged), want, rtol=1e-6)
+  assert merged_config.lora_rank == 0
+
+
+def test_loading_a_checkpoint_onto_the_mesh(mesh, tmp_path):
+  write_checkpoint(tmp_path, "qwen3_moe", layer=1)
+  on_mesh = hf.load_layer(tmp_path, 1, mesh=mesh)
+  chex.assert_trees_all_equal(jax.tree.map(np.asarray, on_mesh), hf.load_layer(tmp_path, 1))
+  assert on_mesh.w_gate_up.sharding.mesh == mesh
+
+
+def test_a_transformer_trains_and_checkpoints(mesh, tmp_path, request):
+  """One optimizer step of `MoETransformer` on a batch split over data (the embedding's gather
+  included), its loss the one-device model's; saved, then restored into a fresh model."""
+  seed = seed_of(request.node.name)
+  config = TransformerConfig(32, 2, 2, CONFIG)
+
+  def step(mesh):
+    model = MoETransformer(config, mesh=mesh, rngs=nnx.Rngs(seed))
+    optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+    tokens = jax.random.randint(jax.random.key(seed), (4, 6), 0, 32)
+    mask = random_batch(seed)[1]
+    if mesh is not None:
+      shard_model(model, mesh)
+      shard_model(optimizer, mesh)
+      tokens, mask = batch_of(mesh, tokens, mask)
+    return model, optimizer, train_step(model, optimizer, tokens, tokens, mask)
+
+  model, optimizer, metrics = step(mesh)
+  assert_close(metrics["loss"], step(None)[2]["loss"], what="loss")
+  checkpoint.save(tmp_path / "ckpt", model, optimizer, step=1)
+  restored = MoETransformer(config, mesh=mesh, rngs=nnx.Rngs(seed + 1))
+  shard_model(restored, mesh)
+  checkpoint.restore(tmp_path / "ckpt", restored)
+  chex.assert_trees_all_equal(
+    jax.device_get(nnx.state(restored, nnx.Param)), jax.device_get(nnx.state(model, nnx.Param))
+  )
