@@ -332,6 +332,10 @@ class Family:
     selection_bias: the selection-only bias key (DeepSeek's `e_score_correction_bias`).
     shared_gate: the shared experts' [1, D] gate weight key, or None.
     derived: config.json -> further options no single key gives, or None.
+    module: the block's module path in transformers' loaded model, with `{layer}`, where
+      transformers renames the checkpoint's `block` as it loads (Mixtral's
+      `block_sparse_moe` is its `mlp`); None where they agree. PEFT names adapters after
+      the loaded modules.
   """
 
   block: str
@@ -344,6 +348,11 @@ class Family:
   selection_bias: str | None = None
   shared_gate: str | None = None
   derived: Callable[[dict], dict] | None = None
+  module: str | None = None
+
+  def loaded_block(self, layer: int) -> str:
+    """The block's module path in transformers' loaded model (`module`, else `block`)."""
+    return (self.module or self.block).format(layer=layer)
 
   def config_options(self, hf: dict) -> dict:
     """The `MoEConfig` keyword arguments of this family's config.json."""
@@ -401,15 +410,16 @@ _QWEN_WITH_SHARED = Family(
   shared_sizes=Shared(1, Read("shared_expert_intermediate_size", 0), gate=True),
 )
 _BLOCK_SPARSE = "model.layers.{layer}.block_sparse_moe"
+_MLP = "model.layers.{layer}.mlp"  # transformers 5's name of Mixtral's block_sparse_moe
 
 FAMILIES: dict[str, Family] = {
-  "mixtral": Family(_BLOCK_SPARSE, "gate.weight", _MIXTRAL, _W1_W3_W2),
-  "minimax": Family(_BLOCK_SPARSE, "gate.weight", _MIXTRAL, _W1_W3_W2),
+  "mixtral": Family(_BLOCK_SPARSE, "gate.weight", _MIXTRAL, _W1_W3_W2, module=_MLP),
+  "minimax": Family(_BLOCK_SPARSE, "gate.weight", _MIXTRAL, _W1_W3_W2, module=_MLP),
   "phimoe": Family(
     _BLOCK_SPARSE, "gate.weight",
     dict(**_sizes("num_local_experts", "num_experts_per_tok", "intermediate_size"),
          scoring="sparsemixer", sparsemixer_eps=Read("router_jitter_noise", 0.01)),
-    _W1_W3_W2,
+    _W1_W3_W2, module=_MLP,
   ),
   "granitemoe": Family(  # Mixtral's config fields and routing
     _BLOCK_SPARSE, "router.layer.weight", _MIXTRAL,
@@ -482,7 +492,10 @@ FAMILIES: dict[str, Family] = {
   ),
   "kimi_k2": _DEEPSEEK_V3,  # Kimi-K2 (Thinking): DeepSeek-V3's MoE
   # Kimi-K2.5: DeepSeek-V3's MoE under a multimodal model (config in `text_config`)
-  "kimi_k25": dataclasses.replace(_DEEPSEEK_V3, block="language_model.model.layers.{layer}.mlp"),
+  "kimi_k25": dataclasses.replace(
+    _DEEPSEEK_V3, block="language_model.model.layers.{layer}.mlp",
+    module="model.language_model.layers.{layer}.mlp",
+  ),
   "longcat_flash": Family(
     "model.layers.{layer}.mlp", "router.classifier.weight",
     dict(**_sizes("n_routed_experts", "moe_topk", "expert_ffn_hidden_size"),

@@ -7,12 +7,14 @@ transformers' MoE blocks in one of two layouts (`layout=`):
 - "fused": `target_parameters` on transformers 5's 3-D expert parameters (PEFT's
   `ParamWrapper`): per parameter lora_A [r·E, in] and lora_B [out, r·E]; expert e's adapter is
   A.reshape(E, r, in)[e] and B.reshape(out, r, E)[:, :, e]. Two parameters of one module nest
-  (`experts.base_layer.lora_A` is the first target, `experts.lora_A` the second). PEFT reads
+  (`experts.base_layer.lora_A` is the first target, `experts.lora_A` the second). Keys name
+  the modules of transformers' loaded model, where some families' blocks are renamed
+  (Mixtral's, PhiMoE's and MiniMax's `block_sparse_moe` is `mlp`: `hf.Family.module`). PEFT reads
   a parameter as [E, out, in] unless the module is marked `is_transposed` (GPT-OSS); Llama 4
   stores [E, in, out] unmarked, so its A and B act the other way round (`Fused.marked_transposed`).
 - "per_expert": `target_modules` on one linear layer per expert and projection
   (transformers 4's modules; PEFT converts such files for transformers 5's fused experts):
-  lora_A [r, in], lora_B [out, r].
+  lora_A [r, in], lora_B [out, r], at the checkpoint's module names.
 
 moejax has one rank for both projections and fuses gate and up: a per-expert gate and up
 adapter of ranks r1, r2 become one of rank r1 + r2 (A's columns side by side, B
@@ -247,15 +249,16 @@ def load_lora(
   path = Path(path)
   family = hf.family_of(model_type)
   adapter_config = _read_config(path)
-  block = family.block.format(layer=layer)
   with SafetensorsFiles(path, stem="adapter_model") as files:
     fused, per_expert = _layouts(family, model_type)
+    block = family.block.format(layer=layer)  # transformers 4's modules: the checkpoint's names
     per_expert_key = (
       f"{PREFIX}{block}.experts.0.{per_expert.gate}.lora_A.weight" if per_expert else None
     )
     if per_expert_key is not None and per_expert_key in files:
       experts = _per_expert_pairs(files, adapter_config, block, per_expert, config)
     elif fused is not None:
+      block = family.loaded_block(layer)
       experts = _fused_pairs(files, adapter_config, block, fused, config)
     else:
       experts = _per_expert_pairs(files, adapter_config, block, per_expert, config)  # names the key
@@ -343,7 +346,8 @@ def save_lora(
   tensors, modules, parameters = {}, [], []
   for layer, params in adapters.items():
     check_adapters("lora", params.lora, expert_lora_shapes(config))
-    block = family.block.format(layer=layer)
+    # Fused: the loaded model's module names; per expert: transformers 4's, the checkpoint's.
+    block = family.loaded_block(layer) if layout == "fused" else family.block.format(layer=layer)
     lora = ExpertLoRA(*(np.asarray(a, np.float32) for a in params.lora))
     if layout == "fused":
       parameters += _write_fused(tensors, block, fused, lora)
@@ -408,7 +412,7 @@ def _write_fused(tensors: dict, block: str, layout, lora: ExpertLoRA) -> list[st
 
 
 def _interleaved(gate_up: np.ndarray) -> np.ndarray:
-  """[..., 2F] gate then up -> alternating columns (the inverse of `hf._halves`)."""
+  """[..., 2F] gate then up -> alternating columns (the inverse of `hf.halves`)."""
   f = gate_up.shape[-1] // 2
   out = np.empty_like(gate_up)
   out[..., 0::2], out[..., 1::2] = gate_up[..., :f], gate_up[..., f:]

@@ -34,14 +34,18 @@ FUSED = {
   "gpt_oss": (("experts.gate_up_proj", "experts.down_proj"), None),  # [E, in, out], marked
   "llama4_text": (("experts.gate_up_proj", "experts.down_proj"), "shared_expert"),  # unmarked
   "granitemoe": (("experts.gate_up_proj", "experts.down_proj"), None),  # stored input_linear
+  # stored per expert at block_sparse_moe, loaded fused at mlp
+  **dict.fromkeys(
+    ["mixtral", "phimoe", "minimax"], (("experts.gate_up_proj", "experts.down_proj"), None)
+  ),
 }
 
 
 def tiny_model(model_type: str, path, seed: int):
-  fields, layer, block_name = FAMILIES[model_type]
+  fields, layer = FAMILIES[model_type]
   model = hf_checkpoint(model_type, dict(fields), path, seed)
   config = hf.config_from_hf(json.loads((path / "config.json").read_text()), chunk_size=5)
-  return model, config, f"model.layers.{layer}.{block_name}", layer
+  return model, config, hf.family_of(model_type).loaded_block(layer), layer
 
 
 def block_of(model, block: str):
