@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import functools
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -316,6 +317,56 @@ _FUSED_OR_PER_EXPERT = (Fused(), PerExpert())
 _W1_W3_W2 = (Fused(), PerExpert("w1", "w3", "w2"))  # Mixtral's names of gate, up and down
 
 
+# Which decoder layers are MoE: (config.json, layer index, number of layers) -> bool, each
+# family's rule as transformers builds its model (with its config class's defaults).
+LayerRule = Callable[[dict, int, int], bool]
+
+
+def _every_layer(hf: dict, layer: int, layers: int) -> bool:
+  return True
+
+
+def _after_dense(first_dense_default: int) -> LayerRule:
+  """DeepSeek's: the layers from `first_k_dense_replace` on (every `moe_layer_freq`-th)."""
+
+  def rule(hf: dict, layer: int, layers: int) -> bool:
+    first = Read("first_k_dense_replace", first_dense_default)(hf)
+    return layer >= first and layer % Read("moe_layer_freq", 1)(hf) == 0
+
+  return rule
+
+
+def _qwen_sparse_step(hf: dict, layer: int, layers: int) -> bool:
+  """Qwen's: every `decoder_sparse_step`-th layer, but those in `mlp_only_layers`."""
+  dense = Read("mlp_only_layers", [])(hf)
+  return layer not in dense and (layer + 1) % Read("decoder_sparse_step", 1)(hf) == 0
+
+
+def _ernie_interval(hf: dict, layer: int, layers: int) -> bool:
+  """ERNIE's: every `moe_layer_interval`-th layer from `moe_layer_start_index` to
+  `moe_layer_end_index` (-1: the last), inclusive."""
+  end = Read("moe_layer_end_index", -1)(hf)
+  end = layers - 1 if end == -1 else end
+  start = Read("moe_layer_start_index", 1)(hf)
+  return (layer + 1) % Read("moe_layer_interval", 1)(hf) == 0 and start <= layer <= end
+
+
+def _after_dense_layers(hf: dict, layer: int, layers: int) -> bool:
+  """LFM2-MoE's: the layers from `num_dense_layers` on."""
+  return layer >= Read("num_dense_layers", 2)(hf)
+
+
+def _jamba_period(hf: dict, layer: int, layers: int) -> bool:
+  """Jamba's: layer % `expert_layer_period` == `expert_layer_offset`."""
+  return layer % Read("expert_layer_period", 2)(hf) == Read("expert_layer_offset", 1)(hf)
+
+
+def _llama4_interleave(hf: dict, layer: int, layers: int) -> bool:
+  """Llama 4's: `moe_layers`, else every `interleave_moe_layer_step`-th layer."""
+  step = Read("interleave_moe_layer_step", 1)(hf)
+  return layer in Read("moe_layers", range(step - 1, layers, step))(hf)
+
+
 @dataclasses.dataclass(frozen=True)
 class Family:
   """One model family: where an MoE layer's weights are, and how its config reads.
@@ -332,6 +383,8 @@ class Family:
     selection_bias: the selection-only bias key (DeepSeek's `e_score_correction_bias`).
     shared_gate: the shared experts' [1, D] gate weight key, or None.
     derived: config.json -> further options no single key gives, or None.
+    layers: the number of decoder layers.
+    moe_layer: which decoder layers are MoE layers (`LayerRule`; the others are dense).
     module: the block's module path in transformers' loaded model, with `{layer}`, where
       transformers renames the checkpoint's `block` as it loads (Mixtral's
       `block_sparse_moe` is its `mlp`); None where they agree. PEFT names adapters after
@@ -348,6 +401,8 @@ class Family:
   selection_bias: str | None = None
   shared_gate: str | None = None
   derived: Callable[[dict], dict] | None = None
+  layers: Read = Read(("num_hidden_layers", "n_layers"))
+  moe_layer: LayerRule = _every_layer
   module: str | None = None
 
   def loaded_block(self, layer: int) -> str:
@@ -402,12 +457,13 @@ _DEEPSEEK_V3 = Family(
   dict(**_DEEPSEEK, scoring="sigmoid", use_routing_bias=True,
        num_expert_groups=Read("n_group", 1), topk_groups=Read("topk_group", 1)),
   shared="shared_experts", shared_sizes=_DEEPSEEK_SHARED,
-  selection_bias="gate.e_score_correction_bias",
+  selection_bias="gate.e_score_correction_bias", moe_layer=_after_dense(3),
 )
 _QWEN_WITH_SHARED = Family(
   "model.layers.{layer}.mlp", "gate.weight", _QWEN,
   shared="shared_expert", shared_gate="shared_expert_gate.weight",
   shared_sizes=Shared(1, Read("shared_expert_intermediate_size", 0), gate=True),
+  moe_layer=_qwen_sparse_step,
 )
 _BLOCK_SPARSE = "model.layers.{layer}.block_sparse_moe"
 _MLP = "model.layers.{layer}.mlp"  # transformers 5's name of Mixtral's block_sparse_moe
@@ -427,7 +483,9 @@ FAMILIES: dict[str, Family] = {
   ),
   "qwen2_moe": _QWEN_WITH_SHARED,
   "qwen3_next": _QWEN_WITH_SHARED,
-  "qwen3_moe": Family("model.layers.{layer}.mlp", "gate.weight", _QWEN),
+  "qwen3_moe": Family(
+    "model.layers.{layer}.mlp", "gate.weight", _QWEN, moe_layer=_qwen_sparse_step
+  ),
   "olmoe": Family(
     "model.layers.{layer}.mlp", "gate.weight",
     {**_QWEN, "intermediate_size": Read("intermediate_size")},
@@ -436,9 +494,10 @@ FAMILIES: dict[str, Family] = {
     "model.layers.{layer}.mlp", "gate.weight",
     dict(**_DEEPSEEK, scoring="softmax", use_routing_bias=False),
     shared="shared_experts", shared_sizes=_DEEPSEEK_SHARED, derived=_limited_groups,
+    moe_layer=_after_dense(0),
   ),
   "deepseek_v3": _DEEPSEEK_V3,
-  "glm4_moe": _DEEPSEEK_V3,
+  "glm4_moe": dataclasses.replace(_DEEPSEEK_V3, moe_layer=_after_dense(1)),
   "gpt_oss": Family(
     "model.layers.{layer}.mlp", "router.weight",
     dict(**_sizes("num_local_experts", "num_experts_per_tok", "intermediate_size"),
@@ -454,10 +513,12 @@ FAMILIES: dict[str, Family] = {
          scoring="sigmoid", apply_router_weight_on_input=True),
     (Fused(input_major=True),),
     shared="shared_expert", shared_sizes=Shared(1, Read("intermediate_size")),
+    moe_layer=_llama4_interleave,
   ),
   "jamba": Family(
     "model.layers.{layer}.feed_forward", "router.weight",
     _sizes("num_experts", "num_experts_per_tok", "intermediate_size"),
+    moe_layer=_jamba_period,
   ),
   "ernie4_5_moe": Family(
     "model.layers.{layer}.mlp", "gate.weight",
@@ -465,7 +526,7 @@ FAMILIES: dict[str, Family] = {
          renormalize=True, use_routing_bias=True),
     shared="shared_experts",
     shared_sizes=Shared(Read("moe_num_shared_experts", 0), Read("moe_intermediate_size")),
-    selection_bias="moe_statics.e_score_correction_bias",
+    selection_bias="moe_statics.e_score_correction_bias", moe_layer=_ernie_interval,
   ),
   "hunyuan_v1_moe": Family(
     "model.layers.{layer}.mlp", "gate.wg.weight",
@@ -481,7 +542,7 @@ FAMILIES: dict[str, Family] = {
          scoring="sigmoid", use_routing_bias=Read("use_expert_bias", True, bool),
          renormalize=Read("norm_topk_prob", True, bool), routed_scaling_factor=_SCALING),
     _W1_W3_W2,
-    selection_bias="expert_bias",
+    selection_bias="expert_bias", moe_layer=_after_dense_layers,
   ),
   "dbrx": Family(
     "transformer.blocks.{layer}.ffn", "router.layer.weight",
@@ -503,6 +564,7 @@ FAMILIES: dict[str, Family] = {
          router_bias=Read("router_bias", False, bool), routed_scaling_factor=_SCALING),
     router_bias="router.classifier.bias",
     selection_bias="router.e_score_correction_bias",
+    layers=Read("num_layers"),  # each of two attentions and one MoE block
   ),
 }
 # fmt: on
@@ -723,6 +785,93 @@ def load_layer(
     value.shape, placement(mesh, spec), value.__getitem__
   )  # each device gets only its slice
   return map_params(place, LayerSpecs.from_config(config).params(params), params)
+
+
+def moe_layers(config: dict[str, Any] | str | Path) -> tuple[int, ...]:
+  """The decoder layers of a model that are MoE layers, by its family's rule (`Family.moe_layer`:
+  DeepSeek's `first_k_dense_replace`, Qwen's `decoder_sparse_step` and `mlp_only_layers`,
+  Llama 4's `moe_layers` / `interleave_moe_layer_step`, ERNIE's start, end and interval,
+  LFM2-MoE's `num_dense_layers`, Jamba's period and offset; every layer for the others), with
+  transformers' defaults for absent keys.
+
+  Args:
+    config: as for `config_from_hf` (config.json as a dict, a transformers config, a path).
+
+  >>> moe_layers({"model_type": "deepseek_v3", "num_hidden_layers": 5, "first_k_dense_replace": 3})
+  (3, 4)
+  """
+  hf = _text_model(_config_dict(config))
+  family = _family(hf)
+  layers = family.layers(hf)
+  return tuple(layer for layer in range(layers) if family.moe_layer(hf, layer, layers))
+
+
+def load_stack(
+  path: str | Path,
+  config: MoEConfig | None = None,
+  *,
+  layers: Sequence[int] | None = None,
+  mesh: Mesh | None = None,
+  dequantize: bool = False,
+  progress: bool = True,
+) -> MoEParams:
+  """Every MoE layer of a checkpoint, stacked for a scanned stack of layers: `load_layer` for
+  each of `moe_layers(path)`, in order, each parameter with a leading layer axis [L, ...].
+
+  Args:
+    path, config, dequantize: as for `load_layer` (quantized experts stay quantized unless
+      `dequantize`).
+    layers: the decoder layers to stack, in this order (e.g. one pipeline stage's); None:
+      `moe_layers(path)`.
+    mesh: place the stack on this mesh as it loads, each layer's slice written into a stack
+      whose layer axis is on no mesh axis (the rest as `MoELayer` lays out one layer: experts
+      split over the expert axis): devices hold the stack and one layer at a time, the host
+      one layer's tensors; None gives host NumPy arrays.
+    progress: show a progress bar (one step per layer).
+
+  Returns:
+    `MoEParams` [L, ...] of the L layers, in order.
+
+  Raises:
+    What `load_layer` raises, naming the layer's block.
+  """
+  from tqdm import tqdm  # imported here: `moejax.hf` needs it for this progress bar only
+
+  layers = moe_layers(path) if layers is None else tuple(layers)
+  config = config_from_hf(path) if config is None else config
+  stack = None
+  for position, layer in enumerate(tqdm(layers, desc="MoE layers", disable=not progress)):
+    params = load_layer(path, layer, config, mesh=mesh, dequantize=dequantize)
+    stack = _empty_stack(params, len(layers)) if stack is None else stack
+    stack = jax.tree.map(functools.partial(_put_layer, position=position), stack, params)
+  return stack
+
+
+def _empty_stack(params: MoEParams, layers: int) -> MoEParams:
+  """Room for `layers` layers like `params`: a leading layer axis on no mesh axis."""
+
+  def empty(leaf):
+    if not isinstance(leaf, jax.Array):
+      return np.empty((layers, *leaf.shape), leaf.dtype)
+    spec = (None, *leaf.sharding.spec)
+    sharding = jax.sharding.NamedSharding(leaf.sharding.mesh, jax.sharding.PartitionSpec(*spec))
+    zeros = functools.partial(jax.numpy.zeros, (layers, *leaf.shape), leaf.dtype)
+    return jax.jit(zeros, out_shardings=sharding)()
+
+  return jax.tree.map(empty, params)
+
+
+def _put_layer(stack, layer, position: int):
+  """`stack[position] = layer`, in place (on devices: the stack's buffer donated)."""
+  if not isinstance(stack, jax.Array):
+    stack[position] = layer
+    return stack
+  return _set_layer(stack, layer, position)
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _set_layer(stack: jax.Array, layer: jax.Array, position: jax.Array) -> jax.Array:
+  return stack.at[position].set(layer)
 
 
 def _check_powers_of_two(values: dict, block: str) -> None:

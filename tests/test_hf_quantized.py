@@ -20,6 +20,7 @@ from safetensors.numpy import save_file
 
 from moejax import hf, moe_apply, quant, reference_moe
 from moejax.hf_nvfp4 import COMPRESSED_TENSORS, MODELOPT
+from moejax.stacking import layer_of
 from tests.helpers import mesh_of, poison, seed_of, tolerance
 from tests.hf_checkpoints import (
   DEEPSEEK,
@@ -98,6 +99,12 @@ class QuantizedCheckpointContract:
     for expert in (2, 5):
       loaded = (w[expert].dequantize(), params.w_down[expert].dequantize())
       chex.assert_trees_all_close(loaded, self.expert_floats(floats, expert), rtol=rtol, atol=atol)
+    stack = hf.load_stack(tmp_path, config, layers=(LAYER, LAYER), mesh=mesh_of(2, 4))
+    assert stack.w_gate_up.values.shape == (2, *w.values.shape)
+    assert stack.w_gate_up.scales.sharding.spec[:2] == (None, "expert")
+    chex.assert_trees_all_equal(
+      jax.tree.map(np.asarray, layer_of(stack, 1)), jax.tree.map(np.asarray, params)
+    )
     dequantized = hf.load_layer(tmp_path, LAYER, config, dequantize=True)
     x = jax.random.normal(jax.random.key(seed), (40, config.hidden_size))
     mask = jax.random.bernoulli(jax.random.key(seed + 1), 0.8, (40,))

@@ -1,15 +1,18 @@
-"""Each family's MoE block in Hugging Face `transformers` against moejax, on a checkpoint that
-`save_pretrained` wrote locally: the loader reads the real on-disk layout, and the outputs
-agree at 1e-4 in float32. Needs the `.[hf]` extra (transformers and a CPU torch)."""
+"""Each family's MoE blocks in Hugging Face `transformers` against moejax, on a multi-layer
+checkpoint that `save_pretrained` wrote locally: the loader reads the real on-disk layout and
+finds the MoE layers, the outputs agree at 1e-4 in float32, and whole models with moejax's
+blocks give transformers' logits. Needs the `.[hf]` extra (transformers and a CPU torch)."""
 
 import chex
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from moejax import hf, moe_apply
+from moejax.stacking import layer_of
 from tests.helpers import mesh_of, seed_of, tolerance
-from tests.transformers_models import FAMILIES, hf_checkpoint
+from tests.transformers_models import FAMILIES, LAYERS, hf_checkpoint
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -18,23 +21,80 @@ pytestmark = pytest.mark.slow  # transformers' models
 
 
 @pytest.mark.parametrize("model_type", FAMILIES)
-def test_block_matches_transformers(model_type, tmp_path, request):
-  fields, layer = FAMILIES[model_type]
-  model = hf_checkpoint(model_type, dict(fields), tmp_path, seed_of(request.node.name) % 2**31)
-  # The loaded model's name of the block (PEFT's adapters name it so).
-  block = model.get_submodule(hf.family_of(model_type).loaded_block(layer))
-  rng = np.random.default_rng(seed_of(request.node.name))
-  x = rng.standard_normal((1, 24, 16)).astype(np.float32)
-  with torch.no_grad():
-    expected = block(torch.from_numpy(x))
-  expected = (expected[0] if isinstance(expected, tuple) else expected).numpy().reshape(24, 16)
-
-  config = hf.config_from_hf(
-    __import__("json").loads((tmp_path / "config.json").read_text()), chunk_size=5
-  )
-  params = hf.load_layer(tmp_path, layer, config)
-  mask = jnp.asarray(rng.random(24) < 0.75)
-  for mesh in (None, mesh_of(2, 4)):
-    y, _ = moe_apply(params, jnp.asarray(x[0]), config=config, mesh=mesh, token_mask=mask)
-    want = np.where(np.asarray(mask)[:, None], expected, 0.0)
+def test_every_moe_layer_loads_and_matches_transformers(model_type, tmp_path, request):
+  """`hf.moe_layers` names the layers transformers built as MoE (the others dense),
+  `hf.load_stack` loads them all, and each one's output is transformers' block's; the stack
+  loads onto the 2x4 mesh as well, where its last layer runs."""
+  seed = seed_of(request.node.name)
+  fields, _ = FAMILIES[model_type]
+  model = hf_checkpoint(model_type, dict(fields), tmp_path, seed % 2**31)
+  family = hf.family_of(model_type)
+  # The loaded model's name of each block (PEFT's adapters name it so).
+  blocks = [model.get_submodule(family.loaded_block(i)) for i in range(LAYERS)]
+  layers = hf.moe_layers(tmp_path)
+  assert layers == tuple(i for i, block in enumerate(blocks) if hasattr(block, "experts"))
+  config = hf.config_from_hf(tmp_path, chunk_size=5)
+  stack = hf.load_stack(tmp_path, config, progress=False)
+  rng = np.random.default_rng(seed)
+  x = rng.standard_normal((24, 16)).astype(np.float32)
+  mask = rng.random(24) < 0.75
+  for position, layer in enumerate(layers):
+    params = layer_of(stack, position)
+    y, _ = moe_apply(params, jnp.asarray(x), config=config, token_mask=jnp.asarray(mask))
+    want = np.where(mask[:, None], block_output(blocks[layer], x), 0.0)
     chex.assert_trees_all_close(y, want, **tolerance(comparison="torch"))
+  mesh = mesh_of(2, 4)
+  on_mesh = hf.load_stack(tmp_path, config, mesh=mesh, progress=False)
+  chex.assert_trees_all_equal(jax.tree.map(np.asarray, on_mesh), stack)
+  y, _ = moe_apply(
+    layer_of(on_mesh, -1), jnp.asarray(x), config=config, mesh=mesh, token_mask=jnp.asarray(mask)
+  )
+  chex.assert_trees_all_close(
+    y, np.where(mask[:, None], want, 0.0), **tolerance(comparison="torch")
+  )
+
+
+def block_output(block, x: np.ndarray) -> np.ndarray:
+  """A transformers MoE block's output for tokens x [T, D]."""
+  with torch.no_grad():
+    out = block(torch.from_numpy(x[None]))
+  return (out[0] if isinstance(out, tuple) else out).numpy().reshape(x.shape)
+
+
+class MoejaxBlock(torch.nn.Module):
+  """A transformers MoE block's stand-in: moejax's layer on the mesh, counting its calls."""
+
+  def __init__(self, params, config, mesh):
+    super().__init__()
+    self.params, self.config, self.mesh, self.calls = params, config, mesh, 0
+
+  def forward(self, hidden_states):
+    self.calls += 1
+    x = jnp.asarray(hidden_states.detach().numpy())
+    y, _ = moe_apply(self.params, x, config=self.config, mesh=self.mesh)
+    return torch.from_numpy(np.array(y))
+
+
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen2_moe", "deepseek_v3"])
+def test_a_model_with_moejax_blocks_gives_transformers_logits(model_type, tmp_path, request):
+  """The whole model: transformers' decoder with each MoE block replaced by moejax's (the
+  stack loaded onto the 2x4 mesh) gives the logits of transformers alone. Mixtral's blocks
+  are renamed as they load, Qwen2-MoE's have a gated shared expert, DeepSeek-V3's first layer
+  is dense and its routing grouped."""
+  seed = seed_of(request.node.name)
+  fields, _ = FAMILIES[model_type]
+  model = hf_checkpoint(model_type, dict(fields), tmp_path, seed % 2**31)
+  tokens = torch.from_numpy(np.random.default_rng(seed).integers(0, 32, (2, 12)))
+  with torch.no_grad():
+    want = model(tokens).logits.numpy()
+  mesh = mesh_of(2, 4)
+  config = hf.config_from_hf(tmp_path)
+  stack = hf.load_stack(tmp_path, config, mesh=mesh, progress=False)
+  layers = hf.moe_layers(tmp_path)
+  stand_ins = [MoejaxBlock(layer_of(stack, i), config, mesh) for i in range(len(layers))]
+  for layer, stand_in in zip(layers, stand_ins, strict=True):
+    model.set_submodule(hf.family_of(model_type).loaded_block(layer), stand_in)
+  with torch.no_grad():
+    logits = model(tokens).logits.numpy()
+  assert [block.calls for block in stand_ins] == [1] * len(layers)
+  chex.assert_trees_all_close(logits, want, **tolerance(comparison="torch"))

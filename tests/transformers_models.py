@@ -3,51 +3,60 @@ with `save_pretrained` (needs the `hf` extra: torch and transformers)."""
 
 ATTENTION = dict(vocab_size=32, hidden_size=16, num_attention_heads=2, num_key_value_heads=2)
 MLA = dict(kv_lora_rank=8, q_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8)
-# model_type -> (config.json fields of a tiny model, MoE layer index); the block's module path
-# is `moejax.hf.Family.loaded_block`'s
+# model_type -> (config.json fields of a tiny model of LAYERS decoder layers, dense and MoE ones
+# mixed where the family has a rule for it, and one MoE layer's index); the block's module path
+# is `moejax.hf.Family.loaded_block`'s.
+LAYERS = 3
+_TYPES = dict(layer_types=["full_attention"] * LAYERS)
 FAMILIES = {
-  "mixtral": (dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=24), 0),
+  "mixtral": (dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=24), 2),
   "phimoe": (dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=24,
-                  router_jitter_noise=0.2), 0),
+                  router_jitter_noise=0.2), 2),
   "qwen2_moe": (dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
-                     shared_expert_intermediate_size=12, norm_topk_prob=False), 0),
+                     shared_expert_intermediate_size=12, norm_topk_prob=False,
+                     intermediate_size=24, mlp_only_layers=[1]), 2),
   "qwen3_moe": (dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
-                     norm_topk_prob=True), 0),
+                     norm_topk_prob=True, intermediate_size=24, decoder_sparse_step=2), 1),
   "qwen3_next": (dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
-                      shared_expert_intermediate_size=12, layer_types=["full_attention"]), 0),
-  "olmoe": (dict(num_experts=4, num_experts_per_tok=2, intermediate_size=24), 0),
+                      shared_expert_intermediate_size=12, intermediate_size=24,
+                      mlp_only_layers=[0], **_TYPES), 1),
+  "olmoe": (dict(num_experts=4, num_experts_per_tok=2, intermediate_size=24), 2),
   "deepseek_v2": (dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=24,
-                       n_shared_experts=1, first_k_dense_replace=0, n_group=4, topk_group=2,
-                       topk_method="group_limited_greedy", routed_scaling_factor=1.5, **MLA), 0),
+                       n_shared_experts=1, first_k_dense_replace=1, n_group=4, topk_group=2,
+                       topk_method="group_limited_greedy", routed_scaling_factor=1.5,
+                       intermediate_size=24, **MLA), 1),
   "deepseek_v3": (dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=24,
-                       n_shared_experts=1, first_k_dense_replace=0, n_group=4, topk_group=2,
-                       routed_scaling_factor=2.5, norm_topk_prob=True, **MLA), 0),
+                       n_shared_experts=1, first_k_dense_replace=1, n_group=4, topk_group=2,
+                       routed_scaling_factor=2.5, norm_topk_prob=True, intermediate_size=24,
+                       **MLA), 2),
   "glm4_moe": (dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=24,
-                    intermediate_size=24, n_shared_experts=1, first_k_dense_replace=0,
-                    n_group=4, topk_group=2, norm_topk_prob=True, head_dim=8), 0),
+                    intermediate_size=24, n_shared_experts=1, first_k_dense_replace=1,
+                    n_group=4, topk_group=2, norm_topk_prob=True, head_dim=8), 1),
   "gpt_oss": (dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=24,
-                   swiglu_limit=1.0, layer_types=["full_attention"], head_dim=8), 0),
+                   swiglu_limit=1.0, head_dim=8, **_TYPES), 2),
   "llama4_text": (dict(num_local_experts=4, num_experts_per_tok=1, intermediate_size=24,
-                       intermediate_size_mlp=24, moe_layers=[0], no_rope_layers=[1],
-                       head_dim=8), 0),
+                       intermediate_size_mlp=24, interleave_moe_layer_step=2,
+                       no_rope_layers=[1] * LAYERS, head_dim=8), 1),
   "longcat_flash": (dict(n_routed_experts=4, zero_expert_num=2, moe_topk=2,
-                         expert_ffn_hidden_size=24, ffn_hidden_size=24, num_hidden_layers=2,
-                         routed_scaling_factor=1.5, head_dim=4, **MLA), 0),
+                         expert_ffn_hidden_size=24, ffn_hidden_size=24,
+                         routed_scaling_factor=1.5, head_dim=4,
+                         num_hidden_layers=2 * LAYERS, **MLA), 1),  # two attentions a layer
   "minimax": (dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=24,
-                   layer_types=["full_attention"], head_dim=8), 0),
-  "granitemoe": (dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=24), 0),
+                   head_dim=8, **_TYPES), 2),
+  "granitemoe": (dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=24), 2),
   "jamba": (dict(num_experts=4, num_experts_per_tok=2, intermediate_size=24,
-                 expert_layer_period=1, expert_layer_offset=0, attn_layer_period=1,
-                 attn_layer_offset=0), 0),
+                 expert_layer_period=2, expert_layer_offset=1, attn_layer_period=1,
+                 attn_layer_offset=0), 1),
   "ernie4_5_moe": (dict(moe_num_experts=4, moe_k=2, moe_intermediate_size=24,
-                        moe_layer_start_index=0, moe_num_shared_experts=1), 0),
-  "hunyuan_v1_moe": (dict(num_experts=4, moe_topk=2, intermediate_size=24, head_dim=8), 0),
+                        intermediate_size=24, moe_layer_start_index=1,
+                        moe_num_shared_experts=1), 2),
+  "hunyuan_v1_moe": (dict(num_experts=4, moe_topk=2, intermediate_size=24, head_dim=8), 2),
   "lfm2_moe": (dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
-                    intermediate_size=24, num_dense_layers=0, routed_scaling_factor=1.5,
-                    layer_types=["full_attention"]), 0),
-  "dbrx": (dict(d_model=16, n_heads=2, n_layers=1, attn_config=dict(kv_n_heads=2,
+                    intermediate_size=24, num_dense_layers=1, routed_scaling_factor=1.5,
+                    **_TYPES), 2),
+  "dbrx": (dict(d_model=16, n_heads=2, n_layers=LAYERS, attn_config=dict(kv_n_heads=2,
                 rope_theta=1e4), ffn_config=dict(moe_num_experts=4, moe_top_k=2,
-                ffn_hidden_size=24)), 0),
+                ffn_hidden_size=24)), 2),
 }  # fmt: skip
 
 
@@ -59,7 +68,7 @@ def hf_checkpoint(model_type: str, fields: dict, path, seed: int):
   if model_type == "dbrx":  # its own names for the attention sizes
     config = transformers.AutoConfig.for_model(model_type, vocab_size=32, **fields)
   else:
-    layers = fields.pop("num_hidden_layers", 1)
+    layers = fields.pop("num_hidden_layers", LAYERS)
     config = transformers.AutoConfig.for_model(
       model_type, **ATTENTION, num_hidden_layers=layers, **fields
     )
