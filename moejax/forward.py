@@ -92,7 +92,7 @@ def moe_apply(
   Returns:
     (y, aux): y has x's shape and dtype, exactly 0 where the mask is False; aux is `MoEAux`.
   """
-  _check_inputs(params, x, token_mask, router_logits, config, mesh)
+  _check_call(params, x, token_mask, router_logits, config, mesh)
   placement_lib.check_placement(placement, config)
   args = (params, x, token_mask, router_logits, placement)
   if mesh is not None and sharding.is_explicit(mesh):
@@ -135,12 +135,24 @@ def compiled_executables() -> int:
   return _moe_apply_jit._cache_size()
 
 
-def _check_inputs(params, x, token_mask, router_logits, config, mesh) -> None:
+def _check_call(params, x, token_mask, router_logits, config, mesh) -> None:
   """Trace-time checks, so that bad input fails with a clear message before any XLA error."""
-  if not isinstance(config, MoEConfig):
-    raise TypeError(f"config must be a MoEConfig, got {type(config).__name__}")
+  check_inputs(params, x, token_mask, router_logits, config)
   if mesh is not None:
     sharding.check_mesh(mesh, config)
+  if mesh is None and sharding.explicitly_sharded(x):
+    raise ValueError(
+      f"x is sharded over explicit mesh axes ({jax.typeof(x).sharding.spec}) but the layer has "
+      "no mesh: build it on that mesh (`MoELayer(config, mesh=mesh)`, `moe_apply(..., "
+      "mesh=mesh)`), or pass x unsharded"
+    )
+
+
+def check_inputs(params, x, token_mask, router_logits, config) -> None:
+  """The layer's inputs against its config (types, dtypes, shapes), each named when wrong:
+  for `moe_apply` and `reference_moe` alike."""
+  if not isinstance(config, MoEConfig):
+    raise TypeError(f"config must be a MoEConfig, got {type(config).__name__}")
   if not isinstance(params, MoEParams):
     raise TypeError(
       f"params must be a moejax.MoEParams (e.g. `layer.moe_params()`), got {type(params).__name__}"
@@ -149,12 +161,6 @@ def _check_inputs(params, x, token_mask, router_logits, config, mesh) -> None:
   for name, value in (("x", x), ("token_mask", token_mask), ("router_logits", router_logits)):
     if value is not None and not hasattr(value, "shape"):
       raise TypeError(f"{name} must be an array (JAX or NumPy), got {type(value).__name__}")
-  if mesh is None and sharding.explicitly_sharded(x):
-    raise ValueError(
-      f"x is sharded over explicit mesh axes ({jax.typeof(x).sharding.spec}) but the layer has "
-      "no mesh: build it on that mesh (`MoELayer(config, mesh=mesh)`, `moe_apply(..., "
-      "mesh=mesh)`), or pass x unsharded"
-    )
   if not jnp.issubdtype(jnp.result_type(x), jnp.floating):
     raise TypeError(f"x must be a floating array, got dtype {jnp.result_type(x)}")
   if x.ndim < 1 or x.shape[-1] != config.hidden_size:

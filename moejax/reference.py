@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from kernels_pallas.quantized import is_block_scaled
 from moejax import sharding
 from moejax.config import MoEConfig
+from moejax.forward import check_inputs
 from moejax.params import MoEParams
 
 _HIGHEST = jax.lax.Precision.HIGHEST
@@ -116,6 +117,7 @@ def reference_moe(
     [..., D] float32; rows whose mask is False are 0. Inputs split over an explicit mesh
     axis are made whole first (`sharding.gathered`): the reference computes densely.
   """
+  check_inputs(params, x, token_mask, router_logits, config)
   params, x, token_mask, router_logits = sharding.gathered((params, x, token_mask, router_logits))
   f32 = lambda a: None if a is None else jnp.asarray(a, jnp.float32)
   as_float = lambda a: a.dequantize(jnp.float32) if is_block_scaled(a) else f32(a)

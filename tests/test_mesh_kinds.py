@@ -31,8 +31,9 @@ from moejax import (
   reference_moe,
 )
 from moejax.models import MoETransformer, TransformerConfig, shard_model
+from moejax.stacking import layer_of
 from moejax.train import train_step
-from tests.helpers import assert_close, poison, seed_of, slow
+from tests.helpers import assert_close, poison, random_adapters, seed_of, slow
 from tests.hf_checkpoints import write_checkpoint
 
 CONFIG = MoEConfig(
@@ -135,11 +136,22 @@ def test_merging_adapters(mesh, request):
   assert merged_config.lora_rank == 0
 
 
-def test_loading_a_checkpoint_onto_the_mesh(mesh, tmp_path):
-  write_checkpoint(tmp_path, "qwen3_moe", layer=1)
+def test_loading_a_checkpoint_and_adapters_onto_the_mesh(mesh, tmp_path, request):
+  """`hf.load_layer`, `hf.load_stack` and `hf.load_lora` with `mesh=`: what the host gets."""
+  hf_config, _ = write_checkpoint(tmp_path, "qwen3_moe", layer=1)
+  host = hf.load_layer(tmp_path, 1)
   on_mesh = hf.load_layer(tmp_path, 1, mesh=mesh)
-  chex.assert_trees_all_equal(jax.tree.map(np.asarray, on_mesh), hf.load_layer(tmp_path, 1))
+  chex.assert_trees_all_equal(jax.tree.map(np.asarray, on_mesh), host)
   assert on_mesh.w_gate_up.sharding.mesh == mesh
+  stack = hf.load_stack(tmp_path, layers=(1, 1), mesh=mesh, progress=False)
+  chex.assert_trees_all_equal(jax.tree.map(np.asarray, layer_of(stack, 1)), host)
+  config = hf.config_from_hf(hf_config, lora_rank=2)
+  expert, _ = random_adapters(config, jax.random.key(seed_of(request.node.name)))
+  hf.save_lora(
+    tmp_path / "adapter", {1: host._replace(lora=expert)}, config, model_type="qwen3_moe"
+  )
+  adapters = hf.load_lora(tmp_path / "adapter", 1, config, model_type="qwen3_moe", mesh=mesh)
+  chex.assert_trees_all_close(jax.tree.map(np.asarray, adapters.lora), expert, rtol=1e-6)
 
 
 def test_a_transformer_trains_and_checkpoints(mesh, tmp_path, request):

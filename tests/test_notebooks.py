@@ -1,4 +1,5 @@
-"""The notebooks run top to bottom, and are committed without outputs."""
+"""The notebooks run top to bottom, and are committed with the outputs of one clean run, top
+to bottom (`python -m tests.test_notebooks` stores them anew)."""
 
 import importlib.util
 from pathlib import Path
@@ -15,6 +16,11 @@ HAS_HF_EXTRA = all(importlib.util.find_spec(m) for m in ("torch", "transformers"
 def run(path: Path, hide_modules: tuple[str, ...] = ()) -> str:
   """Executes the notebook (with `hide_modules` made unimportable first); returns its text
   output, after checking that no cell raised."""
+  return text_of(executed(path, hide_modules))
+
+
+def executed(path: Path, hide_modules: tuple[str, ...] = ()) -> nbformat.NotebookNode:
+  """The notebook run top to bottom in a fresh kernel; raises naming the first error."""
   notebook = nbformat.read(path, as_version=4)
   if hide_modules:  # `import torch` raises ImportError, as where the extra is not installed
     hide = "import sys\n" + "".join(f"sys.modules[{m!r}] = None\n" for m in hide_modules)
@@ -22,10 +28,17 @@ def run(path: Path, hide_modules: tuple[str, ...] = ()) -> str:
   NotebookClient(
     notebook, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}}
   ).execute()
-  outputs = [o for c in notebook.cells for o in c.get("outputs", [])]
-  errors = [o for o in outputs if o.output_type == "error"]
+  errors = [o for o in outputs_of(notebook) if o.output_type == "error"]
   assert not errors, errors[0].get("evalue")
-  return "".join(o.get("text", "") for o in outputs if o.output_type == "stream")
+  return notebook
+
+
+def outputs_of(notebook: nbformat.NotebookNode) -> list:
+  return [o for c in notebook.cells for o in c.get("outputs", [])]
+
+
+def text_of(notebook: nbformat.NotebookNode) -> str:
+  return "".join(o.get("text", "") for o in outputs_of(notebook) if o.output_type == "stream")
 
 
 @pytest.mark.slow
@@ -44,11 +57,13 @@ def test_from_transformers_runs_without_the_hf_extra():
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
-def test_notebook_is_committed_without_outputs(path):
+def test_notebook_is_committed_with_the_outputs_of_a_clean_run(path):
+  """Every code cell run once, in order, from a fresh kernel, none with an error."""
   notebook = nbformat.read(path, as_version=4)
-  for cell in notebook.cells:
-    if cell.cell_type == "code":
-      assert not cell.outputs and cell.execution_count is None, f"{path.name} has outputs"
+  code = [cell for cell in notebook.cells if cell.cell_type == "code"]
+  assert [cell.execution_count for cell in code] == list(range(1, len(code) + 1)), path.name
+  assert not [o for o in outputs_of(notebook) if o.output_type == "error"], path.name
+  assert text_of(notebook), f"{path.name} has no printed output"
 
 
 def test_every_notebook_is_listed():
@@ -61,3 +76,9 @@ def test_every_notebook_is_listed():
     "06_load_balancing.ipynb",
     "07_lora.ipynb",
   ]
+
+
+if __name__ == "__main__":  # stores each notebook with the outputs of a fresh run
+  for path in NOTEBOOKS:
+    print(f"running {path.name}")
+    nbformat.write(executed(path), path)
