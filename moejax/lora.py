@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from kernels_pallas.quantized import is_block_scaled
+from moejax import sharding
 from moejax.config import MoEConfig
 
 
@@ -147,9 +148,14 @@ def merge(params, config: MoEConfig):
   """
   if not config.lora_rank or params.lora is None:
     raise ValueError("merge needs adapters: config.lora_rank > 0 and params.lora")
-  merged = lambda w, a, b: (
-    _float32(w) + config.lora_scale * jnp.matmul(a, b, precision="highest")
-  ).astype(config.param_dtype)
+
+  def merged(w, a, b) -> jax.Array:
+    w = _float32(w)
+    a, b = (sharding.on_mesh_of(adapter, w) for adapter in (a, b))
+    return (w + config.lora_scale * jnp.matmul(a, b, precision="highest")).astype(
+      config.param_dtype
+    )
+
   lora = jax.tree.map(_float32, params.lora)
   out = params._replace(
     w_gate_up=merged(params.w_gate_up, lora.gate_up_a, lora.gate_up_b),

@@ -221,6 +221,21 @@ def rows_sharded_like(index: jax.Array) -> NamedSharding | None:
   return NamedSharding(layout.mesh, P(*layout.spec, None))
 
 
+def on_mesh_of(x: jax.Array, reference: jax.Array) -> jax.Array:
+  """x, laid out as it is, on the mesh `reference` is on: for eager code combining arrays of
+  the same devices under different meshes (an adapter created on one device and trained under
+  `jax.jit` comes back on the compiler's automatic mesh, its base weights sit on an explicit
+  one). Traced values, and arrays not both on a mesh, as they are."""
+  if any(isinstance(a, jax.core.Tracer) or not isinstance(a, jax.Array) for a in (x, reference)):
+    return x
+  layouts = (x.sharding, reference.sharding)
+  if not all(isinstance(layout, NamedSharding) for layout in layouts):
+    return x
+  if layouts[0].mesh == layouts[1].mesh:
+    return x
+  return jax.device_put(x, NamedSharding(layouts[1].mesh, layouts[0].spec))
+
+
 def gathered(tree: Any) -> Any:
   """`tree` with every leaf split over an explicit mesh axis made whole (replicated on its
   mesh), the others as they are: for code that computes on whole arrays (the reference)."""

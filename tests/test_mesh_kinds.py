@@ -134,6 +134,12 @@ def test_merging_adapters(mesh, request):
   want, _ = lora.merge(jax.device_get(params), config)
   chex.assert_trees_all_close(jax.device_get(merged), want, rtol=1e-6)
   assert merged_config.lora_rank == 0
+  # Adapters on the other kind of mesh (as ones created on one device come back from a
+  # jitted training step over quantized weights: on the compiler's automatic mesh).
+  other = jax.make_mesh((2, 4), ("data", "expert"), axis_types=(AxisType.Auto,) * 2)
+  adapters = jax.device_put(params.lora, NamedSharding(other, P("expert")))
+  mixed, _ = lora.merge(params._replace(lora=adapters), config)
+  chex.assert_trees_all_close(jax.device_get(mixed), want, rtol=1e-6)
 
 
 def test_loading_a_checkpoint_and_adapters_onto_the_mesh(mesh, tmp_path, request):
