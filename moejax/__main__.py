@@ -1,4 +1,4 @@
-"""Command line: `python -m moejax demo|train|bench [flags]`.
+"""Command line: `python -m moejax demo|train|fit|bench [flags]`.
 
 The simulated CPU device count must be set before JAX is imported, so this module parses the
 flags first and imports the JAX-using commands afterwards.
@@ -100,6 +100,29 @@ def _parser() -> argparse.ArgumentParser:
     command.add_argument(
       "--platform", default="cpu", help="'cpu' simulates the mesh's devices (default); else as is"
     )
+  plan = commands.add_parser(
+    "fit",
+    help="will an MoE model fit on GPU nodes: its MoE stack compiled for them, no GPU needed",
+  )
+  model = plan.add_mutually_exclusive_group(required=True)
+  model.add_argument("--model", help="a preset (moejax.fit.PRESETS), e.g. deepseek-v3")
+  model.add_argument("--config", help="a checkpoint folder or its config.json")
+  plan.add_argument("--gpu", default="h200", help="a100, h100, h200 or b200 (default h200)")
+  plan.add_argument("--nodes", type=positive_int, default=1)
+  plan.add_argument("--gpus-per-node", type=positive_int, default=8)
+  plan.add_argument("--job", default="infer", choices=["infer", "lora", "train"])
+  plan.add_argument(
+    "--expert-quant",
+    default="released",
+    help='"released" (the checkpoint\'s format, the default), "none" (bf16) or a format',
+  )
+  plan.add_argument("--lora-rank", type=positive_int, default=16)
+  plan.add_argument("--tokens-per-device", type=positive_int, default=4096)
+  plan.add_argument("--expert-parallel", type=positive_int, default=None)
+  plan.add_argument("--expert-fsdp", action="store_true")
+  plan.add_argument("--dispatch", default="auto", choices=["auto", "all_gather", "all_to_all"])
+  plan.add_argument("--chunk-size", type=chunk_size, default="auto")
+  plan.add_argument("--json", action="store_true", help="print the report as JSON")
   commands.add_parser(  # no help flag of its own: `bench --help` reaches the suite's
     "bench",
     help="the benchmark suite (benchmarks/suite.py); its flags: bench --help",
@@ -145,6 +168,12 @@ def main(argv: list[str] | None = None) -> None:
     return
   if rest:
     parser.error(f"unrecognized arguments: {' '.join(rest)}")
+  if args.command == "fit":
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")  # compile-only GPUs; nothing runs
+    from moejax import fit_cli
+
+    fit_cli.run(args)
+    return
   data, expert = parse_mesh(args.mesh)
   if args.platform == "cpu":
     simulate_cpu_devices(data * expert)

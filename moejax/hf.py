@@ -615,7 +615,7 @@ def config_from_hf(config: dict[str, Any] | str | Path, **overrides: Any) -> MoE
     NotImplementedError: for quantization methods and activations moejax lacks.
     TypeError: `config` is none of the above.
   """
-  config = _text_model(_config_dict(config))
+  config = config_json(config)
   options = {
     "hidden_size": Read(("hidden_size", "d_model"))(config),
     "activation": _activation(config),
@@ -623,6 +623,12 @@ def config_from_hf(config: dict[str, Any] | str | Path, **overrides: Any) -> MoE
     **_quantization(config.get("quantization_config")),
   }
   return MoEConfig(**{**options, **overrides})
+
+
+def config_json(config: dict[str, Any] | str | Path) -> dict[str, Any]:
+  """A model's config.json as a dict (a nested multimodal model's text model: Kimi-K2.5's
+  `text_config`), from what `config_from_hf` takes."""
+  return _text_model(_config_dict(config))
 
 
 def _config_dict(config) -> dict:
@@ -800,7 +806,7 @@ def moe_layers(config: dict[str, Any] | str | Path) -> tuple[int, ...]:
   >>> moe_layers({"model_type": "deepseek_v3", "num_hidden_layers": 5, "first_k_dense_replace": 3})
   (3, 4)
   """
-  hf = _text_model(_config_dict(config))
+  hf = config_json(config)
   family = _family(hf)
   layers = family.layers(hf)
   return tuple(layer for layer in range(layers) if family.moe_layer(hf, layer, layers))

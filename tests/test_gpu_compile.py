@@ -30,32 +30,11 @@ from moejax.params import EXPERT_PARAMS
 from moejax.plan import ExpertPlan, plan_experts
 from moejax.quant import quantize_experts
 from moejax.sharding import LayerSpecs, map_params
+from tests.gpu_tier import GPU_COMPILE_TIER, no_persistent_compilation_cache  # noqa: F401
 from tests.helpers import expect_triton_deprecation
 from tests.lowering import block_scaled_spec, branch_depths, collectives, instructions
 
-
-@pytest.fixture(autouse=True)
-def _no_persistent_compilation_cache():
-  """Off for these tests: a compile-only client cannot read a program back from JAX's
-  persistent cache ("PjRtCompiler must be constructed with a Client")."""
-  enabled = jax.config.jax_enable_compilation_cache
-  jax.config.update("jax_enable_compilation_cache", False)
-  yield
-  jax.config.update("jax_enable_compilation_cache", enabled)
-
-
-def _cuda_plugin_missing() -> str | None:
-  try:
-    targets.compile_only_devices("h200")
-  except RuntimeError as error:
-    return str(error)
-  return None
-
-
-pytestmark = [
-  pytest.mark.gpu_compile,
-  pytest.mark.skipif(_cuda_plugin_missing() is not None, reason="needs JAX's CUDA plugin"),
-]
+pytestmark = GPU_COMPILE_TIER
 
 # A layer of DeepSeek-V3's shape class at a width that compiles in seconds: 32 experts of
 # D=1024, F=512, top 4, bf16, 512 tokens per device.

@@ -1,0 +1,77 @@
+"""The fit planner (`moejax.fit`, `python -m moejax fit`): bad inputs refused before anything
+compiles (fast tier), and reports read off programs compiled for compile-only H200s (the
+GPU-compile tier: JAX's CUDA plugin, no GPU)."""
+
+import json
+
+import numpy as np
+import pytest
+
+from moejax import fit as planner
+from moejax.__main__ import main
+from tests.gpu_tier import GPU_COMPILE_TIER, no_persistent_compilation_cache  # noqa: F401
+
+# A Qwen3-MoE of small width: 4 decoder layers, the first dense (mlp_only_layers).
+TINY = dict(
+  model_type="qwen3_moe", hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
+  num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+  num_experts=16, num_experts_per_tok=2, vocab_size=1000, mlp_only_layers=[0],
+)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+  "arguments, message",
+  [
+    (dict(model="deepseek-v4"), "neither a preset"),
+    (dict(model="deepseek-v3", gpu="h300"), "gpu='h300'; expected one of"),
+    (dict(model="deepseek-v3", job="serve"), "job='serve'; expected one of"),
+    (dict(model="deepseek-v3", job="train"), "job='train' trains every expert weight"),
+    (dict(model="mixtral-8x22b", expert_parallel=16), "expert_parallel=16 must divide both"),
+    (dict(model="qwen3-30b-a3b", expert_quant="int3"), "expert_quant='int3'; expected"),
+  ],
+)
+def test_what_cannot_be_planned_is_refused_naming_it(arguments, message):
+  with pytest.raises(ValueError, match=message):
+    planner.fit(**arguments)
+
+
+def test_the_command_line_exits_naming_a_bad_flag():
+  with pytest.raises(SystemExit, match="moejax fit: model='nope' is neither a preset"):
+    main(["fit", "--model", "nope"])
+
+
+def test_the_rest_of_the_model_is_counted_by_its_formula():
+  """DeepSeek-V3's parameters outside its MoE layers, from its config.json: 61 layers of
+  multi-head latent attention, 3 dense FFN layers, embeddings and the output projection."""
+  d, h, layers = 7168, 128, 61
+  attention = d * 1536 + 1536 * h * 192 + d * (512 + 64) + 512 * h * (128 + 128) + h * 128 * d
+  want = 2 * 129280 * d + layers * (attention + 2 * d) + 3 * (3 * d * 18432) + d
+  assert planner.rest_of_model_parameters(planner.PRESETS["deepseek-v3"]) == want
+  assert 14e9 < want < 16e9  # DeepSeek-V3's 671B less its MoE layers' ~656B
+
+
+@pytest.mark.parametrize("job", ["infer", "lora", "train"])
+@pytest.mark.usefixtures("no_persistent_compilation_cache")
+@GPU_COMPILE_TIER[0]
+@GPU_COMPILE_TIER[1]
+def test_a_report_reads_the_compiled_program(job):
+  report = planner.fit(TINY, "h200", job=job, tokens_per_device=256)
+  assert report.mesh == {"data": 1, "expert": 8} and report.moe_layers == 3
+  per_device = report.per_device_bytes
+  # 3 MoE layers of 16 experts, [D, 2F] + [F, D] bf16, split over 8 devices.
+  assert per_device["expert_weights"] == 3 * 16 * (256 * 256 + 128 * 256) * 2 // 8
+  assert (per_device["adapters"] > 0) == (job == "lora")
+  trained = {"infer": 0, "lora": per_device["adapters"], "train": per_device["expert_weights"]}
+  assert per_device["optimizer_state"] >= 2 * 2 * trained[job]  # Adam's two moments, float32
+  assert per_device["temp"] > 0
+  compiled = per_device["arguments"] + per_device["temp"] + per_device["outputs_not_aliased"]
+  assert per_device["total"] == compiled + per_device["rest_of_model"]
+  assert report.fits and report.headroom_bytes == report.gpu_memory_bytes - per_device["total"]
+  estimate = report.estimate
+  assert estimate.stack_s == pytest.approx(3 * estimate.layer_s) and estimate.layer_s > 0
+  np.testing.assert_allclose(
+    estimate.layer_s, estimate.compute_s + estimate.memory_s + estimate.exchange_s
+  )
+  assert (
+    json.loads(json.dumps(report.to_json()))["per_device_bytes"]["total"] == per_device["total"]
+  )
