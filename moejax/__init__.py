@@ -41,7 +41,19 @@ __all__ = [
 
 # Submodules the docs write as `moejax.<name>`: reachable after a plain `import moejax`,
 # imported on first use (orbax, safetensors and Linen load only for those who use them).
-SUBMODULES = ("checkpoint", "eplb", "hf", "hf_lora", "linen", "lora", "models", "quant", "train")
+SUBMODULES = (
+  "checkpoint",
+  "eplb",
+  "fit",
+  "hf",
+  "hf_lora",
+  "linen",
+  "lora",
+  "models",
+  "quant",
+  "targets",
+  "train",
+)
 
 
 def __getattr__(name: str):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -27,6 +28,7 @@ from kernels_pallas.gpus import GPUS, Gpu
 from kernels_pallas.quantized import FORMATS
 from moejax import hf, lora, quant, targets
 from moejax.config import MoEConfig
+from moejax.dispatch import resolve_dispatch
 from moejax.forward import chunk_layout, moe_apply
 from moejax.params import MoEParams, param_shapes
 from moejax.sharding import LayerSpecs, map_params
@@ -143,7 +145,7 @@ class FitReport:
 
 
 def fit(
-  model: str | dict[str, Any],
+  model: str | Path | dict[str, Any],
   gpu: str = "h200",
   *,
   nodes: int = 1,
@@ -254,15 +256,16 @@ def fit(
 _REST_BYTES_PER_PARAMETER = {"infer": 2, "lora": 2, "train": 12}
 
 
-def _model(model: str | dict[str, Any]) -> tuple[str, dict[str, Any]]:
+def _model(model: str | Path | dict[str, Any]) -> tuple[str, dict[str, Any]]:
   if isinstance(model, dict):
     return str(model.get("model_type")), model
   if model in PRESETS:
     return model, PRESETS[model]
-  if isinstance(model, str) and ("/" in model or model.endswith(".json")):
-    return model, hf.config_json(model)
+  if isinstance(model, str | Path) and Path(model).exists():
+    return str(model), hf.config_json(model)
   raise ValueError(
-    f"model={model!r} is neither a preset ({sorted(PRESETS)}) nor a config.json path"
+    f"model={model!r} is neither a preset ({sorted(PRESETS)}) nor an existing checkpoint "
+    "folder or config.json"
   )
 
 
@@ -476,7 +479,8 @@ def estimate_step(
   weights = _expert_bytes_per_device(config, ep)
   chunks = -(-tokens_per_device // chunk)
   memory = passes * chunks * weights / gpu.memory_bandwidth
-  copies = (ep - 1) if config.dispatch != "all_to_all" else min(k, ep)
+  scheme = resolve_dispatch(config.dispatch, ep, "gpu")
+  copies = min(k, ep) if scheme == "all_to_all" else ep - 1
   sent = 2 * tokens_per_device * copies * d * jnp.dtype(config.dtype).itemsize
   across = max(0, ep - gpus_per_node) / max(ep - 1, 1) if nodes > 1 else 0.0
   bandwidth = 1 / ((1 - across) / NVLINK[gpu.name] + across / NETWORK)
@@ -494,7 +498,7 @@ def estimate_step(
       f"the fraction the XLA {path} path reached in the recorded H200 run (routing balanced)",
       f"HBM: each chunk ({chunks} of {chunk} tokens) reads the device's expert weights "
       f"({weights / 2**30:.2f} GiB) once per pass at {gpu.memory_bandwidth / 1e12:.1f} TB/s",
-      f"exchange: {config.dispatch} sends each token to {copies} device(s) and back, at "
+      f"exchange: {scheme} sends each token to {copies} other device(s) and back, at "
       f"{NVLINK[gpu.name] / 1e9:.0f} GB/s NVLink within a node and {NETWORK / 1e9:.0f} GB/s "
       "across nodes",
       "no overlap of the three; attention and the rest of the model not included",

@@ -35,6 +35,13 @@ def test_what_cannot_be_planned_is_refused_naming_it(arguments, message):
     planner.fit(**arguments)
 
 
+def test_a_checkpoint_folder_or_config_json_is_read_like_a_preset(tmp_path):
+  (tmp_path / "config.json").write_text(json.dumps(TINY))
+  for model in (tmp_path, str(tmp_path / "config.json")):
+    with pytest.raises(ValueError, match="job='serve'"):  # read, then the job refused
+      planner.fit(model, job="serve")
+
+
 def test_the_command_line_exits_naming_a_bad_flag():
   with pytest.raises(SystemExit, match="moejax fit: model='nope' is neither a preset"):
     main(["fit", "--model", "nope"])
