@@ -39,13 +39,14 @@ def row(model: str, job: str, quant: str, nodes: int) -> str:
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__)
   parser.add_argument("--nodes", type=int, default=1)
+  parser.add_argument("--models", nargs="+", default=list(fit.PRESETS), help="presets to run")
   args = parser.parse_args()
   print(
     "| model | job | experts | fits | GiB per device | of it expert weights | of it temp | "
     "est. s per step (stack) | command |"
   )
   print("|---|---|---|---|---:|---:|---:|---:|---|")
-  for model in fit.PRESETS:
+  for model in args.models:
     for job, quant in JOBS:
       print(row(model, job, quant, args.nodes), flush=True)
 

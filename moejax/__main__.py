@@ -122,6 +122,9 @@ def _parser() -> argparse.ArgumentParser:
   plan.add_argument("--expert-fsdp", action="store_true")
   plan.add_argument("--dispatch", default="auto", choices=["auto", "all_gather", "all_to_all"])
   plan.add_argument("--chunk-size", type=chunk_size, default="auto")
+  plan.add_argument(
+    "--remat", default="none", choices=["none", "full", "names"], help="as train's --remat"
+  )
   plan.add_argument("--json", action="store_true", help="print the report as JSON")
   commands.add_parser(  # no help flag of its own: `bench --help` reaches the suite's
     "bench",

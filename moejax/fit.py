@@ -32,6 +32,7 @@ from moejax.dispatch import resolve_dispatch
 from moejax.forward import chunk_layout, moe_apply
 from moejax.params import MoEParams, param_shapes
 from moejax.sharding import LayerSpecs, map_params
+from moejax.train import REMAT_POLICIES
 
 JOBS = ("infer", "lora", "train")
 
@@ -129,6 +130,7 @@ class FitReport:
   mesh: dict[str, int]
   expert_fsdp: bool
   dispatch: str
+  remat: str
   chunk_size: int
   tokens_per_device: int
   moe_layers: int
@@ -158,6 +160,7 @@ def fit(
   expert_fsdp: bool = False,
   dispatch: str = "auto",
   chunk_size: int | str = "auto",
+  remat: str = "none",
   progress: bool = False,
 ) -> FitReport:
   """Compiles the model's MoE stack for `nodes` x `gpus_per_node` GPUs of `gpu` and reports
@@ -176,6 +179,8 @@ def fit(
     expert_parallel: devices of the expert axis (default: the most that divide both the
       devices and the experts); the rest form the data axis.
     expert_fsdp, dispatch, chunk_size: as `MoEConfig`'s.
+    remat: each layer rematerialized in the backward pass: "none", "full" (recompute
+      everything) or "names" (keep `moejax.CHECKPOINT_NAMES`), as `moejax.train.REMAT_POLICIES`.
     progress: show a progress bar while building and compiling.
 
   Raises:
@@ -188,6 +193,8 @@ def fit(
     raise ValueError(f"gpu={gpu!r}; expected one of {sorted(GPUS)}")
   if job not in JOBS:
     raise ValueError(f"job={job!r}; expected one of {JOBS}")
+  if remat not in REMAT_POLICIES:
+    raise ValueError(f"remat={remat!r}; expected one of {tuple(REMAT_POLICIES)}")
   devices = nodes * gpus_per_node
   config = _config(config_json, job, expert_quant, lora_rank, expert_fsdp, dispatch, chunk_size)
   ep = _expert_parallel(expert_parallel, devices, config.num_experts)
@@ -200,7 +207,9 @@ def fit(
       gpu, tuple(mesh_shape.values()), nodes=nodes, gpus_per_node=gpus_per_node
     )
     bar.update()
-    program, arguments, parts = _program(config, mesh, job, layers, tokens_per_device)
+    program, arguments, parts = _program(
+      config, mesh, job, layers, tokens_per_device, REMAT_POLICIES[remat]
+    )
     lowered = jax.jit(program, donate_argnums=_donated(job)).lower(*arguments)
     bar.update()
     memory = lowered.compile().memory_analysis()
@@ -232,6 +241,7 @@ def fit(
     mesh=mesh_shape,
     expert_fsdp=expert_fsdp,
     dispatch=dispatch,
+    remat=remat,
     chunk_size=layout.chunk,
     tokens_per_device=tokens_per_device,
     moe_layers=layers,
@@ -337,17 +347,18 @@ def _stacked(params: MoEParams, config: MoEConfig, mesh, layers: int) -> MoEPara
 
 
 def _bytes_per_device(tree) -> int:
-  leaves = jax.tree.leaves(tree)
-  return int(
-    sum(np.prod(leaf.sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize for leaf in leaves)
-  )
+  """Bytes of a tree of sharded shapes on one device; 4-bit values packed two to a byte, as
+  XLA stores them."""
+  shard = lambda leaf: np.prod(leaf.sharding.shard_shape(leaf.shape))
+  bits = sum(shard(leaf) * jax.dtypes.itemsize_bits(leaf.dtype) for leaf in jax.tree.leaves(tree))
+  return int(bits) // 8
 
 
 _EXPERT_FIELDS = ("w_gate_up", "w_down", "b_gate_up", "b_down")
 _ADAPTER_FIELDS = ("lora", "shared_lora")
 
 
-def _program(config: MoEConfig, mesh, job: str, layers: int, tokens_per_device: int):
+def _program(config: MoEConfig, mesh, job: str, layers: int, tokens_per_device: int, policy):
   """(the job's function, its abstract arguments, the per-device bytes of its parts)."""
   stack = _stacked(_layer_params(config), config, mesh, layers)
   devices = mesh.devices.size
@@ -369,6 +380,8 @@ def _program(config: MoEConfig, mesh, job: str, layers: int, tokens_per_device: 
     def layer(x, params):
       return x + moe_apply(params, x, config=config, mesh=mesh)[0], None
 
+    if policy is not None:
+      layer = jax.checkpoint(layer, policy=policy)
     return jax.lax.scan(layer, x, stack)[0]
 
   if job == "infer":
@@ -511,5 +524,5 @@ def estimate_step(
 def _expert_bytes_per_device(config: MoEConfig, ep: int) -> int:
   stack = _layer_params(config)
   experts = [getattr(stack, n) for n in _EXPERT_FIELDS if getattr(stack, n) is not None]
-  total = sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(experts))
-  return total // ep
+  bits = sum(leaf.size * jax.dtypes.itemsize_bits(leaf.dtype) for leaf in jax.tree.leaves(experts))
+  return bits // 8 // ep

@@ -26,6 +26,7 @@ def run(args: argparse.Namespace) -> FitReport:
       expert_fsdp=args.expert_fsdp,
       dispatch=args.dispatch,
       chunk_size=args.chunk_size,
+      remat=args.remat,
       progress=not args.json,
     )
   except (ValueError, FileNotFoundError, NotImplementedError) as error:

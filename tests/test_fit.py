@@ -28,6 +28,7 @@ TINY = dict(
     (dict(model="deepseek-v3", job="train"), "job='train' trains every expert weight"),
     (dict(model="mixtral-8x22b", expert_parallel=16), "expert_parallel=16 must divide both"),
     (dict(model="qwen3-30b-a3b", expert_quant="int3"), "expert_quant='int3'; expected"),
+    (dict(model="qwen3-30b-a3b", remat="some"), "remat='some'; expected"),
   ],
 )
 def test_what_cannot_be_planned_is_refused_naming_it(arguments, message):
@@ -62,14 +63,18 @@ def test_the_rest_of_the_model_is_counted_by_its_formula():
 @GPU_COMPILE_TIER[0]
 @GPU_COMPILE_TIER[1]
 def test_a_report_reads_the_compiled_program(job):
-  report = planner.fit(TINY, "h200", job=job, tokens_per_device=256)
+  remat = "full" if job == "train" else "none"  # each layer rematerialized, in one case
+  report = planner.fit(TINY, "h200", job=job, tokens_per_device=256, remat=remat)
   assert report.mesh == {"data": 1, "expert": 8} and report.moe_layers == 3
   per_device = report.per_device_bytes
   # 3 MoE layers of 16 experts, [D, 2F] + [F, D] bf16, split over 8 devices.
   assert per_device["expert_weights"] == 3 * 16 * (256 * 256 + 128 * 256) * 2 // 8
   assert (per_device["adapters"] > 0) == (job == "lora")
-  trained = {"infer": 0, "lora": per_device["adapters"], "train": per_device["expert_weights"]}
-  assert per_device["optimizer_state"] >= 2 * 2 * trained[job]  # Adam's two moments, float32
+  # Adam's moments: float32 mu and nu of float32 adapters; float32 mu and bf16 nu of bf16
+  # weights; and its step count.
+  weights = per_device["expert_weights"] + per_device["other_moe_weights"]
+  moments = {"infer": 0, "lora": 2 * per_device["adapters"] + 4, "train": 3 * weights + 4}
+  assert per_device["optimizer_state"] == moments[job]
   assert per_device["temp"] > 0
   compiled = per_device["arguments"] + per_device["temp"] + per_device["outputs_not_aliased"]
   assert per_device["total"] == compiled + per_device["rest_of_model"]

@@ -107,6 +107,18 @@ def test_the_linen_module(mesh, request):
   assert_close(y, reference_moe(params, x, CONFIG, mask), what="linen's y")
 
 
+def test_the_linen_module_rebalances(mesh, request):
+  seed = seed_of(request.node.name)
+  config = dataclasses.replace(CONFIG, num_redundant_experts=8)
+  module = linen.moe_linen(config, mesh=mesh)
+  x, mask = random_batch(seed)
+  xs, masks = batch_of(mesh, x, mask)
+  variables = module.init(jax.random.key(seed), xs, masks)
+  before, counted = module.apply(variables, xs, masks, mutable=["ExpertLoad"])
+  variables, _ = linen.rebalance({**variables, **counted}, config)
+  assert_close(module.apply(variables, xs, masks), before, what="linen's y after rebalancing")
+
+
 def test_rebalancing_and_summing_replicas(mesh, request):
   """`layer.rebalance` (EPLB on the counted load, the weights moved over the mesh),
   `eplb.place` and `eplb.sum_replicas` on weights and gradients split over the expert axis."""
