@@ -57,7 +57,10 @@ def loss_fn(
     (total loss, metrics: task_loss and `summed_aux`'s values).
   """
   logits, intermediates = nnx.capture(model, nnx.Intermediate)(tokens, token_mask)
-  per_token = optax.softmax_cross_entropy_with_integer_labels(logits, targets)  # [B, S]
+  # Cross-entropy against one-hot targets: elementwise, so it keeps the batch's sharding on
+  # explicit-axes meshes (a gather's gradient is a scatter whose layout JAX then asks for).
+  one_hot = jax.nn.one_hot(targets, logits.shape[-1], dtype=logits.dtype)
+  per_token = -jnp.sum(one_hot * jax.nn.log_softmax(logits), axis=-1)  # [B, S]
   valid = token_mask.astype(jnp.float32)
   task = jnp.sum(per_token * valid) / jnp.maximum(jnp.sum(valid), 1.0)
   aux = summed_aux(intermediates)
