@@ -117,7 +117,10 @@ class StepEstimate:
 @dataclasses.dataclass(frozen=True)
 class FitReport:
   """What `fit` found: per-device bytes (`per_device_bytes`: expert_weights,
-  other_moe_weights, adapters, optimizer_state, arguments, temp, rest_of_model, total), the
+  other_moe_weights, adapters, gradients, optimizer_state, arguments, temp,
+  outputs_not_aliased, rest_of_model, total; the first five parts of the compiler's figures,
+  gradients within temp, the rest arguments; total = arguments + temp + outputs_not_aliased
+  + rest_of_model), the
   GPU's memory, whether it fits and with what headroom, the mesh and chunk the program used,
   and the step estimate."""
 
@@ -373,6 +376,7 @@ def _program(config: MoEConfig, mesh, job: str, layers: int, tokens_per_device: 
     "expert_weights": _bytes_per_device(field(_EXPERT_FIELDS)),
     "other_moe_weights": _bytes_per_device(field(other)),
     "adapters": _bytes_per_device(field(_ADAPTER_FIELDS)),
+    "gradients": 0,
     "optimizer_state": 0,
   }
 
@@ -391,6 +395,7 @@ def _program(config: MoEConfig, mesh, job: str, layers: int, tokens_per_device: 
   frozen = stack._replace(**{n: None for n in MoEParams._fields if trains(n)})
   optimizer = optax.adam(1e-4, mu_dtype=jnp.float32)
   state = _like_params(jax.eval_shape(optimizer.init, trained), trained)
+  parts["gradients"] = _bytes_per_device(trained)  # within temp, while the update runs
   parts["optimizer_state"] = _bytes_per_device(state)
 
   def loss(trained: MoEParams, frozen: MoEParams, x: jax.Array) -> jax.Array:

@@ -75,6 +75,8 @@ def test_a_report_reads_the_compiled_program(job):
   weights = per_device["expert_weights"] + per_device["other_moe_weights"]
   moments = {"infer": 0, "lora": 2 * per_device["adapters"] + 4, "train": 3 * weights + 4}
   assert per_device["optimizer_state"] == moments[job]
+  gradients = {"infer": 0, "lora": per_device["adapters"], "train": weights}
+  assert per_device["gradients"] == gradients[job] <= per_device["temp"]
   assert per_device["temp"] > 0
   compiled = per_device["arguments"] + per_device["temp"] + per_device["outputs_not_aliased"]
   assert per_device["total"] == compiled + per_device["rest_of_model"]
@@ -87,3 +89,16 @@ def test_a_report_reads_the_compiled_program(job):
   assert (
     json.loads(json.dumps(report.to_json()))["per_device_bytes"]["total"] == per_device["total"]
   )
+
+
+@pytest.mark.usefixtures("no_persistent_compilation_cache")
+@GPU_COMPILE_TIER[0]
+@GPU_COMPILE_TIER[1]
+def test_a_preset_is_planned_at_its_real_shapes():
+  """Qwen3-30B-A3B served on one 8xH200 node: its 48 MoE layers of 128 experts, in bf16."""
+  report = planner.fit("qwen3-30b-a3b", "h200", job="infer")
+  assert report.moe_layers == 48 and report.mesh == {"data": 1, "expert": 8}
+  assert report.per_device_bytes["expert_weights"] == 48 * 128 * 3 * 2048 * 768 * 2 // 8
+  assert report.fits and report.chunk_size <= report.tokens_per_device == 4096
+  keys = report.to_json()
+  assert {"fits", "gpu_memory_bytes", "per_device_bytes", "chunk_size"} <= set(keys)
