@@ -177,7 +177,7 @@ def fit(
     job: "infer" (the forward), "lora" (adapters of `lora_rank` on the experts, trained with
       Adam; the experts frozen) or "train" (Adam over every float MoE parameter).
     expert_quant: "released" (the checkpoint's format), None (bf16) or a format of
-      `moejax.config.FORMATS`.
+      `kernels_pallas.quantized.FORMATS`.
     tokens_per_device: tokens each device holds per step.
     expert_parallel: devices of the expert axis (default: the most that divide both the
       devices and the experts); the rest form the data axis.
@@ -256,7 +256,9 @@ def fit(
     estimate=estimate,
     notes=(
       "MoE stack: compiled for the target by XLA (memory_analysis), its real layer count "
-      "scanned; the stand-in loss is the mean square of the stack's output",
+      "scanned; the stand-in loss is the mean square of the stack's output; total = "
+      "arguments + temp + outputs_not_aliased + rest_of_model (expert weights, adapters and "
+      "optimizer state are parts of the arguments, gradients of temp)",
       "rest of the model: parameters counted from config.json (embeddings, attention, dense "
       f"FFN layers, norms), {_REST_BYTES_PER_PARAMETER[job]} bytes each for this job, split "
       "evenly over every device; its activations are not counted",
