@@ -29,7 +29,7 @@ def run(args: argparse.Namespace) -> FitReport:
       remat=args.remat,
       progress=not args.json,
     )
-  except (ValueError, FileNotFoundError, NotImplementedError) as error:
+  except (ValueError, RuntimeError, FileNotFoundError, NotImplementedError) as error:
     raise SystemExit(f"moejax fit: {error}") from None
   print(json.dumps(report.to_json(), indent=2) if args.json else text(report))
   return report
