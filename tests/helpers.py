@@ -72,6 +72,19 @@ OPTIONS = {
 }
 
 
+# A small layer with a shared expert, chunked: the configs of the misuse and mesh-kind tests
+# (one config, so their compiled programs are shared).
+SMALL_SHARED = MoEConfig(
+  num_experts=8,
+  top_k=2,
+  hidden_size=16,
+  intermediate_size=32,
+  chunk_size=4,
+  num_shared_experts=1,
+  shared_intermediate_size=8,
+)
+
+
 def slow(*values, **kwargs):
   """A `pytest.param` in the slow tier (tests/conftest.py)."""
   return pytest.param(*values, marks=pytest.mark.slow, **kwargs)

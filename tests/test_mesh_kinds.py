@@ -20,7 +20,6 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from moejax import (
-  MoEConfig,
   MoELayer,
   MoEParams,
   checkpoint,
@@ -34,18 +33,10 @@ from moejax import (
 from moejax.models import MoETransformer, TransformerConfig, shard_model
 from moejax.stacking import layer_of
 from moejax.train import train_step
-from tests.helpers import assert_close, poison, random_adapters, seed_of, slow
+from tests.helpers import SMALL_SHARED, assert_close, poison, random_adapters, seed_of, slow
 from tests.hf_checkpoints import write_checkpoint
 
-CONFIG = MoEConfig(
-  num_experts=8,
-  top_k=2,
-  hidden_size=16,
-  intermediate_size=32,
-  chunk_size=4,
-  num_shared_experts=1,
-  shared_intermediate_size=8,
-)
+CONFIG = SMALL_SHARED
 
 MESH_KINDS = [
   slow((AxisType.Explicit, True), id="explicit-in-set_mesh"),

@@ -8,17 +8,17 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from moejax import MoEConfig, moe_apply, reference_moe
-from tests.helpers import assert_close, mesh_of, poison, random_params, rank_mask, seed_of
-
-CONFIG = MoEConfig(
-  num_experts=8,
-  top_k=2,
-  hidden_size=16,
-  intermediate_size=32,
-  chunk_size=4,
-  num_shared_experts=1,
-  shared_intermediate_size=8,
+from tests.helpers import (
+  SMALL_SHARED,
+  assert_close,
+  mesh_of,
+  poison,
+  random_params,
+  rank_mask,
+  seed_of,
 )
+
+CONFIG = SMALL_SHARED
 
 
 @pytest.mark.parametrize("bad", [jnp.nan, jnp.inf], ids=["nan", "inf"])
