@@ -46,7 +46,6 @@ SUBMODULES = (
   "eplb",
   "fit",
   "hf",
-  "hf_lora",
   "linen",
   "lora",
   "models",

@@ -9,7 +9,7 @@ import ml_dtypes
 import numpy as np
 from safetensors.numpy import save_file
 
-from moejax.hf_nvfp4 import Nvfp4Names
+from moejax.hf.nvfp4 import Nvfp4Names
 
 D, F, FS, E, T = 16, 12, 10, 8, 24
 

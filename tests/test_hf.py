@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 from safetensors import safe_open
 
-from moejax import hf, hf_lora, moe_apply
+from moejax import hf, moe_apply
+from moejax.hf import peft
 from tests.helpers import mesh_id, mesh_of, random_adapters, seed_of, slow, tolerance
 from tests.hf_checkpoints import FAMILIES, D, E, F, T, save_raw, write_checkpoint
 
@@ -92,7 +93,7 @@ def test_unsupported_family_lists_the_supported_ones():
     hf.config_from_hf({"model_type": "bert", "hidden_size": 8})
 
 
-@pytest.mark.parametrize("layout", hf_lora.LAYOUTS)
+@pytest.mark.parametrize("layout", peft.LAYOUTS)
 def test_adapters_written_read_back_onto_a_mesh(layout, tmp_path):
   """save_lora then load_lora: the same adapters (the per-expert layout fuses gate's and up's
   A: rank 2r, with the same products), placed over the expert axis."""

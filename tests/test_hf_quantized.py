@@ -19,7 +19,7 @@ import pytest
 from safetensors.numpy import save_file
 
 from moejax import hf, moe_apply, quant, reference_moe
-from moejax.hf_nvfp4 import COMPRESSED_TENSORS, MODELOPT
+from moejax.hf.nvfp4 import COMPRESSED_TENSORS, MODELOPT
 from moejax.stacking import layer_of
 from tests.helpers import mesh_of, poison, seed_of, tolerance
 from tests.hf_checkpoints import (
@@ -383,8 +383,8 @@ class TestNvfp4(QuantizedCheckpointContract, RejectsWhatItCannotRead):
     from compressed_tensors.quantization.lifecycle.forward import dequantize, quantize
     from compressed_tensors.quantization.utils import calculate_qparams, generate_gparam
 
-    from moejax.hf_nvfp4 import read_nvfp4, unpack_fp4
-    from moejax.safetensors_files import SafetensorsFiles
+    from moejax.hf.nvfp4 import read_nvfp4, unpack_fp4
+    from moejax.hf.safetensors_files import SafetensorsFiles
 
     rng = np.random.default_rng(seed_of(request.node.name))
     codes = rng.integers(0, 16, (24, 64)).astype(np.uint8)

@@ -37,11 +37,12 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from moejax import hf
 from moejax.config import MoEConfig
+from moejax.hf.families import family_of
+from moejax.hf.layouts import Fused, PerExpert, halves
+from moejax.hf.safetensors_files import SafetensorsFiles
 from moejax.lora import ExpertLoRA, SharedLoRA, check_adapters, expert_lora_shapes
 from moejax.params import MoEParams
-from moejax.safetensors_files import SafetensorsFiles
 from moejax.sharding import LayerSpecs, check_mesh, map_params, placement
 
 PREFIX = "base_model.model."
@@ -185,7 +186,7 @@ def _fused_pairs(files, adapter_config, block: str, layout, config) -> tuple[_Pa
     b3 = b.reshape(b.shape[0], rank, e).transpose(2, 1, 0)  # [E, r, out]
     moejax_a, moejax_b = (b3.transpose(0, 2, 1), a3) if swapped else (a3.transpose(0, 2, 1), b3)
     if name == "gate_up":
-      moejax_b = hf.halves(moejax_b, layout.interleaved)
+      moejax_b = halves(moejax_b, layout.interleaved)
     parameter = f"{block}.{getattr(layout, name)}"  # PEFT matches alpha_pattern against it
     pairs[name] = _Pair(moejax_a, moejax_b, _peft_scale(adapter_config, parameter, rank))
   if "gate_up" not in pairs and "down" not in pairs:
@@ -247,7 +248,7 @@ def load_lora(
       options.
   """
   path = Path(path)
-  family = hf.family_of(model_type)
+  family = family_of(model_type)
   adapter_config = _read_config(path)
   with SafetensorsFiles(path, stem="adapter_model") as files:
     fused, per_expert = _layouts(family, model_type)
@@ -292,11 +293,11 @@ def load_lora(
 def _layouts(family, model_type: str):
   """(the family's fused layout or None, its per-expert one or None); raises for a family
   with neither (DBRX's flat experts)."""
-  fused = next((lay for lay in family.experts if isinstance(lay, hf.Fused)), None)
+  fused = next((lay for lay in family.experts if isinstance(lay, Fused)), None)
   if fused is not None:  # PEFT names the modules in memory: transformers 5's, for every
     # family with fused experts (granitemoe's checkpoint keys `input_linear` are renamed)
-    fused = dataclasses.replace(fused, gate_up=hf.Fused.gate_up, down=hf.Fused.down)
-  per_expert = next((lay for lay in family.experts if isinstance(lay, hf.PerExpert)), None)
+    fused = dataclasses.replace(fused, gate_up=Fused.gate_up, down=Fused.down)
+  per_expert = next((lay for lay in family.experts if isinstance(lay, PerExpert)), None)
   if fused is None and per_expert is None:
     raise NotImplementedError(
       f"model_type={model_type!r}: PEFT defines no adapter layout for its experts "
@@ -333,7 +334,7 @@ def save_lora(
   """
   if layout not in LAYOUTS:
     raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-  family = hf.family_of(model_type)
+  family = family_of(model_type)
   fused, per_expert = _layouts(family, model_type)
   chosen = fused if layout == "fused" else per_expert
   if chosen is None:
@@ -412,7 +413,7 @@ def _write_fused(tensors: dict, block: str, layout, lora: ExpertLoRA) -> list[st
 
 
 def _interleaved(gate_up: np.ndarray) -> np.ndarray:
-  """[..., 2F] gate then up -> alternating columns (the inverse of `hf.halves`)."""
+  """[..., 2F] gate then up -> alternating columns (the inverse of `halves`)."""
   f = gate_up.shape[-1] // 2
   out = np.empty_like(gate_up)
   out[..., 0::2], out[..., 1::2] = gate_up[..., :f], gate_up[..., f:]

@@ -1,0 +1,44 @@
+"""Hugging Face checkpoints: a model's `config.json` -> `MoEConfig`, one MoE layer -> `MoEParams`,
+every MoE layer -> a stack, and PEFT adapters both ways. NumPy reads the files (no torch).
+
+- `families`: `FAMILIES`, one `Family` row per `model_type` (where the MoE block's tensors
+  are, which config.json keys give its options, which decoder layers are MoE layers).
+- `layouts`: how a family stores its experts (`PerExpert`, `Fused`, `Flat`), float or
+  quantized, and the readers of each format's tensors (`nvfp4` holds NVFP4's).
+- `configs`: `config_from_hf`, `config_json`, `moe_layers`.
+- `loading`: `load_layer`, `load_stack`.
+- `peft`: `load_lora`, `save_lora` (PEFT adapter folders).
+- `safetensors_files`: `SafetensorsFiles`, the files of a checkpoint folder.
+
+>>> len(FAMILIES), sorted(FAMILIES)[:3]
+(21, ['dbrx', 'deepseek_v2', 'deepseek_v3'])
+"""
+
+from moejax.hf.configs import config_from_hf, config_json, moe_layers
+from moejax.hf.families import FAMILIES, NESTED_TEXT, Family, Read, Shared, family_of
+from moejax.hf.layouts import Flat, Fused, PerExpert, halves, unpack_int4, unpack_mxfp4
+from moejax.hf.loading import load_layer, load_stack
+from moejax.hf.peft import LoadedAdapters, load_lora, save_lora
+
+__all__ = [
+  "FAMILIES",
+  "NESTED_TEXT",
+  "Family",
+  "Flat",
+  "Fused",
+  "LoadedAdapters",
+  "PerExpert",
+  "Read",
+  "Shared",
+  "config_from_hf",
+  "config_json",
+  "family_of",
+  "halves",
+  "load_layer",
+  "load_lora",
+  "load_stack",
+  "moe_layers",
+  "save_lora",
+  "unpack_int4",
+  "unpack_mxfp4",
+]

@@ -1,0 +1,188 @@
+"""A model's config.json -> `MoEConfig` (its family's keys and its `quantization_config`),
+and which of its decoder layers are MoE layers."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from moejax.config import INT4_GROUP_SIZES, MoEConfig
+from moejax.hf import nvfp4
+from moejax.hf.families import NESTED_TEXT, Read, family_of
+
+_ACTIVATIONS = {
+  "silu": "silu",
+  "swish": "silu",
+  "gelu": "gelu",
+  "gelu_pytorch_tanh": "gelu_tanh",
+  "gelu_new": "gelu_tanh",
+}
+
+
+def _activation(hf: dict) -> str:
+  name = Read(("hidden_act", "ffn_config.ffn_act_fn.name"), "silu")(hf)
+  if name not in _ACTIVATIONS:
+    raise NotImplementedError(f"hidden_act={name!r}: moejax has {sorted(_ACTIVATIONS)}")
+  return _ACTIVATIONS[name]
+
+
+def config_from_hf(config: dict[str, Any] | str | Path, **overrides: Any) -> MoEConfig:
+  """The `MoEConfig` of a model's MoE layers, from its `config.json`.
+
+  Args:
+    config: the parsed config.json (a dict), a transformers config (`model.config`: its
+      `to_dict()`), or the path of a checkpoint folder or of its config.json; `model_type`
+      picks the family (see `FAMILIES`).
+    **overrides: further `MoEConfig` fields (chunk_size, dtype, dispatch, ...).
+
+  A checkpoint's `quantization_config` sets `expert_quant`: `quant_method` "fp8" with a
+  `weight_block_size` [out, in] is "fp8_block" with `quant_block_size` (in, out) (`scale_fmt`
+  "ue8m0": power-of-two scales, checked on load); "mxfp4" is "mxfp4"; "compressed-tensors"
+  with symmetric INT4 weights `pack-quantized` in groups is "int4_group" with
+  `quant_block_size` (group, 1), its `nvfp4-pack-quantized` and "modelopt" with `quant_algo`
+  "NVFP4" are "nvfp4" (activation quantization, if any, is not read: moejax computes W4A16).
+  A multimodal config whose text model is nested (Kimi-K2.5's `text_config`) is read from
+  its text model.
+
+  Raises:
+    ValueError: for an unsupported model_type (the message lists the supported ones).
+    NotImplementedError: for quantization methods and activations moejax lacks.
+    TypeError: `config` is none of the above.
+  """
+  config = config_json(config)
+  options = {
+    "hidden_size": Read(("hidden_size", "d_model"))(config),
+    "activation": _activation(config),
+    **family_of(config.get("model_type")).config_options(
+      config
+    ),  # a family's own activation (GPT-OSS) wins
+    **_quantization(config.get("quantization_config")),
+  }
+  return MoEConfig(**{**options, **overrides})
+
+
+def config_json(config: dict[str, Any] | str | Path) -> dict[str, Any]:
+  """A model's config.json as a dict (a nested multimodal model's text model: Kimi-K2.5's
+  `text_config`), from what `config_from_hf` takes."""
+  return text_model(_config_dict(config))
+
+
+def _config_dict(config) -> dict:
+  """config.json as a dict, from a dict, a transformers config or a path."""
+  if isinstance(config, dict):
+    return config
+  if isinstance(config, str | Path):
+    path = Path(config)
+    return json.loads((path / "config.json" if path.is_dir() else path).read_text())
+  if callable(getattr(config, "to_dict", None)):
+    return config.to_dict()
+  raise TypeError(
+    "config must be config.json as a dict, a transformers config or a path, got "
+    f"{type(config).__name__}"
+  )
+
+
+def text_model(hf: dict) -> dict:
+  """config.json's fields of the text model: a `NESTED_TEXT` model's `text_config` (with the
+  outer `quantization_config` where the text model has none, and the outer model_type, which
+  names its family), else `hf` itself."""
+  if hf.get("model_type") not in NESTED_TEXT:
+    return hf
+  text = dict(hf.get("text_config") or {})
+  text.setdefault("quantization_config", hf.get("quantization_config"))
+  return {**text, "model_type": hf["model_type"]}
+
+
+def _quantization(quantization: dict | None) -> dict:
+  """`MoEConfig` fields of a checkpoint's `quantization_config`."""
+  if not quantization:
+    return {}
+  method = quantization.get("quant_method")
+  if method == "fp8" and quantization.get("weight_block_size"):
+    if quantization.get("scale_fmt") not in (None, "ue8m0"):
+      raise ValueError(
+        f"quantization_config.scale_fmt={quantization['scale_fmt']!r}: moejax reads fp8 "
+        "block scales as float32 (scale_fmt absent) or powers of two ('ue8m0')"
+      )
+    out_block, in_block = quantization["weight_block_size"]
+    return dict(expert_quant="fp8_block", quant_block_size=(int(in_block), int(out_block)))
+  if method == "mxfp4":
+    return dict(expert_quant="mxfp4")
+  if method == "compressed-tensors":
+    return _compressed_tensors(quantization)
+  if method == "modelopt":
+    return nvfp4.modelopt_fields(quantization)
+  raise NotImplementedError(
+    f"quantization_config with quant_method={method!r} is not supported: moejax reads "
+    "'fp8' with weight_block_size (fine-grained fp8), 'mxfp4', 'compressed-tensors' "
+    "(pack-quantized INT4, nvfp4-pack-quantized) and 'modelopt' (NVFP4)"
+  )
+
+
+# compressed-tensors' formats moejax reads: weight quantization fields, field by field.
+_COMPRESSED_TENSORS = {
+  "pack-quantized": dict(num_bits=4, type="int", symmetric=True, strategy="group"),
+  "nvfp4-pack-quantized": nvfp4.COMPRESSED_TENSORS_WEIGHTS,
+}
+
+
+def _compressed_tensors(quantization: dict) -> dict:
+  """The fields of compressed-tensors' `pack-quantized` symmetric INT4 weights with a scale
+  per group (Kimi-K2-Thinking, K2.5, W4A16 releases) or its `nvfp4-pack-quantized` ones;
+  ValueError naming any other field."""
+  where = "quantization_config"
+  groups = quantization.get("config_groups") or {}
+  if len(groups) != 1:
+    raise ValueError(f"{where}.config_groups: expected one group, got {sorted(groups)}")
+  ((name, group),) = groups.items()
+  form = group.get("format") or quantization.get("format")
+  if form not in _COMPRESSED_TENSORS:
+    raise ValueError(
+      f"{where}.format={form!r}: moejax reads compressed-tensors {sorted(_COMPRESSED_TENSORS)}"
+    )
+  weights = group.get("weights") or {}
+  for field, expected in _COMPRESSED_TENSORS[form].items():
+    if weights.get(field) != expected:
+      what = " (asymmetric INT4 has zero points)" if field == "symmetric" else ""
+      raise ValueError(
+        f"{where}.config_groups.{name}.weights.{field}={weights.get(field)!r}, expected "
+        f"{expected!r}{what}"
+      )
+  if form == "nvfp4-pack-quantized":  # activation scales, if any, are not read (W4A16)
+    return dict(expert_quant="nvfp4")
+  if weights.get("actorder") == "group":
+    raise ValueError(
+      f"{where}.config_groups.{name}.weights.actorder='group' (a per-input g_idx) is not read"
+    )
+  size = weights.get("group_size")
+  if size not in INT4_GROUP_SIZES:
+    raise ValueError(
+      f"{where}.config_groups.{name}.weights.group_size={size!r}, expected one of "
+      f"{INT4_GROUP_SIZES}"
+    )
+  if group.get("input_activations") is not None:
+    raise NotImplementedError(
+      f"{where}.config_groups.{name}.input_activations: quantized activations are not read "
+      "(moejax computes in float: W4A16)"
+    )
+  return dict(expert_quant="int4_group", quant_block_size=(int(size), 1))
+
+
+def moe_layers(config: dict[str, Any] | str | Path) -> tuple[int, ...]:
+  """The decoder layers of a model that are MoE layers, by its family's rule (`Family.moe_layer`:
+  DeepSeek's `first_k_dense_replace`, Qwen's `decoder_sparse_step` and `mlp_only_layers`,
+  Llama 4's `moe_layers` / `interleave_moe_layer_step`, ERNIE's start, end and interval,
+  LFM2-MoE's `num_dense_layers`, Jamba's period and offset; every layer for the others), with
+  transformers' defaults for absent keys.
+
+  Args:
+    config: as for `config_from_hf` (config.json as a dict, a transformers config, a path).
+
+  >>> moe_layers({"model_type": "deepseek_v3", "num_hidden_layers": 5, "first_k_dense_replace": 3})
+  (3, 4)
+  """
+  hf = config_json(config)
+  family = family_of(hf.get("model_type"))
+  layers = family.layers(hf)
+  return tuple(layer for layer in range(layers) if family.moe_layer(hf, layer, layers))

@@ -1,0 +1,324 @@
+"""`FAMILIES`: one `Family` row per config.json `model_type`, saying where the MoE block's
+tensors are, which config.json keys give the layer's sizes and options, how its experts are
+stored and which decoder layers are MoE layers. Adding a family is adding a row."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+from moejax.hf.layouts import Flat, Fused, Layout, PerExpert
+
+_REQUIRED = object()
+
+
+@dataclasses.dataclass(frozen=True)
+class Read:
+  """A config.json value: `key` (dotted for nested dicts; a tuple for alternatives, the first
+  present wins; null counts as absent), else `default` (a missing key without one raises
+  KeyError), `convert`ed."""
+
+  key: str | tuple[str, ...]
+  default: Any = _REQUIRED
+  convert: Callable[[Any], Any] = lambda value: value
+
+  def __call__(self, hf: dict) -> Any:
+    for key in (self.key,) if isinstance(self.key, str) else self.key:
+      value = hf
+      for part in key.split("."):
+        value = value.get(part, _REQUIRED) if isinstance(value, dict) else _REQUIRED
+      if value is not _REQUIRED and value is not None:  # as config.json's null
+        return self.convert(value)
+    if self.default is _REQUIRED:
+      raise KeyError(f"config.json has no {self.key!r}")
+    return self.convert(self.default)
+
+
+@dataclasses.dataclass(frozen=True)
+class Shared:
+  """How config.json gives the shared experts: `count` of `width` each, fused into one MLP of
+  count * width (none where either is 0 or missing, or `enabled` reads false); `gate` for
+  Qwen's sigmoid gate."""
+
+  count: Read | int
+  width: Read
+  gate: bool = False
+  enabled: Read | bool = True
+
+  def options(self, hf: dict) -> dict:
+    read = lambda field: field(hf) if isinstance(field, Read) else field
+    count, width = read(self.count), read(self.width)
+    if not (read(self.enabled) and count and width):
+      return {}
+    gate = {"shared_expert_gate": True} if self.gate else {}
+    return dict(num_shared_experts=count, shared_intermediate_size=count * width, **gate)
+
+
+# transformers 5 saves fused experts; checkpoints on the Hub hold per-expert layers.
+_FUSED_OR_PER_EXPERT = (Fused(), PerExpert())
+_W1_W3_W2 = (Fused(), PerExpert("w1", "w3", "w2"))  # Mixtral's names of gate, up and down
+
+
+# Which decoder layers are MoE: (config.json, layer index, number of layers) -> bool, each
+# family's rule as transformers builds its model (with its config class's defaults).
+LayerRule = Callable[[dict, int, int], bool]
+
+
+def _every_layer(hf: dict, layer: int, layers: int) -> bool:
+  return True
+
+
+def _after_dense(first_dense_default: int) -> LayerRule:
+  """DeepSeek's: the layers from `first_k_dense_replace` on (every `moe_layer_freq`-th)."""
+
+  def rule(hf: dict, layer: int, layers: int) -> bool:
+    first = Read("first_k_dense_replace", first_dense_default)(hf)
+    return layer >= first and layer % Read("moe_layer_freq", 1)(hf) == 0
+
+  return rule
+
+
+def _qwen_sparse_step(hf: dict, layer: int, layers: int) -> bool:
+  """Qwen's: every `decoder_sparse_step`-th layer, but those in `mlp_only_layers`."""
+  dense = Read("mlp_only_layers", [])(hf)
+  return layer not in dense and (layer + 1) % Read("decoder_sparse_step", 1)(hf) == 0
+
+
+def _ernie_interval(hf: dict, layer: int, layers: int) -> bool:
+  """ERNIE's: every `moe_layer_interval`-th layer from `moe_layer_start_index` to
+  `moe_layer_end_index` (-1: the last), inclusive."""
+  end = Read("moe_layer_end_index", -1)(hf)
+  end = layers - 1 if end == -1 else end
+  start = Read("moe_layer_start_index", 1)(hf)
+  return (layer + 1) % Read("moe_layer_interval", 1)(hf) == 0 and start <= layer <= end
+
+
+def _after_dense_layers(hf: dict, layer: int, layers: int) -> bool:
+  """LFM2-MoE's: the layers from `num_dense_layers` on."""
+  return layer >= Read("num_dense_layers", 2)(hf)
+
+
+def _jamba_period(hf: dict, layer: int, layers: int) -> bool:
+  """Jamba's: layer % `expert_layer_period` == `expert_layer_offset`."""
+  return layer % Read("expert_layer_period", 2)(hf) == Read("expert_layer_offset", 1)(hf)
+
+
+def _llama4_interleave(hf: dict, layer: int, layers: int) -> bool:
+  """Llama 4's: `moe_layers`, else every `interleave_moe_layer_step`-th layer."""
+  step = Read("interleave_moe_layer_step", 1)(hf)
+  return layer in Read("moe_layers", range(step - 1, layers, step))(hf)
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+  """One model family: where an MoE layer's weights are, and how its config reads.
+
+  Attributes:
+    block: the MoE block's key prefix, with `{layer}`.
+    router: the router's [E (+ Z), D] weight, relative to the block.
+    options: `MoEConfig` field -> a `Read` of config.json, or a fixed value (sizes first).
+    experts: the layouts its experts may be stored in, tried in order (the last when none
+      is found, so that its missing tensor is named).
+    shared: the shared experts' key prefix (gate_proj, up_proj, down_proj), or None.
+    shared_sizes: how config.json gives them (`Shared`), or None.
+    router_bias: the router's bias key, or None.
+    selection_bias: the selection-only bias key (DeepSeek's `e_score_correction_bias`).
+    shared_gate: the shared experts' [1, D] gate weight key, or None.
+    derived: config.json -> further options no single key gives, or None.
+    layers: the number of decoder layers.
+    moe_layer: which decoder layers are MoE layers (`LayerRule`; the others are dense).
+    module: the block's module path in transformers' loaded model, with `{layer}`, where
+      transformers renames the checkpoint's `block` as it loads (Mixtral's
+      `block_sparse_moe` is its `mlp`); None where they agree. PEFT names adapters after
+      the loaded modules.
+  """
+
+  block: str
+  router: str
+  options: dict[str, Read | Any]
+  experts: tuple[Layout, ...] = _FUSED_OR_PER_EXPERT
+  shared: str | None = None
+  shared_sizes: Shared | None = None
+  router_bias: str | None = None
+  selection_bias: str | None = None
+  shared_gate: str | None = None
+  derived: Callable[[dict], dict] | None = None
+  layers: Read = Read(("num_hidden_layers", "n_layers"))
+  moe_layer: LayerRule = _every_layer
+  module: str | None = None
+
+  def loaded_block(self, layer: int) -> str:
+    """The block's module path in transformers' loaded model (`module`, else `block`)."""
+    return (self.module or self.block).format(layer=layer)
+
+  def config_options(self, hf: dict) -> dict:
+    """The `MoEConfig` keyword arguments of this family's config.json."""
+    options = {name: v(hf) if isinstance(v, Read) else v for name, v in self.options.items()}
+    options.update(self.shared_sizes.options(hf) if self.shared_sizes else {})
+    return {**options, **(self.derived(hf) if self.derived else {})}
+
+
+def _sizes(experts: str | tuple[str, ...], top_k: str, width: str) -> dict:
+  """The options of E, K and F, read from these keys."""
+  return dict(num_experts=Read(experts), top_k=Read(top_k), intermediate_size=Read(width))
+
+
+def _first(value):
+  """Hunyuan stores some values as one per layer: the first."""
+  return value if isinstance(value, int) else value[0]
+
+
+def _dbrx_renormalize(p) -> bool:
+  """DBRX's `moe_normalize_expert_weights` p: None (no renormalization) or 1 (by the sum)."""
+  if p not in (None, 1, 1.0):
+    raise NotImplementedError(
+      f"DBRX moe_normalize_expert_weights={p}: moejax renormalizes with the sum (p=1) only"
+    )
+  return p is not None
+
+
+def _limited_groups(hf: dict) -> dict:
+  """DeepSeek-V2's grouped top-k, only with `topk_method="group_limited_greedy"`."""
+  if hf.get("topk_method") != "group_limited_greedy":
+    return {}
+  return dict(num_expert_groups=hf.get("n_group", 1), topk_groups=hf.get("topk_group", 1))
+
+
+# fmt: off
+_NORM_TOPK = Read("norm_topk_prob", False, bool)
+_SCALING = Read("routed_scaling_factor", 1.0, float)
+_MIXTRAL = dict(**_sizes("num_local_experts", "num_experts_per_tok", "intermediate_size"),
+                renormalize=True)
+_QWEN = dict(**_sizes(("num_experts", "num_local_experts"), "num_experts_per_tok",
+                      "moe_intermediate_size"), renormalize=_NORM_TOPK)
+_DEEPSEEK = dict(**_sizes("n_routed_experts", "num_experts_per_tok", "moe_intermediate_size"),
+                 renormalize=_NORM_TOPK, routed_scaling_factor=_SCALING)
+_DEEPSEEK_SHARED = Shared(Read("n_shared_experts", 0), Read("moe_intermediate_size"))
+_DEEPSEEK_V3 = Family(
+  "model.layers.{layer}.mlp", "gate.weight",
+  dict(**_DEEPSEEK, scoring="sigmoid", use_routing_bias=True,
+       num_expert_groups=Read("n_group", 1), topk_groups=Read("topk_group", 1)),
+  shared="shared_experts", shared_sizes=_DEEPSEEK_SHARED,
+  selection_bias="gate.e_score_correction_bias", moe_layer=_after_dense(3),
+)
+_QWEN_WITH_SHARED = Family(
+  "model.layers.{layer}.mlp", "gate.weight", _QWEN,
+  shared="shared_expert", shared_gate="shared_expert_gate.weight",
+  shared_sizes=Shared(1, Read("shared_expert_intermediate_size", 0), gate=True),
+  moe_layer=_qwen_sparse_step,
+)
+_BLOCK_SPARSE = "model.layers.{layer}.block_sparse_moe"
+_MLP = "model.layers.{layer}.mlp"  # transformers 5's name of Mixtral's block_sparse_moe
+
+FAMILIES: dict[str, Family] = {
+  "mixtral": Family(_BLOCK_SPARSE, "gate.weight", _MIXTRAL, _W1_W3_W2, module=_MLP),
+  "minimax": Family(_BLOCK_SPARSE, "gate.weight", _MIXTRAL, _W1_W3_W2, module=_MLP),
+  "phimoe": Family(
+    _BLOCK_SPARSE, "gate.weight",
+    dict(**_sizes("num_local_experts", "num_experts_per_tok", "intermediate_size"),
+         scoring="sparsemixer", sparsemixer_eps=Read("router_jitter_noise", 0.01)),
+    _W1_W3_W2, module=_MLP,
+  ),
+  "granitemoe": Family(  # Mixtral's config fields and routing
+    _BLOCK_SPARSE, "router.layer.weight", _MIXTRAL,
+    (Fused("input_linear.weight", "output_linear.weight"),),
+  ),
+  "qwen2_moe": _QWEN_WITH_SHARED,
+  "qwen3_next": _QWEN_WITH_SHARED,
+  "qwen3_moe": Family(
+    "model.layers.{layer}.mlp", "gate.weight", _QWEN, moe_layer=_qwen_sparse_step
+  ),
+  "olmoe": Family(
+    "model.layers.{layer}.mlp", "gate.weight",
+    {**_QWEN, "intermediate_size": Read("intermediate_size")},
+  ),
+  "deepseek_v2": Family(
+    "model.layers.{layer}.mlp", "gate.weight",
+    dict(**_DEEPSEEK, scoring="softmax", use_routing_bias=False),
+    shared="shared_experts", shared_sizes=_DEEPSEEK_SHARED, derived=_limited_groups,
+    moe_layer=_after_dense(0),
+  ),
+  "deepseek_v3": _DEEPSEEK_V3,
+  "glm4_moe": dataclasses.replace(_DEEPSEEK_V3, moe_layer=_after_dense(1)),
+  "gpt_oss": Family(
+    "model.layers.{layer}.mlp", "router.weight",
+    dict(**_sizes("num_local_experts", "num_experts_per_tok", "intermediate_size"),
+         renormalize=True,  # softmax over the top-k logits
+         router_bias=True, expert_bias=True, activation="swiglu_oai",
+         swiglu_limit=Read("swiglu_limit", 7.0, float)),
+    (Fused(input_major=True, interleaved=True, marked_transposed=True),),
+    router_bias="router.bias",
+  ),
+  "llama4_text": Family(
+    "model.layers.{layer}.feed_forward", "router.weight",
+    dict(**_sizes("num_local_experts", "num_experts_per_tok", "intermediate_size"),
+         scoring="sigmoid", apply_router_weight_on_input=True),
+    (Fused(input_major=True),),
+    shared="shared_expert", shared_sizes=Shared(1, Read("intermediate_size")),
+    moe_layer=_llama4_interleave,
+  ),
+  "jamba": Family(
+    "model.layers.{layer}.feed_forward", "router.weight",
+    _sizes("num_experts", "num_experts_per_tok", "intermediate_size"),
+    moe_layer=_jamba_period,
+  ),
+  "ernie4_5_moe": Family(
+    "model.layers.{layer}.mlp", "gate.weight",
+    dict(**_sizes("moe_num_experts", "moe_k", "moe_intermediate_size"),
+         renormalize=True, use_routing_bias=True),
+    shared="shared_experts",
+    shared_sizes=Shared(Read("moe_num_shared_experts", 0), Read("moe_intermediate_size")),
+    selection_bias="moe_statics.e_score_correction_bias", moe_layer=_ernie_interval,
+  ),
+  "hunyuan_v1_moe": Family(
+    "model.layers.{layer}.mlp", "gate.wg.weight",
+    dict(num_experts=Read("num_experts"), top_k=Read("moe_topk", convert=_first),
+         intermediate_size=Read("intermediate_size"), renormalize=True),
+    shared="shared_mlp",
+    shared_sizes=Shared(Read("num_shared_expert", 1, _first), Read("intermediate_size"),
+                        enabled=Read("use_mixed_mlp_moe", True)),
+  ),
+  "lfm2_moe": Family(
+    "model.layers.{layer}.feed_forward", "gate.weight",
+    dict(**_sizes("num_experts", "num_experts_per_tok", "moe_intermediate_size"),
+         scoring="sigmoid", use_routing_bias=Read("use_expert_bias", True, bool),
+         renormalize=Read("norm_topk_prob", True, bool), routed_scaling_factor=_SCALING),
+    _W1_W3_W2,
+    selection_bias="expert_bias", moe_layer=_after_dense_layers,
+  ),
+  "dbrx": Family(
+    "transformer.blocks.{layer}.ffn", "router.layer.weight",
+    dict(**_sizes("ffn_config.moe_num_experts", "ffn_config.moe_top_k",
+                  "ffn_config.ffn_hidden_size"),
+         renormalize=Read("ffn_config.moe_normalize_expert_weights", None, _dbrx_renormalize)),
+    (Flat("experts.mlp.w1", "experts.mlp.v1", "experts.mlp.w2"),),
+  ),
+  "kimi_k2": _DEEPSEEK_V3,  # Kimi-K2 (Thinking): DeepSeek-V3's MoE
+  # Kimi-K2.5: DeepSeek-V3's MoE under a multimodal model (config in `text_config`)
+  "kimi_k25": dataclasses.replace(
+    _DEEPSEEK_V3, block="language_model.model.layers.{layer}.mlp",
+    module="model.language_model.layers.{layer}.mlp",
+  ),
+  "longcat_flash": Family(
+    "model.layers.{layer}.mlp", "router.classifier.weight",
+    dict(**_sizes("n_routed_experts", "moe_topk", "expert_ffn_hidden_size"),
+         num_zero_experts=Read("zero_expert_num", 0), use_routing_bias=True,
+         router_bias=Read("router_bias", False, bool), routed_scaling_factor=_SCALING),
+    router_bias="router.classifier.bias",
+    selection_bias="router.e_score_correction_bias",
+    layers=Read("num_layers"),  # each of two attentions and one MoE block
+  ),
+}
+# fmt: on
+# Multimodal model types whose text model's config.json fields sit in `text_config`.
+NESTED_TEXT = ("kimi_k25",)
+
+
+def family_of(model_type: str | None) -> Family:
+  """The `FAMILIES` row of a config.json `model_type`; ValueError listing them otherwise."""
+  if model_type not in FAMILIES:
+    raise ValueError(
+      f"model_type={model_type!r} is not supported; moejax.hf reads {sorted(FAMILIES)}"
+    )
+  return FAMILIES[model_type]

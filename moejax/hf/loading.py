@@ -1,0 +1,194 @@
+"""Reading a checkpoint's MoE layers: one layer -> `MoEParams` (`load_layer`), every MoE
+layer -> one stack [L, ...] (`load_stack`), onto a mesh as they load."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from kernels_pallas.quantized import is_block_scaled
+from moejax.config import MoEConfig
+from moejax.hf.configs import config_from_hf, moe_layers, text_model
+from moejax.hf.families import Family, family_of
+from moejax.hf.layouts import float_linear
+from moejax.hf.safetensors_files import SafetensorsFiles
+from moejax.params import MoEParams, check_params
+from moejax.sharding import LayerSpecs, check_mesh, map_params, placement
+
+
+def load_layer(
+  path: str | Path,
+  layer: int,
+  config: MoEConfig | None = None,
+  *,
+  mesh: Mesh | None = None,
+  dequantize: bool = False,
+) -> MoEParams:
+  """One MoE layer's weights from a local Hugging Face checkpoint folder.
+
+  Args:
+    path: the folder (config.json and safetensors files).
+    layer: the decoder layer index; it must be an MoE layer of the model.
+    config: the layer's `MoEConfig`; None reads it with `config_from_hf` (dtype float32).
+    mesh: place each parameter on this mesh as `MoELayer` does (experts split over the expert
+      axis): each device receives only its slice, though each tensor is read whole into host
+      memory first; None gives host NumPy arrays.
+    dequantize: with a quantized checkpoint (`config.expert_quant`), return float expert
+      weights (for the config with `expert_quant=None`) instead of `BlockScaled` ones in the
+      checkpoint's format. Quantized shared experts are always dequantized.
+
+  Returns:
+    `MoEParams` in the config's `param_dtype` (quantized experts kept as stored), without
+    LoRA adapters whatever `config.lora_rank` (`load_lora` reads a PEFT adapter's).
+
+  Raises:
+    KeyError: a tensor the layer needs is missing (the message names the key).
+    ValueError: a tensor has another shape than the config implies, or the family is unknown.
+    NotImplementedError: a quantized layout moejax does not read (named).
+  """
+  path = Path(path)
+  hf = text_model(json.loads((path / "config.json").read_text()))
+  family = family_of(hf.get("model_type"))
+  config = config_from_hf(hf) if config is None else config
+  block = family.block.format(layer=layer)
+  quantization = hf.get("quantization_config") or {}
+  with SafetensorsFiles(path, quantization.get("weight_block_size")) as files:
+    values = _read_layer(files, block, family, config)
+  if quantization.get("scale_fmt") == "ue8m0":
+    _check_powers_of_two(values, block)
+  dtype = np.dtype(config.param_dtype)
+  as_stored = lambda v: v if is_block_scaled(v) else np.asarray(v).astype(dtype)
+  params = MoEParams(**{name: as_stored(value) for name, value in values.items()})
+  if dequantize and config.expert_quant is not None:
+    config = dataclasses.replace(config, expert_quant=None)
+    params = params._replace(
+      **{name: np.asarray(v.dequantize(dtype)) for name, v in values.items() if is_block_scaled(v)}
+    )
+  try:  # the base weights only: adapters come from `load_lora` (or `moejax.lora.init_like`)
+    check_params(params, dataclasses.replace(config, lora_rank=0))
+  except ValueError as error:
+    raise ValueError(f"read from {block}: {error}") from None
+  if mesh is None:
+    return params
+  check_mesh(mesh, config)
+  place = lambda value, spec: jax.make_array_from_callback(
+    value.shape, placement(mesh, spec), value.__getitem__
+  )  # each device gets only its slice
+  return map_params(place, LayerSpecs.from_config(config).params(params), params)
+
+
+def load_stack(
+  path: str | Path,
+  config: MoEConfig | None = None,
+  *,
+  layers: Sequence[int] | None = None,
+  mesh: Mesh | None = None,
+  dequantize: bool = False,
+  progress: bool = True,
+) -> MoEParams:
+  """Every MoE layer of a checkpoint, stacked for a scanned stack of layers: `load_layer` for
+  each of `moe_layers(path)`, in order, each parameter with a leading layer axis [L, ...].
+
+  Args:
+    path, config, dequantize: as for `load_layer` (quantized experts stay quantized unless
+      `dequantize`).
+    layers: the decoder layers to stack, in this order (e.g. one pipeline stage's); None:
+      `moe_layers(path)`.
+    mesh: place the stack on this mesh as it loads, each layer's slice written into a stack
+      whose layer axis is on no mesh axis (the rest as `MoELayer` lays out one layer: experts
+      split over the expert axis): devices hold the stack and one layer at a time, the host
+      one layer's tensors; None gives host NumPy arrays.
+    progress: show a progress bar (one step per layer).
+
+  Returns:
+    `MoEParams` [L, ...] of the L layers, in order.
+
+  Raises:
+    What `load_layer` raises, naming the layer's block.
+  """
+  from tqdm import tqdm  # imported here: `moejax.hf` needs it for this progress bar only
+
+  layers = moe_layers(path) if layers is None else tuple(layers)
+  config = config_from_hf(path) if config is None else config
+  stack = None
+  for position, layer in enumerate(tqdm(layers, desc="MoE layers", disable=not progress)):
+    params = load_layer(path, layer, config, mesh=mesh, dequantize=dequantize)
+    stack = _empty_stack(params, len(layers)) if stack is None else stack
+    stack = jax.tree.map(functools.partial(_put_layer, position=position), stack, params)
+  return stack
+
+
+def _empty_stack(params: MoEParams, layers: int) -> MoEParams:
+  """Room for `layers` layers like `params`: a leading layer axis on no mesh axis."""
+
+  def empty(leaf):
+    if not isinstance(leaf, jax.Array):
+      return np.empty((layers, *leaf.shape), leaf.dtype)
+    spec = (None, *leaf.sharding.spec)
+    sharding = jax.sharding.NamedSharding(leaf.sharding.mesh, jax.sharding.PartitionSpec(*spec))
+    zeros = functools.partial(jax.numpy.zeros, (layers, *leaf.shape), leaf.dtype)
+    return jax.jit(zeros, out_shardings=sharding)()
+
+  return jax.tree.map(empty, params)
+
+
+def _put_layer(stack, layer, position: int):
+  """`stack[position] = layer`, in place (on devices: the stack's buffer donated)."""
+  if not isinstance(stack, jax.Array):
+    stack[position] = layer
+    return stack
+  return _set_layer(stack, layer, position)
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _set_layer(stack: jax.Array, layer: jax.Array, position: jax.Array) -> jax.Array:
+  return stack.at[position].set(layer)
+
+
+def _check_powers_of_two(values: dict, block: str) -> None:
+  """Raises ValueError unless every quantized weight's scales are powers of two (an fp8
+  checkpoint with `scale_fmt: "ue8m0"`)."""
+  for name, value in values.items():
+    if is_block_scaled(value):
+      scales = np.asarray(value.scales, np.float32)
+      if not np.all((scales > 0) & (np.frexp(scales)[0] == 0.5)):
+        raise ValueError(
+          f"{block}: {name}'s scales are not all powers of two, as scale_fmt='ue8m0' says"
+        )
+
+
+def _read_layer(files: SafetensorsFiles, block: str, family: Family, config: MoEConfig) -> dict:
+  """The layer's parameters as float32 NumPy arrays (or `BlockScaled`) in moejax's layout."""
+  d, f, e = config.hidden_size, config.intermediate_size, config.num_experts
+  outputs = config.num_router_outputs
+  key = lambda name: f"{block}.{name}"
+  values = {"router_kernel": files.get(key(family.router), (outputs, d)).T}
+  if family.router_bias and config.router_bias:
+    values["router_bias"] = files.get(key(family.router_bias), (outputs,))
+  if family.selection_bias and config.use_routing_bias:
+    bias = files.get(key(family.selection_bias))  # ERNIE stores it as [1, E]
+    if bias.size != outputs:
+      raise ValueError(
+        f"{key(family.selection_bias)} has shape {bias.shape}, expected {(outputs,)}"
+      )
+    values["routing_bias"] = bias.reshape(outputs)
+  layout = next((lay for lay in family.experts if lay.present(files, key)), family.experts[-1])
+  values.update(layout.read(files, key, config.expert_quant, e, d, f, config.quant_block))
+  if config.has_shared_experts and family.shared:
+    fs = config.shared_intermediate_size
+    gate, up, down = (
+      float_linear(files, key(f"{family.shared}.{name}.weight"), shape, config)
+      for name, shape in (("gate_proj", (fs, d)), ("up_proj", (fs, d)), ("down_proj", (d, fs)))
+    )
+    values["shared_w_gate_up"] = np.concatenate([gate.T, up.T], axis=1)
+    values["shared_w_down"] = down.T
+  if config.shared_expert_gate and family.shared_gate:
+    values["shared_gate_kernel"] = files.get(key(family.shared_gate), (1, d)).T
+  return values
