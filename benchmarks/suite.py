@@ -60,8 +60,9 @@ from moejax import MoEConfig, MoEParams, lora, moe_apply, param_shapes, quant, r
 from moejax.activations import GatedActivation
 from moejax.experts import default_tile_rows, grouped_mlp
 from moejax.forward import chunk_layout, compiled_executables
+from moejax.meshes import named_sharding
 from moejax.params import ExpertWeights
-from moejax.sharding import LayerSpecs, placement
+from moejax.sharding import LayerSpecs
 
 D, F = 256, 512
 SECTIONS = (
@@ -129,7 +130,7 @@ def on_mesh(params: MoEParams, config: MoEConfig, mesh: Mesh) -> MoEParams:
   """The parameters laid out on the mesh as the layer wants them (experts split over the
   expert axis), once: left on one device, every call would reshard them first."""
   specs = LayerSpecs.from_config(config).params(params)
-  return jax.device_put(params, jax.tree.map(lambda _, s: placement(mesh, s), params, specs))
+  return jax.device_put(params, jax.tree.map(lambda _, s: named_sharding(mesh, s), params, specs))
 
 
 def config_of(experts: int, top_k: int, chunk: int | str) -> MoEConfig:

@@ -8,15 +8,11 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 
 from kernels_pallas.activations import activate
-
-if TYPE_CHECKING:
-  from moejax.config import MoEConfig
 
 
 def _swiglu_oai(gate: jax.Array, up: jax.Array, limit: float) -> jax.Array:
@@ -51,10 +47,6 @@ class GatedActivation:
 
   name: str
   limit: float = 7.0
-
-  @classmethod
-  def of(cls, config: MoEConfig) -> GatedActivation:
-    return cls(config.activation, config.swiglu_limit)
 
   def __call__(self, gate: jax.Array, up: jax.Array) -> jax.Array:
     return GATED[self.name](gate, up, self.limit)

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 
 from kernels_pallas.quantized import FORMATS
 from moejax import axis_groups
-from moejax.activations import GATED
+from moejax.activations import GATED, GatedActivation
 from moejax.axis_groups import AxisGroup
 
 Activation = Literal["silu", "gelu", "gelu_tanh", "swiglu_oai"]
@@ -361,6 +361,11 @@ class MoEConfig:
     if not self.lora_rank:
       return 0.0
     return self.lora_alpha / (self.lora_rank**0.5 if self.lora_rslora else self.lora_rank)
+
+  @property
+  def gated_activation(self) -> GatedActivation:
+    """How the experts combine gate and up (`activation`, `swiglu_limit`)."""
+    return GatedActivation(self.activation, self.swiglu_limit)
 
   @property
   def quant_block(self) -> tuple[int, int] | None:

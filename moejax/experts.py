@@ -237,7 +237,7 @@ def routed_mlp(
       expert_ids,
       weights,
       experts,
-      activation=GatedActivation.of(config),
+      activation=config.gated_activation,
       tile_rows=default_tile_rows(expert_ids.size, config.num_physical_experts),
       grad_seeds=grad_seeds,
     )
@@ -248,7 +248,7 @@ def routed_mlp(
     expert_ids,
     weights,
     experts,
-    activation=GatedActivation.of(config),
+    activation=config.gated_activation,
     backend=plan.backend,
     interpret=plan.interpret,
   )
@@ -296,7 +296,7 @@ def shared_mlp(x: jax.Array, shared: SharedWeights, *, config: MoEConfig) -> jax
   Returns:
     [C, D] float32.
   """
-  out = gated_mlp(x, shared.w_gate_up, shared.w_down, GatedActivation.of(config), lora=shared.lora)
+  out = gated_mlp(x, shared.w_gate_up, shared.w_down, config.gated_activation, lora=shared.lora)
   if shared.gate_kernel is None:
     return out
   gate = jnp.dot(

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from moejax import axis_groups, remat, routing, sharding
+from moejax import axis_groups, meshes, remat, routing, sharding
 from moejax import placement as placement_lib
 from moejax.chunk_budget import auto_chunk
 from moejax.chunking import ChunkStages, TokenLayout, chunk_scan
@@ -95,20 +95,20 @@ def moe_apply(
   _check_call(params, x, token_mask, router_logits, config, mesh)
   placement_lib.check_placement(placement, config)
   args = (params, x, token_mask, router_logits, placement)
-  if mesh is not None and sharding.is_explicit(mesh):
+  if mesh is not None and meshes.is_explicit(mesh):
     return _apply_on_explicit_mesh(args, config, mesh)
   return _moe_apply_jit(*args, config=config, mesh=mesh)
 
 
 def _apply_on_explicit_mesh(args, config, mesh):
-  """The layer on an explicit-axes mesh: y comes back sharded like x (`sharding.with_auto_axes`)."""
+  """The layer on an explicit-axes mesh: y comes back sharded like x (`meshes.with_auto_axes`)."""
   specs = sharding.LayerSpecs.from_config(config)
   out_specs = (
     jax.typeof(args[1]).sharding.spec,
     MoEAux(*specs.aux(MoEAux._fields, per_device=_PER_DEVICE)),
   )
   apply = lambda auto_mesh, *args: _moe_apply_jit(*args, config=config, mesh=auto_mesh)
-  return sharding.with_auto_axes(apply, mesh, out_specs)(*args)
+  return meshes.with_auto_axes(apply, mesh, out_specs)(*args)
 
 
 def chunk_layout(config: MoEConfig, num_tokens: int, mesh: Mesh | None = None) -> TokenLayout:
@@ -124,7 +124,7 @@ def chunk_layout(config: MoEConfig, num_tokens: int, mesh: Mesh | None = None) -
   share = max(-(-num_tokens // devices), 1)
   chunk = config.chunk_size
   if chunk == "auto":
-    with sharding.running_on(mesh):
+    with meshes.running_on(mesh):
       chunk = auto_chunk(config, share, expert_axis)
   return TokenLayout.plan(num_tokens, devices, chunk)
 
@@ -140,7 +140,7 @@ def _check_call(params, x, token_mask, router_logits, config, mesh) -> None:
   check_inputs(params, x, token_mask, router_logits, config)
   if mesh is not None:
     sharding.check_mesh(mesh, config)
-  if mesh is None and sharding.explicitly_sharded(x):
+  if mesh is None and meshes.explicitly_sharded(x):
     raise ValueError(
       f"x is sharded over explicit mesh axes ({jax.typeof(x).sharding.spec}) but the layer has "
       "no mesh: build it on that mesh (`MoELayer(config, mesh=mesh)`, `moe_apply(..., "
@@ -182,7 +182,7 @@ def check_inputs(params, x, token_mask, router_logits, config) -> None:
 
 @functools.partial(jax.jit, static_argnames=("config", "mesh"))
 def _moe_apply_jit(params, x, token_mask, router_logits, placement, *, config, mesh):
-  with sharding.running_on(mesh):  # plan for the mesh's devices, not the default one
+  with meshes.running_on(mesh):  # plan for the mesh's devices, not the default one
     return _moe_apply_traced(params, x, token_mask, router_logits, placement, config, mesh)
 
 
@@ -251,7 +251,7 @@ def _shard(
   placement everywhere."""
   specs = sharding.LayerSpecs.from_config(config)
   param_specs = specs.params(params)
-  inputs = jax.tree.map(lambda a: sharding.constrain(a, mesh, specs.tokens_t), inputs)
+  inputs = jax.tree.map(lambda a: meshes.constrain(a, mesh, specs.tokens_t), inputs)
   stats_specs = routing.RouterStats(*[specs.replicated] * len(routing.RouterStats._fields))
   return jax.shard_map(
     body,

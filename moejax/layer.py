@@ -11,7 +11,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from kernels_pallas.quantized import BlockScaled
-from moejax import eplb, lora, sharding
+from moejax import eplb, lora, meshes, sharding
 from moejax.config import MoEConfig
 from moejax.forward import MoEAux, moe_apply
 from moejax.params import (
@@ -205,7 +205,7 @@ class MoELayer(nnx.Module):
     the parameters are: the layer's program takes all its arguments from one device set."""
     if self.mesh is None:
       return jax.tree.map(jnp.asarray, tree)
-    return jax.device_put(tree, sharding.placement(self.mesh, None))
+    return jax.device_put(tree, meshes.named_sharding(self.mesh, None))
 
   def moe_params(self) -> MoEParams:
     """The current weights as an `MoEParams` pytree (for `moejax.moe_apply`)."""

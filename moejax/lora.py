@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from kernels_pallas.quantized import is_block_scaled
-from moejax import sharding
+from moejax import meshes
 from moejax.config import MoEConfig
 
 
@@ -151,7 +151,7 @@ def merge(params, config: MoEConfig):
 
   def merged(w, a, b) -> jax.Array:
     w = _float32(w)
-    a, b = (sharding.on_mesh_of(adapter, w) for adapter in (a, b))
+    a, b = (meshes.on_mesh_of(adapter, w) for adapter in (a, b))
     return (w + config.lora_scale * jnp.matmul(a, b, precision="highest")).astype(
       config.param_dtype
     )

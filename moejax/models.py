@@ -16,7 +16,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from moejax import sharding
+from moejax import meshes, sharding
 from moejax.config import MoEConfig, check_field_types
 from moejax.layer import MoELayer
 
@@ -192,7 +192,7 @@ class MoETransformer(nnx.Module):
 
   def __call__(self, tokens: jax.Array, token_mask: jax.Array) -> jax.Array:
     """tokens [batch, seq] int, token_mask [batch, seq] bool -> logits [batch, seq, V] float32."""
-    x = self.embed(tokens, out_sharding=sharding.rows_sharded_like(tokens))
+    x = self.embed(tokens, out_sharding=meshes.rows_sharded_like(tokens))
     if self.config.scan_layers:
       x = self.blocks(x, token_mask)
     else:

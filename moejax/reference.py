@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from kernels_pallas.quantized import is_block_scaled
-from moejax import sharding
+from moejax import meshes
 from moejax.config import MoEConfig
 from moejax.forward import check_inputs
 from moejax.params import MoEParams
@@ -115,10 +115,10 @@ def reference_moe(
 
   Returns:
     [..., D] float32; rows whose mask is False are 0. Inputs split over an explicit mesh
-    axis are made whole first (`sharding.gathered`): the reference computes densely.
+    axis are made whole first (`meshes.gathered`): the reference computes densely.
   """
   check_inputs(params, x, token_mask, router_logits, config)
-  params, x, token_mask, router_logits = sharding.gathered((params, x, token_mask, router_logits))
+  params, x, token_mask, router_logits = meshes.gathered((params, x, token_mask, router_logits))
   f32 = lambda a: None if a is None else jnp.asarray(a, jnp.float32)
   as_float = lambda a: a.dequantize(jnp.float32) if is_block_scaled(a) else f32(a)
   p = jax.tree.map(as_float, params, is_leaf=is_block_scaled)

@@ -20,7 +20,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from kernels_pallas.quantized import is_block_scaled
-from moejax import axis_groups, ids, sharding
+from moejax import axis_groups, ids, meshes, sharding
 from moejax.axis_groups import spec_entry
 from moejax.collectives import filled_like, platform_has_ragged_all_to_all, ragged_all_to_all
 from moejax.config import MoEConfig
@@ -151,7 +151,7 @@ def sum_replicas(grads: MoEParams, placement: Placement) -> MoEParams:
   per_expert = lambda g: jax.ops.segment_sum(g, segments, num_segments=experts)
 
   def summed(g: jax.Array) -> jax.Array:
-    if not sharding.explicitly_sharded(g):
+    if not meshes.explicitly_sharded(g):
       return per_expert(g)
     # Slots split over an explicit axis: the sums, replicated, placed by the compiler.
     whole = NamedSharding(jax.typeof(g).sharding.mesh, P())
@@ -202,8 +202,8 @@ def _gather(experts, source: np.ndarray, mesh: Mesh | None, config: MoEConfig):
   if mesh is None:
     return jax.jit(take)(experts, jnp.asarray(source))
   specs = _expert_specs(experts, config)
-  if sharding.is_explicit(mesh):
-    gather = sharding.with_auto_axes(lambda _, leaves, index: take(leaves, index), mesh, specs)
+  if meshes.is_explicit(mesh):
+    gather = meshes.with_auto_axes(lambda _, leaves, index: take(leaves, index), mesh, specs)
     return jax.jit(gather)(experts, jnp.asarray(source))
   out = jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs, is_leaf=_is_spec)
   return jax.jit(take, out_shardings=out)(experts, jnp.asarray(source))
@@ -230,7 +230,7 @@ def _move(experts, plan: MovePlan, *, mesh: Mesh, config: MoEConfig):
 
 def _move_leaves(experts, plan: MovePlan, *, mesh: Mesh, config: MoEConfig):
   """`_move` on a dict of arrays."""
-  with sharding.running_on(mesh):  # its exchange: the mesh's platform's
+  with meshes.running_on(mesh):  # its exchange: the mesh's platform's
     return _move_on_mesh(experts, plan, mesh=mesh, config=config)
 
 
@@ -244,8 +244,8 @@ def _move_on_mesh(experts, plan: MovePlan, *, mesh: Mesh, config: MoEConfig):
     in_specs=(specs, MovePlan(*[per_device] * len(MovePlan._fields))),
     out_specs=specs,
   )(leaves, plan)
-  if sharding.is_explicit(mesh):
-    return jax.jit(sharding.with_auto_axes(moved, mesh, specs))(experts, plan)
+  if meshes.is_explicit(mesh):
+    return jax.jit(meshes.with_auto_axes(moved, mesh, specs))(experts, plan)
   out = {name: NamedSharding(mesh, spec) for name, spec in specs.items()}
   return jax.jit(functools.partial(moved, mesh), out_shardings=out)(experts, plan)
 

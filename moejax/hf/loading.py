@@ -19,8 +19,9 @@ from moejax.hf.configs import config_from_hf, moe_layers, text_model
 from moejax.hf.families import Family, family_of
 from moejax.hf.layouts import float_linear
 from moejax.hf.safetensors_files import SafetensorsFiles
+from moejax.meshes import named_sharding
 from moejax.params import MoEParams, check_params
-from moejax.sharding import LayerSpecs, check_mesh, map_params, placement
+from moejax.sharding import LayerSpecs, check_mesh, map_params
 
 
 def load_layer(
@@ -79,7 +80,7 @@ def load_layer(
     return params
   check_mesh(mesh, config)
   place = lambda value, spec: jax.make_array_from_callback(
-    value.shape, placement(mesh, spec), value.__getitem__
+    value.shape, named_sharding(mesh, spec), value.__getitem__
   )  # each device gets only its slice
   return map_params(place, LayerSpecs.from_config(config).params(params), params)
 

@@ -42,8 +42,9 @@ from moejax.hf.families import family_of
 from moejax.hf.layouts import Fused, PerExpert, halves
 from moejax.hf.safetensors_files import SafetensorsFiles
 from moejax.lora import ExpertLoRA, SharedLoRA, check_adapters, expert_lora_shapes
+from moejax.meshes import named_sharding
 from moejax.params import MoEParams
-from moejax.sharding import LayerSpecs, check_mesh, map_params, placement
+from moejax.sharding import LayerSpecs, check_mesh, map_params
 
 PREFIX = "base_model.model."
 LAYOUTS = ("fused", "per_expert")
@@ -284,7 +285,7 @@ def load_lora(
     )
     specs = LayerSpecs.from_config(config).params(params)
     params = map_params(
-      lambda leaf, spec: jax.device_put(leaf, placement(mesh, spec)), specs, params
+      lambda leaf, spec: jax.device_put(leaf, named_sharding(mesh, spec)), specs, params
     )
     lora, shared_lora = params.lora, params.shared_lora
   return LoadedAdapters(config, lora, shared_lora)

@@ -1,0 +1,101 @@
+"""Meshes and where arrays live on them, for explicit and automatic axes alike: helpers that
+know nothing of the layer (`moejax.sharding` has the layer's specs)."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from kernels_pallas import platform
+from moejax import axis_groups
+
+
+def named_sharding(mesh: Mesh, spec: P | None) -> NamedSharding:
+  """`spec` on `mesh`; replicated where a variable has no sharding metadata (`spec` None)."""
+  return NamedSharding(mesh, P() if spec is None else spec)
+
+
+def running_on(mesh: Mesh | None):
+  """Makes the device-dependent decisions inside (`kernels_pallas.platform`) for the devices a
+  call on `mesh` runs on (None: the default device), not the process's default device."""
+  return platform.running_on(None if mesh is None else mesh.devices.flat[0])
+
+
+def is_explicit(mesh: Mesh) -> bool:
+  """Whether any mesh axis uses explicit sharding (the default of `jax.make_mesh`)."""
+  return any(axis_type == AxisType.Explicit for axis_type in mesh.axis_types)
+
+
+def explicitly_sharded(x) -> bool:
+  """Whether x's type says it is split over an explicit mesh axis."""
+  sharding = getattr(jax.typeof(x), "sharding", None)
+  mesh = getattr(sharding, "mesh", None)
+  if mesh is None or not mesh.axis_names:
+    return False
+  kinds = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
+  used = [name for entry in sharding.spec if entry for name in axis_groups.names(entry)]
+  return any(kinds[name] == AxisType.Explicit for name in used)
+
+
+def rows_sharded_like(index: jax.Array) -> NamedSharding | None:
+  """The layout of a gather `table[index]` (rows of a table [N, D]) split as `index` is over
+  explicit mesh axes, the row dimension whole; None (the compiler's choice) for an index not
+  split over an explicit axis. Explicit sharding asks a gather for its output's layout."""
+  if not explicitly_sharded(index):
+    return None
+  layout = jax.typeof(index).sharding
+  return NamedSharding(layout.mesh, P(*layout.spec, None))
+
+
+def on_mesh_of(x: jax.Array, reference: jax.Array) -> jax.Array:
+  """x, laid out as it is, on the mesh `reference` is on: for eager code combining arrays of
+  the same devices under different meshes (an adapter created on one device and trained under
+  `jax.jit` comes back on the compiler's automatic mesh, its base weights sit on an explicit
+  one). Traced values, and arrays not both on a mesh, as they are."""
+  if any(isinstance(a, jax.core.Tracer) or not isinstance(a, jax.Array) for a in (x, reference)):
+    return x
+  layouts = (x.sharding, reference.sharding)
+  if not all(isinstance(layout, NamedSharding) for layout in layouts):
+    return x
+  if layouts[0].mesh == layouts[1].mesh:
+    return x
+  return jax.device_put(x, NamedSharding(layouts[1].mesh, layouts[0].spec))
+
+
+def gathered(tree: Any) -> Any:
+  """`tree` with every leaf split over an explicit mesh axis made whole (replicated on its
+  mesh), the others as they are: for code that computes on whole arrays (the reference)."""
+
+  def whole(leaf):
+    if leaf is None or not explicitly_sharded(leaf):
+      return leaf
+    return jax.reshard(leaf, NamedSharding(jax.typeof(leaf).sharding.mesh, P()))
+
+  return jax.tree.map(whole, tree)
+
+
+def with_auto_axes(fn: Callable, mesh: Mesh, out_specs: Any) -> Callable:
+  """`fn(auto_mesh, *args)` run on an explicit-axes mesh, its axes automatic inside.
+
+  The layer reshapes and pads token arrays whose sharding explicit mode would make part of
+  their type; inside `jax.sharding.auto_axes` XLA places them. `fn` gets the same devices
+  with every axis automatic; its outputs come back laid out as `out_specs` on `mesh`.
+  """
+  auto_mesh = Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * mesh.devices.ndim)
+  out_sharding = jax.tree.map(
+    lambda spec: NamedSharding(mesh, spec), out_specs, is_leaf=lambda s: isinstance(s, P)
+  )
+  return jax.sharding.auto_axes(functools.partial(fn, auto_mesh), out_sharding=out_sharding)
+
+
+def constrain(x: jax.Array, mesh: Mesh, spec: P) -> jax.Array:
+  """Lays `x` out as `spec` on `mesh`, for explicit and automatic meshes alike."""
+  sharding = NamedSharding(mesh, spec)
+  if is_explicit(mesh):
+    return jax.reshard(x, sharding)
+  return jax.lax.with_sharding_constraint(x, sharding)
