@@ -20,7 +20,8 @@ Sections (each prints a table; rows go to `OUT/dispatch.json`, the scaling plot 
   timing   for the first multi-GPU machine: forward and forward+backward time of both schemes
            with every device on the expert axis, T per device 256 ... 16384, bf16, a
            DeepSeek-V2-Lite-sized layer (E=64, K=6, D=2048, F=1408). Its rows are what
-           `moejax.dispatch.MEASURED_FASTER` must be based on before "auto" picks all_to_all.
+           `moejax.dispatch.ALL_TO_ALL_FASTER_FROM_AXIS` must be based on before "auto"
+           picks all_to_all.
 
 Needs 8 simulated devices for `hlo` and `time`: run as a script (it sets them) or with
 XLA_FLAGS=--xla_force_host_platform_device_count=8.
@@ -321,7 +322,8 @@ TIMING_TOKENS_PER_DEVICE = (256, 1024, 4096, 16384)
 
 
 def timing_section(repeats: int) -> list[dict]:
-  """Both schemes timed on every device as the expert axis (the run `MEASURED_FASTER` needs)."""
+  """Both schemes timed on every device as the expert axis (the run that
+  `ALL_TO_ALL_FASTER_FROM_AXIS` needs)."""
   devices = jax.device_count()
   if devices < 2:
     print(f"\ntiming: needs 2 or more devices, found {devices}; skipped")

@@ -40,7 +40,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from moejax import MoEConfig, MoEParams, eplb, moe_apply, param_shapes
-from moejax.placement import logical_load
+from moejax.expert_placement import logical_load
 
 MESHES = ((1, 8), (2, 4))
 SHAPES = ((16, 2), (64, 8))  # (E, K)

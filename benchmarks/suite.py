@@ -57,7 +57,6 @@ from jax.sharding import Mesh
 
 from kernels_pallas.quantized import is_block_scaled
 from moejax import MoEConfig, MoEParams, lora, moe_apply, param_shapes, quant, routing
-from moejax.activations import GatedActivation
 from moejax.experts import default_tile_rows, grouped_mlp
 from moejax.forward import chunk_layout, compiled_executables
 from moejax.meshes import named_sharding
@@ -401,7 +400,7 @@ def decode_cost_rows(config: MoEConfig, params: MoEParams, repeats: int) -> list
   def experts_only(params, x, ids, weights):
     return grouped_mlp(
       x, ids, weights, ExpertWeights(params.w_gate_up, params.w_down),
-      activation=GatedActivation.of(config), tile_rows=default_tile_rows(ids.size, 32),
+      activation=config.gated_activation, tile_rows=default_tile_rows(ids.size, 32),
     )  # fmt: skip
 
   def floor(w_gate_up, w_down):  # reads the used experts' weight bytes once, nothing else

@@ -31,12 +31,12 @@ IMPLEMENTATIONS = tuple(BACKENDS)
 # correct and faster than XLA, each with the fewest rows per call at which it was measured
 # faster. Empty: the one run so far (H200, 2026-11-29) measured the Mosaic forward 2-13x
 # faster than ragged_dot at 8192+ rows, but its backward failed there and was rewritten since.
-MEASURED_FASTER: dict[str, int] = {}
+KERNEL_FASTER_FROM_ROWS: dict[str, int] = {}
 
 
 def measured_faster(kernel: str, num_rows: int) -> bool:
-  """Whether `MEASURED_FASTER` records `kernel` faster than XLA on calls of `num_rows` rows."""
-  return num_rows >= MEASURED_FASTER.get(kernel, math.inf)
+  """Whether `KERNEL_FASTER_FROM_ROWS` records `kernel` faster than XLA on calls of `num_rows` rows."""
+  return num_rows >= KERNEL_FASTER_FROM_ROWS.get(kernel, math.inf)
 
 
 def best_implementation(

@@ -2,13 +2,16 @@
 
 Shape letters, one meaning each, in names, docstrings and shape comments throughout:
 
-  T  tokens of a call                     E  experts (El: experts on one device, E / S)
-  L  rows on one device (padded)          K  experts chosen per token (top-k)
-  C  rows per chunk per device            G  expert groups (grouped top-k)
-  D  hidden size                          S  devices on the expert axis
-  F  expert intermediate size             N  rows of a row-wise step (C, or S*C received)
-  Fs shared-expert intermediate size      P  (row, device) pair slots of a chunk
-  B  rows per tile (tile loop)          r  LoRA rank (`lora_rank`)
+  T  tokens of a call                     E  experts of the router (logical)
+  L  rows on one device (padded)          R  redundant experts (replicas; 0 without EPLB)
+  C  rows per chunk per device            P  physical expert slots, E + R
+  D  hidden size                          El slots on one device, P / S
+  F  expert intermediate size             Z  zero-computation experts (LongCat-Flash)
+  Fs shared-expert intermediate size      K  experts chosen per token (top-k)
+  S  devices on the expert axis           G  expert groups (grouped top-k)
+  N  rows of a row-wise step (C, or the S*C rows a device received)
+  Q  (row, device) pair slots of a chunk: C * min(K, S)
+  B  rows per tile (tile loop)            r  LoRA rank (`lora_rank`)
 
 `kernels_pallas` uses matmul letters of its own (lhs [M, K], rhs [G, K, N]).
 """

@@ -120,8 +120,8 @@ class MoEConfig:
       expert-axis device, partial sums reduce-scattered back), "all_to_all" (dropless: each
       row only to the devices holding its chosen experts) or "auto": all_to_all only where a
       recorded multi-device run measured it faster on the platform at this expert-axis size
-      (`moejax.dispatch.MEASURED_FASTER`; none is recorded yet, so all_gather everywhere),
-      since fewer bytes alone do not make it faster. See `moejax.dispatch`.
+      (`moejax.dispatch.ALL_TO_ALL_FASTER_FROM_AXIS`; none is recorded yet, so all_gather
+      everywhere), since fewer bytes alone do not make it faster. See `moejax.dispatch`.
     num_redundant_experts: R, spare physical expert slots holding replicas of busy experts
       (expert-parallel load balancing): the layer holds P = E + R physical experts, P
       divisible by the expert-axis size, and computes by a `moejax.eplb.Placement` passed as

@@ -22,7 +22,7 @@ from moejax.reference import reference_moe
 
 
 def rank_mask(valid_per_rank: np.ndarray, rows_per_rank: int) -> jax.Array:
-  """[R * L] bool: rank r (rows [r*L, (r+1)*L)) holds `valid_per_rank[r]` real tokens first."""
+  """[ranks * L] bool: rank r (rows [r*L, (r+1)*L)) holds `valid_per_rank[r]` real tokens first."""
   rows = np.arange(rows_per_rank)
   return jnp.asarray((rows[None, :] < valid_per_rank[:, None]).reshape(-1))
 

@@ -33,16 +33,16 @@ from moejax.collectives import (
   swap_slices,
 )
 from moejax.config import MoEConfig
-from moejax.ids import local_id, owner_device
+from moejax.id_spaces import local_id, owner_device
 
 
 class Dispatched(NamedTuple):
-  """What a device received for one chunk: R rows and, per row, its K local choices.
+  """What a device received for one chunk: N = S·C rows and, per row, its K local choices.
 
   Attributes:
-    rows: [R, D] received rows in the compute dtype (unfilled rows hold zeros).
-    local_ids: [R, K] int32 local expert ids; ids outside [0, El) compute nothing.
-    weights: [R, K] float32 combine weights (0 where the id is not local).
+    rows: [N, D] received rows in the compute dtype (unfilled rows hold zeros).
+    local_ids: [N, K] int32 local expert ids; ids outside [0, El) compute nothing.
+    weights: [N, K] float32 combine weights (0 where the id is not local).
     route_back: scheme-specific arrays `combine` needs to return the results.
   """
 
@@ -66,12 +66,12 @@ class Exchange(Protocol):
   local_experts: int
 
   def send(self, rows: jax.Array, expert_ids: jax.Array, weights: jax.Array) -> Dispatched:
-    """Sends a chunk: rows [C, D], physical expert_ids [C, K] (`moejax.ids`: ids from P go to
+    """Sends a chunk: rows [C, D], physical expert_ids [C, K] (`moejax.id_spaces`: ids from P go to
     no device), weights [C, K]."""
     ...
 
   def combine(self, expert_out: jax.Array, dispatched: Dispatched) -> jax.Array:
-    """Returns the local experts' outputs [R, D] to their sources: [C, D] routed output."""
+    """Returns the local experts' outputs [N, D] to their sources: [C, D] routed output."""
     ...
 
   def rows_sent(self, expert_ids: jax.Array, chunks_run: jax.Array, chunk_size: int) -> jax.Array:
@@ -83,7 +83,7 @@ class Exchange(Protocol):
 
 
 def received_rows(exchange: Exchange, chunk_size: int) -> int:
-  """R, the rows a device receives per chunk: S·C for both schemes (all_gather's gathered
+  """N, the rows a device receives per chunk: S·C for both schemes (all_gather's gathered
   chunk; all_to_all's static buffers, C from each source)."""
   return exchange.axis_size * chunk_size
 
@@ -119,7 +119,7 @@ class AllGather:
 
 
 class _RouteBack(NamedTuple):
-  """`AllToAll`'s bookkeeping between `send` and `combine` (S = axis size, P = pair slots).
+  """`AllToAll`'s bookkeeping between `send` and `combine` (S = axis size, Q = pair slots).
 
   Attributes:
     choice_slot: [C, K] int32 pair slot of each choice (`PackedPairs.choice_slot`).
@@ -167,14 +167,14 @@ def distinct_destinations(expert_ids: jax.Array, local_experts: int, axis_size: 
 
 
 class PackedPairs(NamedTuple):
-  """A chunk's (row, device) pairs packed by device (P = C * min(K, S) slots).
+  """A chunk's (row, device) pairs packed by device (Q = C * min(K, S) slots).
 
   Attributes:
-    pair_row: [P] int32 chunk row of each slot; C for an empty slot.
-    pair_device: [P] int32 destination device of each slot; S for an empty slot.
+    pair_row: [Q] int32 chunk row of each slot; C for an empty slot.
+    pair_device: [Q] int32 destination device of each slot; S for an empty slot.
     send_sizes: [S] int32 pairs for each device.
     send_offsets: [S] int32 first slot of each device's pairs (they are contiguous).
-    choice_slot: [C, K] int32 slot of the pair that carries each choice; P for padding and
+    choice_slot: [C, K] int32 slot of the pair that carries each choice; Q for padding and
       for a choice whose device an earlier choice of the row already took (each pair once).
   """
 
@@ -254,7 +254,7 @@ class AllToAll:
     pair_row, send_sizes, send_offsets = pairs.pair_row, pairs.send_sizes, pairs.send_offsets
     # Each pair carries the row and its choices on that device (others: id El, weight 0).
     row = jnp.minimum(pair_row, chunk_rows - 1)  # empty slots are never sent
-    pair_ids = local_id(expert_ids[row], pairs.pair_device[:, None], local_experts)  # [P, K]
+    pair_ids = local_id(expert_ids[row], pairs.pair_device[:, None], local_experts)  # [Q, K]
     on_device = (pair_ids >= 0) & (pair_ids < local_experts) & (pair_row < chunk_rows)[:, None]
     pair_ids = jnp.where(on_device, pair_ids, local_experts)
     pair_weights = jnp.where(on_device, weights[row], 0.0)
@@ -295,7 +295,7 @@ class AllToAll:
       back.return_offsets,
       back.send_sizes,
       chunk_rows,
-    )  # [P, D]: each pair's partial row, in this device's pair slots
+    )  # [Q, D]: each pair's partial row, in this device's pair slots
     # Each row sums its pairs: a gather per choice (a scatter-add is slow on XLA:CPU).
     returned = jnp.concatenate([returned, jnp.zeros_like(returned[:1])]).astype(jnp.float32)
     return jnp.sum(returned[back.choice_slot], axis=1)  # [C, K, D] -> [C, D]
@@ -308,12 +308,12 @@ class AllToAll:
 # docs/performance.md) showed all_to_all faster than all_gather, each with the smallest
 # expert-axis size at which it was. Empty: no multi-device GPU or TPU run has been recorded,
 # and fewer bytes alone do not make it faster (docs/performance.md, "Dispatch").
-MEASURED_FASTER: dict[str, int] = {}
+ALL_TO_ALL_FASTER_FROM_AXIS: dict[str, int] = {}
 
 
 def resolve_dispatch(dispatch: str, axis_size: int, platform_name: str) -> str:
-  """The scheme "auto" stands for: all_to_all only where `MEASURED_FASTER` records it faster
-  on this platform at this expert-axis size, else all_gather.
+  """The scheme "auto" stands for: all_to_all only where `ALL_TO_ALL_FASTER_FROM_AXIS` records
+  it faster on this platform at this expert-axis size, else all_gather.
 
   all_to_all sends at most min(K, S) copies of a row against all_gather's S, but XLA's GPU
   `ragged_all_to_all` syncs with the host on its offsets and issues one send per (slice,
@@ -325,7 +325,7 @@ def resolve_dispatch(dispatch: str, axis_size: int, platform_name: str) -> str:
   """
   if dispatch != "auto":
     return dispatch
-  min_axis = MEASURED_FASTER.get(platform_name)
+  min_axis = ALL_TO_ALL_FASTER_FROM_AXIS.get(platform_name)
   return "all_to_all" if min_axis is not None and axis_size >= min_axis else "all_gather"
 
 

@@ -1,7 +1,7 @@
 """Expert-parallel load balancing: where each expert's replicas live.
 
 A `Placement` maps P = E + R physical expert slots (split over the expert axis, P / S per
-device) to E logical experts (`moejax.placement`); `place` moves weights to a placement and
+device) to E logical experts (`moejax.expert_placement`); `place` moves weights to a placement and
 `sum_replicas` folds replica gradients back (`moejax.replicas`). `rebalance` computes a
 placement (host NumPy) from measured per-expert load with
 DeepSeek's policy (deepseek-ai/EPLB, `rebalance_experts`), exactly: hierarchical when the
@@ -20,10 +20,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from moejax import ids
+from moejax import id_spaces
 from moejax.config import MoEConfig
+from moejax.expert_placement import Placement, from_physical_to_logical, initial_placement
 from moejax.params import MoEParams
-from moejax.placement import Placement, from_physical_to_logical, initial_placement
 from moejax.replicas import expert_axis_devices, place, sum_replicas
 from moejax.stacking import layer_of, stack_layers
 
@@ -190,7 +190,7 @@ def balancedness(physical_counts: np.ndarray, num_devices: int) -> float:
   0.666...
   """
   counts = np.asarray(physical_counts, np.float64)
-  owner = ids.owner_device(np.arange(counts.size), counts.size // num_devices, num_devices)
+  owner = id_spaces.owner_device(np.arange(counts.size), counts.size // num_devices, num_devices)
   per_device = np.bincount(owner, weights=counts, minlength=num_devices)
   peak = per_device.max()
   return float(per_device.mean() / peak) if peak > 0 else 1.0

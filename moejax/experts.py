@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import kernels_pallas
 from kernels_pallas.metadata import aligned_rows
 from kernels_pallas.quantized import is_block_scaled
-from moejax import ids
+from moejax import id_spaces
 from moejax.activations import GatedActivation
 from moejax.chunking import seed_gradient
 from moejax.config import MoEConfig
@@ -271,14 +271,14 @@ def zero_experts(
 
   Args:
     rows: [C, D] in the compute dtype.
-    expert_ids: [C, K] physical ids; zero experts are [P, P + Z) (`moejax.ids`).
+    expert_ids: [C, K] physical ids; zero experts are [P, P + Z) (`moejax.id_spaces`).
     weights: [C, K] float32.
     config: the layer's config.
 
   Returns:
     [C, D] float32.
   """
-  zero = ids.is_zero_expert(expert_ids, config)
+  zero = id_spaces.is_zero_expert(expert_ids, config)
   zero_weight = jnp.sum(jnp.where(zero, weights, 0.0), axis=-1, keepdims=True)
   return zero_weight * rows.astype(jnp.float32)
 

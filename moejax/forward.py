@@ -16,8 +16,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from moejax import axis_groups, meshes, remat, routing, sharding
-from moejax import placement as placement_lib
+from moejax import axis_groups, expert_placement, meshes, remat, routing, sharding
 from moejax.chunk_budget import auto_chunk
 from moejax.chunking import ChunkStages, TokenLayout, chunk_scan
 from moejax.collectives import gather_along, sum_over, vary_over
@@ -71,7 +70,7 @@ def moe_apply(
   mesh: Mesh | None = None,
   token_mask: jax.Array | None = None,
   router_logits: jax.Array | None = None,
-  placement: placement_lib.Placement | None = None,
+  placement: expert_placement.Placement | None = None,
 ) -> tuple[jax.Array, MoEAux]:
   """Runs the MoE layer: y = shared(x) + sum_k w_k * expert_{e_k}(x), per token.
 
@@ -93,7 +92,7 @@ def moe_apply(
     (y, aux): y has x's shape and dtype, exactly 0 where the mask is False; aux is `MoEAux`.
   """
   _check_call(params, x, token_mask, router_logits, config, mesh)
-  placement_lib.check_placement(placement, config)
+  expert_placement.check_placement(placement, config)
   args = (params, x, token_mask, router_logits, placement)
   if mesh is not None and meshes.is_explicit(mesh):
     return _apply_on_explicit_mesh(args, config, mesh)
@@ -269,7 +268,7 @@ def _zero_padding(x: jax.Array, token_mask: jax.Array) -> jax.Array:
 
 def local_forward(
   params: MoEParams,
-  placement: placement_lib.Placement | None,
+  placement: expert_placement.Placement | None,
   x: jax.Array,
   token_mask: jax.Array,
   router_logits: jax.Array | None,
@@ -308,8 +307,8 @@ def local_forward(
     lambda a: sum_over(a, all_axes), routing.router_stats(router_logits, route, token_mask)
   )
   # Routing is logical; from here on ids are the physical slots the choices are sent to.
-  expert_ids = placement_lib.physical_ids(route.expert_ids, placement, config)
-  slot_counts = placement_lib.physical_counts(expert_ids, config.num_physical_experts)
+  expert_ids = expert_placement.physical_ids(route.expert_ids, placement, config)
+  slot_counts = expert_placement.physical_counts(expert_ids, config.num_physical_experts)
   # Expert weights already vary over the expert axis; they are the same on every data rank.
   data_axes = tuple(a for a in all_axes if a not in (exchange.axis or ()))
   stages = ChunkStages(

@@ -13,6 +13,7 @@ from jax.sharding import Mesh
 from kernels_pallas.quantized import BlockScaled
 from moejax import eplb, lora, meshes, sharding
 from moejax.config import MoEConfig
+from moejax.expert_placement import Placement, initial_placement, logical_load
 from moejax.forward import MoEAux, moe_apply
 from moejax.params import (
   ADAPTER_PARAMS,
@@ -23,7 +24,6 @@ from moejax.params import (
   expert_arrays,
   param_shapes,
 )
-from moejax.placement import Placement, initial_placement, logical_load
 from moejax.quant import quantize
 
 _AUX_NAMES = ("expert_counts", "load_balancing_loss", "router_z_loss")

@@ -15,10 +15,10 @@ from jax.sharding import Mesh
 from kernels_pallas.quantized import BlockScaled
 from moejax import eplb
 from moejax.config import MoEConfig
+from moejax.expert_placement import Placement, logical_load
 from moejax.layer import MoELayer
 from moejax.lora import ExpertLoRA
 from moejax.params import QUANTIZED_PARAMS, MoEParams, expert_arrays, param_shapes
-from moejax.placement import Placement, logical_load
 
 
 def moe_linen(config: MoEConfig, *, mesh: Mesh | None = None, name: str | None = None) -> nn.Module:

@@ -15,7 +15,7 @@ on an H200 (docs/performance.md, "GPU"):
   registry picks the kernel (`kernels_pallas.backends.select_kernel`).
 
 `expert_backend="xla"` takes the better XLA path; "pallas" the device's kernel (interpreted on
-a CPU, for testing); "auto" a kernel only where `kernels_pallas.api.MEASURED_FASTER` has a
+a CPU, for testing); "auto" a kernel only where `kernels_pallas.api.KERNEL_FASTER_FROM_ROWS` has a
 measurement showing it faster, else the XLA path. LoRA adapters change no choice: every path
 adds their products (the sorted paths in unfused grouped matmuls, `experts.adapted_mlp`).
 """

@@ -20,12 +20,12 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from kernels_pallas.quantized import is_block_scaled
-from moejax import axis_groups, ids, meshes, sharding
+from moejax import axis_groups, id_spaces, meshes, sharding
 from moejax.axis_groups import spec_entry
 from moejax.collectives import filled_like, platform_has_ragged_all_to_all, ragged_all_to_all
 from moejax.config import MoEConfig
+from moejax.expert_placement import Placement, check_values
 from moejax.params import PER_EXPERT_FIELDS, MoEParams
-from moejax.placement import Placement, check_values
 
 
 class MovePlan(NamedTuple):
@@ -72,22 +72,22 @@ def move_plan(new: np.ndarray, old: np.ndarray, devices: int) -> MovePlan:
   send_counts = np.zeros((devices, shifts), np.int64)
   recv_row = np.full((devices, shifts, per), -1, np.int64)
   sent = {}  # (source slot, destination device) -> row in that shift's buffer
-  owner = lambda slots: ids.owner_device(slots, per, devices)
+  owner = lambda slots: id_spaces.owner_device(slots, per, devices)
   for slot, expert in enumerate(new):
     device, holders = owner(slot), np.flatnonzero(old == expert)
     here = holders[owner(holders) == device]
-    at = ids.local_id(slot, device, per)
+    at = id_spaces.local_id(slot, device, per)
     if old[slot] == expert:
       local_source[device, at] = at
     elif here.size:
-      local_source[device, at] = ids.local_id(here[0], device, per)
+      local_source[device, at] = id_spaces.local_id(here[0], device, per)
     else:
       source = holders[0]
       source_device = owner(source)
       shift = (device - source_device) % devices - 1
       if (source, device) not in sent:
         sent[source, device] = send_counts[source_device, shift]
-        source_at = ids.local_id(source, source_device, per)
+        source_at = id_spaces.local_id(source, source_device, per)
         send_rows[source_device, shift, send_counts[source_device, shift]] = source_at
         send_counts[source_device, shift] += 1
       recv_row[device, shift, at] = sent[source, device]

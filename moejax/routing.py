@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from moejax.config import MoEConfig
-from moejax.ids import padding_id
+from moejax.id_spaces import padding_id
 
 
 class Routing(NamedTuple):

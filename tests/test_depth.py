@@ -15,8 +15,8 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from moejax import MoEConfig, MoELayer, eplb, linen, param_shapes
+from moejax.expert_placement import logical_load
 from moejax.models import MoETransformer, TransformerConfig, shard_model
-from moejax.placement import logical_load
 from moejax.train import LossWeights, loss_fn, summed_aux
 from tests.helpers import assert_close, mesh_of, seed_of, slow, tolerance
 from tests.stacks import CONFIG, LAYERS, Stack

@@ -118,7 +118,7 @@ def test_auto_picks_all_to_all_only_where_measured_faster(monkeypatch):
   for platform_name in ("cpu", "gpu", "tpu"):  # nothing recorded: all_gather everywhere
     assert dispatch.resolve_dispatch("auto", 8, platform_name) == "all_gather"
   assert dispatch.resolve_dispatch("all_to_all", 8, "cpu") == "all_to_all"  # by name, anywhere
-  monkeypatch.setattr(dispatch, "MEASURED_FASTER", {"gpu": 4})
+  monkeypatch.setattr(dispatch, "ALL_TO_ALL_FASTER_FROM_AXIS", {"gpu": 4})
   assert dispatch.resolve_dispatch("auto", 8, "gpu") == "all_to_all"
   assert dispatch.resolve_dispatch("auto", 2, "gpu") == "all_gather"  # smaller than measured
   assert dispatch.resolve_dispatch("auto", 8, "tpu") == "all_gather"

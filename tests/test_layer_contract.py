@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from kernels_pallas import platform
-from moejax import MoEConfig, eplb, ids, moe_apply, plan, reference_moe
+from moejax import MoEConfig, eplb, id_spaces, moe_apply, plan, reference_moe
 from tests.helpers import (
   BASE,
   MESHES,
@@ -269,7 +269,7 @@ class Replicated(LayerContract):
     placement = self.placement(config)
     slots_per_device = config.num_physical_experts // 8
     devices = [
-      set(ids.owner_device(row[row >= 0], slots_per_device, 8).tolist())
+      set(id_spaces.owner_device(row[row >= 0], slots_per_device, 8).tolist())
       for row in placement.logical_to_physical
     ]
     assert max(map(len, devices)) >= 2, placement

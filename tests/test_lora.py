@@ -30,12 +30,12 @@ from moejax import (
   reference_moe,
 )
 from moejax.activations import GatedActivation
+from moejax.expert_placement import initial_placement
 from moejax.experts import adapted_mlp
 from moejax.linen import moe_linen
 from moejax.lora import ExpertLoRA
 from moejax.models import shard_model
 from moejax.params import ExpertWeights
-from moejax.placement import initial_placement
 from moejax.stacking import layer_of
 from tests.helpers import (
   check_against_reference,

@@ -24,9 +24,9 @@ from moejax import (
   quant,
   reference_moe,
 )
+from moejax.expert_placement import initial_placement
 from moejax.linen import moe_linen
 from moejax.params import EXPERT_PARAMS
-from moejax.placement import initial_placement
 from tests.helpers import (
   assert_close,
   check_against_reference,

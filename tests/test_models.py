@@ -17,9 +17,9 @@ from flax.core import FrozenDict, freeze, unfreeze
 
 from kernels_pallas.quantized import BlockScaled
 from moejax import MoEConfig, MoELayer, MoEParams, checkpoint, eplb, linen, reference_moe
+from moejax.expert_placement import initial_placement, logical_load
 from moejax.linen import moe_linen
 from moejax.models import ClusterTask, MoETransformer, TransformerConfig, shard_model
-from moejax.placement import initial_placement, logical_load
 from moejax.train import train_step
 from tests.helpers import assert_close, mesh_of, seed_of, slow, user_env
 

@@ -185,7 +185,7 @@ def test_auto_takes_a_kernel_only_where_measured_faster(monkeypatch):
 
   with platform.targeting(platform.Target(platform="gpu", compute_capability="9.0")):
     assert api.best_implementation(jnp.bfloat16, "silu", num_rows=1 << 20) == "xla"  # no record
-    monkeypatch.setattr(api, "MEASURED_FASTER", {"mosaic": 8192})
+    monkeypatch.setattr(api, "KERNEL_FASTER_FROM_ROWS", {"mosaic": 8192})
     assert api.best_implementation(jnp.bfloat16, "silu", num_rows=8192) == "mosaic"
     assert api.best_implementation(jnp.bfloat16, "silu", num_rows=4096) == "xla"  # unmeasured
     assert api.best_implementation(jnp.float32, "silu", num_rows=8192) == "xla"  # unsupported

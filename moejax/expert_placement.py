@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moejax import ids
+from moejax import id_spaces
 from moejax.config import MoEConfig
 from moejax.stacking import layer_of
 
@@ -149,7 +149,7 @@ def physical_ids(
 
   Choice k of row n of expert e < E goes to `logical_to_physical[e, (n·K + k) mod
   replica_counts[e]]`; ids from E (zero-computation experts, padding) move up by R, past the
-  physical slots (`moejax.ids`). Without a placement (R = 0) the ids are returned as they are.
+  physical slots (`moejax.id_spaces`). Without a placement (R = 0) the ids are returned as they are.
 
   >>> placement = initial_placement(num_experts=2, num_redundant=2)
   >>> config = MoEConfig(num_experts=2, top_k=2, hidden_size=4, intermediate_size=4,
@@ -164,8 +164,8 @@ def physical_ids(
   logical = jnp.minimum(expert_ids, config.num_experts - 1)
   counts = jnp.maximum(jnp.asarray(placement.replica_counts)[logical], 1)
   slot = jnp.asarray(placement.logical_to_physical)[logical, position % counts]
-  expert = ids.is_expert(expert_ids, config)
-  return jnp.where(expert, slot, ids.past_the_slots(expert_ids, config)).astype(jnp.int32)
+  expert = id_spaces.is_expert(expert_ids, config)
+  return jnp.where(expert, slot, id_spaces.past_the_slots(expert_ids, config)).astype(jnp.int32)
 
 
 def physical_counts(physical_ids: jax.Array, num_physical: int) -> jax.Array:
