@@ -35,7 +35,8 @@ KERNEL_FASTER_FROM_ROWS: dict[str, int] = {}
 
 
 def measured_faster(kernel: str, num_rows: int) -> bool:
-  """Whether `KERNEL_FASTER_FROM_ROWS` records `kernel` faster than XLA on calls of `num_rows` rows."""
+  """Whether `KERNEL_FASTER_FROM_ROWS` records `kernel` faster than XLA on calls of
+  `num_rows` rows."""
   return num_rows >= KERNEL_FASTER_FROM_ROWS.get(kernel, math.inf)
 
 

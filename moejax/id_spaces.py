@@ -8,7 +8,7 @@ devices on the expert axis, El = P / S slots per device):
   zero-computation experts (LongCat-Flash: the row itself, times its weight); E + Z the
   choices of padding tokens (`padding_id`), no expert.
 - physical ids (the chunk loop, the exchange, per-slot counts): [0, P) slots, each holding
-  one logical expert (`moejax.expert_placement.Placement` maps them, `placement.physical_ids`
+  one logical expert (`moejax.expert_placement.Placement` maps them, `expert_placement.physical_ids`
   translates); [P, P + Z) zero-computation experts (logical ids moved up by R); P + Z
   padding.
 

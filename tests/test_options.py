@@ -167,9 +167,8 @@ def test_expert_biases_always_plan_the_tile_loop(backend, capability, monkeypatc
   from kernels_pallas import api, platform
   from moejax import plan
 
-  monkeypatch.setattr(
-    api, "KERNEL_FASTER_FROM_ROWS", {"mosaic": 0, "triton": 0}
-  )  # kernels "faster"
+  # kernels "faster" from any row count
+  monkeypatch.setattr(api, "KERNEL_FASTER_FROM_ROWS", {"mosaic": 0, "triton": 0})
   config = MoEConfig(**{**BASE, "expert_bias": True}, expert_backend=backend)
   device = (
     platform.Target(platform="cpu")
