@@ -286,7 +286,7 @@ def gmm_mosaic(
     lhs: [M, K] bf16/f16; K a multiple of block_k.
     rhs: [G, K, N] ([G, N, K] with `transpose_rhs`, read transposed in shared memory), lhs's
       dtype; N (N/2 gated) a multiple of block_n. Or a `BlockScaled` (fp8_block, mxfp4,
-      int4_group): each tile's bytes are decoded in registers, scaled and stored to shared
+      int4_group, nvfp4): each tile's bytes are decoded in registers, scaled and stored to shared
       memory in lhs's dtype for the wgmma (`kernels_pallas.mosaic_quant`); `blocks` must fit
       its scale blocks (`fit_blocks`, which `ops` applies).
     group_sizes: [G] int32, sum <= M.

@@ -157,8 +157,9 @@ def _rhs_products(
     bits = plgpu.load(rhs_ref.at[group, pl.ds(in0, in_size), pl.ds(out0, out_size)])
     scale = scales_ref[group, scale_row, out0 // quant_block[1]]  # one per tile
     return [dot(lhs, (decode(bits, rhs_format) * scale).astype(dtype))]
-  # mxfp4, int4_group: byte j holds stored columns out0 + 2j (low nibble) and out0 + 2j + 1
-  # (high), one scale per column, kept by parity (`KernelRhs.scales` [G, in/32, 2, out/2]).
+  # mxfp4, int4_group, nvfp4 (`dequant.PAIRED`): byte j holds stored columns out0 + 2j (low
+  # nibble) and out0 + 2j + 1 (high), one scale per column, kept by parity
+  # (`KernelRhs.scales` [G, in/bi, 2, out/2]).
   half = out_size // 2
   bits = plgpu.load(rhs_ref.at[group, pl.ds(in0, in_size), pl.ds(out0 // 2, half)])
 
@@ -266,9 +267,9 @@ def gmm_triton(
     lhs: [M, K], M a multiple of block_m, K of block_k.
     rhs: [G, K, N] ([G, N, K] with `transpose_rhs`); N a multiple of block_n. With
       `activation`, the columns are [gate | up] and the output has N/2 columns. A
-      `BlockScaled` rhs (fp8_block, mxfp4, int4_group) is dequantized tile by tile in registers, to
-      lhs's dtype, before each dot (`kernels_pallas.dequant`); `blocks` shrink to fit its
-      scale blocks: `blocks` must fit them (`fit_blocks`, which `ops` applies).
+      `BlockScaled` rhs (fp8_block, mxfp4, int4_group, nvfp4) is dequantized tile by tile in
+      registers, to lhs's dtype, before each dot (`kernels_pallas.dequant`); `blocks` must fit
+      its scale blocks (`fit_blocks`, which `ops` applies).
     group_sizes: [G] int32, sum <= M.
     row_weights: [M] or None; multiplies each output row.
     blocks: `TritonBlocks`.

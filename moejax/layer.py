@@ -224,8 +224,8 @@ class MoELayer(nnx.Module):
     Args:
       x: [..., D] tokens.
       token_mask: [...] bool, True for real tokens; None means all real.
-      router_logits: [..., E] logits from an external router; the layer's router then does
-        not run.
+      router_logits: [..., E + Z] logits from an external router (Z zero-computation
+        experts, 0 but for LongCat-Flash); the layer's router then does not run.
 
     Returns:
       [..., D] with x's dtype; rows whose mask is False are exactly 0.
