@@ -101,7 +101,8 @@ def _bytes(dims: list[int], dtype: str) -> int:
 def chunk_exchange(config: MoEConfig, mesh: Mesh):
   """One chunk through the config's exchange and back (`send`, then `combine`), jitted."""
   axis_size = mesh.shape["expert"]
-  exchange = dispatch.make_exchange(config, ("expert",), axis_size)
+  scheme = dispatch.scheme_of(config, axis_size)
+  exchange = dispatch.make_exchange(config, ("expert",), axis_size, scheme)
 
   def one_chunk(rows, expert_ids, weights):
     sent = exchange.send(rows, expert_ids, weights)

@@ -15,9 +15,9 @@ gradient of its expert weights.
 
 >>> config = MoEConfig(num_experts=32, top_k=2, hidden_size=256, intermediate_size=512,
 ...                    chunk_memory_bytes=64 << 20)
->>> auto_chunk(config, share=4096, axis_size=1)  # one chunk: it fits
+>>> auto_chunk(config, share=4096, axis_size=1, scheme="all_gather")  # one chunk: it fits
 4096
->>> auto_chunk(config, share=32768, axis_size=1)  # 5456 rows fit: 8 chunks pad nothing
+>>> auto_chunk(config, share=32768, axis_size=1, scheme="all_gather")  # 8 chunks pad nothing
 4096
 """
 
@@ -31,7 +31,6 @@ import numpy as np
 
 from kernels_pallas import platform
 from moejax.config import MoEConfig
-from moejax.dispatch import resolve_dispatch
 from moejax.experts import default_tile_rows
 from moejax.plan import choose_plan
 
@@ -48,7 +47,7 @@ class RowShape(NamedTuple):
   top_k: int  # K
   itemsize: int  # bytes of the compute dtype
   axis_size: int  # S
-  all_to_all: bool  # the exchange scheme (`dispatch.resolve_dispatch`)
+  all_to_all: bool  # the exchange scheme (`dispatch.scheme_of`)
 
 
 F32 = 4
@@ -97,10 +96,10 @@ def ragged_dot_bytes(config: MoEConfig, chunk: int, axis_size: int) -> int:
   return received * config.top_k * per_pair * np.dtype(config.dtype).itemsize
 
 
-def chunk_bytes(config: MoEConfig, chunk: int, axis_size: int) -> int:
-  """What one chunk of `chunk` rows per device holds: `CHUNK_TERMS` for each of the S·C rows
-  it receives, the tile padding, and ragged_dot's dense expansion on a GPU."""
-  scheme = resolve_dispatch(config.dispatch, axis_size, platform.platform())
+def chunk_bytes(config: MoEConfig, chunk: int, axis_size: int, scheme: str) -> int:
+  """What one chunk of `chunk` rows per device holds under the exchange `scheme`
+  (`dispatch.scheme_of`): `CHUNK_TERMS` for each of the S·C rows it receives, the tile
+  padding, and ragged_dot's dense expansion on a GPU."""
   row = RowShape(
     config.hidden_size,
     config.top_k,
@@ -137,21 +136,22 @@ def budget_bytes(config: MoEConfig) -> int:
   return int(limit * GPU_BUDGET_FRACTION) if limit else GPU_FALLBACK_BUDGET_BYTES
 
 
-def auto_chunk(config: MoEConfig, share: int, axis_size: int) -> int:
+def auto_chunk(config: MoEConfig, share: int, axis_size: int, scheme: str) -> int:
   """The chunk of a device holding `share` tokens: all of them in one chunk if its
   `chunk_bytes` fit the budget; else, of the chunks that fit (multiples of `GRANULARITY`),
   the largest that divides the share (up to twice the fewest chunks), so that the layout
   pads nothing (a padded layout copies the tokens and the output: two [L, D] buffers);
-  else even chunks, as many as the largest that fits needs."""
+  else even chunks, as many as the largest that fits needs. `scheme`: the call's exchange
+  (`dispatch.scheme_of`)."""
   budget = budget_bytes(config)
-  if chunk_bytes(config, share, axis_size) <= budget:
+  if chunk_bytes(config, share, axis_size, scheme) <= budget:
     return share
   largest = GRANULARITY  # the largest multiple that fits, by doubling and then bisecting
-  while largest < share and chunk_bytes(config, 2 * largest, axis_size) <= budget:
+  while largest < share and chunk_bytes(config, 2 * largest, axis_size, scheme) <= budget:
     largest *= 2
   step = largest // 2
   while step >= GRANULARITY:
-    if largest + step < share and chunk_bytes(config, largest + step, axis_size) <= budget:
+    if largest + step < share and chunk_bytes(config, largest + step, axis_size, scheme) <= budget:
       largest += step
     step //= 2
   fewest = -(-share // largest)

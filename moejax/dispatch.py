@@ -33,7 +33,7 @@ from moejax.collectives import (
   swap_slices,
 )
 from moejax.config import MoEConfig
-from moejax.id_spaces import local_id, owner_device
+from moejax.id_spaces import is_local, local_id, owner_device
 
 
 class Dispatched(NamedTuple):
@@ -255,7 +255,7 @@ class AllToAll:
     # Each pair carries the row and its choices on that device (others: id El, weight 0).
     row = jnp.minimum(pair_row, chunk_rows - 1)  # empty slots are never sent
     pair_ids = local_id(expert_ids[row], pairs.pair_device[:, None], local_experts)  # [Q, K]
-    on_device = (pair_ids >= 0) & (pair_ids < local_experts) & (pair_row < chunk_rows)[:, None]
+    on_device = is_local(pair_ids, local_experts) & (pair_row < chunk_rows)[:, None]
     pair_ids = jnp.where(on_device, pair_ids, local_experts)
     pair_weights = jnp.where(on_device, weights[row], 0.0)
     # Sizes and offsets first (one small all-to-all), then the rows: source i's rows land
@@ -329,11 +329,21 @@ def resolve_dispatch(dispatch: str, axis_size: int, platform_name: str) -> str:
   return "all_to_all" if min_axis is not None and axis_size >= min_axis else "all_gather"
 
 
-def make_exchange(config: MoEConfig, axis: tuple[str, ...] | None, axis_size: int) -> Exchange:
-  """The config's exchange over the expert group `axis` of `axis_size` devices (None, 1: no
-  mesh), over its physical experts (P = E + R; ids from P go to no device)."""
+def scheme_of(config: MoEConfig, axis_size: int) -> str:
+  """The scheme a call of `config` on an expert axis of `axis_size` devices runs, on the
+  platform deciding now (`kernels_pallas.platform.running_on`): resolved once per call and
+  passed on (to the chunk budget and `make_exchange`)."""
+  return resolve_dispatch(config.dispatch, axis_size, platform.platform())
+
+
+def make_exchange(
+  config: MoEConfig, axis: tuple[str, ...] | None, axis_size: int, scheme: str
+) -> Exchange:
+  """The exchange of `scheme` ("all_gather" or "all_to_all": `scheme_of`) over the expert
+  group `axis` of `axis_size` devices (None, 1: no mesh), over the config's physical experts
+  (P = E + R; ids from P go to no device)."""
   local_experts = config.num_physical_experts // axis_size
   ragged = platform_has_ragged_all_to_all()
-  if resolve_dispatch(config.dispatch, axis_size, platform.platform()) == "all_gather":
+  if scheme == "all_gather":
     return AllGather(axis, axis_size, local_experts)
   return AllToAll(axis, axis_size, local_experts, ragged)

@@ -70,7 +70,7 @@ def sort_by_expert(expert_ids: jax.Array, local_experts: int) -> tuple[jax.Array
   ([1, 0, 2, 3], [1, 2])
   """
   flat = expert_ids.reshape(-1)
-  key = jnp.where((flat >= 0) & (flat < local_experts), flat, local_experts)
+  key = jnp.where(id_spaces.is_local(flat, local_experts), flat, local_experts)
   order = jnp.argsort(key, stable=True)
   group_sizes = jnp.zeros(local_experts + 1, jnp.int32).at[key].add(1)[:local_experts]
   return order, group_sizes
@@ -228,7 +228,7 @@ def routed_mlp(
   """
   if config.apply_router_weight_on_input:
     local_experts = experts.w_gate_up.shape[0]
-    local = (expert_ids >= 0) & (expert_ids < local_experts)
+    local = id_spaces.is_local(expert_ids, local_experts)
     x = (x.astype(jnp.float32) * jnp.sum(weights, axis=-1, keepdims=True)).astype(x.dtype)
     weights = local.astype(jnp.float32)
   if plan.path == "tile_loop":

@@ -21,7 +21,14 @@ from moejax.chunk_budget import auto_chunk
 from moejax.chunking import ChunkStages, TokenLayout, chunk_scan
 from moejax.collectives import gather_along, sum_over, vary_over
 from moejax.config import MoEConfig
-from moejax.dispatch import Dispatched, Exchange, crosses_devices, make_exchange, received_rows
+from moejax.dispatch import (
+  Dispatched,
+  Exchange,
+  crosses_devices,
+  make_exchange,
+  received_rows,
+  scheme_of,
+)
 from moejax.experts import routed_mlp, shared_mlp, zero_experts
 from moejax.params import (
   PER_EXPERT_FIELDS,
@@ -110,9 +117,12 @@ def _apply_on_explicit_mesh(args, config, mesh):
   return meshes.with_auto_axes(apply, mesh, out_specs)(*args)
 
 
-def chunk_layout(config: MoEConfig, num_tokens: int, mesh: Mesh | None = None) -> TokenLayout:
+def chunk_layout(
+  config: MoEConfig, num_tokens: int, mesh: Mesh | None = None, scheme: str | None = None
+) -> TokenLayout:
   """How a call on `num_tokens` tokens is laid out: each device's share and its chunk C (the
-  config's, or for `chunk_size="auto"` the one `moejax.chunk_budget.auto_chunk` picks).
+  config's, or for `chunk_size="auto"` the one `moejax.chunk_budget.auto_chunk` picks for the
+  call's exchange `scheme`; None: the one the mesh's platform resolves, `dispatch.scheme_of`).
 
   >>> config = MoEConfig(num_experts=8, top_k=2, hidden_size=64, intermediate_size=128)
   >>> chunk_layout(config, num_tokens=1000).chunk  # "auto": one chunk holds them all
@@ -124,7 +134,8 @@ def chunk_layout(config: MoEConfig, num_tokens: int, mesh: Mesh | None = None) -
   chunk = config.chunk_size
   if chunk == "auto":
     with meshes.running_on(mesh):
-      chunk = auto_chunk(config, share, expert_axis)
+      scheme = scheme or scheme_of(config, expert_axis)
+      chunk = auto_chunk(config, share, expert_axis, scheme)
   return TokenLayout.plan(num_tokens, devices, chunk)
 
 
@@ -188,16 +199,16 @@ def _moe_apply_jit(params, x, token_mask, router_logits, placement, *, config, m
 def _moe_apply_traced(params, x, token_mask, router_logits, placement, config, mesh):
   """`moe_apply`'s program (traced under jit)."""
   lead = x.shape[:-1]
-  layout = chunk_layout(config, math.prod(lead), mesh)
+  expert_axis_size = axis_groups.size(mesh, config.expert_axis)
+  scheme = scheme_of(config, expert_axis_size)  # once per call, for the budget and exchange
+  layout = chunk_layout(config, math.prod(lead), mesh, scheme)
   flat = lambda a, fill: layout.pad(a.reshape(layout.num_tokens, *a.shape[len(lead) :]), fill)
   mask = jnp.ones(lead, bool) if token_mask is None else token_mask
-  inputs = (
-    flat(x, 0),
-    flat(mask, False),
-    None if router_logits is None else flat(router_logits, 0),
+  tokens = TokenInputs(
+    flat(x, 0), flat(mask, False), None if router_logits is None else flat(router_logits, 0)
   )
-  expert_axis_size = axis_groups.size(mesh, config.expert_axis)
-  exchange = make_exchange(config, None if mesh is None else config.expert_axes, expert_axis_size)
+  axes = None if mesh is None else config.expert_axes
+  exchange = make_exchange(config, axes, expert_axis_size, scheme)
   plan = plan_experts(
     config,
     num_rows=received_rows(exchange, layout.chunk) * config.top_k,
@@ -212,9 +223,9 @@ def _moe_apply_traced(params, x, token_mask, router_logits, placement, config, m
     all_axes=() if mesh is None else config.data_axes + config.expert_axes,
   )
   if mesh is None:
-    y, stats, slot_counts, counts = body(params, placement, *inputs)
+    y, stats, slot_counts, counts = body(params, placement, tokens)
   else:
-    y, stats, slot_counts, counts = _shard(body, mesh, config, plan, params, placement, inputs)
+    y, stats, slot_counts, counts = _shard(body, mesh, config, plan, params, placement, tokens)
   y = remat.named(layout.unpad(y).reshape(x.shape).astype(x.dtype), remat.LAYER_OUTPUT)
   aux = MoEAux(
     expert_counts=stats.expert_counts,
@@ -225,6 +236,34 @@ def _moe_apply_traced(params, x, token_mask, router_logits, placement, config, m
     physical_counts=slot_counts,
   )
   return y, aux
+
+
+class TokenInputs(NamedTuple):
+  """The layer's token inputs, flattened and padded to whole chunks ([L, ...] on a device).
+
+  Attributes:
+    x: [L, D] tokens.
+    token_mask: [L] bool, False for padding.
+    router_logits: [L, E + Z] precomputed logits, or None to run the router.
+  """
+
+  x: jax.Array
+  token_mask: jax.Array
+  router_logits: jax.Array | None
+
+
+class RoutedRows(NamedTuple):
+  """The chunk loop's inputs, row by row ([L, ...]; a chunk's [C, ...]).
+
+  Attributes:
+    rows: [L, D] tokens in the compute dtype (padding rows 0).
+    expert_ids: [L, K] int32 physical ids of each row's choices.
+    weights: [L, K] float32 routing weights.
+  """
+
+  rows: jax.Array
+  expert_ids: jax.Array
+  weights: jax.Array
 
 
 class DeviceCounts(NamedTuple):
@@ -244,21 +283,27 @@ _PER_DEVICE = ("chunks_run", "dispatch_rows")
 
 
 def _shard(
-  body, mesh: Mesh, config: MoEConfig, plan: ExpertPlan, params: MoEParams, placement, inputs
+  body,
+  mesh: Mesh,
+  config: MoEConfig,
+  plan: ExpertPlan,
+  params: MoEParams,
+  placement,
+  tokens: TokenInputs,
 ):
   """Runs `body` under `shard_map`: tokens over both groups, experts over the expert group, the
   placement everywhere."""
   specs = sharding.LayerSpecs.from_config(config)
   param_specs = specs.params(params)
-  inputs = jax.tree.map(lambda a: meshes.constrain(a, mesh, specs.tokens_t), inputs)
+  tokens = jax.tree.map(lambda a: meshes.constrain(a, mesh, specs.tokens_t), tokens)
   stats_specs = routing.RouterStats(*[specs.replicated] * len(routing.RouterStats._fields))
   return jax.shard_map(
     body,
     mesh=mesh,
-    in_specs=(param_specs, specs.replicated, specs.tokens_t, specs.tokens_t, specs.tokens_t),
+    in_specs=(param_specs, specs.replicated, TokenInputs(*[specs.tokens_t] * 3)),
     out_specs=(specs.tokens_t, stats_specs, specs.replicated, DeviceCounts(*[specs.tokens_t] * 2)),
     check_vma=plan.check_vma,
-  )(params, placement, *inputs)
+  )(params, placement, tokens)
 
 
 def _zero_padding(x: jax.Array, token_mask: jax.Array) -> jax.Array:
@@ -269,9 +314,7 @@ def _zero_padding(x: jax.Array, token_mask: jax.Array) -> jax.Array:
 def local_forward(
   params: MoEParams,
   placement: expert_placement.Placement | None,
-  x: jax.Array,
-  token_mask: jax.Array,
-  router_logits: jax.Array | None,
+  tokens: TokenInputs,
   *,
   config: MoEConfig,
   plan: ExpertPlan,
@@ -284,9 +327,7 @@ def local_forward(
   Args:
     params: replicated router and shared weights; this device's El = P / S physical experts.
     placement: the physical experts' `Placement` (replicated), or None without replicas.
-    x: [L, D] this device's tokens, L a multiple of `chunk_size`.
-    token_mask: [L] bool.
-    router_logits: [L, E + Z] precomputed logits, or None to run the router here.
+    tokens: this device's `TokenInputs`, L a multiple of `chunk_size`.
     config: the layer's config.
     plan: the call's `ExpertPlan`.
     chunk_size: C, rows per chunk.
@@ -297,7 +338,9 @@ def local_forward(
     (y [L, D] in the compute dtype, RouterStats summed over all devices, [P] int32 pairs sent
     to each physical expert summed over all devices, this device's `DeviceCounts`).
   """
-  x = _zero_padding(x, token_mask)
+  token_mask = tokens.token_mask
+  x = _zero_padding(tokens.x, token_mask)
+  router_logits = tokens.router_logits
   if router_logits is None:  # the router's only run
     router_logits = routing.router_logits(x, params.router_kernel, params.router_bias)
   router_logits = _zero_padding(router_logits, token_mask)  # the logits' only masking
@@ -316,7 +359,7 @@ def local_forward(
     send=functools.partial(_send_chunk, exchange=exchange),
     finish=functools.partial(_finish_chunk, exchange=exchange, config=config, plan=plan),
   )
-  routed_rows = (x.astype(config.dtype), expert_ids, route.weights)
+  routed_rows = RoutedRows(x.astype(config.dtype), expert_ids, route.weights)
   y, chunks_run = chunk_scan(
     stages,
     params,
@@ -361,21 +404,21 @@ def _prepare_weights(
   return experts, vary_over(shared, all_axes)
 
 
-def _send_chunk(weights: ChunkWeights, chunk, *, exchange: Exchange) -> Dispatched:
+def _send_chunk(weights: ChunkWeights, chunk: RoutedRows, *, exchange: Exchange) -> Dispatched:
   """Stage 1 of a chunk: sends its rows, ids and routing weights over the expert axis.
 
   Args:
     weights: unused (the chunk loop passes every stage the same weights).
-    chunk: (rows [C, D] compute dtype, physical expert_ids [C, K], routing weights [C, K]).
+    chunk: the chunk's `RoutedRows` ([C, ...]).
     exchange: the expert-axis exchange.
   """
   del weights
-  return exchange.send(*chunk)
+  return exchange.send(chunk.rows, chunk.expert_ids, chunk.weights)
 
 
 def _finish_chunk(
   weights: ChunkWeights,
-  chunk,
+  chunk: RoutedRows,
   dispatched: Dispatched,
   grad_seeds: ExpertWeights | None,
   *,
@@ -409,9 +452,8 @@ def _finish_chunk(
     grad_seeds=grad_seeds,
   )
   out = exchange.combine(expert_out.astype(config.dtype), dispatched).astype(jnp.float32)
-  rows, expert_ids, routing_weights = chunk
   if config.num_zero_experts:
-    out = out + zero_experts(rows, expert_ids, routing_weights, config=config)
+    out = out + zero_experts(chunk.rows, chunk.expert_ids, chunk.weights, config=config)
   if shared is not None:
-    out = out + shared_mlp(rows, shared, config=config)
+    out = out + shared_mlp(chunk.rows, shared, config=config)
   return out.astype(config.dtype)

@@ -74,3 +74,12 @@ def local_id(physical_ids: Ids, device: Ids, local_experts: int) -> Ids:
   [-2, 1, 2]
   """
   return physical_ids - device * local_experts
+
+
+def is_local(local_ids: Ids, local_experts: int) -> Ids:
+  """Whether each local id (`local_id`) is one of this device's El slots, in [0, El).
+
+  >>> is_local(jnp.array([-2, 1, 2]), local_experts=2).tolist()
+  [False, True, False]
+  """
+  return (local_ids >= 0) & (local_ids < local_experts)

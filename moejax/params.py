@@ -96,7 +96,13 @@ class ExpertWeights(NamedTuple):
     quantized matrix dequantized (only this expert's values and scales are read)."""
     take = lambda w: None if w is None else jax.tree.map(lambda a: a[expert], w)
     matrix = lambda w: as_stored(w[expert]).dequantize(dtype) if is_block_scaled(w) else w[expert]
-    return ExpertWeights(matrix(self.w_gate_up), matrix(self.w_down), *map(take, self[2:]))
+    return ExpertWeights(
+      matrix(self.w_gate_up),
+      matrix(self.w_down),
+      b_gate_up=take(self.b_gate_up),
+      b_down=take(self.b_down),
+      lora=take(self.lora),
+    )
 
   @property
   def quantized(self) -> bool:

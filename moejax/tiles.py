@@ -53,12 +53,22 @@ def gated_mlp(
   Returns:
     [M, D] float32.
   """
-  gate_up = _projection(x, w_gate_up, None if lora is None else lora[:2])  # [M, 2F]
+  gate_up = _projection(x, w_gate_up, _gate_up_pair(lora))  # [M, 2F]
   if b_gate_up is not None:
     gate_up = gate_up + b_gate_up.astype(jnp.float32)[None, :]
   hidden = activation(*jnp.split(gate_up, 2, axis=-1)).astype(x.dtype)  # [M, F]
-  out = _projection(hidden, w_down, None if lora is None else lora[2:])
+  out = _projection(hidden, w_down, _down_pair(lora))
   return out if b_down is None else out + b_down.astype(jnp.float32)[None, :]
+
+
+def _gate_up_pair(lora: ExpertLoRA | SharedLoRA | None) -> tuple | None:
+  """(A, B) of the gate/up projection's adapter, or None."""
+  return None if lora is None else (lora.gate_up_a, lora.gate_up_b)
+
+
+def _down_pair(lora: ExpertLoRA | SharedLoRA | None) -> tuple | None:
+  """(A, B) of the down projection's adapter, or None."""
+  return None if lora is None else (lora.down_a, lora.down_b)
 
 
 def _projection(x: jax.Array, w: jax.Array, adapter: tuple | None) -> jax.Array:
@@ -118,7 +128,9 @@ def tile_mlp(x_padded, experts, tiles, grad_seeds, activation):
 
   def used_tile(tokens, row_weights, expert):
     one = experts.of_expert(expert, x_padded.dtype)
-    out = gated_mlp(x_padded[tokens], one.w_gate_up, one.w_down, activation, *one[2:])
+    out = gated_mlp(
+      x_padded[tokens], one.w_gate_up, one.w_down, activation, one.b_gate_up, one.b_down, one.lora
+    )
     return out * row_weights[:, None]
 
   def run_tile(_, tile):
@@ -155,7 +167,7 @@ def _tile_grads(x, one, row_weights, d_out, activation, weight_grads):
   f32 = jnp.float32
   dot = lambda a, b: jnp.dot(a, b, preferred_element_type=f32)
   biased, lora = one.b_gate_up is not None, one.lora
-  gate_up = _projection(x, one.w_gate_up, None if lora is None else lora[:2])
+  gate_up = _projection(x, one.w_gate_up, _gate_up_pair(lora))
   if biased:
     gate_up = gate_up + one.b_gate_up.astype(f32)[None, :]
   hidden, combine_vjp = jax.vjp(activation, *jnp.split(gate_up, 2, axis=-1))

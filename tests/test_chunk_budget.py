@@ -58,7 +58,7 @@ def test_what_a_chunk_adds_stays_within_the_budget(scheme, grad):
   assert 8 < layout.chunk < layout.share and layout.share % layout.chunk == 0, layout
   temp = compiled_temp(config, tokens, grad)
   smallest = compiled_temp(dataclasses.replace(config, chunk_size=8), tokens, grad)
-  estimate = chunk_bytes(config, layout.chunk, S)
+  estimate = chunk_bytes(config, layout.chunk, S, scheme)
   assert estimate <= 16 * MIB
   assert temp - smallest <= estimate, (temp - smallest) / MIB
   assert temp <= 16 * MIB + outside_chunks(config, layout.local, 2), temp / MIB
@@ -113,7 +113,7 @@ def test_auto_keeps_the_chunk_contract(request):
 def test_the_budget_and_its_errors():
   config = MoEConfig(**BASE)
   assert config.chunk_size == "auto" and budget_bytes(config) == 256 * MIB  # a CPU
-  assert auto_chunk(config, share=100, axis_size=4) == 100
+  assert auto_chunk(config, share=100, axis_size=4, scheme="all_gather") == 100
   for bad in (0, -1, 1.5, True):
     with pytest.raises(ValueError, match="chunk_memory_bytes must be a positive int"):
       MoEConfig(**BASE, chunk_memory_bytes=bad)

@@ -23,7 +23,7 @@ from kernels_pallas import autotune, platform
 from kernels_pallas.backends import BACKENDS
 from kernels_pallas.gpus import GPUS
 from kernels_pallas.ops import KernelSettings, grouped_matmul, transposed_grouped_matmul
-from moejax import MoEConfig, MoEParams, chunk_layout, moe_apply, param_shapes, targets
+from moejax import MoEConfig, MoEParams, chunk_layout, dispatch, moe_apply, param_shapes, targets
 from moejax.chunk_budget import budget_bytes, chunk_bytes, outside_chunks
 from moejax.lora import expert_lora_shapes, init_like
 from moejax.params import EXPERT_PARAMS
@@ -246,7 +246,7 @@ def test_the_chunk_budget_bounds_the_gpu_gradient(num_experts, path):
     layout = chunk_layout(config, tokens * 8, mesh)
     local_experts = num_experts // 4
     assert plan_experts(config, 4 * layout.chunk * 2, local_experts).path == path
-    estimate = chunk_bytes(config, layout.chunk, 4)
+    estimate = chunk_bytes(config, layout.chunk, 4, dispatch.scheme_of(config, 4))
     slack = outside_chunks(config, layout.local, local_experts)
   assert 8 < layout.chunk < layout.share, layout
   temp = lambda config: (
