@@ -30,8 +30,8 @@ import numpy as np
 
 from kernels_pallas import MosaicBlocks, TritonBlocks, autotune, gmm, moe_mlp
 from kernels_pallas.backends import BACKENDS
+from kernels_pallas.formats import FORMATS
 from kernels_pallas.ops import KernelSettings, transposed_grouped_matmul
-from kernels_pallas.quantized import FORMATS
 
 
 @dataclasses.dataclass(frozen=True)

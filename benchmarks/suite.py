@@ -55,6 +55,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
+from kernels_pallas.formats import FORMATS
 from kernels_pallas.quantized import is_block_scaled
 from moejax import MoEConfig, MoEParams, lora, moe_apply, param_shapes, quant, routing
 from moejax.experts import default_tile_rows, grouped_mlp
@@ -578,11 +579,9 @@ def quant_section(repeats: int) -> list[dict]:
   config = config_of(32, 2, 512)
   params = make_params(config)
   layers = {"float32": (params, config)}
-  for expert_quant in ("fp8_block", "mxfp4", "int4_group", "nvfp4"):
-    blocked = dataclasses.replace(config, quant_block_size=(32, 1))  # int4: groups of 32
-    layers[expert_quant] = quant.quantize_experts(
-      params, config if expert_quant == "fp8_block" else blocked, expert_quant
-    )
+  for expert_quant, form in FORMATS.items():
+    blocked = dataclasses.replace(config, quant_block_size=form.default_block)
+    layers[expert_quant] = quant.quantize_experts(params, blocked, expert_quant)
   bits = lambda tree: sum(a.size * jax.dtypes.itemsize_bits(a.dtype) for a in jax.tree.leaves(tree))
   rows, calls = [], {}
   for tokens in QUANT_TOKENS:

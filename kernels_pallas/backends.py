@@ -27,6 +27,7 @@ import jax.numpy as jnp
 
 from kernels_pallas import gmm_mosaic, gmm_triton, gmm_xla, mosaic_quant, platform
 from kernels_pallas.activations import EPILOGUE_ACTIVATIONS
+from kernels_pallas.formats import FORMATS
 from kernels_pallas.gmm_mosaic import MosaicBlocks
 from kernels_pallas.gmm_triton import TritonBlocks
 
@@ -45,7 +46,7 @@ class Backend:
     tgmm_blocks: (M, K, N) -> the transposed kernel's blocks.
     tgmm_multiples: blocks -> (M, K, N) multiples `tgmm`'s operands must be padded to.
     unsupported_reason: (dtype, activation, precision) -> why it cannot run the case, or None.
-    quant_formats: the `kernels_pallas.quantized.FORMATS` its kernels take as a `BlockScaled`
+    quant_formats: the `kernels_pallas.formats.FORMATS` its kernels take as a `BlockScaled`
       rhs, dequantized tile by tile in registers (`kernels_pallas.dequant`). XLA takes none:
       its ragged_dot would need every expert's weights dequantized at once.
     gmm: `gmm(lhs, rhs, group_sizes, row_weights, *, blocks, activation, transpose_rhs,
@@ -87,7 +88,7 @@ BACKENDS: dict[str, Backend] = {
     unsupported_reason=gmm_mosaic.unsupported_reason,
     gmm=gmm_mosaic.gmm_mosaic,
     tgmm=gmm_mosaic.tgmm_mosaic,
-    quant_formats=("fp8_block", "mxfp4", "int4_group", "nvfp4"),
+    quant_formats=tuple(FORMATS),  # one decode path takes every format
     fit_blocks=mosaic_quant.fit_blocks,
   ),
   "triton": Backend(
@@ -100,7 +101,7 @@ BACKENDS: dict[str, Backend] = {
     unsupported_reason=gmm_triton.unsupported_reason,
     gmm=gmm_triton.gmm_triton,
     tgmm=gmm_triton.tgmm_triton,
-    quant_formats=("fp8_block", "mxfp4", "int4_group", "nvfp4"),
+    quant_formats=tuple(FORMATS),  # one decode path takes every format
     fit_blocks=gmm_triton.fit_blocks,
   ),
   "xla": Backend(
@@ -132,7 +133,7 @@ class Case:
     precision: `jax.lax.Precision` / `DotAlgorithmPreset` of the products, or None.
     rhs_dtype: rhs's dtype, None for lhs's (ignored for a quantized rhs, which is decoded to
       lhs's dtype).
-    rhs_format: the `kernels_pallas.quantized.FORMATS` name of a `BlockScaled` rhs, or None.
+    rhs_format: the `kernels_pallas.formats.FORMATS` name of a `BlockScaled` rhs, or None.
     biases: whether the MLP has expert biases (no backend has a bias epilogue).
   """
 

@@ -34,11 +34,12 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from kernels_pallas.formats import FORMATS
 from kernels_pallas.quantized import BlockScaled, format_of
 
 # Formats whose bytes hold two values (neighbouring columns, low nibble first), with a scale
 # per column and 32 (nvfp4: 16) rows: the kernels read them alike and decode them apart.
-PAIRED = ("mxfp4", "int4_group", "nvfp4")
+PAIRED = tuple(name for name, form in FORMATS.items() if form.paired)
 _INT4_KERNEL_ROWS = 32  # rows of an int4_group scale as the kernels load it
 
 

@@ -13,11 +13,12 @@ one expert's quantized weights and dequantizes only that slice.
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from kernels_pallas.formats import FORMATS
 
 
 @jax.tree_util.register_pytree_node_class
@@ -149,44 +150,6 @@ def _describe(a) -> str:
 def is_block_scaled(a) -> bool:
   """Whether `a` is a `BlockScaled` weight (else a plain array, or None)."""
   return isinstance(a, BlockScaled)
-
-
-class QuantFormat(NamedTuple):
-  """A checkpoint format of `BlockScaled` weights.
-
-  Attributes:
-    values: dtype of the quantized values.
-    scales: dtype of the scales (what quantizing writes).
-    block: the fixed (bi, bo) block, or None where the checkpoint chooses it.
-    other_scales: further scale dtypes checkpoints of the format store (kept as stored).
-    global_scale: whether its weights carry a float32 `global_scale` (NVFP4).
-  """
-
-  values: jnp.dtype
-  scales: jnp.dtype
-  block: tuple[int, int] | None
-  other_scales: tuple[jnp.dtype, ...] = ()
-  global_scale: bool = False
-
-  def takes_scales(self, dtype) -> bool:
-    """Whether `dtype` is one of the format's scale dtypes."""
-    return jnp.dtype(dtype) in (self.scales, *self.other_scales)
-
-
-# The formats by name: DeepSeek-V3's fine-grained fp8, OCP MXFP4 (GPT-OSS), symmetric INT4
-# with a scale per group of inputs (compressed-tensors' pack-quantized: Kimi-K2-Thinking,
-# K2.5; blocks (group, 1)), and NVFP4 (NVIDIA's ModelOpt FP4 releases, compressed-tensors'
-# nvfp4-pack-quantized: e4m3 scales per 16 inputs under a float32 global scale).
-FORMATS = {
-  "fp8_block": QuantFormat(jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float32), None),
-  "mxfp4": QuantFormat(jnp.dtype(jnp.float4_e2m1fn), jnp.dtype(jnp.float8_e8m0fnu), (32, 1)),
-  "int4_group": QuantFormat(
-    jnp.dtype(jnp.int4), jnp.dtype(jnp.bfloat16), None, (jnp.dtype(jnp.float32),)
-  ),
-  "nvfp4": QuantFormat(
-    jnp.dtype(jnp.float4_e2m1fn), jnp.dtype(jnp.float8_e4m3fn), (16, 1), global_scale=True
-  ),
-}
 
 
 def format_of(w) -> str | None:

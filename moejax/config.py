@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Literal
+from typing import Literal, get_args
 
 import jax.numpy as jnp
 
-from kernels_pallas.quantized import FORMATS
+from kernels_pallas.formats import FORMATS
 from moejax import axis_groups
 from moejax.activations import GATED, GatedActivation
 from moejax.axis_groups import AxisGroup
@@ -19,11 +19,9 @@ ExpertBackend = Literal["xla", "pallas", "auto"]
 Dispatch = Literal["all_gather", "all_to_all", "auto"]
 
 _ACTIVATIONS = tuple(GATED)
-_SCORINGS = ("softmax", "sigmoid", "sparsemixer")
-# Group sizes of int4_group experts (inputs per scale): compressed-tensors and GPTQ releases.
-INT4_GROUP_SIZES = (32, 64, 128)
-_BACKENDS = ("xla", "pallas", "auto")
-_DISPATCHES = ("all_gather", "all_to_all", "auto")
+_SCORINGS = get_args(Scoring)
+BACKENDS = get_args(ExpertBackend)
+DISPATCHES = get_args(Dispatch)
 
 
 # What a field annotated `bool`, `int` or `float` takes, and how its error says so: Python's
@@ -134,10 +132,11 @@ class MoEConfig:
       pack-quantized as Kimi-K2-Thinking ships it) or "nvfp4" (float4_e2m1fn values with a
       float8_e4m3fn scale per 16 values along the input axis and a float32 global scale per
       matrix, NVIDIA's ModelOpt FP4): `w_gate_up` and `w_down` are then
-      `kernels_pallas.quantized.BlockScaled` (`moejax.quant`).
+      `kernels_pallas.quantized.BlockScaled` (`moejax.quant`). The formats and what each
+      takes: `kernels_pallas.formats.FORMATS`.
     quant_block_size: (bi, bo), the fp8_block block over [in, out]; F must be a multiple of
       bo so that no block straddles gate and up. For int4_group, (group, 1) with group in
-      `INT4_GROUP_SIZES` (Kimi's: 32).
+      its `group_sizes` (32, 64, 128; Kimi's: 32).
     lora_rank: r, the rank of LoRA adapters on every routed expert's two projections (and
       on the shared experts'), 0 for none (`moejax.lora`): expert e computes
       `x @ (W_gate_up[e] + s · A[e] @ B[e])`, and the same for down, s = `lora_scale`.
@@ -186,7 +185,7 @@ class MoEConfig:
   expert_backend: ExpertBackend = "auto"
   dispatch: Dispatch = "auto"
   num_redundant_experts: int = 0
-  expert_quant: Literal["fp8_block", "mxfp4", "int4_group", "nvfp4"] | None = None
+  expert_quant: str | None = None  # a `kernels_pallas.formats.FORMATS` name
   quant_block_size: tuple[int, int] = (128, 128)
   lora_rank: int = 0
   lora_alpha: float = 8.0
@@ -242,8 +241,8 @@ class MoEConfig:
     for name, allowed in (
       ("activation", _ACTIVATIONS),
       ("scoring", _SCORINGS),
-      ("expert_backend", _BACKENDS),
-      ("dispatch", _DISPATCHES),
+      ("expert_backend", BACKENDS),
+      ("dispatch", DISPATCHES),
     ):
       if getattr(self, name) not in allowed:
         raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
@@ -302,38 +301,31 @@ class MoEConfig:
       return
     if self.expert_quant not in FORMATS:
       raise ValueError(f"expert_quant must be one of {(None, *FORMATS)}, got {self.expert_quant!r}")
-    block = self.quant_block_size
+    form = FORMATS[self.expert_quant]
+    block = form.block or self.quant_block_size
     if (
       not isinstance(block, tuple)
       or len(block) != 2
       or not all(isinstance(b, int) and b >= 1 for b in block)
     ):
       raise ValueError(f"quant_block_size must be two positive ints (bi, bo), got {block!r}")
-    if self.expert_quant == "fp8_block" and self.intermediate_size % block[1]:
+    if form.group_sizes and (block[1] != 1 or block[0] not in form.group_sizes):
+      raise ValueError(
+        f"quant_block_size must be (group, 1) with group in {form.group_sizes} with "
+        f"expert_quant={self.expert_quant!r}, got {block}"
+      )
+    if self.intermediate_size % block[1]:
       raise ValueError(
         f"intermediate_size={self.intermediate_size} must be a multiple of quant_block_size[1]"
-        f"={block[1]} with expert_quant='fp8_block' (no block may straddle gate and up)"
+        f"={block[1]} with expert_quant={self.expert_quant!r} (no block may straddle gate and "
+        "up)"
       )
-    if self.expert_quant == "int4_group":
-      group = block[0]
-      if block[1] != 1 or group not in INT4_GROUP_SIZES:
-        raise ValueError(
-          f"quant_block_size must be (group, 1) with group in {INT4_GROUP_SIZES} with "
-          f"expert_quant='int4_group', got {block}"
-        )
+    if form.whole_input_blocks:
       for name in ("hidden_size", "intermediate_size"):
-        if getattr(self, name) % group:
+        if getattr(self, name) % block[0]:
           raise ValueError(
-            f"{name}={getattr(self, name)} must be a multiple of the group size {group} with "
-            "expert_quant='int4_group' (one scale per group along each matrix's input axis)"
-          )
-    fixed = FORMATS[self.expert_quant].block
-    if fixed is not None:  # mxfp4, nvfp4
-      for name in ("hidden_size", "intermediate_size"):
-        if getattr(self, name) % fixed[0]:
-          raise ValueError(
-            f"{name}={getattr(self, name)} must be a multiple of {fixed[0]} with "
-            f"expert_quant={self.expert_quant!r} (one scale per {fixed[0]} values along each "
+            f"{name}={getattr(self, name)} must be a multiple of {block[0]} with "
+            f"expert_quant={self.expert_quant!r} (one scale per {block[0]} values along each "
             "matrix's input axis)"
           )
 

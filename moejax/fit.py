@@ -24,8 +24,8 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from kernels_pallas.formats import FORMATS
 from kernels_pallas.gpus import GPUS, Gpu
-from kernels_pallas.quantized import FORMATS
 from moejax import hf, lora, quant, targets
 from moejax.config import MoEConfig
 from moejax.dispatch import resolve_dispatch
@@ -177,7 +177,7 @@ def fit(
     job: "infer" (the forward), "lora" (adapters of `lora_rank` on the experts, trained with
       Adam; the experts frozen) or "train" (Adam over every float MoE parameter).
     expert_quant: "released" (the checkpoint's format), None (bf16) or a format of
-      `kernels_pallas.quantized.FORMATS`.
+      `kernels_pallas.formats.FORMATS`.
     tokens_per_device: tokens each device holds per step.
     expert_parallel: devices of the expert axis (default: the most that divide both the
       devices and the experts); the rest form the data axis.

@@ -7,7 +7,8 @@ from typing import NamedTuple
 import jax
 from jax.experimental.layout import Layout, with_layout_constraint
 
-from kernels_pallas.quantized import FORMATS, BlockScaled, is_block_scaled
+from kernels_pallas.formats import FORMATS
+from kernels_pallas.quantized import BlockScaled, is_block_scaled
 from moejax import lora as lora_lib
 from moejax.config import MoEConfig
 from moejax.lora import ExpertLoRA, SharedLoRA

@@ -15,7 +15,7 @@ import jax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from kernels_pallas.quantized import FORMATS
+from kernels_pallas.formats import FORMATS
 from moejax import axis_groups, lora
 from moejax.axis_groups import spec_entry
 from moejax.config import MoEConfig

@@ -14,6 +14,7 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding
 
+from kernels_pallas.formats import FORMATS
 from moejax import checkpoint
 from moejax.cli_setup import from_flags, layer_mesh, moe_config
 from moejax.layer import collect_aux
@@ -111,9 +112,11 @@ def run(args, mesh_shape: tuple[int, int]) -> list[dict[str, float]]:
   """
   from tqdm import tqdm  # imported here: only the command line shows a progress bar
 
-  moe = moe_config(
-    args, expert_backend=args.backend, lora_rank=args.lora_rank, expert_quant=args.expert_quant
-  )
+  quant = {}
+  if args.expert_quant:
+    form = FORMATS[args.expert_quant]
+    quant = dict(expert_quant=args.expert_quant, quant_block_size=form.default_block)
+  moe = moe_config(args, expert_backend=args.backend, lora_rank=args.lora_rank, **quant)
   mesh = layer_mesh(args, mesh_shape, moe)
   task = ClusterTask(vocab_size=args.vocab, seq_len=args.seq_len, seed=args.seed)
   config = from_flags(

@@ -9,7 +9,8 @@ import numpy as np
 from jax import export
 
 from kernels_pallas.compat import cuda_target
-from kernels_pallas.quantized import FORMATS, BlockScaled
+from kernels_pallas.formats import FORMATS
+from kernels_pallas.quantized import BlockScaled
 
 
 def cuda_custom_calls(fn, *shapes, disabled=(), device_kind="NVIDIA H100") -> str:

@@ -7,7 +7,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from moejax.config import INT4_GROUP_SIZES, MoEConfig
+from kernels_pallas.formats import FORMATS
+from moejax.config import MoEConfig
 from moejax.hf import nvfp4
 from moejax.hf.families import NESTED_TEXT, Read, family_of
 
@@ -156,10 +157,10 @@ def _compressed_tensors(quantization: dict) -> dict:
       f"{where}.config_groups.{name}.weights.actorder='group' (a per-input g_idx) is not read"
     )
   size = weights.get("group_size")
-  if size not in INT4_GROUP_SIZES:
+  if size not in FORMATS["int4_group"].group_sizes:
     raise ValueError(
       f"{where}.config_groups.{name}.weights.group_size={size!r}, expected one of "
-      f"{INT4_GROUP_SIZES}"
+      f"{FORMATS['int4_group'].group_sizes}"
     )
   if group.get("input_activations") is not None:
     raise NotImplementedError(

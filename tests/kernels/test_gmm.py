@@ -22,6 +22,7 @@ from kernels_pallas.backends import (
 )
 from kernels_pallas.compat import triton_missing_reason
 from kernels_pallas.dequant import decode
+from kernels_pallas.formats import FORMATS
 from kernels_pallas.gmm_mosaic import gmm_mosaic, tgmm_mosaic
 from kernels_pallas.gmm_triton import gmm_triton, tgmm_triton
 from kernels_pallas.quantized import BlockScaled, from_qarray
@@ -111,7 +112,7 @@ def test_triton_kernels_lower_for_cuda():
         ),
         (lhs, block_scaled_spec(shape, rhs_format), sizes),
       )
-      for rhs_format in ("fp8_block", "mxfp4", "int4_group", "nvfp4")
+      for rhs_format in FORMATS
       for transpose, shape in ((False, (4, 128, 256)), (True, (4, 256, 128)))
     ],
   ]:
@@ -121,14 +122,14 @@ def test_triton_kernels_lower_for_cuda():
 
 
 def test_mosaic_kernels_lower_for_cuda():
-  """The forward kernel (plain, gated, reading rhs transposed in shared memory; bf16,
-  fp8_block, mxfp4, int4_group and nvfp4 weights) and tgmm."""
+  """The forward kernel (plain, gated, reading rhs transposed in shared memory; bf16 weights
+  and those of every format) and tgmm."""
   lhs = jax.ShapeDtypeStruct((512, 256), jnp.bfloat16)
   sizes = jax.ShapeDtypeStruct((8,), jnp.int32)
   blocks = MosaicBlocks()
   for (activation, transpose, rhs_shape), rhs_format in itertools.product(
     [(None, False, (8, 256, 512)), ("silu", False, (8, 256, 1024)), (None, True, (8, 512, 256))],
-    [None, "fp8_block", "mxfp4", "int4_group", "nvfp4"],
+    [None, *FORMATS],
   ):
     rhs = jax.ShapeDtypeStruct(rhs_shape, jnp.bfloat16)
     if rhs_format:
