@@ -236,9 +236,9 @@ def _accumulate(call: _AlignedCall, specs: _TileSpecs, group, refs) -> tuple:
 def _gmm_aligned_kernel(tile_ends_gmem, lhs_gmem, rhs_gmem, *refs, call: _AlignedCall):
   """out tile (t, n) = epilogue(lhs tile t @ rhs[group(t)][:, n-block]), tiles past used skipped.
 
-  Refs: tile_ends [G], lhs [R, K] (tile-aligned), rhs [G, K, N] ([G, N, K] with
+  Refs: tile_ends [G], lhs [Ma, K] (tile-aligned), rhs [G, K, N] ([G, N, K] with
   `transpose_rhs`), then with `quant` the rhs's float32 scales (rhs holds the uint8 bits of
-  a `kernels_pallas.dequant.KernelRhs`), then out [R, N'] (N' = N/2 gated).
+  a `kernels_pallas.dequant.KernelRhs`), then out [Ma, N'] (N' = N/2 gated).
   """
   scales_gmem = refs[0] if call.quant else None
   out_gmem = refs[-1]
@@ -387,8 +387,8 @@ def _tgmm_aligned_kernel(
 ):
   """out[g] tile (i, j) = sum over g's aligned row tiles t of lhs[t, i-block]^T @ dout[t, j-block].
 
-  Refs: tile_starts, tile_counts [G] (each group's aligned tiles), lhs [R, K] (or lhs^T
-  [K, R] when `lhs_transposed`) and dout [R, N] (tile-aligned, bk rows per tile: the
+  Refs: tile_starts, tile_counts [G] (each group's aligned tiles), lhs [Ma, K] (or lhs^T
+  [K, Ma] when `lhs_transposed`) and dout [Ma, N] (tile-aligned, bk rows per tile: the
   contraction step), out [G, K, N]. Output tiles are [bm, bn]; an empty group's are stored 0.
   """
   bm, bn, bk = blocks.block_m, blocks.block_n, blocks.block_k
@@ -481,10 +481,10 @@ def tgmm_mosaic(
     raise ValueError(f"K={k} and N={n} must be multiples of {blocks.block_m=}, {blocks.block_n=}")
   rows = aligned_rows(group_sizes, num_rows, blocks.block_k)
   tile_counts = -(-group_sizes.astype(jnp.int32) // blocks.block_k)  # [G]
-  lhs_aligned = _gather_rows(lhs, rows.row_source)  # [R, K]
+  lhs_aligned = _gather_rows(lhs, rows.row_source)  # [Ma, K]
   lhs_transposed = not mosaic_operands_transposed_in_smem(interpret)
   if lhs_transposed:
-    lhs_aligned = lhs_aligned.T  # [K, R]
+    lhs_aligned = lhs_aligned.T  # [K, Ma]
   kernel = plgpu.kernel(
     functools.partial(
       _tgmm_aligned_kernel, blocks=blocks, num_groups=groups, lhs_transposed=lhs_transposed
@@ -492,6 +492,6 @@ def tgmm_mosaic(
     out_type=out_struct((groups, k, n), jnp.dtype(out_dtype), like=lhs_aligned),
     **_launch(interpret),
   )
-  dout_aligned = _gather_rows(dout, rows.row_source)  # [R, N]
+  dout_aligned = _gather_rows(dout, rows.row_source)  # [Ma, N]
   out = kernel(rows.tile_ends - tile_counts, tile_counts, lhs_aligned, dout_aligned)
   return vary_like(out, lhs_aligned)

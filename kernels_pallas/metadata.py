@@ -84,10 +84,10 @@ class AlignedRows(NamedTuple):
   rows in and out.
 
   Attributes:
-    row_source: [R] int32 source row of each aligned row; M for an empty row
-      (R = `max_visits(M, G, bm) * bm`).
+    row_source: [Ma] int32 source row of each aligned row; M for an empty row
+      (Ma = `max_visits(M, G, bm) * bm`).
     tile_ends: [G] int32 one past each group's last tile (cumulative tile counts).
-    source_row: [M] int32 aligned row of each source row; R for rows outside every group.
+    source_row: [M] int32 aligned row of each source row; Ma for rows outside every group.
   """
 
   row_source: jax.Array
