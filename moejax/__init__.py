@@ -13,7 +13,7 @@ Shape letters, one meaning each, in names, docstrings and shape comments through
   Q  (row, device) pair slots of a chunk: C * min(K, S)
   B  rows per tile (tile loop)            r  LoRA rank (`lora_rank`)
 
-`kernels_pallas` uses matmul letters of its own (lhs [M, K], rhs [G, K, N]).
+`kernels_pallas` uses matmul letters of its own (lhs [M, K], rhs [G, K, N]; Ma tile-aligned rows).
 """
 
 import importlib
