@@ -6,8 +6,9 @@
   frozen record of its blocks, limits, `gmm` and `tgmm`. `interpret=True` runs a Pallas
   backend on a CPU in its interpreter.
 - `TritonBlocks`, `MosaicBlocks`: block sizes; `autotune` picks and caches them per device.
-- `BlockScaled`: a quantized rhs (fp8_block, mxfp4, int4_group, nvfp4) that both kernels
-  dequantize tile by tile (`dequant`, `mosaic_quant`); a qwix `QArray` is taken as one.
+- `BlockScaled`: a quantized rhs in one of `formats.FORMATS` (fp8_block, mxfp4, int4_group,
+  nvfp4: one record each) that both kernels dequantize tile by tile (`dequant`,
+  `mosaic_quant`); a qwix `QArray` is taken as one.
 """
 
 from kernels_pallas import autotune
