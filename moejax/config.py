@@ -302,7 +302,7 @@ class MoEConfig:
     if self.expert_quant not in FORMATS:
       raise ValueError(f"expert_quant must be one of {(None, *FORMATS)}, got {self.expert_quant!r}")
     form = FORMATS[self.expert_quant]
-    block = form.block or self.quant_block_size
+    block = self.quant_block
     if (
       not isinstance(block, tuple)
       or len(block) != 2
