@@ -9,9 +9,15 @@ from jax.experimental.layout import Layout, with_layout_constraint
 
 from kernels_pallas.formats import FORMATS
 from kernels_pallas.quantized import BlockScaled, is_block_scaled
-from moejax import lora as lora_lib
 from moejax.config import MoEConfig
-from moejax.lora import ExpertLoRA, SharedLoRA
+from moejax.lora import (
+  ExpertLoRA,
+  SharedLoRA,
+  check_adapters,
+  expert_lora_shapes,
+  scaled,
+  shared_lora_shapes,
+)
 
 
 class MoEParams(NamedTuple):
@@ -156,7 +162,7 @@ def compute_weights(
       return jax.tree.map(jax.lax.stop_gradient, value)
     return None if value is None else value.astype(config.dtype)
 
-  adapters = lambda value: None if value is None else lora_lib.scaled(value, config, config.dtype)
+  adapters = lambda value: None if value is None else scaled(value, config, config.dtype)
   experts = ExpertWeights(
     *(compute_form(getattr(params, name)) for name in EXPERT_PARAMS), adapters(params.lora)
   )
@@ -216,8 +222,8 @@ def check_params(params: MoEParams, config: MoEConfig) -> None:
   """Raises ValueError if a parameter is missing, unexpected, of the wrong shape, or of
   another format than `config.expert_quant` asks."""
   expected = param_shapes(config)
-  lora_lib.check_adapters("lora", params.lora, lora_lib.expert_lora_shapes(config))
-  lora_lib.check_adapters("shared_lora", params.shared_lora, lora_lib.shared_lora_shapes(config))
+  check_adapters("lora", params.lora, expert_lora_shapes(config))
+  check_adapters("shared_lora", params.shared_lora, shared_lora_shapes(config))
   for name in MoEParams._fields:
     if name in ADAPTER_PARAMS:
       continue

@@ -112,11 +112,11 @@ def run(args, mesh_shape: tuple[int, int]) -> list[dict[str, float]]:
   """
   from tqdm import tqdm  # imported here: only the command line shows a progress bar
 
-  quant = {}
+  quantized = {}
   if args.expert_quant:
-    form = FORMATS[args.expert_quant]
-    quant = dict(expert_quant=args.expert_quant, quant_block_size=form.default_block)
-  moe = moe_config(args, expert_backend=args.backend, lora_rank=args.lora_rank, **quant)
+    block = FORMATS[args.expert_quant].default_block
+    quantized = dict(expert_quant=args.expert_quant, quant_block_size=block)
+  moe = moe_config(args, expert_backend=args.backend, lora_rank=args.lora_rank, **quantized)
   mesh = layer_mesh(args, mesh_shape, moe)
   task = ClusterTask(vocab_size=args.vocab, seq_len=args.seq_len, seed=args.seed)
   config = from_flags(
