@@ -51,88 +51,88 @@ def _parser() -> argparse.ArgumentParser:
 
   parser = argparse.ArgumentParser(prog="python -m moejax", description=__doc__)
   commands = parser.add_subparsers(dest="command", required=True)
-  demo = commands.add_parser("demo", help="run the layer on uneven per-rank token counts")
-  demo.add_argument("--experts", type=positive_int, default=16, help="E (default 16)")
-  demo.add_argument("--top-k", type=positive_int, default=2, help="K (default 2)")
-  demo.add_argument("--hidden", type=positive_int, default=128, help="D (default 128)")
-  demo.add_argument("--intermediate", type=positive_int, default=256, help="F (default 256)")
-  demo.add_argument(
+  demo_flags = commands.add_parser("demo", help="run the layer on uneven per-rank token counts")
+  demo_flags.add_argument("--experts", type=positive_int, default=16, help="E (default 16)")
+  demo_flags.add_argument("--top-k", type=positive_int, default=2, help="K (default 2)")
+  demo_flags.add_argument("--hidden", type=positive_int, default=128, help="D (default 128)")
+  demo_flags.add_argument("--intermediate", type=positive_int, default=256, help="F (default 256)")
+  demo_flags.add_argument(
     "--tokens-per-rank", type=positive_int, default=96, help="buffer rows per device"
   )
-  demo.add_argument(
+  demo_flags.add_argument(
     "--chunk-size", type=chunk_size, default="auto", help='C, or "auto" (the default)'
   )
-  demo.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-  train = commands.add_parser("train", help="train a small MoE transformer, checkpoint it")
-  train.add_argument("--steps", type=positive_int, default=60)
-  train.add_argument("--batch-size", type=positive_int, default=32)
-  train.add_argument("--seq-len", type=positive_int, default=16)
-  train.add_argument("--vocab", type=positive_int, default=64)
-  train.add_argument("--layers", type=positive_int, default=2)
-  train.add_argument("--heads", type=positive_int, default=2)
-  train.add_argument("--moe-every", type=int, default=1, choices=[1, 2])
-  train.add_argument(
+  demo_flags.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+  train_flags = commands.add_parser("train", help="train a small MoE transformer, checkpoint it")
+  train_flags.add_argument("--steps", type=positive_int, default=60)
+  train_flags.add_argument("--batch-size", type=positive_int, default=32)
+  train_flags.add_argument("--seq-len", type=positive_int, default=16)
+  train_flags.add_argument("--vocab", type=positive_int, default=64)
+  train_flags.add_argument("--layers", type=positive_int, default=2)
+  train_flags.add_argument("--heads", type=positive_int, default=2)
+  train_flags.add_argument("--moe-every", type=int, default=1, choices=[1, 2])
+  train_flags.add_argument(
     "--scan-layers", action="store_true", help="build the blocks as one stack, apply it by scan"
   )
-  train.add_argument(
+  train_flags.add_argument(
     "--remat",
     default="none",
     choices=list(REMAT_POLICIES),
     help="rematerialize each block: recompute everything, or save moejax.CHECKPOINT_NAMES",
   )
-  train.add_argument("--experts", type=positive_int, default=8)
-  train.add_argument("--top-k", type=positive_int, default=2)
-  train.add_argument("--hidden", type=positive_int, default=32)
-  train.add_argument("--intermediate", type=positive_int, default=64)
-  train.add_argument("--chunk-size", type=chunk_size, default="auto")
-  train.add_argument("--backend", default="auto", choices=BACKENDS)
-  train.add_argument("--learning-rate", type=positive_float, default=3e-3)
-  train.add_argument(
+  train_flags.add_argument("--experts", type=positive_int, default=8)
+  train_flags.add_argument("--top-k", type=positive_int, default=2)
+  train_flags.add_argument("--hidden", type=positive_int, default=32)
+  train_flags.add_argument("--intermediate", type=positive_int, default=64)
+  train_flags.add_argument("--chunk-size", type=chunk_size, default="auto")
+  train_flags.add_argument("--backend", default="auto", choices=BACKENDS)
+  train_flags.add_argument("--learning-rate", type=positive_float, default=3e-3)
+  train_flags.add_argument(
     "--lora-rank",
     type=int,
     default=0,
     help="train LoRA adapters of this rank on the experts only (default 0: every weight)",
   )
-  train.add_argument(
+  train_flags.add_argument(
     "--expert-quant",
     choices=sorted(FORMATS),
     default=None,
     help="quantized, frozen experts (e.g. under LoRA adapters); default float",
   )
-  train.add_argument("--checkpoint", default="checkpoints/moe_transformer")
-  train.add_argument("--resume", action="store_true", help="continue from --checkpoint")
-  for command in (demo, train):
+  train_flags.add_argument("--checkpoint", default="checkpoints/moe_transformer")
+  train_flags.add_argument("--resume", action="store_true", help="continue from --checkpoint")
+  for command in (demo_flags, train_flags):
     command.add_argument("--mesh", default="2x4", help="DATAxEXPERT mesh shape (default 2x4)")
     command.add_argument("--seed", type=int, default=0)
     command.add_argument(
       "--platform", default="cpu", help="'cpu' simulates the mesh's devices (default); else as is"
     )
-  plan = commands.add_parser(
+  fit_flags = commands.add_parser(
     "fit",
     help="will an MoE model fit on GPU nodes: its MoE stack compiled for them, no GPU needed",
   )
-  model = plan.add_mutually_exclusive_group(required=True)
+  model = fit_flags.add_mutually_exclusive_group(required=True)
   model.add_argument("--model", help="a preset (moejax.fit.PRESETS), e.g. deepseek-v3")
   model.add_argument("--config", help="a checkpoint folder or its config.json")
-  plan.add_argument("--gpu", default="h200", help="a100, h100, h200 or b200 (default h200)")
-  plan.add_argument("--nodes", type=positive_int, default=1)
-  plan.add_argument("--gpus-per-node", type=positive_int, default=8)
-  plan.add_argument("--job", default="infer", choices=JOBS)
-  plan.add_argument(
+  fit_flags.add_argument("--gpu", default="h200", help="a100, h100, h200 or b200 (default h200)")
+  fit_flags.add_argument("--nodes", type=positive_int, default=1)
+  fit_flags.add_argument("--gpus-per-node", type=positive_int, default=8)
+  fit_flags.add_argument("--job", default="infer", choices=JOBS)
+  fit_flags.add_argument(
     "--expert-quant",
     default="released",
     help='"released" (the checkpoint\'s format, the default), "none" (bf16) or a format',
   )
-  plan.add_argument("--lora-rank", type=positive_int, default=16)
-  plan.add_argument("--tokens-per-device", type=positive_int, default=4096)
-  plan.add_argument("--expert-parallel", type=positive_int, default=None)
-  plan.add_argument("--expert-fsdp", action="store_true")
-  plan.add_argument("--dispatch", default="auto", choices=DISPATCHES)
-  plan.add_argument("--chunk-size", type=chunk_size, default="auto")
-  plan.add_argument(
+  fit_flags.add_argument("--lora-rank", type=positive_int, default=16)
+  fit_flags.add_argument("--tokens-per-device", type=positive_int, default=4096)
+  fit_flags.add_argument("--expert-parallel", type=positive_int, default=None)
+  fit_flags.add_argument("--expert-fsdp", action="store_true")
+  fit_flags.add_argument("--dispatch", default="auto", choices=DISPATCHES)
+  fit_flags.add_argument("--chunk-size", type=chunk_size, default="auto")
+  fit_flags.add_argument(
     "--remat", default="none", choices=list(REMAT_POLICIES), help="as train's --remat"
   )
-  plan.add_argument("--json", action="store_true", help="print the report as JSON")
+  fit_flags.add_argument("--json", action="store_true", help="print the report as JSON")
   commands.add_parser(  # no help flag of its own: `bench --help` reaches the suite's
     "bench",
     help="the benchmark suite (benchmarks/suite.py); its flags: bench --help",
