@@ -47,8 +47,11 @@ class Target:
   device_kind: str = ""
 
   @staticmethod
-  def of(device: jax.Device) -> Target:
-    """The target a device is: real, or compile-only (no memory stats: its kind's memory)."""
+  def of(device: jax.Device | jax.sharding.AbstractDevice) -> Target:
+    """The target a device is: real, or compile-only (no memory stats: its kind's memory), or
+    the abstract device of a mesh seen inside a trace (a GPU's facts from its kind's)."""
+    if isinstance(device, jax.sharding.AbstractDevice):
+      return _target_of_abstract(device)
     return _target_of(device)
 
 
@@ -63,6 +66,20 @@ def _target_of(device: jax.Device) -> Target:
     compute_capability=str(getattr(device, "compute_capability", "0")),
     sm_count=device.core_count,
     memory_bytes=memory if memory is not None or known is None else known.memory_bytes,
+    device_kind=device.device_kind,
+  )
+
+
+@functools.cache
+def _target_of_abstract(device: jax.sharding.AbstractDevice) -> Target:
+  if device.platform not in ("gpu", "cuda", "rocm"):
+    return Target(platform=device.platform, device_kind=device.device_kind)
+  known = gpus.BY_DEVICE_KIND.get(device.device_kind)
+  return Target(
+    platform="gpu",
+    compute_capability=None if known is None else "{}.{}".format(*known.compute_capability),
+    sm_count=device.num_cores or (None if known is None else known.sm_count),
+    memory_bytes=None if known is None else known.memory_bytes,
     device_kind=device.device_kind,
   )
 
@@ -84,9 +101,9 @@ def targeting(target: Target | jax.Device) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def running_on(device: jax.Device | None) -> Iterator[None]:
-  """Makes the decisions inside for the device a call runs on (None: the default device),
-  unless `targeting` set a target."""
+def running_on(device: jax.Device | jax.sharding.AbstractDevice | None) -> Iterator[None]:
+  """Makes the decisions inside for the device a call runs on (None: the default device; an
+  abstract device: a mesh's as a trace sees it), unless `targeting` set a target."""
   token = _CALL.set(None if device is None else Target.of(device))
   try:
     yield

@@ -85,9 +85,10 @@ def moe_apply(
     params: the layer's `MoEParams`.
     x: [..., D] float tokens (any leading dims; T = their product need not divide the mesh).
     config: the layer's `MoEConfig`.
-    mesh: a mesh whose every axis is in `config.data_axis` or `config.expert_axis`, or None
-      for one device. Explicit axes (`jax.make_mesh`'s default) and automatic ones alike,
-      inside `jax.set_mesh` or not.
+    mesh: a mesh whose every axis is in `config.data_axis` or `config.expert_axis`; None
+      takes the ambient mesh (`jax.set_mesh`; `moejax.meshes.ambient`), else one device.
+      Explicit axes (`jax.make_mesh`'s default) and automatic ones alike; a mesh that
+      differs from the ambient one is an error naming both.
     token_mask: [...] bool, True for real tokens; None means all real.
     router_logits: [..., E + Z] precomputed router logits (its bias, if any, included); then
       the router is not run again.
@@ -98,6 +99,7 @@ def moe_apply(
   Returns:
     (y, aux): y has x's shape and dtype, exactly 0 where the mask is False; aux is `MoEAux`.
   """
+  mesh = meshes.of_call(mesh)
   _check_call(params, x, token_mask, router_logits, config, mesh)
   expert_placement.check_placement(placement, config)
   args = (params, x, token_mask, router_logits, placement)

@@ -135,8 +135,8 @@ class MoELayer(nnx.Module):
 
   Args:
     config: the layer's `MoEConfig`.
-    mesh: a mesh whose every axis is in the config's data or expert group, or None for one
-      device.
+    mesh: a mesh whose every axis is in the config's data or expert group; None takes the
+      ambient mesh (`jax.set_mesh`) if one is set, else one device.
     rngs: `nnx.Rngs` with a `params` stream.
     kernel_init: initializer of the router, expert and shared-expert matrices.
     bias_init: initializer of the biases (`routing_bias`, `router_bias`, `b_gate_up`,
@@ -161,6 +161,7 @@ class MoELayer(nnx.Module):
     kernel_init: Initializer = fan_in_init,
     bias_init: Initializer = nnx.initializers.zeros,
   ):
+    mesh = meshes.of_call(mesh)
     if mesh is not None:
       sharding.check_mesh(mesh, config)
     self.config = config

@@ -4,11 +4,12 @@ know nothing of the layer (`moejax.sharding` has the layer's specs)."""
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from typing import Any
 
 import jax
-from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from kernels_pallas import platform
@@ -20,9 +21,53 @@ def named_sharding(mesh: Mesh, spec: P | None) -> NamedSharding:
   return NamedSharding(mesh, P() if spec is None else spec)
 
 
-def running_on(mesh: Mesh | None):
+def ambient() -> Mesh | AbstractMesh | None:
+  """The mesh `jax.set_mesh` (or `jax.sharding.use_abstract_mesh`) made current, or None.
+
+  Outside a trace it is the concrete `Mesh`; inside `jax.jit` JAX shows only its
+  `AbstractMesh`, which the layer runs on as well. A mesh of one device is no mesh (so is one
+  with manual axes: inside a `shard_map` the layer runs on what the caller's body holds).
+  """
+  try:
+    mesh = jax.sharding.get_mesh()
+  except ValueError:  # inside a trace: only the abstract mesh is visible
+    mesh = None
+  if mesh is None or mesh.empty:
+    mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or math.prod(mesh.shape.values()) == 1 or mesh.manual_axes:
+    return None
+  return mesh
+
+
+def of_call(mesh: Mesh | AbstractMesh | None) -> Mesh | AbstractMesh | None:
+  """The mesh a call runs on: `mesh`, else the ambient one (`ambient`), else None (one device).
+
+  Raises:
+    ValueError: `mesh` and the ambient mesh differ in axes, sizes or devices.
+  """
+  current = ambient()
+  if mesh is None or current is None:
+    return mesh if mesh is not None else current
+  same_shape = dict(mesh.shape) == dict(current.shape)
+  both_concrete = isinstance(mesh, Mesh) and isinstance(current, Mesh)
+  if not same_shape or (both_concrete and mesh.device_ids.tolist() != current.device_ids.tolist()):
+    raise ValueError(
+      f"mesh={_describe(mesh)} differs from the ambient mesh {_describe(current)} (set by "
+      "jax.set_mesh): pass that mesh, or leave mesh= out to use the ambient one"
+    )
+  return mesh
+
+
+def _describe(mesh: Mesh | AbstractMesh) -> str:
+  devices = f", devices {mesh.device_ids.tolist()}" if isinstance(mesh, Mesh) else ""
+  return f"({dict(mesh.shape)}{devices})"
+
+
+def running_on(mesh: Mesh | AbstractMesh | None):
   """Makes the device-dependent decisions inside (`kernels_pallas.platform`) for the devices a
   call on `mesh` runs on (None: the default device), not the process's default device."""
+  if isinstance(mesh, AbstractMesh):
+    return platform.running_on(mesh.abstract_device)
   return platform.running_on(None if mesh is None else mesh.devices.flat[0])
 
 
@@ -79,14 +124,18 @@ def gathered(tree: Any) -> Any:
   return jax.tree.map(whole, tree)
 
 
-def with_auto_axes(fn: Callable, mesh: Mesh, out_specs: Any) -> Callable:
+def with_auto_axes(fn: Callable, mesh: Mesh | AbstractMesh, out_specs: Any) -> Callable:
   """`fn(auto_mesh, *args)` run on an explicit-axes mesh, its axes automatic inside.
 
   The layer reshapes and pads token arrays whose sharding explicit mode would make part of
   their type; inside `jax.sharding.auto_axes` XLA places them. `fn` gets the same devices
   with every axis automatic; its outputs come back laid out as `out_specs` on `mesh`.
   """
-  auto_mesh = Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * mesh.devices.ndim)
+  auto = (AxisType.Auto,) * len(mesh.axis_names)
+  if isinstance(mesh, AbstractMesh):  # the ambient mesh inside a trace
+    auto_mesh = mesh.update_axis_types(dict(zip(mesh.axis_names, auto, strict=True)))
+  else:
+    auto_mesh = Mesh(mesh.devices, mesh.axis_names, axis_types=auto)
   out_sharding = jax.tree.map(
     lambda spec: NamedSharding(mesh, spec), out_specs, is_leaf=lambda s: isinstance(s, P)
   )

@@ -12,8 +12,9 @@ import jax.numpy as jnp
 from kernels_pallas.quantized import is_block_scaled
 from moejax import meshes
 from moejax.config import MoEConfig
+from moejax.expert_placement import Placement, check_placement
 from moejax.forward import check_inputs
-from moejax.params import MoEParams
+from moejax.params import PER_EXPERT_FIELDS, MoEParams
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -95,12 +96,21 @@ def reference_routing(
   return ids, weights * config.routed_scaling_factor
 
 
+def _logical(params: MoEParams, placement: Placement) -> MoEParams:
+  """`params` with each per-expert field [P, ...] cut to its experts' first replicas [E, ...]."""
+  first = jnp.asarray(placement.logical_to_physical)[:, 0]  # [E]
+  per_expert = {name: getattr(params, name) for name in PER_EXPERT_FIELDS}
+  # A BlockScaled's values, scales and global scale all lead with P: one take each.
+  return params._replace(**jax.tree.map(lambda a: a[first], per_expert))
+
+
 def reference_moe(
   params: MoEParams,
   x: jax.Array,
   config: MoEConfig,
   token_mask: jax.Array | None = None,
   router_logits: jax.Array | None = None,
+  placement: Placement | None = None,
 ) -> jax.Array:
   """The MoE layer computed densely in float32.
 
@@ -112,13 +122,20 @@ def reference_moe(
     token_mask: [...] bool or None.
     router_logits: [..., E + Z] or None (then computed from `params.router_kernel` and
       `params.router_bias`).
+    placement: with `config.num_redundant_experts` R > 0 (required then, rejected
+      otherwise, as `moe_apply` takes it), the `moejax.eplb.Placement` of the P = E + R
+      physical slots in `params` (`layer.placement.get_value()` after a `rebalance`): each
+      expert computes with the weights of its first replica.
 
   Returns:
     [..., D] float32; rows whose mask is False are 0. Inputs split over an explicit mesh
     axis are made whole first (`meshes.gathered`): the reference computes densely.
   """
   check_inputs(params, x, token_mask, router_logits, config)
+  check_placement(placement, config)
   params, x, token_mask, router_logits = meshes.gathered((params, x, token_mask, router_logits))
+  if placement is not None:
+    params = _logical(params, placement)
   f32 = lambda a: None if a is None else jnp.asarray(a, jnp.float32)
   as_float = lambda a: a.dequantize(jnp.float32) if is_block_scaled(a) else f32(a)
   p = jax.tree.map(as_float, params, is_leaf=is_block_scaled)

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import AbstractMesh, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from kernels_pallas.formats import FORMATS
@@ -125,12 +125,12 @@ def metadata_placement(name: str, value, spec: P | None, mesh: Mesh) -> NamedSha
   return named_sharding(mesh, spec)
 
 
-def check_mesh(mesh: Mesh, config: MoEConfig) -> None:
+def check_mesh(mesh: Mesh | AbstractMesh, config: MoEConfig) -> None:
   """Raises ValueError unless the config's two groups name every axis of `mesh` (and only
   its axes), the expert group divides the physical experts, P = E + R, and with
   `expert_fsdp` the data group splits every expert weight's dim 1 evenly, scale blocks
   included."""
-  if not isinstance(mesh, Mesh):
+  if not isinstance(mesh, Mesh | AbstractMesh):
     raise TypeError(f"mesh must be a jax.sharding.Mesh or None, got {type(mesh).__name__}")
   groups = f"data_axis={config.data_axis!r}, expert_axis={config.expert_axis!r}"
   for field in ("data_axis", "expert_axis"):

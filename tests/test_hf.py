@@ -4,6 +4,7 @@ block (`tests/hf_checkpoints.py`, not moejax's reference); sharded checkpoints; 
 mesh; errors."""
 
 import dataclasses
+import json
 
 import chex
 import jax
@@ -56,13 +57,33 @@ def test_a_bfloat16_checkpoint_loads(tmp_path):
     tensors = {k: file.get_tensor(k).astype(ml_dtypes.bfloat16) for k in file.keys()}  # noqa: SIM118
   save_raw(tensors, tmp_path / "model.safetensors", "BF16")
   rounded = jax.tree.map(lambda a: a.astype(ml_dtypes.bfloat16).astype(np.float32), as_float32)
-  chex.assert_trees_all_equal(hf.load_layer(tmp_path, 0), rounded)
+  as_stated = hf.config_from_hf(tmp_path, param_dtype="float32")
+  chex.assert_trees_all_equal(hf.load_layer(tmp_path, 0, as_stated), rounded)
+  # config.json's dtype is the parameters' (transformers 5 writes `dtype`, 4 `torch_dtype`).
+  hf_config = json.loads((tmp_path / "config.json").read_text())
+  for key in ("dtype", "torch_dtype"):
+    (tmp_path / "config.json").write_text(json.dumps({**hf_config, key: "bfloat16"}))
+    assert hf.config_from_hf(tmp_path).param_dtype == jnp.bfloat16
+    in_bf16 = hf.load_layer(tmp_path, 0)
+    assert {a.dtype for a in jax.tree.leaves(in_bf16)} == {jnp.dtype(jnp.bfloat16)}
+    chex.assert_trees_all_equal(jax.tree.map(lambda a: a.astype(np.float32), in_bf16), rounded)
+  assert hf.config_from_hf(tmp_path, param_dtype="float32").param_dtype == jnp.float32
 
 
 def test_missing_tensor_names_the_key(tmp_path):
   write_checkpoint(tmp_path, "mixtral", layer=0)
   with pytest.raises(KeyError, match=r"model\.layers\.2\.block_sparse_moe\.gate\.weight"):
     hf.load_layer(tmp_path, 2)
+
+
+def test_a_dense_layer_names_the_moe_layers(tmp_path):
+  hf_config, _ = write_checkpoint(tmp_path, "deepseek_v3", layer=1)
+  deep = {**hf_config, "num_hidden_layers": 6, "first_k_dense_replace": 2}
+  (tmp_path / "config.json").write_text(json.dumps(deep))
+  with pytest.raises(ValueError, match=r"layer 0 is not an MoE layer.*dense.*MoE layers are 2-5"):
+    hf.load_layer(tmp_path, 0)
+  with pytest.raises(ValueError, match=r"layer 6 is not an MoE layer.*outside the model's 6"):
+    hf.load_layer(tmp_path, 6)
 
 
 def test_shape_mismatch_names_the_key_and_shapes(tmp_path):

@@ -190,3 +190,32 @@ def test_a_transformer_trains_and_checkpoints(mesh, tmp_path, request):
   chex.assert_trees_all_equal(
     jax.device_get(nnx.state(restored, nnx.Param)), jax.device_get(nnx.state(model, nnx.Param))
   )
+
+
+@pytest.mark.parametrize(
+  "axis_type", [AxisType.Explicit, slow(AxisType.Auto)], ids=lambda kind: kind.name.lower()
+)
+def test_the_ambient_mesh_when_no_mesh_is_passed(axis_type, request):
+  """Under `jax.set_mesh`, `mesh=` may be left out: the layer, `moe_apply` (eager and inside
+  `jax.jit`, where only the abstract mesh is visible) and the Linen module take the ambient
+  mesh; a different mesh passed beside it is an error naming both."""
+  seed = seed_of(request.node.name)
+  mesh = jax.make_mesh((2, 4), ("data", "expert"), axis_types=(axis_type,) * 2)
+  x, mask = random_batch(seed)
+  with jax.set_mesh(mesh):
+    layer = MoELayer(CONFIG, rngs=nnx.Rngs(seed))
+    assert layer.mesh == mesh
+    params = layer.moe_params()
+    want = reference_moe(params, x, CONFIG, mask)
+    xs, masks = batch_of(mesh, poison(x, mask), mask)
+    assert_close(layer(xs, token_mask=masks), want, what="layer")
+    in_jit = jax.jit(lambda p, x, m: moe_apply(p, x, config=CONFIG, token_mask=m)[0])
+    assert_close(in_jit(params, xs, masks), want, what="moe_apply under jit")
+    module = linen.moe_linen(CONFIG)
+    variables = module.init(jax.random.key(seed), xs, masks)
+    linen_params = MoEParams(**jax.device_get(nn.unbox(variables)["params"]))
+    want_linen = reference_moe(linen_params, x, CONFIG, mask)
+    assert_close(module.apply(variables, xs, masks), want_linen, what="linen")
+    other = jax.make_mesh((4, 2), ("data", "expert"), axis_types=(axis_type,) * 2)
+    with pytest.raises(ValueError, match=r"mesh=.*'data': 4.* differs from the ambient mesh"):
+      moe_apply(params, x, config=CONFIG, mesh=other)

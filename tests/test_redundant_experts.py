@@ -18,7 +18,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from moejax import MoEConfig, MoELayer, checkpoint, eplb, moe_apply
+from moejax import MoEConfig, MoELayer, checkpoint, eplb, moe_apply, reference_moe
 from moejax.forward import compiled_executables
 from moejax.replicas import move_plan
 from tests.helpers import (
@@ -198,11 +198,18 @@ class TestLayer:
     new_counts = layer.expert_load.get_value()
     assert balance(new_counts) > balance(aux.physical_counts)
 
-  def test_rebalance_from_a_given_load(self):
+  def test_rebalance_from_a_given_load(self, request):
+    """And the reference follows the new placement (it must be given it: the slots moved)."""
     layer = MoELayer(CONFIG, rngs=nnx.Rngs(0))
     load = np.random.default_rng(1).random(8)
     placement = layer.rebalance(load)
     chex.assert_trees_all_equal(placement, eplb.rebalance(load, num_physical=16, num_devices=1))
+    assert np.any(placement.physical_to_logical[:8] != np.arange(8))  # slot e no longer e
+    x = jax.random.normal(jax.random.key(seed_of(request.node.name)), (12, 16))
+    want = reference_moe(layer.moe_params(), x, CONFIG, placement=layer.placement.get_value())
+    chex.assert_trees_all_close(layer(x), want, **tolerance())
+    with pytest.raises(ValueError, match="placement= is required"):
+      reference_moe(layer.moe_params(), x, CONFIG)
 
   def test_optax_sees_only_the_parameters(self):
     layer = MoELayer(CONFIG, rngs=nnx.Rngs(0))

@@ -44,7 +44,10 @@ def config_from_hf(config: dict[str, Any] | str | Path, **overrides: Any) -> MoE
   `quant_block_size` (group, 1), its `nvfp4-pack-quantized` and "modelopt" with `quant_algo`
   "NVFP4" are "nvfp4" (activation quantization, if any, is not read: moejax computes W4A16).
   A multimodal config whose text model is nested (Kimi-K2.5's `text_config`) is read from
-  its text model.
+  its text model. The checkpoint's dtype (`dtype`, or transformers 4's `torch_dtype`:
+  "bfloat16", "float16" or "float32") is `param_dtype`, so a bf16 checkpoint loads as bf16;
+  the compute `dtype` stays float32 unless overridden (pass `param_dtype=` to store
+  otherwise).
 
   Raises:
     ValueError: for an unsupported model_type (the message lists the supported ones).
@@ -59,8 +62,27 @@ def config_from_hf(config: dict[str, Any] | str | Path, **overrides: Any) -> MoE
       config
     ),  # a family's own activation (GPT-OSS) wins
     **_quantization(config.get("quantization_config")),
+    **({} if "param_dtype" in overrides else _param_dtype(config)),
   }
   return MoEConfig(**{**options, **overrides})
+
+
+_CHECKPOINT_DTYPES = ("bfloat16", "float16", "float32")
+
+
+def _param_dtype(config: dict[str, Any]) -> dict[str, str]:
+  """{"param_dtype": the checkpoint's dtype} where config.json states one ("torch.bfloat16"
+  as some writers spell it, too), else {} ("auto", absent)."""
+  stated = config.get("dtype", config.get("torch_dtype"))
+  if stated is None or stated == "auto":
+    return {}
+  name = str(stated).removeprefix("torch.")
+  if name not in _CHECKPOINT_DTYPES:
+    raise ValueError(
+      f"config.json's dtype {stated!r} is none of {_CHECKPOINT_DTYPES}: pass param_dtype= to "
+      "choose the storage dtype"
+    )
+  return {"param_dtype": name}
 
 
 def config_json(config: dict[str, Any] | str | Path) -> dict[str, Any]:

@@ -37,7 +37,8 @@ def load_layer(
   Args:
     path: the folder (config.json and safetensors files).
     layer: the decoder layer index; it must be an MoE layer of the model.
-    config: the layer's `MoEConfig`; None reads it with `config_from_hf` (dtype float32).
+    config: the layer's `MoEConfig`; None reads it with `config_from_hf` (the parameters in
+      the checkpoint's dtype).
     mesh: place each parameter on this mesh as `MoELayer` does (experts split over the expert
       axis): each device receives only its slice, though each tensor is read whole into host
       memory first; None gives host NumPy arrays.
@@ -51,12 +52,14 @@ def load_layer(
 
   Raises:
     KeyError: a tensor the layer needs is missing (the message names the key).
-    ValueError: a tensor has another shape than the config implies, or the family is unknown.
+    ValueError: `layer` is not an MoE layer of the model (the message lists those that
+      are), a tensor has another shape than the config implies, or the family is unknown.
     NotImplementedError: a quantized layout moejax does not read (named).
   """
   path = Path(path)
   hf = text_model(json.loads((path / "config.json").read_text()))
   family = family_of(hf.get("model_type"))
+  _check_moe_layer(hf, family, layer)
   config = config_from_hf(hf) if config is None else config
   block = family.block.format(layer=layer)
   quantization = hf.get("quantization_config") or {}
@@ -83,6 +86,35 @@ def load_layer(
     value.shape, named_sharding(mesh, spec), value.__getitem__
   )  # each device gets only its slice
   return map_params(place, LayerSpecs.from_config(config).params(params), params)
+
+
+def _check_moe_layer(hf: dict, family: Family, layer: int) -> None:
+  """Raises ValueError unless decoder layer `layer` is one of the model's MoE layers (where
+  config.json gives its depth; without it the tensors' names decide)."""
+  try:
+    depth = family.layers(hf)
+  except KeyError:
+    return
+  if 0 <= layer < depth and family.moe_layer(hf, layer, depth):
+    return
+  moe = [index for index in range(depth) if family.moe_layer(hf, index, depth)]
+  listed = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in _runs(moe))
+  what = "a dense layer" if 0 <= layer < depth else f"outside the model's {depth} layers"
+  raise ValueError(
+    f"layer {layer} is not an MoE layer of this {hf.get('model_type')} checkpoint ({what}); "
+    f"its MoE layers are {listed or 'none'} (moejax.hf.moe_layers)"
+  )
+
+
+def _runs(indices: Sequence[int]) -> list[tuple[int, int]]:
+  """Sorted indices as (first, last) runs of consecutive ones: [1, 2, 3, 5] -> [(1, 3), (5, 5)]."""
+  runs: list[tuple[int, int]] = []
+  for index in indices:
+    if runs and runs[-1][1] == index - 1:
+      runs[-1] = (runs[-1][0], index)
+    else:
+      runs.append((index, index))
+  return runs
 
 
 def load_stack(
