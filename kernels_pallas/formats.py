@@ -28,6 +28,7 @@ all-zero matrix's global scale):
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 
 import jax
@@ -74,6 +75,19 @@ class QuantFormat:
   group_sizes: tuple[int, ...] | None = None
   whole_input_blocks: bool = False
   paired: bool = False
+
+  def block_for(self, intermediate_size: int) -> tuple[int, int]:
+    """The block quantizing uses for experts of F = `intermediate_size` where nothing
+    chooses one: the fixed block, else `default_block` with its output side cut to divide F
+    (a block may not straddle gate and up) where the format takes any block.
+
+    >>> FORMATS["fp8_block"].block_for(64), FORMATS["int4_group"].block_for(64)
+    ((128, 64), (32, 1))
+    """
+    if self.block is not None:
+      return self.block
+    rows, columns = self.default_block
+    return rows, columns if self.group_sizes else math.gcd(columns, intermediate_size)
 
   def takes_scales(self, dtype) -> bool:
     """Whether `dtype` is one of the format's scale dtypes."""

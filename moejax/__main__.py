@@ -99,8 +99,19 @@ def _parser() -> argparse.ArgumentParser:
     default=None,
     help="quantized, frozen experts (e.g. under LoRA adapters); default float",
   )
-  train_flags.add_argument("--checkpoint", default="checkpoints/moe_transformer")
-  train_flags.add_argument("--resume", action="store_true", help="continue from --checkpoint")
+  train_flags.add_argument(
+    "--checkpoint", default="checkpoints/moe_transformer", help="the checkpoint folder"
+  )
+  existing = train_flags.add_mutually_exclusive_group()
+  existing.add_argument(
+    "--resume", action="store_true", help="continue from the checkpoint in --checkpoint"
+  )
+  existing.add_argument(
+    "--overwrite",
+    action="store_true",
+    help="start over, replacing the checkpoint in --checkpoint (without either flag an "
+    "existing checkpoint is an error)",
+  )
   for command in (demo_flags, train_flags):
     command.add_argument("--mesh", default="2x4", help="DATAxEXPERT mesh shape (default 2x4)")
     command.add_argument("--seed", type=int, default=0)

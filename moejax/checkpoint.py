@@ -10,32 +10,88 @@ targets ask for (the model alone from a training checkpoint).
 from __future__ import annotations
 
 import json
+import shutil
+import uuid
 from pathlib import Path
 
 import orbax.checkpoint as ocp
 from flax import nnx
 
+from moejax import files
+
 
 def save(
-  directory: str | Path, model: nnx.Module, optimizer: nnx.Optimizer | None = None, step: int = 0
+  directory: str | Path,
+  model: nnx.Module,
+  optimizer: nnx.Optimizer | None = None,
+  step: int = 0,
+  *,
+  overwrite: bool = False,
 ) -> Path:
-  """Writes `directory`/state (model, and optimizer if given) and `directory`/meta.json.
+  """Writes the model's state (and the optimizer's, if given) and the step to `directory`.
+
+  The state goes to a new folder inside `directory`, and `meta.json` (the step, and which
+  folder holds the state) is replaced atomically once it is whole; the state it replaced is
+  deleted after. A save interrupted anywhere leaves the previous checkpoint readable.
 
   Args:
-    directory: the checkpoint folder (created; an existing one is overwritten).
+    directory: the checkpoint folder (created if absent).
     model: the model whose `nnx.state` is saved.
     optimizer: its optimizer, to resume training, or None.
     step: the training step reached.
+    overwrite: replace a checkpoint already in `directory` (else an error).
 
   Returns:
     The checkpoint folder.
+
+  Raises:
+    FileExistsError: `directory` holds a checkpoint and not `overwrite`.
   """
   directory = Path(directory).absolute()
+  previous = _meta(directory)
+  if previous is not None and not overwrite:
+    raise FileExistsError(
+      f"{directory} holds a checkpoint (step {previous['step']}): pass overwrite=True to "
+      "replace it, or save elsewhere"
+    )
   directory.mkdir(parents=True, exist_ok=True)
+  state = f"state-{step}-{uuid.uuid4().hex[:8]}"
   with ocp.StandardCheckpointer() as checkpointer:
-    checkpointer.save(directory / "state", _pure(model, optimizer), force=True)
-  (directory / "meta.json").write_text(json.dumps({"step": step}))
+    checkpointer.save(directory / state, _pure(model, optimizer))
+  meta = json.dumps({"step": step, "state": state})
+  files.write_atomically(directory / _META, meta, overwrite=True)
+  if previous is not None:
+    shutil.rmtree(directory / previous["state"], ignore_errors=True)
   return directory
+
+
+def exists(directory: str | Path) -> bool:
+  """Whether `directory` holds a checkpoint (its `meta.json`)."""
+  return _meta(Path(directory)) is not None
+
+
+def step_of(directory: str | Path) -> int:
+  """The training step a checkpoint was saved at.
+
+  Raises:
+    FileNotFoundError: `directory` holds no checkpoint.
+  """
+  meta = _meta(Path(directory))
+  if meta is None:
+    raise FileNotFoundError(f"{directory} holds no checkpoint (no {_META})")
+  return meta["step"]
+
+
+_META = "meta.json"
+
+
+def _meta(directory: Path) -> dict | None:
+  """meta.json's fields (checkpoints written before the state folder was named: "state"), or
+  None without one."""
+  path = directory / _META
+  if not path.is_file():
+    return None
+  return {"state": "state", **json.loads(path.read_text())}
 
 
 def _pure(model: nnx.Module, optimizer: nnx.Optimizer | None) -> dict:
@@ -56,19 +112,24 @@ def restore(
   optimizer). Returns the saved step.
 
   Raises:
+    FileNotFoundError: `directory` holds no checkpoint.
     ValueError: the checkpoint lacks a part the targets hold, or holds it in another shape
       (named, e.g. "model/w_down is (8, 32, 16) in the checkpoint, (8, 64, 16) in the model").
   """
   directory = Path(directory).absolute()
+  meta = _meta(directory)
+  if meta is None:
+    raise FileNotFoundError(f"{directory} holds no checkpoint (no {_META})")
+  state = directory / meta["state"]
   target = _pure(model, optimizer)
   with ocp.PyTreeCheckpointer() as checkpointer:
-    stored = checkpointer.metadata(directory / "state").item_metadata.tree
+    stored = checkpointer.metadata(state).item_metadata.tree
     problem = _mismatch(stored, target, ())
     if problem is not None:
       raise ValueError(f"cannot restore {directory} into these targets: {problem}")
     restore_args = ocp.checkpoint_utils.construct_restore_args(target)
     restored = checkpointer.restore(
-      directory / "state",
+      state,
       args=ocp.args.PyTreeRestore(item=target, restore_args=restore_args, partial_restore=True),
     )
   for name, module in (("model", model), ("optimizer", optimizer)):
@@ -76,7 +137,7 @@ def restore(
       state = nnx.state(module)
       nnx.replace_by_pure_dict(state, restored[name])
       nnx.update(module, state)
-  return json.loads((directory / "meta.json").read_text())["step"]
+  return meta["step"]
 
 
 def _mismatch(stored, target, path: tuple[str, ...]) -> str | None:

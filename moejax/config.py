@@ -136,7 +136,9 @@ class MoEConfig:
       takes: `kernels_pallas.formats.FORMATS`.
     quant_block_size: (bi, bo), the fp8_block block over [in, out]; F must be a multiple of
       bo so that no block straddles gate and up. For int4_group, (group, 1) with group in
-      its `group_sizes` (32, 64, 128; Kimi's: 32).
+      its `group_sizes` (32, 64, 128; Kimi's: 32). None (the default): the format's own
+      (`QuantFormat.block_for`: fp8_block's 128x128 with bo cut to divide F, int4_group's
+      groups of 32); mxfp4 and nvfp4 have fixed blocks.
     lora_rank: r, the rank of LoRA adapters on every routed expert's two projections (and
       on the shared experts'), 0 for none (`moejax.lora`): expert e computes
       `x @ (W_gate_up[e] + s · A[e] @ B[e])`, and the same for down, s = `lora_scale`.
@@ -186,7 +188,7 @@ class MoEConfig:
   dispatch: Dispatch = "auto"
   num_redundant_experts: int = 0
   expert_quant: str | None = None  # a `kernels_pallas.formats.FORMATS` name
-  quant_block_size: tuple[int, int] = (128, 128)
+  quant_block_size: tuple[int, int] | None = None
   lora_rank: int = 0
   lora_alpha: float = 8.0
   lora_rslora: bool = False
@@ -361,11 +363,13 @@ class MoEConfig:
 
   @property
   def quant_block(self) -> tuple[int, int] | None:
-    """(bi, bo) of the expert weights' scale blocks: `quant_block_size` for fp8_block and
-    int4_group, (32, 1) for mxfp4, (16, 1) for nvfp4, None without quantization."""
+    """(bi, bo) of the expert weights' scale blocks: `quant_block_size` (else the format's
+    default for the layer's F) for fp8_block and int4_group, (32, 1) for mxfp4, (16, 1) for
+    nvfp4, None without quantization."""
     if self.expert_quant is None:
       return None
-    return FORMATS[self.expert_quant].block or self.quant_block_size
+    form = FORMATS[self.expert_quant]
+    return form.block or self.quant_block_size or form.block_for(self.intermediate_size)
 
   @property
   def num_router_outputs(self) -> int:

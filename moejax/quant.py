@@ -56,8 +56,8 @@ def quantize_experts(
   Args:
     params: float parameters of `config` (not quantized already).
     config: their config.
-    expert_quant: "fp8_block" or "int4_group" (blocks of `config.quant_block_size`),
-      "mxfp4" or "nvfp4".
+    expert_quant: "fp8_block" or "int4_group" (blocks of `config.quant_block_size`, else
+      the format's default: `QuantFormat.block_for`), "mxfp4" or "nvfp4".
 
   Returns:
     (params, config with `expert_quant` set); the other parameters unchanged.

@@ -14,7 +14,6 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from kernels_pallas.formats import FORMATS
 from moejax import checkpoint
 from moejax.cli_setup import from_flags, layer_mesh, moe_config
 from moejax.layer import collect_aux
@@ -107,16 +106,17 @@ def train_step(
 def run(args, mesh_shape: tuple[int, int]) -> list[dict[str, float]]:
   """`python -m moejax train`: trains on `ClusterTask` with a progress bar, then checkpoints.
 
-  Resumes from `args.checkpoint` when `args.resume` is set and the checkpoint exists.
+  `args.checkpoint` is resumed with `args.resume` (it must hold a checkpoint), replaced with
+  `args.overwrite`, and otherwise must hold none: a checkpoint is never replaced unasked.
   Returns the per-step metrics (loss, task_loss, aux losses, tokens/s).
   """
   from tqdm import tqdm  # imported here: only the command line shows a progress bar
 
-  quantized = {}
-  if args.expert_quant:
-    block = FORMATS[args.expert_quant].default_block
-    quantized = dict(expert_quant=args.expert_quant, quant_block_size=block)
-  moe = moe_config(args, expert_backend=args.backend, lora_rank=args.lora_rank, **quantized)
+  resume = resumes(args)
+
+  moe = moe_config(
+    args, expert_backend=args.backend, lora_rank=args.lora_rank, expert_quant=args.expert_quant
+  )
   mesh = layer_mesh(args, mesh_shape, moe)
   task = ClusterTask(vocab_size=args.vocab, seq_len=args.seq_len, seed=args.seed)
   config = from_flags(
@@ -136,7 +136,7 @@ def run(args, mesh_shape: tuple[int, int]) -> list[dict[str, float]]:
   optimizer = nnx.Optimizer(model, optax.adam(args.learning_rate), wrt=trained)
   shard_model(optimizer, mesh)  # its step counter too, so a restored one lands on the mesh
   start = 0
-  if args.resume and (Path(args.checkpoint) / "meta.json").exists():
+  if resume:
     start = checkpoint.restore(args.checkpoint, model, optimizer)
     print(f"resumed from {args.checkpoint} at step {start}")
   batch_sharding = NamedSharding(mesh, LayerSpecs.from_config(config.moe).batch_b)
@@ -158,10 +158,31 @@ def run(args, mesh_shape: tuple[int, int]) -> list[dict[str, float]]:
     bar.set_postfix(
       loss=f"{row['loss']:.3f}", aux=f"{row['aux_loss']:.3f}", tok_s=f"{tokens_per_s:.0f}"
     )
-  saved = checkpoint.save(args.checkpoint, model, optimizer, step=start + args.steps)
+  saved = checkpoint.save(
+    args.checkpoint, model, optimizer, step=start + args.steps, overwrite=resume or args.overwrite
+  )
   load = np.asarray(history[-1]["expert_counts"])
   print(f"loss {history[0]['loss']:.3f} -> {history[-1]['loss']:.3f}; checkpoint: {saved}")
   print("expert load at the last step (tokens per expert, one row per MoE layer):")
   for layer, counts in enumerate(load):
     print(f"  layer {layer}: {counts.tolist()}")
   return history
+
+
+def resumes(args) -> bool:
+  """Whether the train command resumes `args.checkpoint`: with --resume, which must find a
+  checkpoint there; else a checkpoint there needs --overwrite. Exits naming the flags."""
+  path = Path(args.checkpoint)
+  if args.resume:
+    if not checkpoint.exists(path):
+      raise SystemExit(
+        f"moejax train: --resume: {path} holds no checkpoint (no meta.json): check the path, "
+        "or leave out --resume to start a new one"
+      )
+    return True
+  if checkpoint.exists(path) and not args.overwrite:
+    raise SystemExit(
+      f"moejax train: {path} holds a checkpoint (step {checkpoint.step_of(path)}): pass "
+      "--resume to continue from it, or --overwrite to start over and replace it"
+    )
+  return False

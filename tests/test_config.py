@@ -84,3 +84,22 @@ def test_lora_scale_is_peft_s():
   assert MoEConfig(**BASE, lora_rank=16, lora_alpha=8.0).lora_scale == 0.5
   assert MoEConfig(**BASE, lora_rank=16, lora_alpha=8.0, lora_rslora=True).lora_scale == 2.0
   assert MoEConfig(**BASE).lora_scale == 0.0
+
+
+def test_every_format_takes_its_own_default_block():
+  """No `quant_block_size`: each format quantizes in its own block (fp8_block's output side
+  cut to divide F), so the defaults build at small sizes."""
+  from kernels_pallas.formats import FORMATS
+
+  sized = dict(BASE, hidden_size=32, intermediate_size=64)
+  blocks = {name: MoEConfig(**sized, expert_quant=name).quant_block for name in FORMATS}
+  assert blocks == {
+    "fp8_block": (128, 64),
+    "mxfp4": (32, 1),
+    "int4_group": (32, 1),
+    "nvfp4": (16, 1),
+  }
+  assert MoEConfig(**BASE, expert_quant="fp8_block", quant_block_size=(16, 16)).quant_block == (
+    16,
+    16,
+  )

@@ -15,8 +15,10 @@ from flax import linen as nn
 from flax import nnx
 from flax.core import FrozenDict, freeze, unfreeze
 
+from kernels_pallas.formats import FORMATS
 from kernels_pallas.quantized import BlockScaled
-from moejax import MoEConfig, MoELayer, MoEParams, checkpoint, eplb, linen, reference_moe
+from moejax import MoEConfig, MoELayer, MoEParams, checkpoint, eplb, linen, reference_moe, train
+from moejax.__main__ import _parser as main_parser
 from moejax.expert_placement import initial_placement, logical_load
 from moejax.linen import moe_linen
 from moejax.models import ClusterTask, MoETransformer, TransformerConfig, shard_model
@@ -95,6 +97,47 @@ def test_checkpoint_restores_a_subset_and_names_a_mismatch(tmp_path):
   checkpoint.save(tmp_path / "model_only", model)
   with pytest.raises(ValueError, match="the checkpoint has no optimizer"):
     checkpoint.restore(tmp_path / "model_only", alone, optimizer)
+
+
+def test_a_checkpoint_is_never_replaced_unasked_nor_lost_midway(tmp_path, monkeypatch):
+  """`save` refuses a folder holding a checkpoint without `overwrite`; a save interrupted
+  before its meta.json swap leaves the previous checkpoint as it was."""
+  model = MoELayer(MOE, rngs=nnx.Rngs(0))
+  checkpoint.save(tmp_path / "ckpt", model, step=3)
+  with pytest.raises(FileExistsError, match=r"ckpt holds a checkpoint \(step 3\).*overwrite=True"):
+    checkpoint.save(tmp_path / "ckpt", MoELayer(MOE, rngs=nnx.Rngs(1)), step=4)
+
+  def interrupted(*args, **kwargs):
+    raise KeyboardInterrupt
+
+  monkeypatch.setattr(checkpoint.files, "write_atomically", interrupted)
+  with pytest.raises(KeyboardInterrupt):
+    checkpoint.save(tmp_path / "ckpt", MoELayer(MOE, rngs=nnx.Rngs(1)), step=4, overwrite=True)
+  monkeypatch.undo()
+  restored = MoELayer(MOE, rngs=nnx.Rngs(2))
+  assert checkpoint.restore(tmp_path / "ckpt", restored) == 3
+  chex.assert_trees_all_equal(nnx.state(restored), nnx.state(model))
+  checkpoint.save(tmp_path / "ckpt", MoELayer(MOE, rngs=nnx.Rngs(1)), step=4, overwrite=True)
+  assert checkpoint.step_of(tmp_path / "ckpt") == 4
+  assert len(list((tmp_path / "ckpt").glob("state-*"))) == 2  # the interrupted one's, and 4's
+
+
+@pytest.mark.parametrize("expert_quant", [*(slow(f) for f in FORMATS if f != "fp8_block"),
+                                          "fp8_block"])  # fmt: skip
+def test_train_command_runs_at_its_defaults_and_guards_its_checkpoint(expert_quant, tmp_path):
+  """Every --expert-quant runs at the command's default sizes; an existing checkpoint is
+  resumed with --resume or replaced with --overwrite, never silently; a --resume path that
+  holds no checkpoint is an error."""
+  folder = str(tmp_path / "ck")
+  parse = lambda *flags: main_parser().parse_args(["train", "--checkpoint", folder, *flags])
+  train.run(parse("--steps", "1", "--expert-quant", expert_quant), mesh_shape=(2, 4))
+  assert checkpoint.step_of(folder) == 1
+  with pytest.raises(SystemExit, match=r"holds a checkpoint \(step 1\).*--resume.*--overwrite"):
+    train.run(parse("--steps", "1"), mesh_shape=(2, 4))
+  typo = main_parser().parse_args(["train", "--checkpoint", folder + "x", "--resume"])
+  with pytest.raises(SystemExit, match=r"--resume: .*ckx holds no checkpoint"):
+    train.run(typo, mesh_shape=(2, 4))
+  assert checkpoint.step_of(folder) == 1
 
 
 @pytest.mark.slow
