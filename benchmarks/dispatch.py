@@ -51,7 +51,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 from suite import best_time, make_params, sections_of  # benchmarks/suite.py, beside this script
 
-from moejax import MoEConfig, dispatch, moe_apply, routing
+from moejax import MoEConfig, dispatch, files, moe_apply, routing
 
 BF16_BYTES = 2
 SCALING_AXES = (8, 16, 32, 64, 128, 256)
@@ -278,7 +278,8 @@ def plot_scaling(rows: list[dict], path: Path) -> None:
   axes[1].legend(fontsize=8)
   fig.suptitle("moejax dispatch: bytes sent per token (bf16 rows, out and back)")
   fig.tight_layout()
-  fig.savefig(path, dpi=120)
+  with files.atomic_path(path, overwrite=True) as temporary:
+    fig.savefig(temporary, dpi=120)
 
 
 # ---- time -----------------------------------------------------------------------------------
@@ -394,10 +395,14 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument("--tokens", type=int, default=4096, help="tokens for the scaling section")
   parser.add_argument("--repeats", type=int, default=5)
   parser.add_argument("--out", default="results", help="folder for dispatch.json and the plot")
+  parser.add_argument("--overwrite", action="store_true", help="replace earlier results in --out")
   args = parser.parse_args(argv)
   sections = sections_of(parser, args.sections, SECTIONS)
   out = Path(args.out)
-  out.mkdir(parents=True, exist_ok=True)
+  if not args.overwrite:
+    files.refuse_existing(
+      [out / "dispatch.json", out / "dispatch_scaling.png"], how="pass --overwrite"
+    )
   print(f"moejax dispatch benchmark: {jax.devices()[0].device_kind}, JAX {jax.__version__}")
   rows = []
   if "hlo" in sections:
@@ -410,7 +415,7 @@ def main(argv: list[str] | None = None) -> None:
     rows += time_section(args.repeats)
   if "timing" in sections:
     rows += timing_section(args.repeats)
-  (out / "dispatch.json").write_text(json.dumps(rows, indent=1))
+  files.write_atomically(out / "dispatch.json", json.dumps(rows, indent=1), overwrite=True)
   print(f"\nwrote {out / 'dispatch.json'}")
 
 

@@ -39,7 +39,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from moejax import MoEConfig, MoEParams, eplb, moe_apply, param_shapes
+from moejax import MoEConfig, MoEParams, eplb, files, moe_apply, param_shapes
 from moejax.expert_placement import logical_load
 
 MESHES = ((1, 8), (2, 4))
@@ -174,7 +174,8 @@ def plot(rows, path: Path) -> None:
   np.atleast_1d(axes)[0].set_ylabel("balancedness (mean / max device load)")
   np.atleast_1d(axes)[0].legend()
   fig.tight_layout()
-  fig.savefig(path, dpi=110)
+  with files.atomic_path(path, overwrite=True) as temporary:
+    fig.savefig(temporary, dpi=110)
 
 
 def main() -> None:
@@ -183,6 +184,7 @@ def main() -> None:
   parser.add_argument("--draws", type=int, default=3, help="independent routers and batches")
   parser.add_argument("--dims", type=int, default=64, help="D = F of the layer")
   parser.add_argument("--out", type=Path, default=Path("results"))
+  parser.add_argument("--overwrite", action="store_true", help="replace earlier results in --out")
   parser.add_argument("--smoke", action="store_true", help="one mesh, one shape, R=8")
   args = parser.parse_args()
   meshes, shapes, strengths, redundant = MESHES, SHAPES, STRENGTHS, REDUNDANT
@@ -206,9 +208,9 @@ def main() -> None:
       f"{r['balancedness']:>9.3f} {r['worst']:>6.3f} {r['busiest_per_chunk']:>14.1f} "
       f"{r['mean_per_chunk']:>11.1f} {r['ms']:>8.1f}"
     )
-  args.out.mkdir(parents=True, exist_ok=True)
   meta = dict(jax=jax.__version__, tokens=args.tokens, dims=args.dims, draws=args.draws)
-  (args.out / "eplb.json").write_text(json.dumps(dict(meta=meta, rows=rows, draws=draws), indent=1))
+  results = json.dumps(dict(meta=meta, rows=rows, draws=draws), indent=1)
+  files.write_atomically(args.out / "eplb.json", results, overwrite=True)
   plot(rows, args.out / "eplb_balancedness.png")
 
 

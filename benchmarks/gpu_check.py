@@ -53,6 +53,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # moejax, kernels_pallas and tests, from this checkout
+from moejax import files  # noqa: E402  (imports JAX, but starts no backend)
+
 # Part -> time limit on a GPU, in seconds (550 in all: under the 600 s one device command may
 # run, parts that finish early leave the rest for start-up).
 LIMITS = {
@@ -77,7 +80,8 @@ class Recorder:
   def __call__(self, row: dict) -> None:
     self.rows.append(row)
     print(json.dumps({k: v for k, v in row.items() if k != "trace"}), flush=True)
-    self.path.write_text(json.dumps(dict(self.header, rows=self.rows), indent=1))
+    rows = json.dumps(dict(self.header, rows=self.rows), indent=1)
+    files.write_atomically(self.path, rows, overwrite=True)
 
   def case(self, name: str, check: Callable[[], dict]) -> None:
     """Runs one check, recording its result or its error; never raises."""
@@ -404,7 +408,7 @@ def _markdown(part: str, status: str, rows: list[dict]) -> str:
 
 def run_parts(parts: list[str], out: Path, smoke: bool) -> dict[str, dict]:
   """Runs each part in a child process; returns its status and time per part. The parent
-  never imports JAX: on a GPU it would hold the memory the parts need."""
+  never starts a JAX backend: on a GPU it would hold the memory the parts need."""
   header: dict = {}
   summary, report = {}, []
   for part in parts:
@@ -427,9 +431,10 @@ def run_parts(parts: list[str], out: Path, smoke: bool) -> dict[str, dict]:
       status = "failed"
     summary[part] = dict(status=status, seconds=round(time.perf_counter() - start, 1))
     report.append(_markdown(part, status, rows))
-  (out / "gpu_check.json").write_text(json.dumps(dict(header, parts=summary), indent=1))
+  results = json.dumps(dict(header, parts=summary), indent=1)
+  files.write_atomically(out / "gpu_check.json", results, overwrite=True)
   title = f"# GPU check: {header.get('device')}, JAX {header.get('jax')}, {header.get('date')}"
-  (out / "gpu_check.md").write_text("\n".join([title, "", *report]))
+  files.write_atomically(out / "gpu_check.md", "\n".join([title, "", *report]), overwrite=True)
   return summary
 
 
@@ -464,11 +469,13 @@ def main() -> None:
   parser.add_argument("--smoke", action="store_true", help="tiny shapes, interpreters (CPU)")
   parser.add_argument("--parts", default=",".join(PARTS), help="comma-separated parts to run")
   parser.add_argument("--part", help=argparse.SUPPRESS)  # one part, in this process
+  parser.add_argument("--overwrite", action="store_true", help="replace earlier results in --out")
   args = parser.parse_args()
   out = Path(args.out).resolve()
+  if not (args.part or args.overwrite):  # the parts write into the folder the run checked
+    files.refuse_existing([out / "gpu_check.json", out / "gpu_check.md"], how="pass --overwrite")
   out.mkdir(parents=True, exist_ok=True)
   if args.part:
-    sys.path.insert(0, str(ROOT))  # moejax, kernels_pallas and tests, from this checkout
     import jax
 
     device = jax.devices()[0]

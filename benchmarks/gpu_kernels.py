@@ -22,7 +22,6 @@ import functools
 import json
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -32,6 +31,7 @@ from kernels_pallas import MosaicBlocks, TritonBlocks, autotune, gmm, moe_mlp
 from kernels_pallas.backends import BACKENDS
 from kernels_pallas.formats import FORMATS
 from kernels_pallas.ops import KernelSettings, transposed_grouped_matmul
+from moejax import files
 
 
 @dataclasses.dataclass(frozen=True)
@@ -334,7 +334,10 @@ def main() -> None:
   parser.add_argument("--smoke", action="store_true", help="tiny shapes, interpreters (CPU)")
   parser.add_argument("--tune", action="store_true", help="autotune Mosaic blocks first")
   parser.add_argument("--out", default="results/gpu_kernels.json")
+  parser.add_argument("--overwrite", action="store_true", help="replace earlier results in --out")
   args = parser.parse_args()
+  if not args.overwrite:
+    files.refuse_existing([args.out], how="pass --overwrite")
   device = jax.devices()[0]
   if device.platform != "gpu" and not args.smoke:
     raise SystemExit(f"needs a GPU (found {device.device_kind}); use --smoke for a CPU check")
@@ -343,11 +346,8 @@ def main() -> None:
   run(args.smoke, rows.append, tune_first=args.tune)
   print(f"{device.device_kind}, JAX {jax.__version__}, bf16, {time.perf_counter() - start:.0f} s")
   print(format_table(rows))
-  out = Path(args.out)
-  out.parent.mkdir(parents=True, exist_ok=True)
-  out.write_text(
-    json.dumps(dict(device=device.device_kind, jax=jax.__version__, rows=rows), indent=1)
-  )
+  results = dict(device=device.device_kind, jax=jax.__version__, rows=rows)
+  files.write_atomically(args.out, json.dumps(results, indent=1), overwrite=True)
   if any("error" in r for r in rows):
     raise SystemExit("some cases failed: see the table")
 

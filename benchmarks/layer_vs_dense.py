@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
 from kernels_pallas import autotune
-from moejax import MoEConfig, moe_apply, param_shapes
+from moejax import MoEConfig, files, moe_apply, param_shapes
 from moejax.params import MoEParams
 
 
@@ -55,7 +54,10 @@ def main() -> None:
   parser.add_argument("--repeats", type=int, default=5)
   parser.add_argument("--skip-ragged", action="store_true", help="ragged_dot is slow on CPU")
   parser.add_argument("--out", default="results/layer_vs_dense.json")
+  parser.add_argument("--overwrite", action="store_true", help="replace earlier results in --out")
   args = parser.parse_args()
+  if not args.overwrite:
+    files.refuse_existing([args.out], how="pass --overwrite")
 
   t, e, k, d, f = args.tokens, args.experts, args.top_k, args.hidden, args.intermediate
   flops = 2 * t * k * (d * 2 * f + f * d)
@@ -103,9 +105,8 @@ def main() -> None:
     print(
       f"{row['name']:40} {row['ms']:9.1f} {row['gflops']:9.1f} {row['fraction_of_ceiling']:9.2f}"
     )
-  out = Path(args.out)
-  out.parent.mkdir(parents=True, exist_ok=True)
-  out.write_text(json.dumps({"shape": vars(args), "rows": rows}, indent=2))
+  results = json.dumps({"shape": vars(args), "rows": rows}, indent=2)
+  files.write_atomically(args.out, results, overwrite=True)
 
 
 if __name__ == "__main__":

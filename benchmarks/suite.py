@@ -57,7 +57,7 @@ from jax.sharding import Mesh
 
 from kernels_pallas.formats import FORMATS
 from kernels_pallas.quantized import is_block_scaled
-from moejax import MoEConfig, MoEParams, lora, moe_apply, param_shapes, quant, routing
+from moejax import MoEConfig, MoEParams, files, lora, moe_apply, param_shapes, quant, routing
 from moejax.experts import default_tile_rows, grouped_mlp
 from moejax.forward import chunk_layout, compiled_executables
 from moejax.meshes import named_sharding
@@ -770,7 +770,8 @@ def plot_chunks(rows: list[dict], path: Path) -> None:
   ax_mem.legend(fontsize=7)
   fig.suptitle("moejax chunk sweep (E=32, K=2, D=256, F=512, float32, CPU)")
   fig.tight_layout()
-  fig.savefig(path, dpi=120)
+  with files.atomic_path(path, overwrite=True) as temporary:
+    fig.savefig(temporary, dpi=120)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -782,6 +783,7 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument("--full", action="store_true", help="more shapes and token counts")
   parser.add_argument("--repeats", type=int, default=3, help="timed calls per case (default 3)")
   parser.add_argument("--out", default="results", help="folder for bench.json and the plot")
+  parser.add_argument("--overwrite", action="store_true", help="replace earlier results in --out")
   parser.add_argument(
     "--sections",
     default=",".join(DEFAULT_SECTIONS),
@@ -796,7 +798,8 @@ def main(argv: list[str] | None = None) -> None:
   )
   rows = []
   out = Path(args.out)
-  out.mkdir(parents=True, exist_ok=True)
+  if not args.overwrite:
+    files.refuse_existing([out / "bench.json", out / "chunk_sweep.png"], how="pass --overwrite")
   if "layer" in sections:
     rows += layer_section(args.full, args.repeats)
   if "chunks" in sections:
@@ -827,7 +830,7 @@ def main(argv: list[str] | None = None) -> None:
     import mesh
 
     rows += mesh.mesh_section(args.repeats, _table)
-  (out / "bench.json").write_text(json.dumps(rows, indent=1))
+  files.write_atomically(out / "bench.json", json.dumps(rows, indent=1), overwrite=True)
   print(f"\nwrote {out / 'bench.json'} in {time.perf_counter() - start:.0f} s")
 
 

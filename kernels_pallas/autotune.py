@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import re
 import time
 from collections.abc import Callable, Sequence
@@ -113,5 +114,8 @@ def autotune(
     "ms": seconds * 1e3,
   }
   path.parent.mkdir(parents=True, exist_ok=True)
-  path.write_text(json.dumps(cache, indent=2, sort_keys=True) + "\n")
+  # Whole or not at all: a run stopped mid-write must not leave a cache that fails to parse.
+  temporary = path.with_name(f".{path.name}.{os.getpid()}")
+  temporary.write_text(json.dumps(cache, indent=2, sort_keys=True) + "\n")
+  os.replace(temporary, path)
   return best

@@ -137,10 +137,16 @@ def test_an_unknown_section_is_a_usage_error(command, typo):
   assert f"--sections: unknown {typo}" in result.stderr, result.stderr
 
 
-def test_bench_suite_compiles_once(tmp_path):
+def test_bench_suite_compiles_once_and_keeps_earlier_results(tmp_path):
+  """A second run into the same --out refuses before running (naming --overwrite), and
+  leaves the first run's results as they were."""
   run_script("-m", "moejax", "bench", "--sections", "compiles", out=tmp_path)
-  bench = json.loads((tmp_path / "bench.json").read_text())
+  written = (tmp_path / "bench.json").read_text()
+  bench = json.loads(written)
   assert [r["executables"] for r in bench if r["section"] == "compiles"] == [1]
+  again = run_python("-m", "moejax", "bench", "--sections", "compiles", "--out", str(tmp_path))
+  assert again.returncode != 0 and "bench.json exists: pass --overwrite" in again.stderr
+  assert (tmp_path / "bench.json").read_text() == written
 
 
 def test_bench_suite_quant_section_reports_formats(tmp_path):

@@ -133,6 +133,10 @@ def test_adapters_written_read_back_onto_a_mesh(layout, tmp_path):
     chex.assert_trees_all_close(
       delta(got, back.config), delta(theirs, config), **tolerance(comparison="reordered")
     )
+  before = (tmp_path / "adapter" / "adapter_model.safetensors").read_bytes()
+  with pytest.raises(FileExistsError, match=r"adapter_model\.safetensors exists.*overwrite=True"):
+    hf.save_lora(tmp_path / "adapter", {1: params}, config, model_type="deepseek_v3")
+  assert (tmp_path / "adapter" / "adapter_model.safetensors").read_bytes() == before
   assert back.config.lora_rank == 6 and back.config.lora_scale == config.lora_scale
 
 

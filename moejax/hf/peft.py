@@ -37,6 +37,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
+from moejax import files
 from moejax.config import MoEConfig
 from moejax.hf.families import family_of
 from moejax.hf.layouts import Fused, PerExpert, halves
@@ -314,9 +315,11 @@ def save_lora(
   *,
   model_type: str,
   layout: str = "fused",
+  overwrite: bool = False,
 ) -> None:
   """Writes layers' adapters as a PEFT adapter directory that `PeftModel.from_pretrained`
-  loads onto the transformers model of `model_type`.
+  loads onto the transformers model of `model_type`. Each file is written whole or not at
+  all (a temporary name, then a rename).
 
   Args:
     path: the directory to write (created).
@@ -327,8 +330,10 @@ def save_lora(
     layout: "fused" (`target_parameters` on the 3-D expert parameters, what PEFT 0.21 writes
       for transformers 5) or "per_expert" (one adapter per expert and projection, each of
       rank r: gate's and up's share the fused A; exact for any fused adapter).
+    overwrite: replace an adapter already in `path` (else an error, before writing).
 
   Raises:
+    FileExistsError: `path` holds an adapter's files and not `overwrite`.
     ValueError: a layer without adapters, adapters that do not fit the config, or an unknown
       layout.
     NotImplementedError: the family has no such layout.
@@ -375,12 +380,16 @@ def save_lora(
     "init_lora_weights": True,
     "inference_mode": True,
   }
-  path = Path(path)
-  path.mkdir(parents=True, exist_ok=True)
-  (path / "adapter_config.json").write_text(json.dumps(adapter_config, indent=2))
-  from safetensors.numpy import save_file
+  from safetensors.numpy import save
 
-  save_file(tensors, str(path / "adapter_model.safetensors"))
+  written = {
+    "adapter_model.safetensors": save(tensors),
+    "adapter_config.json": json.dumps(adapter_config, indent=2),
+  }
+  if not overwrite:
+    files.refuse_existing([Path(path) / name for name in written])
+  for name, data in written.items():
+    files.write_atomically(Path(path) / name, data, overwrite=True)
 
 
 def _put(tensors: dict, module: str, a: np.ndarray, b: np.ndarray) -> None:
