@@ -7,6 +7,7 @@ the flags first, sets the devices, then runs the command.
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import os
 import runpy
@@ -41,36 +42,53 @@ def positive_float(value: str) -> float:
   return number
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+  """Every flag's help ends with its default (none for switches and flags without one)."""
+
+  def _get_help_string(self, action: argparse.Action) -> str:
+    if action.default in (None, False, argparse.SUPPRESS):
+      return action.help or ""
+    return super()._get_help_string(action)
+
+
 def _parser() -> argparse.ArgumentParser:
   # The choices come from the tables that define them. Importing JAX starts no backend: the
   # device count set after parsing still applies.
   from kernels_pallas.formats import FORMATS
+  from kernels_pallas.gpus import GPUS
   from moejax.config import BACKENDS, DISPATCHES
-  from moejax.fit import JOBS
+  from moejax.fit import JOBS, PRESETS
   from moejax.train import REMAT_POLICIES
 
   parser = argparse.ArgumentParser(prog="python -m moejax", description=__doc__)
   commands = parser.add_subparsers(dest="command", required=True)
-  demo_flags = commands.add_parser("demo", help="run the layer on uneven per-rank token counts")
-  demo_flags.add_argument("--experts", type=positive_int, default=16, help="E (default 16)")
-  demo_flags.add_argument("--top-k", type=positive_int, default=2, help="K (default 2)")
-  demo_flags.add_argument("--hidden", type=positive_int, default=128, help="D (default 128)")
-  demo_flags.add_argument("--intermediate", type=positive_int, default=256, help="F (default 256)")
+  command = functools.partial(commands.add_parser, formatter_class=_HelpFormatter)
+  demo_flags = command("demo", help="run the layer on uneven per-rank token counts")
+  demo_flags.add_argument("--experts", type=positive_int, default=16, help="E, routed experts")
+  demo_flags.add_argument("--top-k", type=positive_int, default=2, help="K, experts per token")
+  demo_flags.add_argument("--hidden", type=positive_int, default=128, help="D, the model width")
+  demo_flags.add_argument(
+    "--intermediate", type=positive_int, default=256, help="F, each expert's hidden width"
+  )
   demo_flags.add_argument(
     "--tokens-per-rank", type=positive_int, default=96, help="buffer rows per device"
   )
   demo_flags.add_argument(
-    "--chunk-size", type=chunk_size, default="auto", help='C, or "auto" (the default)'
+    "--chunk-size", type=chunk_size, default=16, help='C, rows per chunk per device, or "auto"'
   )
-  demo_flags.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-  train_flags = commands.add_parser("train", help="train a small MoE transformer, checkpoint it")
-  train_flags.add_argument("--steps", type=positive_int, default=60)
-  train_flags.add_argument("--batch-size", type=positive_int, default=32)
-  train_flags.add_argument("--seq-len", type=positive_int, default=16)
-  train_flags.add_argument("--vocab", type=positive_int, default=64)
-  train_flags.add_argument("--layers", type=positive_int, default=2)
-  train_flags.add_argument("--heads", type=positive_int, default=2)
-  train_flags.add_argument("--moe-every", type=int, default=1, choices=[1, 2])
+  demo_flags.add_argument(
+    "--dtype", default="float32", choices=["float32", "bfloat16"], help="compute dtype"
+  )
+  train_flags = command("train", help="train a small MoE transformer, checkpoint it")
+  train_flags.add_argument("--steps", type=positive_int, default=60, help="optimizer steps")
+  train_flags.add_argument("--batch-size", type=positive_int, default=32, help="sequences")
+  train_flags.add_argument("--seq-len", type=positive_int, default=16, help="tokens a sequence")
+  train_flags.add_argument("--vocab", type=positive_int, default=64, help="vocabulary size")
+  train_flags.add_argument("--layers", type=positive_int, default=2, help="transformer blocks")
+  train_flags.add_argument("--heads", type=positive_int, default=2, help="attention heads")
+  train_flags.add_argument(
+    "--moe-every", type=int, default=1, choices=[1, 2], help="an MoE block every N blocks"
+  )
   train_flags.add_argument(
     "--scan-layers", action="store_true", help="build the blocks as one stack, apply it by scan"
   )
@@ -80,24 +98,31 @@ def _parser() -> argparse.ArgumentParser:
     choices=list(REMAT_POLICIES),
     help="rematerialize each block: recompute everything, or save moejax.CHECKPOINT_NAMES",
   )
-  train_flags.add_argument("--experts", type=positive_int, default=8)
-  train_flags.add_argument("--top-k", type=positive_int, default=2)
-  train_flags.add_argument("--hidden", type=positive_int, default=32)
-  train_flags.add_argument("--intermediate", type=positive_int, default=64)
-  train_flags.add_argument("--chunk-size", type=chunk_size, default="auto")
-  train_flags.add_argument("--backend", default="auto", choices=BACKENDS)
-  train_flags.add_argument("--learning-rate", type=positive_float, default=3e-3)
+  train_flags.add_argument("--experts", type=positive_int, default=8, help="E, routed experts")
+  train_flags.add_argument("--top-k", type=positive_int, default=2, help="K, experts per token")
+  train_flags.add_argument("--hidden", type=positive_int, default=32, help="D, the model width")
+  train_flags.add_argument(
+    "--intermediate", type=positive_int, default=64, help="F, each expert's hidden width"
+  )
+  train_flags.add_argument(
+    "--chunk-size", type=chunk_size, default="auto", help='C, rows per chunk per device, or "auto"'
+  )
+  train_flags.add_argument(
+    "--backend", default="auto", choices=BACKENDS, help="the experts' backend (expert_backend)"
+  )
+  train_flags.add_argument("--learning-rate", type=positive_float, default=3e-3, help="Adam's")
   train_flags.add_argument(
     "--lora-rank",
     type=int,
     default=0,
-    help="train LoRA adapters of this rank on the experts only (default 0: every weight)",
+    help="train LoRA adapters of this rank on the experts only (0: every weight)",
   )
   train_flags.add_argument(
     "--expert-quant",
     choices=sorted(FORMATS),
     default=None,
-    help="quantized, frozen experts (e.g. under LoRA adapters); default float",
+    help="quantized, frozen experts (e.g. under LoRA adapters), in the format's own block; "
+    "default float",
   )
   train_flags.add_argument(
     "--checkpoint", default="checkpoints/moe_transformer", help="the checkpoint folder"
@@ -112,34 +137,47 @@ def _parser() -> argparse.ArgumentParser:
     help="start over, replacing the checkpoint in --checkpoint (without either flag an "
     "existing checkpoint is an error)",
   )
-  for command in (demo_flags, train_flags):
-    command.add_argument("--mesh", default="2x4", help="DATAxEXPERT mesh shape (default 2x4)")
-    command.add_argument("--seed", type=int, default=0)
-    command.add_argument(
-      "--platform", default="cpu", help="'cpu' simulates the mesh's devices (default); else as is"
+  for flags in (demo_flags, train_flags):
+    flags.add_argument("--mesh", default="2x4", help="DATAxEXPERT mesh shape")
+    flags.add_argument("--seed", type=int, default=0, help="of the weights and the data")
+    flags.add_argument(
+      "--platform", default="cpu", help="'cpu' simulates the mesh's devices; else as is"
     )
-  fit_flags = commands.add_parser(
+  fit_flags = command(
     "fit",
     help="will an MoE model fit on GPU nodes: its MoE stack compiled for them, no GPU needed",
   )
   model = fit_flags.add_mutually_exclusive_group(required=True)
-  model.add_argument("--model", help="a preset (moejax.fit.PRESETS), e.g. deepseek-v3")
+  model.add_argument("--model", choices=sorted(PRESETS), help="a preset (moejax.fit.PRESETS)")
   model.add_argument("--config", help="a checkpoint folder or its config.json")
-  fit_flags.add_argument("--gpu", default="h200", help="a100, h100, h200 or b200 (default h200)")
-  fit_flags.add_argument("--nodes", type=positive_int, default=1)
-  fit_flags.add_argument("--gpus-per-node", type=positive_int, default=8)
-  fit_flags.add_argument("--job", default="infer", choices=JOBS)
+  fit_flags.add_argument("--gpu", default="h200", choices=sorted(GPUS), help="the GPU kind")
+  fit_flags.add_argument("--nodes", type=positive_int, default=1, help="GPU nodes")
+  fit_flags.add_argument("--gpus-per-node", type=positive_int, default=8, help="GPUs a node")
+  fit_flags.add_argument("--job", default="infer", choices=JOBS, help="what the GPUs run")
   fit_flags.add_argument(
     "--expert-quant",
     default="released",
-    help='"released" (the checkpoint\'s format, the default), "none" (bf16) or a format',
+    choices=["released", "none", *sorted(FORMATS)],
+    help='"released": the checkpoint\'s format; "none": bf16; or a format',
   )
-  fit_flags.add_argument("--lora-rank", type=positive_int, default=16)
-  fit_flags.add_argument("--tokens-per-device", type=positive_int, default=4096)
-  fit_flags.add_argument("--expert-parallel", type=positive_int, default=None)
-  fit_flags.add_argument("--expert-fsdp", action="store_true")
-  fit_flags.add_argument("--dispatch", default="auto", choices=DISPATCHES)
-  fit_flags.add_argument("--chunk-size", type=chunk_size, default="auto")
+  fit_flags.add_argument(
+    "--lora-rank", type=positive_int, default=16, help="the adapters' rank (job lora)"
+  )
+  fit_flags.add_argument(
+    "--tokens-per-device", type=positive_int, default=4096, help="tokens each device holds"
+  )
+  fit_flags.add_argument(
+    "--expert-parallel", type=positive_int, default=None, help="S (default: every device)"
+  )
+  fit_flags.add_argument(
+    "--expert-fsdp", action="store_true", help="split expert weights over the data axis too"
+  )
+  fit_flags.add_argument(
+    "--dispatch", default="auto", choices=DISPATCHES, help="the exchange scheme"
+  )
+  fit_flags.add_argument(
+    "--chunk-size", type=chunk_size, default="auto", help='C, rows per chunk per device, or "auto"'
+  )
   fit_flags.add_argument(
     "--remat", default="none", choices=list(REMAT_POLICIES), help="as train's --remat"
   )

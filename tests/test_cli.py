@@ -58,3 +58,20 @@ def test_flags_that_make_no_transformer_exit_naming_the_field():
     from_flags(
       train, TransformerConfig, vocab_size=64, num_layers=1, num_heads=2, moe=moe, moe_every=2
     )
+
+
+def test_help_shows_every_default_and_the_choices_from_their_tables(capsys):
+  from kernels_pallas.formats import FORMATS
+  from moejax.fit import PRESETS
+
+  for command in ("demo", "train", "fit"):
+    with pytest.raises(SystemExit):
+      main([command, "--help"])
+  shown = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+  for default in (
+    "E, routed experts (default: 16)",
+    "(default: 2x4)",
+    "optimizer steps (default: 60)",
+  ):
+    assert default in shown, default
+  assert all(name in shown for name in [*PRESETS, *FORMATS]), shown

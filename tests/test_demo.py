@@ -30,6 +30,7 @@ def test_demo_checks_against_reference_and_skips_chunks():
   rows = re.findall(r"^\s+(\d+)\s+\((\d),(\d)\)\s+(\d+)\s+(\d+)\s+(\d+)$", out, re.M)
   assert len(rows) == 8, out
   assert int(rows[0][3]) == 0 and int(rows[1][3]) == 96, "rank 0 empty, rank 1 full"
+  assert any(int(row[5]) > 0 for row in rows), "the default chunk size skips a chunk"
   assert "chunks run [0, 0, 0, 0, 0, 0, 0, 0]" in out
   assert "compiled executables for the 3 token-count patterns: 1" in out
 
