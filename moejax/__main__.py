@@ -51,6 +51,16 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     return super()._get_help_string(action)
 
 
+def _layer_flags(flags: argparse.ArgumentParser, *, experts: int, hidden: int, intermediate: int):
+  """The layer's size flags, with a command's defaults (`cli_setup.moe_config` reads them)."""
+  flags.add_argument("--experts", type=positive_int, default=experts, help="E, routed experts")
+  flags.add_argument("--top-k", type=positive_int, default=2, help="K, experts per token")
+  flags.add_argument("--hidden", type=positive_int, default=hidden, help="D, the model width")
+  flags.add_argument(
+    "--intermediate", type=positive_int, default=intermediate, help="F, each expert's hidden width"
+  )
+
+
 def _parser() -> argparse.ArgumentParser:
   # The choices come from the tables that define them. Importing JAX starts no backend: the
   # device count set after parsing still applies.
@@ -64,12 +74,7 @@ def _parser() -> argparse.ArgumentParser:
   commands = parser.add_subparsers(dest="command", required=True)
   command = functools.partial(commands.add_parser, formatter_class=_HelpFormatter)
   demo_flags = command("demo", help="run the layer on uneven per-rank token counts")
-  demo_flags.add_argument("--experts", type=positive_int, default=16, help="E, routed experts")
-  demo_flags.add_argument("--top-k", type=positive_int, default=2, help="K, experts per token")
-  demo_flags.add_argument("--hidden", type=positive_int, default=128, help="D, the model width")
-  demo_flags.add_argument(
-    "--intermediate", type=positive_int, default=256, help="F, each expert's hidden width"
-  )
+  _layer_flags(demo_flags, experts=16, hidden=128, intermediate=256)
   demo_flags.add_argument(
     "--tokens-per-rank", type=positive_int, default=96, help="buffer rows per device"
   )
@@ -98,12 +103,7 @@ def _parser() -> argparse.ArgumentParser:
     choices=list(REMAT_POLICIES),
     help="rematerialize each block: recompute everything, or save moejax.CHECKPOINT_NAMES",
   )
-  train_flags.add_argument("--experts", type=positive_int, default=8, help="E, routed experts")
-  train_flags.add_argument("--top-k", type=positive_int, default=2, help="K, experts per token")
-  train_flags.add_argument("--hidden", type=positive_int, default=32, help="D, the model width")
-  train_flags.add_argument(
-    "--intermediate", type=positive_int, default=64, help="F, each expert's hidden width"
-  )
+  _layer_flags(train_flags, experts=8, hidden=32, intermediate=64)
   train_flags.add_argument(
     "--chunk-size", type=chunk_size, default="auto", help='C, rows per chunk per device, or "auto"'
   )
