@@ -184,12 +184,16 @@ def test_layer_rejects_a_mesh_that_does_not_fit():
 
 
 def test_a_layer_without_a_mesh_refuses_inputs_split_over_one():
+  """Unless a mesh is set (`jax.set_mesh`): then the layer runs on it."""
   mesh = jax.make_mesh((2, 4), ("data", "expert"))  # explicit axes by default
   no_mesh = MoELayer(CONFIG, rngs=nnx.Rngs(0))
   x = jax.random.normal(jax.random.key(1), (40, 16))
   sharded = jax.device_put(x, NamedSharding(mesh, P(("data", "expert"))))
-  with jax.set_mesh(mesh), pytest.raises(ValueError, match="but the layer has no mesh"):
+  with pytest.raises(ValueError, match="but the layer has no mesh"):
     no_mesh(sharded)
+  with jax.set_mesh(mesh):
+    y = no_mesh(sharded)
+  assert_close(y, reference_moe(no_mesh.moe_params(), x, CONFIG), what="y")
 
 
 def test_the_documented_submodules_are_reachable_from_the_package(monkeypatch):
