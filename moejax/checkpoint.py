@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import uuid
 from pathlib import Path
 
 import orbax.checkpoint as ocp
@@ -55,7 +54,11 @@ def save(
       "replace it, or save elsewhere"
     )
   directory.mkdir(parents=True, exist_ok=True)
-  state = f"state-{step}-{uuid.uuid4().hex[:8]}"
+  # A name every process of a multi-process job agrees on, never the one meta.json names now;
+  # a folder of that name is what an interrupted save left.
+  names = (f"state-{step}", f"state-{step}-next")
+  state = names[1] if previous is not None and previous["state"] == names[0] else names[0]
+  shutil.rmtree(directory / state, ignore_errors=True)
   with ocp.StandardCheckpointer() as checkpointer:
     checkpointer.save(directory / state, _pure(model, optimizer))
   meta = json.dumps({"step": step, "state": state})
@@ -120,16 +123,16 @@ def restore(
   meta = _meta(directory)
   if meta is None:
     raise FileNotFoundError(f"{directory} holds no checkpoint (no {_META})")
-  state = directory / meta["state"]
+  saved = directory / meta["state"]
   target = _pure(model, optimizer)
   with ocp.PyTreeCheckpointer() as checkpointer:
-    stored = checkpointer.metadata(state).item_metadata.tree
+    stored = checkpointer.metadata(saved).item_metadata.tree
     problem = _mismatch(stored, target, ())
     if problem is not None:
       raise ValueError(f"cannot restore {directory} into these targets: {problem}")
     restore_args = ocp.checkpoint_utils.construct_restore_args(target)
     restored = checkpointer.restore(
-      state,
+      saved,
       args=ocp.args.PyTreeRestore(item=target, restore_args=restore_args, partial_restore=True),
     )
   for name, module in (("model", model), ("optimizer", optimizer)):
