@@ -20,6 +20,7 @@ import importlib
 
 from kernels_pallas.quantized import BlockScaled
 from moejax import targets
+from moejax.call_plan import CallPlan, plan_call
 from moejax.config import MoEConfig
 from moejax.forward import MoEAux, chunk_layout, moe_apply
 from moejax.layer import MoELayer, collect_aux
@@ -30,6 +31,7 @@ from moejax.remat import CHECKPOINT_NAMES
 __all__ = [
   "CHECKPOINT_NAMES",
   "BlockScaled",
+  "CallPlan",
   "MoEAux",
   "MoEConfig",
   "MoELayer",
@@ -38,6 +40,7 @@ __all__ = [
   "collect_aux",
   "moe_apply",
   "param_shapes",
+  "plan_call",
   "reference_moe",
   "targets",
 ]

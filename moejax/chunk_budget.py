@@ -89,8 +89,8 @@ def ragged_dot_bytes(config: MoEConfig, chunk: int, axis_size: int) -> int:
   forward stays within them); float32 scaled by its size, not measured."""
   received = axis_size * chunk
   local_experts = config.num_physical_experts // axis_size
-  plan, _ = choose_plan(config, num_rows=received * config.top_k, local_experts=local_experts)
-  if plan.path != "ragged_dot":
+  choice = choose_plan(config, num_rows=received * config.top_k, local_experts=local_experts)
+  if choice.plan.path != "ragged_dot":
     return 0
   per_pair = (5 * config.hidden_size + 10 * config.intermediate_size) * local_experts
   return received * config.top_k * per_pair * np.dtype(config.dtype).itemsize
@@ -98,8 +98,15 @@ def ragged_dot_bytes(config: MoEConfig, chunk: int, axis_size: int) -> int:
 
 def chunk_bytes(config: MoEConfig, chunk: int, axis_size: int, scheme: str) -> int:
   """What one chunk of `chunk` rows per device holds under the exchange `scheme`
-  (`dispatch.scheme_of`): `CHUNK_TERMS` for each of the S·C rows it receives, the tile
-  padding, and ragged_dot's dense expansion on a GPU."""
+  (`dispatch.scheme_of`): the sum of `chunk_bytes_by_term`."""
+  return sum(chunk_bytes_by_term(config, chunk, axis_size, scheme).values())
+
+
+def chunk_bytes_by_term(
+  config: MoEConfig, chunk: int, axis_size: int, scheme: str
+) -> dict[str, int]:
+  """`chunk_bytes`' terms: each of `CHUNK_TERMS` for the S·C rows the chunk receives, the tile
+  padding, and ragged_dot's dense expansion on a GPU (0 where the plan does not take it)."""
   row = RowShape(
     config.hidden_size,
     config.top_k,
@@ -107,10 +114,15 @@ def chunk_bytes(config: MoEConfig, chunk: int, axis_size: int, scheme: str) -> i
     axis_size,
     all_to_all=scheme == "all_to_all",
   )
-  per_row = sum(term(row) for term in CHUNK_TERMS.values())
-  padding = tile_padding_bytes(config, chunk, axis_size)
-  expansion = ragged_dot_bytes(config, chunk, axis_size)
-  return math.ceil(per_row * axis_size * chunk) + padding + expansion
+  received = axis_size * chunk
+  terms = {name: math.ceil(term(row) * received) for name, term in CHUNK_TERMS.items()}
+  terms["the tile loop's padding (tile_padding_bytes)"] = tile_padding_bytes(
+    config, chunk, axis_size
+  )
+  terms["ragged_dot's dense expansion on a GPU (ragged_dot_bytes)"] = ragged_dot_bytes(
+    config, chunk, axis_size
+  )
+  return terms
 
 
 def outside_chunks(config: MoEConfig, rows: int, local_experts: int) -> int:
@@ -121,6 +133,15 @@ def outside_chunks(config: MoEConfig, rows: int, local_experts: int) -> int:
   token_rows = rows * (3 * d * F32 + 4 * config.top_k * F32 + 64)
   weights = local_experts * 3 * d * f * (np.dtype(config.param_dtype).itemsize + 2 * F32)
   return token_rows + weights + (1 << 20)
+
+
+def budget_source(config: MoEConfig) -> str:
+  """Where `budget_bytes` comes from, in words."""
+  if config.chunk_memory_bytes is not None:
+    return "config.chunk_memory_bytes"
+  if platform.platform() != "gpu":
+    return f"the {platform.platform()} default"
+  return "1/16 of the GPU's memory" if platform.gpu_memory_bytes() else "the GPU fallback, 1 GiB"
 
 
 def budget_bytes(config: MoEConfig) -> int:

@@ -323,10 +323,24 @@ def resolve_dispatch(dispatch: str, axis_size: int, platform_name: str) -> str:
   >>> resolve_dispatch("auto", axis_size=8, platform_name="gpu")
   'all_gather'
   """
+  return dispatch_choice(dispatch, axis_size, platform_name)[0]
+
+
+def dispatch_choice(dispatch: str, axis_size: int, platform_name: str) -> tuple[str, str]:
+  """`resolve_dispatch`'s scheme and why, in words (what `moejax.plan_call` reports)."""
   if dispatch != "auto":
-    return dispatch
+    return dispatch, f"config.dispatch={dispatch!r}"
   min_axis = ALL_TO_ALL_FASTER_FROM_AXIS.get(platform_name)
-  return "all_to_all" if min_axis is not None and axis_size >= min_axis else "all_gather"
+  if min_axis is None:
+    return "all_gather", (
+      f"dispatch='auto': no recorded run measured all_to_all faster on {platform_name} "
+      "(ALL_TO_ALL_FASTER_FROM_AXIS)"
+    )
+  scheme = "all_to_all" if axis_size >= min_axis else "all_gather"
+  return scheme, (
+    f"dispatch='auto': ALL_TO_ALL_FASTER_FROM_AXIS records all_to_all faster on "
+    f"{platform_name} from an expert axis of {min_axis}; this one has {axis_size}"
+  )
 
 
 def scheme_of(config: MoEConfig, axis_size: int) -> str:

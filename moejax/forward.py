@@ -10,14 +10,15 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from moejax import axis_groups, expert_placement, meshes, remat, routing, sharding
-from moejax.chunk_budget import auto_chunk
+from moejax import expert_placement, meshes, remat, routing, sharding
+from moejax.call_plan import plan_for
 from moejax.chunking import ChunkStages, TokenLayout, chunk_scan
 from moejax.collectives import gather_along, sum_over, vary_over
 from moejax.config import MoEConfig
@@ -25,9 +26,6 @@ from moejax.dispatch import (
   Dispatched,
   Exchange,
   crosses_devices,
-  make_exchange,
-  received_rows,
-  scheme_of,
 )
 from moejax.experts import routed_mlp, shared_mlp, zero_experts
 from moejax.params import (
@@ -38,7 +36,7 @@ from moejax.params import (
   check_params,
   compute_weights,
 )
-from moejax.plan import ExpertPlan, plan_experts
+from moejax.plan import ExpertPlan
 
 
 class MoEAux(NamedTuple):
@@ -119,26 +117,16 @@ def _apply_on_explicit_mesh(args, config, mesh):
   return meshes.with_auto_axes(apply, mesh, out_specs)(*args)
 
 
-def chunk_layout(
-  config: MoEConfig, num_tokens: int, mesh: Mesh | None = None, scheme: str | None = None
-) -> TokenLayout:
+def chunk_layout(config: MoEConfig, num_tokens: int, mesh: Mesh | None = None) -> TokenLayout:
   """How a call on `num_tokens` tokens is laid out: each device's share and its chunk C (the
-  config's, or for `chunk_size="auto"` the one `moejax.chunk_budget.auto_chunk` picks for the
-  call's exchange `scheme`; None: the one the mesh's platform resolves, `dispatch.scheme_of`).
+  config's, or for `chunk_size="auto"` the one the memory budget allows): the layout of its
+  `moejax.call_plan.CallPlan`.
 
   >>> config = MoEConfig(num_experts=8, top_k=2, hidden_size=64, intermediate_size=128)
   >>> chunk_layout(config, num_tokens=1000).chunk  # "auto": one chunk holds them all
   1000
   """
-  expert_axis = axis_groups.size(mesh, config.expert_axis)
-  devices = axis_groups.size(mesh, config.data_axis) * expert_axis
-  share = max(-(-num_tokens // devices), 1)
-  chunk = config.chunk_size
-  if chunk == "auto":
-    with meshes.running_on(mesh):
-      scheme = scheme or scheme_of(config, expert_axis)
-      chunk = auto_chunk(config, share, expert_axis, scheme)
-  return TokenLayout.plan(num_tokens, devices, chunk)
+  return plan_for(config, num_tokens, mesh).layout
 
 
 def compiled_executables() -> int:
@@ -201,33 +189,29 @@ def _moe_apply_jit(params, x, token_mask, router_logits, placement, *, config, m
 def _moe_apply_traced(params, x, token_mask, router_logits, placement, config, mesh):
   """`moe_apply`'s program (traced under jit)."""
   lead = x.shape[:-1]
-  expert_axis_size = axis_groups.size(mesh, config.expert_axis)
-  scheme = scheme_of(config, expert_axis_size)  # once per call, for the budget and exchange
-  layout = chunk_layout(config, math.prod(lead), mesh, scheme)
+  call = plan_for(config, math.prod(lead), mesh)  # every static choice, made here once
+  if call.expert_warning is not None:
+    warnings.warn(call.expert_warning, stacklevel=4)
+  layout = call.layout
   flat = lambda a, fill: layout.pad(a.reshape(layout.num_tokens, *a.shape[len(lead) :]), fill)
   mask = jnp.ones(lead, bool) if token_mask is None else token_mask
   tokens = TokenInputs(
     flat(x, 0), flat(mask, False), None if router_logits is None else flat(router_logits, 0)
   )
-  axes = None if mesh is None else config.expert_axes
-  exchange = make_exchange(config, axes, expert_axis_size, scheme)
-  plan = plan_experts(
-    config,
-    num_rows=received_rows(exchange, layout.chunk) * config.top_k,
-    local_experts=exchange.local_experts,
-  )
   body = functools.partial(
     local_forward,
     config=config,
-    plan=plan,
+    plan=call.expert,
     chunk_size=layout.chunk,
-    exchange=exchange,
+    exchange=call.exchange,
     all_axes=() if mesh is None else config.data_axes + config.expert_axes,
   )
   if mesh is None:
     y, stats, slot_counts, counts = body(params, placement, tokens)
   else:
-    y, stats, slot_counts, counts = _shard(body, mesh, config, plan, params, placement, tokens)
+    y, stats, slot_counts, counts = _shard(
+      body, mesh, config, call.expert, params, placement, tokens
+    )
   y = remat.named(layout.unpad(y).reshape(x.shape).astype(x.dtype), remat.LAYER_OUTPUT)
   aux = MoEAux(
     expert_counts=stats.expert_counts,

@@ -12,6 +12,7 @@ from jax.sharding import Mesh
 
 from kernels_pallas.quantized import BlockScaled
 from moejax import eplb, lora, meshes, sharding
+from moejax.call_plan import CallPlan, plan_call
 from moejax.config import MoEConfig
 from moejax.expert_placement import Placement, initial_placement, logical_load
 from moejax.forward import MoEAux, moe_apply
@@ -244,6 +245,11 @@ class MoELayer(nnx.Module):
       self.expert_load.set_value(self.expert_load.get_value() + aux.physical_counts)
     self._sow_aux(aux)
     return y
+
+  def plan(self, x: jax.Array | jax.ShapeDtypeStruct | tuple[int, ...]) -> CallPlan:
+    """What a call on `x` ([..., D], or its shape) will do, and why: its
+    `moejax.call_plan.CallPlan` (print it for the decisions in words)."""
+    return plan_call(self.config, x, mesh=self.mesh)
 
   def _placement(self) -> Placement | None:
     if not self.config.num_redundant_experts:

@@ -24,9 +24,10 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
+from typing import NamedTuple
 
 from kernels_pallas import platform
-from kernels_pallas.api import measured_faster
+from kernels_pallas.api import KERNEL_FASTER_FROM_ROWS, measured_faster
 from kernels_pallas.backends import (
   REFERENCE,
   Case,
@@ -90,40 +91,81 @@ def plan_experts(config: MoEConfig, num_rows: int, local_experts: int) -> Expert
   >>> plan_experts(config, num_rows=512, local_experts=8)  # on a CPU
   ExpertPlan(path='tile_loop', backend=None, interpret=False)
   """
-  plan, warning = choose_plan(config, num_rows, local_experts)
-  if warning is not None:
-    warnings.warn(warning, stacklevel=2)
-  return plan
+  choice = choose_plan(config, num_rows, local_experts)
+  if choice.warning is not None:
+    warnings.warn(choice.warning, stacklevel=2)
+  return choice.plan
 
 
-def choose_plan(
-  config: MoEConfig, num_rows: int, local_experts: int
-) -> tuple[ExpertPlan, str | None]:
-  """`plan_experts`' choice, and the warning it deserves (None): for callers that only ask
-  which path a call would take (`moejax.chunk_budget`)."""
+class ExpertChoice(NamedTuple):
+  """`choose_plan`'s answer.
+
+  Attributes:
+    plan: the `ExpertPlan`.
+    warning: what a caller that runs the plan should warn of, or None.
+    reason: why this path, in words (the config field, the platform rule or the measured
+      table the choice read): what `moejax.plan_call` reports.
+  """
+
+  plan: ExpertPlan
+  warning: str | None
+  reason: str
+
+
+def choose_plan(config: MoEConfig, num_rows: int, local_experts: int) -> ExpertChoice:
+  """`plan_experts`' choice, its warning and its reason: for callers that only ask which path
+  a call would take, and why (`moejax.chunk_budget`, `moejax.plan_call`)."""
   case = expert_case(config)
   kernel = select_kernel(case)
   if config.expert_backend == "pallas":
     if kernel is None:
-      warning = (
-        "expert_backend='pallas' falls back to the XLA tile loop: no kernel runs it "
-        f"({no_kernel_reason(case)})"
-      )
-      return ExpertPlan("tile_loop"), warning
-    warning = None
-    if platform.on_cpu():
-      warning = (
-        "expert_backend='pallas' on a CPU runs the Pallas kernels in the interpreter: slow, "
-        "for testing only"
-      )
-    return ExpertPlan("pallas", kernel, interpret=platform.on_cpu()), warning
+      why = f"no kernel runs it ({no_kernel_reason(case)})"
+      warning = f"expert_backend='pallas' falls back to the XLA tile loop: {why}"
+      return ExpertChoice(ExpertPlan("tile_loop"), warning, f"expert_backend='pallas', but {why}")
+    reason = f"expert_backend='pallas': {kernel}, the device's kernel for the case"
+    if not platform.on_cpu():
+      return ExpertChoice(ExpertPlan("pallas", kernel), None, reason)
+    warning = (
+      "expert_backend='pallas' on a CPU runs the Pallas kernels in the interpreter: slow, "
+      "for testing only"
+    )
+    return ExpertChoice(ExpertPlan("pallas", kernel, interpret=True), warning, reason)
   if config.expert_backend == "auto" and kernel is not None and measured_faster(kernel, num_rows):
-    return ExpertPlan("pallas", kernel), None
-  if (
-    unsupported_reason(REFERENCE, case) is None
-    and not platform.on_cpu()
-    and local_experts <= RAGGED_DOT_MAX_LOCAL_EXPERTS
-    and not decode_sized(num_rows, local_experts)
-  ):
-    return ExpertPlan("ragged_dot", REFERENCE), None
-  return ExpertPlan("tile_loop"), None
+    reason = (
+      f"expert_backend='auto': KERNEL_FASTER_FROM_ROWS records {kernel} faster than XLA from "
+      f"{KERNEL_FASTER_FROM_ROWS[kernel]} rows; the call has {num_rows}"
+    )
+    return ExpertChoice(ExpertPlan("pallas", kernel), None, reason)
+  xla = _xla_choice(config, case, num_rows, local_experts)
+  if config.expert_backend == "auto" and kernel is not None:
+    xla = xla._replace(
+      reason=f"expert_backend='auto': no recorded run measured {kernel} faster at {num_rows} "
+      f"rows (KERNEL_FASTER_FROM_ROWS); {xla.reason}"
+    )
+  return xla
+
+
+def _xla_choice(config: MoEConfig, case: Case, num_rows: int, local_experts: int) -> ExpertChoice:
+  """The better XLA path, and why."""
+  unsupported = unsupported_reason(REFERENCE, case)
+  if unsupported is not None:
+    reason = f"the tile loop: ragged_dot cannot run {unsupported}"
+  elif platform.on_cpu():
+    reason = "the tile loop: on a CPU ragged_dot is an order of magnitude slower"
+  elif local_experts > RAGGED_DOT_MAX_LOCAL_EXPERTS:
+    reason = (
+      f"the tile loop: {local_experts} local experts, more than the "
+      f"{RAGGED_DOT_MAX_LOCAL_EXPERTS} up to which ragged_dot measured faster on a GPU"
+    )
+  elif decode_sized(num_rows, local_experts):
+    reason = (
+      f"the tile loop: a decode-size call ({num_rows} rows for {local_experts} local experts) "
+      "reads only the experts it uses"
+    )
+  else:
+    reason = (
+      f"ragged_dot: {local_experts} local experts on a GPU, at most "
+      f"{RAGGED_DOT_MAX_LOCAL_EXPERTS} (measured faster than the tile loop on an H200)"
+    )
+    return ExpertChoice(ExpertPlan("ragged_dot", REFERENCE), None, reason)
+  return ExpertChoice(ExpertPlan("tile_loop"), None, reason)
