@@ -27,9 +27,9 @@ from jax.sharding import PartitionSpec as P
 from kernels_pallas.formats import FORMATS
 from kernels_pallas.gpus import GPUS, Gpu
 from moejax import hf, lora, quant, targets
+from moejax.call_plan import CallPlan, plan_call
 from moejax.config import MoEConfig
-from moejax.dispatch import resolve_dispatch
-from moejax.forward import chunk_layout, moe_apply
+from moejax.forward import moe_apply
 from moejax.params import MoEParams, param_shapes
 from moejax.sharding import LayerSpecs, map_params
 from moejax.train import REMAT_POLICIES
@@ -121,8 +121,8 @@ class FitReport:
   outputs_not_aliased, rest_of_model, total; the first five parts of the compiler's figures,
   gradients within temp, the rest arguments; total = arguments + temp + outputs_not_aliased
   + rest_of_model), the
-  GPU's memory, whether it fits and with what headroom, the mesh and chunk the program used,
-  and the step estimate."""
+  GPU's memory, whether it fits and with what headroom, the mesh, chunk and expert path the
+  program used (its `moejax.plan_call`), and the step estimate."""
 
   model: str
   gpu: str
@@ -135,6 +135,7 @@ class FitReport:
   dispatch: str
   remat: str
   chunk_size: int
+  expert_path: str
   tokens_per_device: int
   moe_layers: int
   per_device_bytes: dict[str, int]
@@ -230,9 +231,10 @@ def fit(
     "total": int(compiled + rest_bytes),
   }
   target = GPUS[gpu]
-  layout = chunk_layout(config, tokens_per_device * devices, mesh)  # the chunk compiled
+  # What the compiled program's layer decided: its chunk, exchange and expert path.
+  call = plan_call(config, (tokens_per_device * devices, config.hidden_size), mesh=mesh)
   estimate = estimate_step(
-    config, target, job, mesh_shape, nodes, gpus_per_node, tokens_per_device, layout.chunk, layers
+    config, target, job, mesh_shape, nodes, gpus_per_node, tokens_per_device, call, layers
   )
   return FitReport(
     model=name,
@@ -245,7 +247,8 @@ def fit(
     expert_fsdp=expert_fsdp,
     dispatch=dispatch,
     remat=remat,
-    chunk_size=layout.chunk,
+    chunk_size=call.layout.chunk,
+    expert_path=call.expert.path,
     tokens_per_device=tokens_per_device,
     moe_layers=layers,
     per_device_bytes=per_device,
@@ -460,12 +463,14 @@ RECORDED_H200_MS = {("ragged_dot", 8): 2.95, ("tile loop", 8): 6.41, ("tile loop
 _RECORDED_FLOPS = 2 * 8192 * 2 * 3 * 2048 * 1024
 
 
-def _efficiency(local_experts: int) -> tuple[str, float]:
-  """(the XLA path `moejax.plan` takes on a GPU, the fraction of the H200's bf16 peak its
-  forward reached in the recorded run): ragged_dot for at most 8 local experts (its rate
-  falls as they grow: the 8-expert figure), the tile loop above (the 32-expert figure)."""
-  key = ("ragged_dot", 8) if local_experts <= 8 else ("tile loop", 32)
-  return key[0], _RECORDED_FLOPS / (RECORDED_H200_MS[key] * 1e-3) / PEAK_BF16["h200"]
+def _efficiency(path: str) -> tuple[str, float]:
+  """(the rate's source, the fraction of the H200's bf16 peak it is) for the expert path the
+  call plan took: ragged_dot's recorded forward at 8 local experts (its best: the rate falls
+  as they grow), else the tile loop's at 32. The Pallas kernels have no recorded layer rate:
+  they are estimated at the tile loop's, and the report says so."""
+  key = ("ragged_dot", 8) if path == "ragged_dot" else ("tile loop", 32)
+  source = f"the XLA {key[0]} path" if path != "pallas" else "the tile loop (no kernel rate)"
+  return source, _RECORDED_FLOPS / (RECORDED_H200_MS[key] * 1e-3) / PEAK_BF16["h200"]
 
 
 def recorded_error() -> float:
@@ -483,15 +488,16 @@ def estimate_step(
   nodes: int,
   gpus_per_node: int,
   tokens_per_device: int,
-  chunk: int,
+  call: CallPlan,
   layers: int,
 ) -> StepEstimate:
   """One step's time, per layer and for the stack, as compute + HBM + exchange (no overlap
-  counted): an estimate, not a measurement."""
+  counted), for the chunk, scheme and expert path of the layer's `call` plan: an estimate,
+  not a measurement."""
   d, f, k = config.hidden_size, config.intermediate_size, config.top_k
   ep = mesh_shape["expert"]
-  local = config.num_physical_experts // ep
-  path, efficiency = _efficiency(local)
+  chunk, scheme = call.layout.chunk, call.scheme
+  source, efficiency = _efficiency(call.expert.path)
   passes = {"infer": 1, "lora": 2, "train": 3}[job]  # forward; + input gradient; + weight gradient
   per_token = 2 * k * 3 * d * f + 2 * 3 * d * config.shared_intermediate_size
   flops = passes * tokens_per_device * per_token
@@ -499,7 +505,6 @@ def estimate_step(
   weights = _expert_bytes_per_device(config, ep)
   chunks = -(-tokens_per_device // chunk)
   memory = passes * chunks * weights / gpu.memory_bandwidth
-  scheme = resolve_dispatch(config.dispatch, ep, "gpu")
   copies = min(k, ep) if scheme == "all_to_all" else ep - 1
   sent = 2 * tokens_per_device * copies * d * jnp.dtype(config.dtype).itemsize
   across = max(0, ep - gpus_per_node) / max(ep - 1, 1) if nodes > 1 else 0.0
@@ -515,7 +520,8 @@ def estimate_step(
     assumptions=(
       f"compute: {passes} pass(es) of the routed and shared experts' matmuls at the "
       f"{gpu.name} bf16 peak ({PEAK_BF16[gpu.name] / 1e12:.0f} TFLOP/s) times {efficiency:.3f}, "
-      f"the fraction the XLA {path} path reached in the recorded H200 run (routing balanced)",
+      f"the fraction {source} reached in the recorded H200 run (routing balanced); the layer's "
+      f"path: {call.expert.path} ({call.expert_reason})",
       f"HBM: each chunk ({chunks} of {chunk} tokens) reads the device's expert weights "
       f"({weights / 2**30:.2f} GiB) once per pass at {gpu.memory_bandwidth / 1e12:.1f} TB/s",
       f"exchange: {scheme} sends each token to {copies} other device(s) and back, at "

@@ -42,7 +42,8 @@ def text(report: FitReport) -> str:
   lines = [
     f"{report.model}, job {report.job}, experts {report.expert_quant or 'bf16'}, on "
     f"{report.nodes} x {report.gpus_per_node} {report.gpu} (mesh {mesh}, chunk "
-    f"{report.chunk_size}, {report.tokens_per_device} tokens per device, "
+    f"{report.chunk_size}, experts by {report.expert_path}, {report.tokens_per_device} "
+    "tokens per device, "
     f"{report.moe_layers} MoE layers)",
     f"{'fits' if report.fits else 'does NOT fit'}: {bytes_['total'] / GIB:.2f} GiB of "
     f"{report.gpu_memory_bytes / GIB:.2f} GiB per device (headroom "
