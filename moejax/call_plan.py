@@ -27,7 +27,13 @@ from jax.sharding import AbstractMesh, Mesh
 
 from kernels_pallas import platform
 from moejax import axis_groups, meshes
-from moejax.chunk_budget import auto_chunk, budget_bytes, budget_source, chunk_bytes_by_term
+from moejax.chunk_budget import (
+  PathOf,
+  auto_chunk,
+  budget_bytes,
+  budget_source,
+  chunk_bytes_by_term,
+)
 from moejax.chunking import TokenLayout
 from moejax.config import MoEConfig
 from moejax.dispatch import Exchange, dispatch_choice, make_exchange, received_rows
@@ -129,14 +135,19 @@ def plan_for(config: MoEConfig, num_tokens: int, mesh: Mesh | AbstractMesh | Non
   devices = axis_groups.size(mesh, config.data_axis) * axis_size
   with meshes.running_on(mesh):
     scheme, scheme_reason = dispatch_choice(config.dispatch, axis_size, platform.platform())
-    layout, budget = _layout(config, num_tokens, devices, axis_size, scheme)
     exchange = make_exchange(
       config, None if mesh is None else config.expert_axes, axis_size, scheme
     )
+    # The expert path depends on the chunk (its received rows); the budget asks for each size.
+    choice_at = lambda chunk: choose_plan(
+      config, received_rows(exchange, chunk) * config.top_k, exchange.local_experts
+    )
+    path_of = lambda chunk: choice_at(chunk).plan.path
+    layout, budget = _layout(config, num_tokens, devices, exchange, scheme, path_of)
     received = received_rows(exchange, layout.chunk)
     assignments = received * config.top_k
-    choice = choose_plan(config, assignments, exchange.local_experts)
-    terms = chunk_bytes_by_term(config, layout.chunk, axis_size, scheme)
+    choice = choice_at(layout.chunk)
+    terms = chunk_bytes_by_term(config, layout.chunk, axis_size, scheme, choice.plan.path)
     chunk_reason = _chunk_reason(config, layout, sum(terms.values()), budget)
     target = platform.target()
   tiled = choice.plan.path == "tile_loop"
@@ -158,13 +169,18 @@ def plan_for(config: MoEConfig, num_tokens: int, mesh: Mesh | AbstractMesh | Non
 
 
 def _layout(
-  config: MoEConfig, num_tokens: int, devices: int, axis_size: int, scheme: str
+  config: MoEConfig,
+  num_tokens: int,
+  devices: int,
+  exchange: Exchange,
+  scheme: str,
+  path_of: PathOf,
 ) -> tuple[TokenLayout, int | None]:
   """The tokens' layout, and the budget that chose its chunk (None: the config did)."""
   if config.chunk_size != "auto":
     return TokenLayout.plan(num_tokens, devices, config.chunk_size), None
   share = max(-(-num_tokens // devices), 1)
-  chunk = auto_chunk(config, share, axis_size, scheme)
+  chunk = auto_chunk(config, share, exchange.axis_size, scheme, path_of)
   return TokenLayout.plan(num_tokens, devices, chunk), budget_bytes(config)
 
 

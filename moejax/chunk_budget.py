@@ -3,21 +3,23 @@
 The chunk exists to bound what one step of the chunk loop holds; every chunk also costs a
 pass over the local experts' weights (docs/performance.md, "Chunk loop"), so the chunk
 should be as large as the budget allows. What one chunk holds grows with the rows a device
-receives for it, R = S·C (the gathered chunk of all_gather, the static receive buffers of
+receives for it, N = S·C (the gathered chunk of all_gather, the static receive buffers of
 all_to_all), and `CHUNK_TERMS` lists it, per received row, with what XLA:GPU's ragged_dot
-adds where the plan takes it (`ragged_dot_bytes`). The sum is an upper bound for both
-exchange schemes and for the gradient, which the chunk does not know it will have (the
-backward pass recomputes each chunk and holds its cotangents), checked against the compiled
-program's `memory_analysis()` on XLA:CPU (tests/test_chunk_budget.py) and on compile-only
-H200s (tests/test_gpu_compile.py). `outside_chunks` says what no
-chunk size bounds (the stated slack): the device's padded inputs and outputs, and the
-gradient of its expert weights.
+adds where the call takes it (`ragged_dot_bytes`). The expert path is an argument: the call
+plan (`moejax.call_plan`) decides it, for each chunk size it asks about (`PathOf`). The sum
+is an upper bound for both exchange schemes and for the gradient, which the chunk does not
+know it will have (the backward pass recomputes each chunk and holds its cotangents),
+checked against the compiled program's `memory_analysis()` on XLA:CPU
+(tests/test_chunk_budget.py) and on compile-only H200s (tests/test_gpu_compile.py).
+`outside_chunks` says what no chunk size bounds (the stated slack): the device's padded
+inputs and outputs, and the gradient of its expert weights.
 
 >>> config = MoEConfig(num_experts=32, top_k=2, hidden_size=256, intermediate_size=512,
 ...                    chunk_memory_bytes=64 << 20)
->>> auto_chunk(config, share=4096, axis_size=1, scheme="all_gather")  # one chunk: it fits
+>>> tile_loop = lambda chunk: "tile_loop"  # the expert path at every chunk size
+>>> auto_chunk(config, share=4096, axis_size=1, scheme="all_gather", path_of=tile_loop)
 4096
->>> auto_chunk(config, share=32768, axis_size=1, scheme="all_gather")  # 8 chunks pad nothing
+>>> auto_chunk(config, share=32768, axis_size=1, scheme="all_gather", path_of=tile_loop)
 4096
 """
 
@@ -32,7 +34,6 @@ import numpy as np
 from kernels_pallas import platform
 from moejax.config import MoEConfig
 from moejax.experts import default_tile_rows
-from moejax.plan import choose_plan
 
 GRANULARITY = 8  # rows: a chunk of several is a multiple of the tile loop's smallest tile
 CPU_BUDGET_BYTES = 256 << 20
@@ -51,6 +52,9 @@ class RowShape(NamedTuple):
 
 
 F32 = 4
+# The expert path ("tile_loop", "ragged_dot", "pallas") a call takes with chunks of C rows per
+# device: the call plan's rule, handed to the budget.
+PathOf = Callable[[int], str]
 # Bytes per received row, by what holds them: an upper bound. Measured on XLA:CPU in float32
 # at K = 2, S = 4 (tests/test_chunk_budget.py checks the sum against memory_analysis()), one
 # chunk adds 18-22·D bytes per received row forward and 28-39·D with the backward pass;
@@ -80,33 +84,32 @@ def tile_padding_bytes(config: MoEConfig, chunk: int, axis_size: int) -> int:
   return local_experts * tile_rows * config.hidden_size * 2 * F32
 
 
-def ragged_dot_bytes(config: MoEConfig, chunk: int, axis_size: int) -> int:
-  """What XLA:GPU's ragged_dot adds to a chunk where the plan takes it (0 elsewhere): its GPU
+def ragged_dot_bytes(config: MoEConfig, chunk: int, axis_size: int, path: str) -> int:
+  """What XLA:GPU's ragged_dot adds to a chunk on expert `path` (0 but for "ragged_dot"): its GPU
   lowering expands each grouped matmul densely over the El local experts, and the gradient
   holds, per received (row, choice) and local expert, up to (5·D + 10·F) times the compute
   dtype's bytes. Measured on compile-only H200 programs in bf16 (El 4 and 8, K 2 and 4, D
   1024 and 2048, F 512 and 1024: 146-578·D per received row, 6x the other terms; the
   forward stays within them); float32 scaled by its size, not measured."""
+  if path != "ragged_dot":
+    return 0
   received = axis_size * chunk
   local_experts = config.num_physical_experts // axis_size
-  choice = choose_plan(config, num_rows=received * config.top_k, local_experts=local_experts)
-  if choice.plan.path != "ragged_dot":
-    return 0
   per_pair = (5 * config.hidden_size + 10 * config.intermediate_size) * local_experts
   return received * config.top_k * per_pair * np.dtype(config.dtype).itemsize
 
 
-def chunk_bytes(config: MoEConfig, chunk: int, axis_size: int, scheme: str) -> int:
+def chunk_bytes(config: MoEConfig, chunk: int, axis_size: int, scheme: str, path: str) -> int:
   """What one chunk of `chunk` rows per device holds under the exchange `scheme`
-  (`dispatch.scheme_of`): the sum of `chunk_bytes_by_term`."""
-  return sum(chunk_bytes_by_term(config, chunk, axis_size, scheme).values())
+  (`dispatch.scheme_of`) on expert `path`: the sum of `chunk_bytes_by_term`."""
+  return sum(chunk_bytes_by_term(config, chunk, axis_size, scheme, path).values())
 
 
 def chunk_bytes_by_term(
-  config: MoEConfig, chunk: int, axis_size: int, scheme: str
+  config: MoEConfig, chunk: int, axis_size: int, scheme: str, path: str
 ) -> dict[str, int]:
   """`chunk_bytes`' terms: each of `CHUNK_TERMS` for the S·C rows the chunk receives, the tile
-  padding, and ragged_dot's dense expansion on a GPU (0 where the plan does not take it)."""
+  padding, and ragged_dot's dense expansion on a GPU (0 on the other paths)."""
   row = RowShape(
     config.hidden_size,
     config.top_k,
@@ -120,7 +123,7 @@ def chunk_bytes_by_term(
     config, chunk, axis_size
   )
   terms["ragged_dot's dense expansion on a GPU (ragged_dot_bytes)"] = ragged_dot_bytes(
-    config, chunk, axis_size
+    config, chunk, axis_size, path
   )
   return terms
 
@@ -157,22 +160,23 @@ def budget_bytes(config: MoEConfig) -> int:
   return int(limit * GPU_BUDGET_FRACTION) if limit else GPU_FALLBACK_BUDGET_BYTES
 
 
-def auto_chunk(config: MoEConfig, share: int, axis_size: int, scheme: str) -> int:
+def auto_chunk(config: MoEConfig, share: int, axis_size: int, scheme: str, path_of: PathOf) -> int:
   """The chunk of a device holding `share` tokens: all of them in one chunk if its
   `chunk_bytes` fit the budget; else, of the chunks that fit (multiples of `GRANULARITY`),
   the largest that divides the share (up to twice the fewest chunks), so that the layout
   pads nothing (a padded layout copies the tokens and the output: two [L, D] buffers);
   else even chunks, as many as the largest that fits needs. `scheme`: the call's exchange
-  (`dispatch.scheme_of`)."""
+  (`dispatch.scheme_of`); `path_of`: the expert path at each chunk size (the call plan's)."""
   budget = budget_bytes(config)
-  if chunk_bytes(config, share, axis_size, scheme) <= budget:
+  fits = lambda chunk: chunk_bytes(config, chunk, axis_size, scheme, path_of(chunk)) <= budget
+  if fits(share):
     return share
   largest = GRANULARITY  # the largest multiple that fits, by doubling and then bisecting
-  while largest < share and chunk_bytes(config, 2 * largest, axis_size, scheme) <= budget:
+  while largest < share and fits(2 * largest):
     largest *= 2
   step = largest // 2
   while step >= GRANULARITY:
-    if largest + step < share and chunk_bytes(config, largest + step, axis_size, scheme) <= budget:
+    if largest + step < share and fits(largest + step):
       largest += step
     step //= 2
   fewest = -(-share // largest)

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from moejax import MoEConfig, MoEParams, chunk_layout, moe_apply, param_shapes
+from moejax import MoEConfig, MoEParams, chunk_layout, moe_apply, param_shapes, plan_call
 from moejax.chunk_budget import auto_chunk, budget_bytes, chunk_bytes, outside_chunks
 from moejax.quant import quantize_experts
 from tests.helpers import (
@@ -54,11 +54,12 @@ def test_what_a_chunk_adds_stays_within_the_budget(scheme, grad):
   most the budget plus what no chunk bounds (`outside_chunks`)."""
   config = MoEConfig(**BASE, dispatch=scheme, chunk_memory_bytes=16 * MIB)
   tokens = 65536 * DEVICES
-  layout = chunk_layout(config, tokens, mesh_of(2, 4))
+  call = plan_call(config, (tokens, config.hidden_size), mesh=mesh_of(2, 4))
+  layout = call.layout
   assert 8 < layout.chunk < layout.share and layout.share % layout.chunk == 0, layout
   temp = compiled_temp(config, tokens, grad)
   smallest = compiled_temp(dataclasses.replace(config, chunk_size=8), tokens, grad)
-  estimate = chunk_bytes(config, layout.chunk, S, scheme)
+  estimate = chunk_bytes(config, layout.chunk, S, scheme, call.expert.path)
   assert estimate <= 16 * MIB
   assert temp - smallest <= estimate, (temp - smallest) / MIB
   assert temp <= 16 * MIB + outside_chunks(config, layout.local, 2), temp / MIB
@@ -113,7 +114,8 @@ def test_auto_keeps_the_chunk_contract(request):
 def test_the_budget_and_its_errors():
   config = MoEConfig(**BASE)
   assert config.chunk_size == "auto" and budget_bytes(config) == 256 * MIB  # a CPU
-  assert auto_chunk(config, share=100, axis_size=4, scheme="all_gather") == 100
+  tile_loop = lambda chunk: "tile_loop"
+  assert auto_chunk(config, share=100, axis_size=4, scheme="all_gather", path_of=tile_loop) == 100
   for bad in (0, -1, 1.5, True):
     with pytest.raises(ValueError, match="chunk_memory_bytes must be a positive int"):
       MoEConfig(**BASE, chunk_memory_bytes=bad)

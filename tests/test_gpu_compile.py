@@ -23,7 +23,14 @@ from kernels_pallas import autotune, platform
 from kernels_pallas.backends import BACKENDS
 from kernels_pallas.gpus import GPUS
 from kernels_pallas.ops import KernelSettings, grouped_matmul, transposed_grouped_matmul
-from moejax import MoEConfig, MoEParams, chunk_layout, dispatch, moe_apply, param_shapes, targets
+from moejax import (
+  MoEConfig,
+  MoEParams,
+  moe_apply,
+  param_shapes,
+  plan_call,
+  targets,
+)
 from moejax.chunk_budget import budget_bytes, chunk_bytes, outside_chunks
 from moejax.lora import expert_lora_shapes, init_like
 from moejax.params import EXPERT_PARAMS
@@ -243,10 +250,10 @@ def test_the_chunk_budget_bounds_the_gpu_gradient(num_experts, path):
     **LAYER | dict(num_experts=num_experts, top_k=2), **BF16, chunk_memory_bytes=64 << 20
   )
   with platform.running_on(mesh.devices.flat[0]):
-    layout = chunk_layout(config, tokens * 8, mesh)
-    local_experts = num_experts // 4
-    assert plan_experts(config, 4 * layout.chunk * 2, local_experts).path == path
-    estimate = chunk_bytes(config, layout.chunk, 4, dispatch.scheme_of(config, 4))
+    call = plan_call(config, (tokens * 8, config.hidden_size), mesh=mesh)
+    layout, local_experts = call.layout, num_experts // 4
+    assert call.expert.path == path
+    estimate = chunk_bytes(config, layout.chunk, 4, call.scheme, path)
     slack = outside_chunks(config, layout.local, local_experts)
   assert 8 < layout.chunk < layout.share, layout
   temp = lambda config: (
