@@ -228,8 +228,8 @@ def run_quant(smoke: bool, record: Callable[[dict], None]) -> None:
   from moejax.quant import quantize
 
   shape, token_counts = (SMOKE, (64,)) if smoke else (DEEPSEEK, QUANT_TOKENS)
-  fp8_block = (32, 32) if smoke else (128, 128)  # mxfp4's block is fixed
-  blocks = {"fp8_block": fp8_block, "int4_group": (32, 1)}  # int4: Kimi's groups of 32
+  # Each format's own block (fp8_block's 128x128 cut to 32x32 for the smoke run's sizes).
+  block = lambda fmt: (32, 32) if smoke and fmt == "fp8_block" else FORMATS[fmt].block_for(shape.f)
   keys = jax.random.split(jax.random.key(7), 3)
   floats = dict(
     w_gate_up=jax.random.normal(keys[0], (shape.experts, shape.d, 2 * shape.f)) / shape.d**0.5,
@@ -239,8 +239,7 @@ def run_quant(smoke: bool, record: Callable[[dict], None]) -> None:
     formats = BACKENDS[name].quant_formats
     weights = {None: {k: w.astype(jnp.bfloat16) for k, w in floats.items()}}
     weights |= {
-      fmt: {k: quantize(w, fmt, FORMATS[fmt].block or blocks[fmt]) for k, w in floats.items()}
-      for fmt in formats
+      fmt: {k: quantize(w, fmt, block(fmt)) for k, w in floats.items()} for fmt in formats
     }
     for tokens in token_counts if formats else ():
       rows = tokens * shape.top_k

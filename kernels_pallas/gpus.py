@@ -29,6 +29,8 @@ class Gpu:
     l2_cache_bytes: bytes.
     clock_ghz: the SM clock.
     fpus_per_sm: float32 FMA units per SM.
+    peak_bf16_flops: the dense bf16 matmul rate (vendor figure, no sparsity), FLOP/s.
+    nvlink_bandwidth: NVLink bytes per second each way per GPU, within a node.
   """
 
   name: str
@@ -42,6 +44,8 @@ class Gpu:
   l2_cache_bytes: int
   clock_ghz: float
   fpus_per_sm: int
+  peak_bf16_flops: float
+  nvlink_bandwidth: float
 
   def description(self) -> str:
     """The target description XLA compiles for (`GpuTargetConfigProto` text format)."""
@@ -94,6 +98,8 @@ GPUS = {
       l2_cache_bytes=40 * 2**20,
       clock_ghz=1.41,
       fpus_per_sm=64,
+      peak_bf16_flops=312e12,
+      nvlink_bandwidth=300e9,
     ),
     Gpu(
       name="h100",
@@ -107,6 +113,8 @@ GPUS = {
       l2_cache_bytes=50 * 2**20,
       clock_ghz=1.98,
       fpus_per_sm=128,
+      peak_bf16_flops=989e12,
+      nvlink_bandwidth=450e9,
     ),
     Gpu(
       name="h200",
@@ -120,6 +128,8 @@ GPUS = {
       l2_cache_bytes=50 * 2**20,
       clock_ghz=1.98,
       fpus_per_sm=128,
+      peak_bf16_flops=989e12,
+      nvlink_bandwidth=450e9,
     ),
     Gpu(
       name="b200",
@@ -133,6 +143,8 @@ GPUS = {
       l2_cache_bytes=126 * 2**20 + 512 * 2**10,
       clock_ghz=1.965,
       fpus_per_sm=128,
+      peak_bf16_flops=2250e12,
+      nvlink_bandwidth=900e9,
     ),
   )
 }

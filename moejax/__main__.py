@@ -68,7 +68,7 @@ def _parser() -> argparse.ArgumentParser:
   from kernels_pallas.gpus import GPUS
   from moejax.config import BACKENDS, DISPATCHES
   from moejax.fit import JOBS, PRESETS
-  from moejax.train import REMAT_POLICIES
+  from moejax.remat import REMAT_POLICIES
 
   parser = argparse.ArgumentParser(prog="python -m moejax", description=__doc__)
   commands = parser.add_subparsers(dest="command", required=True)

@@ -30,9 +30,10 @@ from moejax import hf, lora, quant, targets
 from moejax.call_plan import CallPlan, plan_call
 from moejax.config import MoEConfig
 from moejax.forward import moe_apply
-from moejax.params import MoEParams, param_shapes
+from moejax.params import ADAPTER_PARAMS, EXPERT_PARAMS, MoEParams, param_shapes
+from moejax.remat import REMAT_POLICIES
 from moejax.sharding import LayerSpecs, map_params
-from moejax.train import REMAT_POLICIES
+from moejax.stacking import stacked_sharding
 
 JOBS = ("infer", "lora", "train")
 
@@ -94,10 +95,8 @@ PRESETS: dict[str, dict[str, Any]] = {
   ),
 }  # fmt: skip
 
-# The bf16 dense matmul rate of each GPU (vendor figures, no sparsity), FLOP/s; NVLink bytes
-# per second each way per GPU within a node; the network per GPU across nodes (400 Gb/s).
-PEAK_BF16 = {"a100": 312e12, "h100": 989e12, "h200": 989e12, "b200": 2250e12}
-NVLINK = {"a100": 300e9, "h100": 450e9, "h200": 450e9, "b200": 900e9}
+# The network per GPU across nodes, bytes per second (400 Gb/s): the GPUs' own rates are
+# `kernels_pallas.gpus.Gpu`'s.
 NETWORK = 50e9
 
 
@@ -184,7 +183,7 @@ def fit(
       devices and the experts); the rest form the data axis.
     expert_fsdp, dispatch, chunk_size: as `MoEConfig`'s.
     remat: each layer rematerialized in the backward pass: "none", "full" (recompute
-      everything) or "names" (keep `moejax.CHECKPOINT_NAMES`), as `moejax.train.REMAT_POLICIES`.
+      everything) or "names" (keep `moejax.CHECKPOINT_NAMES`), as `moejax.remat.REMAT_POLICIES`.
     progress: show a progress bar while building and compiling.
 
   Raises:
@@ -349,7 +348,7 @@ def _layer_params(config: MoEConfig) -> MoEParams:
 def _stacked(params: MoEParams, config: MoEConfig, mesh, layers: int) -> MoEParams:
   """`layers` layers of `params`, the layer axis on no mesh axis, the rest as the layer's."""
   place = lambda leaf, spec: jax.ShapeDtypeStruct(
-    (layers, *leaf.shape), leaf.dtype, sharding=NamedSharding(mesh, P(None, *spec))
+    (layers, *leaf.shape), leaf.dtype, sharding=stacked_sharding(NamedSharding(mesh, spec))
   )
   return map_params(place, LayerSpecs.from_config(config).params(params), params)
 
@@ -362,10 +361,6 @@ def _bytes_per_device(tree) -> int:
   return int(bits) // 8
 
 
-_EXPERT_FIELDS = ("w_gate_up", "w_down", "b_gate_up", "b_down")
-_ADAPTER_FIELDS = ("lora", "shared_lora")
-
-
 def _program(config: MoEConfig, mesh, job: str, layers: int, tokens_per_device: int, policy):
   """(the job's function, its abstract arguments, the per-device bytes of its parts)."""
   stack = _stacked(_layer_params(config), config, mesh, layers)
@@ -376,11 +371,11 @@ def _program(config: MoEConfig, mesh, job: str, layers: int, tokens_per_device: 
     sharding=NamedSharding(mesh, P(tuple(mesh.axis_names))),
   )
   field = lambda names: {n: getattr(stack, n) for n in names if getattr(stack, n) is not None}
-  other = [n for n in MoEParams._fields if n not in _EXPERT_FIELDS + _ADAPTER_FIELDS]
+  other = [n for n in MoEParams._fields if n not in EXPERT_PARAMS + ADAPTER_PARAMS]
   parts = {
-    "expert_weights": _bytes_per_device(field(_EXPERT_FIELDS)),
+    "expert_weights": _bytes_per_device(field(EXPERT_PARAMS)),
     "other_moe_weights": _bytes_per_device(field(other)),
-    "adapters": _bytes_per_device(field(_ADAPTER_FIELDS)),
+    "adapters": _bytes_per_device(field(ADAPTER_PARAMS)),
     "gradients": 0,
     "optimizer_state": 0,
   }
@@ -395,7 +390,7 @@ def _program(config: MoEConfig, mesh, job: str, layers: int, tokens_per_device: 
 
   if job == "infer":
     return forward, (stack, x), parts
-  trains = lambda name: (name in _ADAPTER_FIELDS) == (job == "lora")
+  trains = lambda name: (name in ADAPTER_PARAMS) == (job == "lora")
   trained = stack._replace(**{n: None for n in MoEParams._fields if not trains(n)})
   frozen = stack._replace(**{n: None for n in MoEParams._fields if trains(n)})
   optimizer = optax.adam(1e-4, mu_dtype=jnp.float32)
@@ -470,7 +465,7 @@ def _efficiency(path: str) -> tuple[str, float]:
   they are estimated at the tile loop's, and the report says so."""
   key = ("ragged_dot", 8) if path == "ragged_dot" else ("tile loop", 32)
   source = f"the XLA {key[0]} path" if path != "pallas" else "the tile loop (no kernel rate)"
-  return source, _RECORDED_FLOPS / (RECORDED_H200_MS[key] * 1e-3) / PEAK_BF16["h200"]
+  return source, _RECORDED_FLOPS / (RECORDED_H200_MS[key] * 1e-3) / GPUS["h200"].peak_bf16_flops
 
 
 def recorded_error() -> float:
@@ -501,14 +496,14 @@ def estimate_step(
   passes = {"infer": 1, "lora": 2, "train": 3}[job]  # forward; + input gradient; + weight gradient
   per_token = 2 * k * 3 * d * f + 2 * 3 * d * config.shared_intermediate_size
   flops = passes * tokens_per_device * per_token
-  compute = flops / (PEAK_BF16[gpu.name] * efficiency)
+  compute = flops / (gpu.peak_bf16_flops * efficiency)
   weights = _expert_bytes_per_device(config, ep)
   chunks = -(-tokens_per_device // chunk)
   memory = passes * chunks * weights / gpu.memory_bandwidth
   copies = min(k, ep) if scheme == "all_to_all" else ep - 1
   sent = 2 * tokens_per_device * copies * d * jnp.dtype(config.dtype).itemsize
   across = max(0, ep - gpus_per_node) / max(ep - 1, 1) if nodes > 1 else 0.0
-  bandwidth = 1 / ((1 - across) / NVLINK[gpu.name] + across / NETWORK)
+  bandwidth = 1 / ((1 - across) / gpu.nvlink_bandwidth + across / NETWORK)
   exchange = (2 if job != "infer" else 1) * sent / bandwidth
   layer = compute + memory + exchange
   return StepEstimate(
@@ -519,13 +514,13 @@ def estimate_step(
     stack_s=layer * layers,
     assumptions=(
       f"compute: {passes} pass(es) of the routed and shared experts' matmuls at the "
-      f"{gpu.name} bf16 peak ({PEAK_BF16[gpu.name] / 1e12:.0f} TFLOP/s) times {efficiency:.3f}, "
+      f"{gpu.name} bf16 peak ({gpu.peak_bf16_flops / 1e12:.0f} TFLOP/s) times {efficiency:.3f}, "
       f"the fraction {source} reached in the recorded H200 run (routing balanced); the layer's "
       f"path: {call.expert.path} ({call.expert_reason})",
       f"HBM: each chunk ({chunks} of {chunk} tokens) reads the device's expert weights "
       f"({weights / 2**30:.2f} GiB) once per pass at {gpu.memory_bandwidth / 1e12:.1f} TB/s",
       f"exchange: {scheme} sends each token to {copies} other device(s) and back, at "
-      f"{NVLINK[gpu.name] / 1e9:.0f} GB/s NVLink within a node and {NETWORK / 1e9:.0f} GB/s "
+      f"{gpu.nvlink_bandwidth / 1e9:.0f} GB/s NVLink within a node and {NETWORK / 1e9:.0f} GB/s "
       "across nodes",
       "no overlap of the three; attention and the rest of the model not included",
       f"error on the recorded H200 run's shapes: {recorded_error():.0%} (the tile loop at 8 "
@@ -536,6 +531,6 @@ def estimate_step(
 
 def _expert_bytes_per_device(config: MoEConfig, ep: int) -> int:
   stack = _layer_params(config)
-  experts = [getattr(stack, n) for n in _EXPERT_FIELDS if getattr(stack, n) is not None]
+  experts = [getattr(stack, n) for n in EXPERT_PARAMS if getattr(stack, n) is not None]
   bits = sum(leaf.size * jax.dtypes.itemsize_bits(leaf.dtype) for leaf in jax.tree.leaves(experts))
   return bits // 8 // ep

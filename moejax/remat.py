@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from typing import TypeVar
 
+import jax
 from jax.ad_checkpoint import checkpoint_name
 
 # [L, E + Z] per device: the router's logits, padding rows zeroed.
@@ -34,6 +35,14 @@ DISPATCHED_ROWS = "moejax_dispatched_rows"
 LAYER_OUTPUT = "moejax_layer_output"
 
 CHECKPOINT_NAMES = (ROUTER_LOGITS, ROUTED_ROWS, DISPATCHED_ROWS, LAYER_OUTPUT)
+
+# Remat policies by name (the commands' --remat): no remat, recompute everything, or save
+# `CHECKPOINT_NAMES` and recompute the rest.
+REMAT_POLICIES = {
+  "none": None,
+  "full": jax.checkpoint_policies.nothing_saveable,
+  "names": jax.checkpoint_policies.save_only_these_names(*CHECKPOINT_NAMES),
+}
 
 Tree = TypeVar("Tree")
 

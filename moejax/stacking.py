@@ -15,6 +15,16 @@ from jax.sharding import PartitionSpec as P
 Tree = TypeVar("Tree")
 
 
+def stacked_sharding(sharding: NamedSharding) -> NamedSharding:
+  """A layer's sharding -> its stack's: a leading layer axis on no mesh axis."""
+  return NamedSharding(sharding.mesh, P(None, *sharding.spec))
+
+
+def layer_sharding(sharding: NamedSharding) -> NamedSharding:
+  """A stack's sharding -> one layer's: the inverse of `stacked_sharding`."""
+  return NamedSharding(sharding.mesh, P(*sharding.spec[1:]))
+
+
 def layer_of(tree: Tree, index: int) -> Tree:
   """Layer `index` of every leaf [layers, ...] -> [...]: a sharded leaf keeps the rest of its spec
   (a layer's expert weights stay split over the expert axis), a host one stays on the host.
@@ -30,7 +40,7 @@ def _slice(leaf, index: int):
     return np.asarray(leaf)[index]
   found = leaf.sharding
   if isinstance(found, NamedSharding):
-    return jax.device_put(leaf[index], NamedSharding(found.mesh, P(*found.spec[1:])))
+    return jax.device_put(leaf[index], layer_sharding(found))
   return leaf[index]
 
 

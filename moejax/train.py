@@ -18,15 +18,8 @@ from moejax import checkpoint
 from moejax.cli_setup import from_flags, layer_mesh, moe_config
 from moejax.layer import collect_aux
 from moejax.models import ClusterTask, MoETransformer, TransformerConfig, shard_model
-from moejax.remat import CHECKPOINT_NAMES
+from moejax.remat import REMAT_POLICIES
 from moejax.sharding import LayerSpecs
-
-# The train command's --remat choices: no remat, recompute everything, save the layer's names.
-REMAT_POLICIES = {
-  "none": None,
-  "full": jax.checkpoint_policies.nothing_saveable,
-  "names": jax.checkpoint_policies.save_only_these_names(*CHECKPOINT_NAMES),
-}
 
 
 @dataclasses.dataclass(frozen=True)

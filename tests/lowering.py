@@ -22,10 +22,10 @@ def cuda_custom_calls(fn, *shapes, disabled=(), device_kind="NVIDIA H100") -> st
 
 
 def block_scaled_spec(shape: tuple[int, ...], rhs_format: str) -> BlockScaled:
-  """Abstract `BlockScaled` weights [G, in, out] in a format (fp8_block with 128x128 blocks,
-  int4_group in groups of 128: the kernels take them as 32-row blocks)."""
+  """Abstract `BlockScaled` weights [G, in, out] in a format (its default block; int4_group in
+  groups of 128, which the kernels take as 32-row blocks)."""
   form = FORMATS[rhs_format]
-  block = form.block or ((128, 1) if rhs_format == "int4_group" else (128, 128))
+  block = form.block or ((128, 1) if rhs_format == "int4_group" else form.default_block)
   scales = (shape[0], -(-shape[1] // block[0]), -(-shape[2] // block[1]))
   spec = jax.ShapeDtypeStruct
   global_scale = spec((shape[0], shape[2]), jnp.float32) if form.global_scale else None

@@ -21,6 +21,7 @@ from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from kernels_pallas import autotune, platform
 from kernels_pallas.backends import BACKENDS
+from kernels_pallas.formats import FORMATS
 from kernels_pallas.gpus import GPUS
 from kernels_pallas.ops import KernelSettings, grouped_matmul, transposed_grouped_matmul
 from moejax import (
@@ -166,13 +167,8 @@ def test_the_xla_paths_compile_on_two_nodes(dispatch):
     assert compiled.memory_analysis().temp_size_in_bytes < GPUS["h200"].memory_bytes
 
 
-# Each quantized format's fields (its scale block where the config chooses one).
-QUANTIZED = {
-  "fp8_block": dict(expert_quant="fp8_block", quant_block_size=(128, 128)),
-  "mxfp4": dict(expert_quant="mxfp4"),
-  "int4_group": dict(expert_quant="int4_group", quant_block_size=(32, 1)),
-  "nvfp4": dict(expert_quant="nvfp4"),
-}
+# Each quantized format's fields, in its own block (`QuantFormat.block_for`).
+QUANTIZED = {name: dict(expert_quant=name) for name in FORMATS}
 EXPERT_MESH = ((1, 8), ("data", "expert"))
 # (config fields, (mesh shape, mesh axis names)) of each path and option on 8 H200s.
 PATHS = {

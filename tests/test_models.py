@@ -22,6 +22,7 @@ from moejax.__main__ import _parser as main_parser
 from moejax.expert_placement import initial_placement, logical_load
 from moejax.linen import moe_linen
 from moejax.models import ClusterTask, MoETransformer, TransformerConfig, shard_model
+from moejax.params import QUANTIZED_PARAMS
 from moejax.train import train_step
 from tests.helpers import assert_close, mesh_of, seed_of, slow, user_env
 
@@ -203,7 +204,7 @@ def test_linen_bridge_carries_the_layers_state(request, extra):
   if config.num_redundant_experts:
     assert set(variables) == {"params", "ExpertPlacement", "ExpertLoad"}
     slot_of = variables["ExpertPlacement"]["placement"]["physical_to_logical"]
-    for name in ("w_gate_up", "w_down"):  # each replica starts as its expert
+    for name in QUANTIZED_PARAMS:  # each replica starts as its expert
       np.testing.assert_array_equal(params[name], params[name][:experts][slot_of])
     load = updated["ExpertLoad"]["expert_load"]
     assert int(load.sum()) == config.top_k * int(mask.sum())
@@ -214,7 +215,7 @@ def test_linen_bridge_carries_the_layers_state(request, extra):
     quantized = variables["QuantizedWeight"]
     w_gate_up, w_down = (
       BlockScaled(quantized[name]["values"], quantized[name]["scales"], config.quant_block)
-      for name in ("w_gate_up", "w_down")
+      for name in QUANTIZED_PARAMS
     )
   expected = reference_moe(
     MoEParams(params["router_kernel"], w_gate_up, w_down), x, config, token_mask=mask
@@ -237,10 +238,8 @@ def _expert_leaves(variables, config):
   """{name: array} of the module's expert weights (values and scales of quantized ones)."""
   if config.expert_quant:
     quantized = variables["QuantizedWeight"]["moe"]
-    return {
-      f"{n}.{part}": quantized[n][part] for n in ("w_gate_up", "w_down") for part in quantized[n]
-    }
-  return {n: variables["params"]["moe"][n] for n in ("w_gate_up", "w_down")}
+    return {f"{n}.{part}": quantized[n][part] for n in QUANTIZED_PARAMS for part in quantized[n]}
+  return {n: variables["params"]["moe"][n] for n in QUANTIZED_PARAMS}
 
 
 @pytest.mark.parametrize(

@@ -20,6 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 from moejax import MoEConfig, MoELayer, checkpoint, eplb, moe_apply, reference_moe
 from moejax.forward import compiled_executables
+from moejax.params import EXPERT_PARAMS
 from moejax.replicas import move_plan
 from tests.helpers import (
   BASE,
@@ -48,7 +49,7 @@ def test_place_puts_each_experts_weights_in_its_slots(request):
   params = random_params(LOGICAL, jax.random.key(seed_of(request.node.name)))
   placement = random_placement(np.random.default_rng(0))
   physical = eplb.place(params, placement, CONFIG)
-  for name in ("w_gate_up", "w_down", "b_gate_up", "b_down"):
+  for name in EXPERT_PARAMS:
     logical = np.asarray(getattr(params, name))
     chex.assert_trees_all_equal(
       np.asarray(getattr(physical, name)), logical[placement.physical_to_logical]
@@ -106,7 +107,7 @@ def test_sum_replicas_adds_each_experts_slots(request):
   placement = random_placement(rng)
   grads = random_params(CONFIG, jax.random.key(seed_of(request.node.name)))
   summed = eplb.sum_replicas(grads, placement)
-  for name in ("w_gate_up", "w_down", "b_gate_up", "b_down"):
+  for name in EXPERT_PARAMS:
     physical = np.asarray(getattr(grads, name), np.float64)
     want = np.stack([physical[placement.physical_to_logical == e].sum(0) for e in range(8)])
     chex.assert_trees_all_close(np.asarray(getattr(summed, name)), want, **tolerance())

@@ -22,6 +22,7 @@ from moejax.hf.safetensors_files import SafetensorsFiles
 from moejax.meshes import named_sharding
 from moejax.params import MoEParams, check_params
 from moejax.sharding import LayerSpecs, check_mesh, map_params
+from moejax.stacking import stacked_sharding
 
 
 def load_layer(
@@ -164,10 +165,8 @@ def _empty_stack(params: MoEParams, layers: int) -> MoEParams:
   def empty(leaf):
     if not isinstance(leaf, jax.Array):
       return np.empty((layers, *leaf.shape), leaf.dtype)
-    spec = (None, *leaf.sharding.spec)
-    sharding = jax.sharding.NamedSharding(leaf.sharding.mesh, jax.sharding.PartitionSpec(*spec))
     zeros = functools.partial(jax.numpy.zeros, (layers, *leaf.shape), leaf.dtype)
-    return jax.jit(zeros, out_shardings=sharding)()
+    return jax.jit(zeros, out_shardings=stacked_sharding(leaf.sharding))()
 
   return jax.tree.map(empty, params)
 
