@@ -13,7 +13,7 @@ from kernels_pallas.quantized import is_block_scaled
 from moejax import meshes
 from moejax.config import MoEConfig
 from moejax.expert_placement import Placement, check_placement
-from moejax.forward import check_inputs
+from moejax.inputs import check_inputs
 from moejax.params import PER_EXPERT_FIELDS, MoEParams
 
 _HIGHEST = jax.lax.Precision.HIGHEST

@@ -202,9 +202,14 @@ def test_the_documented_submodules_are_reachable_from_the_package(monkeypatch):
   import importlib
 
   import moejax
+  import moejax.apps
 
   for name in moejax.SUBMODULES:
     monkeypatch.delattr(moejax, name, raising=False)  # as before any `import moejax.<name>`
     assert getattr(moejax, name) is importlib.import_module(f"moejax.{name}")
   with pytest.raises(AttributeError, match="no attribute 'hff'"):
     moejax.hff  # noqa: B018
+  for name in moejax.apps.PUBLIC_NAMES:  # the applications' public names are the modules
+    assert importlib.import_module(f"moejax.{name}") is importlib.import_module(
+      f"moejax.apps.{name}"
+    )

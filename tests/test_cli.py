@@ -5,8 +5,8 @@ import argparse
 
 import pytest
 
-from moejax.__main__ import main, parse_mesh
-from moejax.cli_setup import from_flags, layer_mesh, moe_config
+from moejax.apps.cli import main, parse_mesh
+from moejax.apps.cli_setup import from_flags, layer_mesh, moe_config
 from moejax.models import TransformerConfig
 
 FLAGS = argparse.Namespace(

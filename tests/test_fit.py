@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from moejax import fit as planner
-from moejax.__main__ import main
+from moejax.apps.cli import main
 from tests.gpu_tier import GPU_COMPILE_TIER, no_persistent_compilation_cache  # noqa: F401
 
 # A Qwen3-MoE of small width: 4 decoder layers, the first dense (mlp_only_layers).

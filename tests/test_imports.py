@@ -1,5 +1,6 @@
-"""The packages' import graph has no cycle: every module can be read before the modules it is
-imported by (function-level imports count too)."""
+"""The packages' import graph: no cycle (every module can be read before the modules it is
+imported by; function-level imports count too), the library never imports its applications,
+and the oracle shares no code with the fast path."""
 
 import ast
 from pathlib import Path
@@ -7,6 +8,14 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def public_names() -> tuple[str, ...]:
+  """`moejax.apps.PUBLIC_NAMES`, read without importing the package (which may be broken)."""
+  for node in ast.parse((ROOT / "moejax" / "apps" / "__init__.py").read_text()).body:
+    if isinstance(node, ast.Assign) and node.targets[0].id == "PUBLIC_NAMES":
+      return ast.literal_eval(node.value)
+  raise AssertionError("moejax/apps/__init__.py defines no PUBLIC_NAMES")
 
 
 def module_name(path: Path) -> str:
@@ -41,9 +50,41 @@ def cycle_from(start: str, graph: dict[str, set[str]]) -> list[str] | None:
   return None
 
 
+def import_graph(package: str) -> dict[str, set[str]]:
+  """{module: the package modules it imports}."""
+  files = {module_name(path): path for path in (ROOT / package).rglob("*.py")}
+  return {name: imported_modules(path, set(files)) for name, path in files.items()}
+
+
+def reachable(start: str, graph: dict[str, set[str]]) -> set[str]:
+  """Every module `start` imports, directly or through others."""
+  seen, stack = set(), [start]
+  while stack:
+    for imported in graph[stack.pop()] - seen:
+      seen.add(imported)
+      stack.append(imported)
+  return seen
+
+
 @pytest.mark.parametrize("package", ["moejax", "kernels_pallas"])
 def test_no_import_cycle(package):
-  files = {module_name(path): path for path in (ROOT / package).rglob("*.py")}
-  graph = {name: imported_modules(path, set(files)) for name, path in files.items()}
+  graph = import_graph(package)
   cycles = [cycle for name in sorted(graph) if (cycle := cycle_from(name, graph))]
   assert not cycles, " -> ".join(cycles[0])
+
+
+def test_the_library_never_imports_its_applications():
+  """Only `moejax.apps` (and the modules that give its parts their public names, and
+  `python -m moejax`'s entry) import it: the library's modules reach none of it."""
+  graph = import_graph("moejax")
+  applications = {name for name in graph if name.startswith("moejax.apps")}
+  aliases = {f"moejax.{name}" for name in public_names()} | {"moejax.__main__"}
+  library = set(graph) - applications - aliases
+  assert library and applications
+  reaching = {name: sorted(reachable(name, graph) & applications) for name in sorted(library)}
+  assert not any(reaching.values()), {k: v for k, v in reaching.items() if v}
+
+
+def test_the_oracle_does_not_import_the_fast_path():
+  graph = import_graph("moejax")
+  assert "moejax.forward" not in reachable("moejax.reference", graph)

@@ -1,6 +1,6 @@
 """What the `python -m moejax` commands build from their flags: the mesh and the MoEConfig.
 
-Imported by the commands only after `__main__` has set the simulated device count.
+Imported by the commands only after `moejax.apps.cli` has set the simulated device count.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from moejax.cli_setup import layer_mesh, moe_config
+from moejax.apps.cli_setup import layer_mesh, moe_config
 from moejax.forward import chunk_layout, compiled_executables, moe_apply
 from moejax.layer import MoELayer
 from moejax.reference import reference_moe

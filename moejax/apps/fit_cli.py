@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from moejax.fit import FitReport, fit
+from moejax.apps.fit import FitReport, fit
 
 GIB = 2**30
 

@@ -1,0 +1,536 @@
+"""Will it fit, and how fast would it run? A real MoE model's MoE stack compiled for GPU nodes
+on a machine without them.
+
+`fit` builds the model's MoE layers (their real number, scanned, real shapes) on a mesh of
+compile-only devices of the target (`moejax.targets`, JAX's CUDA plugin, no GPU), compiles the
+job as it runs (the forward for "infer"; loss, gradient and Adam update for "lora" and
+"train") and reports, per device, the compiler's memory figures against the GPU's memory.
+The rest of the model (attention, embeddings, dense layers) is outside moejax: its parameters
+are counted from config.json by a stated formula, their activations are not counted. The step
+time is an estimate (`StepEstimate`), every assumption in its report.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from kernels_pallas.formats import FORMATS
+from kernels_pallas.gpus import GPUS, Gpu
+from moejax import hf, lora, quant, targets
+from moejax.call_plan import CallPlan, plan_call
+from moejax.config import MoEConfig
+from moejax.forward import moe_apply
+from moejax.params import ADAPTER_PARAMS, EXPERT_PARAMS, MoEParams, param_shapes
+from moejax.remat import REMAT_POLICIES
+from moejax.sharding import LayerSpecs, map_params
+from moejax.stacking import stacked_sharding
+
+JOBS = ("infer", "lora", "train")
+
+# Published config.json fields of each preset (what `moejax.hf` and the rest-of-model count
+# read), as the models' repositories hold them.
+_DEEPSEEK_V3 = dict(
+  model_type="deepseek_v3", hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
+  num_hidden_layers=61, num_attention_heads=128, num_key_value_heads=128, n_shared_experts=1,
+  n_routed_experts=256, routed_scaling_factor=2.5, kv_lora_rank=512, q_lora_rank=1536,
+  qk_rope_head_dim=64, v_head_dim=128, qk_nope_head_dim=128, topk_method="noaux_tc", n_group=8,
+  topk_group=4, num_experts_per_tok=8, moe_layer_freq=1, first_k_dense_replace=3,
+  norm_topk_prob=True, scoring_func="sigmoid", vocab_size=129280, tie_word_embeddings=False,
+  hidden_act="silu",
+  quantization_config=dict(quant_method="fp8", fmt="e4m3", activation_scheme="dynamic",
+                           weight_block_size=[128, 128]),
+)  # fmt: skip
+_KIMI_K2 = {
+  **_DEEPSEEK_V3, "model_type": "kimi_k2", "num_attention_heads": 64, "num_key_value_heads": 64,
+  "n_routed_experts": 384, "routed_scaling_factor": 2.827, "n_group": 1, "topk_group": 1,
+  "first_k_dense_replace": 1, "vocab_size": 163840,
+}  # fmt: skip
+_QWEN3_MOE = dict(
+  model_type="qwen3_moe", num_experts_per_tok=8, num_experts=128, decoder_sparse_step=1,
+  mlp_only_layers=[], norm_topk_prob=True, vocab_size=151936, head_dim=128,
+  num_key_value_heads=4, tie_word_embeddings=False, hidden_act="silu",
+)  # fmt: skip
+PRESETS: dict[str, dict[str, Any]] = {
+  "deepseek-v3": _DEEPSEEK_V3,
+  "kimi-k2": _KIMI_K2,
+  "kimi-k2-thinking": {  # the same model, its routed experts INT4 in groups of 32
+    **_KIMI_K2,
+    "quantization_config": dict(
+      quant_method="compressed-tensors", format="pack-quantized",
+      config_groups=dict(group_0=dict(
+        targets=["Linear"], input_activations=None,
+        weights=dict(num_bits=4, type="int", symmetric=True, strategy="group", group_size=32,
+                     actorder=None, dynamic=False))),
+      ignore=["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*"],
+    ),
+  },
+  "qwen3-235b-a22b": dict(
+    **_QWEN3_MOE, hidden_size=4096, intermediate_size=12288, moe_intermediate_size=1536,
+    num_hidden_layers=94, num_attention_heads=64,
+  ),
+  "qwen3-30b-a3b": dict(
+    **_QWEN3_MOE, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+    num_hidden_layers=48, num_attention_heads=32,
+  ),
+  "gpt-oss-120b": dict(
+    model_type="gpt_oss", hidden_size=2880, intermediate_size=2880, num_local_experts=128,
+    num_experts_per_tok=4, num_hidden_layers=36, num_attention_heads=64, num_key_value_heads=8,
+    head_dim=64, vocab_size=201088, swiglu_limit=7.0, tie_word_embeddings=False,
+    quantization_config=dict(quant_method="mxfp4"),
+  ),
+  "mixtral-8x22b": dict(
+    model_type="mixtral", hidden_size=6144, intermediate_size=16384, num_local_experts=8,
+    num_experts_per_tok=2, num_hidden_layers=56, num_attention_heads=48, num_key_value_heads=8,
+    vocab_size=32000, tie_word_embeddings=False, hidden_act="silu",
+  ),
+}  # fmt: skip
+
+# The network per GPU across nodes, bytes per second (400 Gb/s): the GPUs' own rates are
+# `kernels_pallas.gpus.Gpu`'s.
+NETWORK = 50e9
+
+
+@dataclasses.dataclass(frozen=True)
+class StepEstimate:
+  """An estimated time of one step, per MoE layer and for the stack (seconds), with every
+  assumption it makes."""
+
+  compute_s: float
+  memory_s: float
+  exchange_s: float
+  layer_s: float
+  stack_s: float
+  assumptions: tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class FitReport:
+  """What `fit` found: per-device bytes (`per_device_bytes`: expert_weights,
+  other_moe_weights, adapters, gradients, optimizer_state, arguments, temp,
+  outputs_not_aliased, rest_of_model, total; the first five parts of the compiler's figures,
+  gradients within temp, the rest arguments; total = arguments + temp + outputs_not_aliased
+  + rest_of_model), the
+  GPU's memory, whether it fits and with what headroom, the mesh, chunk and expert path the
+  program used (its `moejax.plan_call`), and the step estimate."""
+
+  model: str
+  gpu: str
+  nodes: int
+  gpus_per_node: int
+  job: str
+  expert_quant: str | None
+  mesh: dict[str, int]
+  expert_fsdp: bool
+  dispatch: str
+  remat: str
+  chunk_size: int
+  expert_path: str
+  tokens_per_device: int
+  moe_layers: int
+  per_device_bytes: dict[str, int]
+  gpu_memory_bytes: int
+  fits: bool
+  headroom_bytes: int
+  rest_of_model_parameters: int
+  estimate: StepEstimate
+  notes: tuple[str, ...]
+
+  def to_json(self) -> dict[str, Any]:
+    return dataclasses.asdict(self)
+
+
+def fit(
+  model: str | Path | dict[str, Any],
+  gpu: str = "h200",
+  *,
+  nodes: int = 1,
+  gpus_per_node: int = 8,
+  job: str = "infer",
+  expert_quant: str | None = "released",
+  lora_rank: int = 16,
+  tokens_per_device: int = 4096,
+  expert_parallel: int | None = None,
+  expert_fsdp: bool = False,
+  dispatch: str = "auto",
+  chunk_size: int | str = "auto",
+  remat: str = "none",
+  progress: bool = False,
+) -> FitReport:
+  """Compiles the model's MoE stack for `nodes` x `gpus_per_node` GPUs of `gpu` and reports
+  whether the job fits, per device.
+
+  Args:
+    model: a name in `PRESETS`, config.json as a dict, or a checkpoint folder / config.json
+      path (any family `moejax.hf` reads).
+    gpu: a name in `moejax.targets.GPUS`.
+    nodes, gpus_per_node: the GPUs (one process per node).
+    job: "infer" (the forward), "lora" (adapters of `lora_rank` on the experts, trained with
+      Adam; the experts frozen) or "train" (Adam over every float MoE parameter).
+    expert_quant: "released" (the checkpoint's format), None (bf16) or a format of
+      `kernels_pallas.formats.FORMATS`.
+    tokens_per_device: tokens each device holds per step.
+    expert_parallel: devices of the expert axis (default: the most that divide both the
+      devices and the experts); the rest form the data axis.
+    expert_fsdp, dispatch, chunk_size: as `MoEConfig`'s.
+    remat: each layer rematerialized in the backward pass: "none", "full" (recompute
+      everything) or "names" (keep `moejax.CHECKPOINT_NAMES`), as `moejax.remat.REMAT_POLICIES`.
+    progress: show a progress bar while building and compiling.
+
+  Raises:
+    ValueError: an unknown preset, GPU or job, a mesh that does not divide, a job the
+      config cannot run (training quantized experts).
+    RuntimeError: JAX's CUDA plugin is missing (`moejax.targets`).
+  """
+  name, config_json = _model(model)
+  if gpu not in GPUS:
+    raise ValueError(f"gpu={gpu!r}; expected one of {sorted(GPUS)}")
+  if job not in JOBS:
+    raise ValueError(f"job={job!r}; expected one of {JOBS}")
+  if remat not in REMAT_POLICIES:
+    raise ValueError(f"remat={remat!r}; expected one of {tuple(REMAT_POLICIES)}")
+  devices = nodes * gpus_per_node
+  config = _config(config_json, job, expert_quant, lora_rank, expert_fsdp, dispatch, chunk_size)
+  ep = _expert_parallel(expert_parallel, devices, config.num_experts)
+  mesh_shape = {"data": devices // ep, "expert": ep}
+  layers = len(hf.moe_layers(config_json))
+  from tqdm import tqdm  # imported here: only a progress bar needs it
+
+  with tqdm(total=3, desc=f"fit {name}", disable=not progress) as bar:
+    mesh = targets.target_mesh(
+      gpu, tuple(mesh_shape.values()), nodes=nodes, gpus_per_node=gpus_per_node
+    )
+    bar.update()
+    program, arguments, parts = _program(
+      config, mesh, job, layers, tokens_per_device, REMAT_POLICIES[remat]
+    )
+    lowered = jax.jit(program, donate_argnums=_donated(job)).lower(*arguments)
+    bar.update()
+    memory = lowered.compile().memory_analysis()
+    bar.update()
+  rest = rest_of_model_parameters(config_json)
+  rest_bytes = rest * _REST_BYTES_PER_PARAMETER[job] // devices
+  compiled = memory.argument_size_in_bytes + memory.temp_size_in_bytes
+  compiled += memory.output_size_in_bytes - memory.alias_size_in_bytes
+  per_device = {
+    **parts,
+    "arguments": int(memory.argument_size_in_bytes),
+    "temp": int(memory.temp_size_in_bytes),
+    "outputs_not_aliased": int(memory.output_size_in_bytes - memory.alias_size_in_bytes),
+    "rest_of_model": int(rest_bytes),
+    "total": int(compiled + rest_bytes),
+  }
+  target = GPUS[gpu]
+  # What the compiled program's layer decided: its chunk, exchange and expert path.
+  call = plan_call(config, (tokens_per_device * devices, config.hidden_size), mesh=mesh)
+  estimate = estimate_step(
+    config, target, job, mesh_shape, nodes, gpus_per_node, tokens_per_device, call, layers
+  )
+  return FitReport(
+    model=name,
+    gpu=gpu,
+    nodes=nodes,
+    gpus_per_node=gpus_per_node,
+    job=job,
+    expert_quant=config.expert_quant,
+    mesh=mesh_shape,
+    expert_fsdp=expert_fsdp,
+    dispatch=dispatch,
+    remat=remat,
+    chunk_size=call.layout.chunk,
+    expert_path=call.expert.path,
+    tokens_per_device=tokens_per_device,
+    moe_layers=layers,
+    per_device_bytes=per_device,
+    gpu_memory_bytes=target.memory_bytes,
+    fits=per_device["total"] <= target.memory_bytes,
+    headroom_bytes=target.memory_bytes - per_device["total"],
+    rest_of_model_parameters=rest,
+    estimate=estimate,
+    notes=(
+      "MoE stack: compiled for the target by XLA (memory_analysis), its real layer count "
+      "scanned; the stand-in loss is the mean square of the stack's output; total = "
+      "arguments + temp + outputs_not_aliased + rest_of_model (expert weights, adapters and "
+      "optimizer state are parts of the arguments, gradients of temp)",
+      "rest of the model: parameters counted from config.json (embeddings, attention, dense "
+      f"FFN layers, norms), {_REST_BYTES_PER_PARAMETER[job]} bytes each for this job, split "
+      "evenly over every device; its activations are not counted",
+    ),
+  )
+
+
+# Bytes per parameter of the rest of the model: bf16 weights; training adds bf16 gradients
+# and Adam's two float32 moments.
+_REST_BYTES_PER_PARAMETER = {"infer": 2, "lora": 2, "train": 12}
+
+
+def _model(model: str | Path | dict[str, Any]) -> tuple[str, dict[str, Any]]:
+  if isinstance(model, dict):
+    return str(model.get("model_type")), model
+  if model in PRESETS:
+    return model, PRESETS[model]
+  if isinstance(model, str | Path) and Path(model).exists():
+    return str(model), hf.config_json(model)
+  raise ValueError(
+    f"model={model!r} is neither a preset ({sorted(PRESETS)}) nor an existing checkpoint "
+    "folder or config.json"
+  )
+
+
+def _config(config_json, job, expert_quant, lora_rank, expert_fsdp, dispatch, chunk_size):
+  """The MoEConfig of the job: bf16, the experts in the chosen format."""
+  config = hf.config_from_hf(
+    config_json,
+    dtype=jnp.bfloat16,
+    param_dtype=jnp.bfloat16,
+    expert_fsdp=expert_fsdp,
+    dispatch=dispatch,
+    chunk_size=chunk_size,
+    lora_rank=lora_rank if job == "lora" else 0,
+  )
+  if expert_quant != "released":
+    if expert_quant is not None and expert_quant not in FORMATS:
+      raise ValueError(
+        f"expert_quant={expert_quant!r}; expected 'released', None or one of {sorted(FORMATS)}"
+      )
+    config = dataclasses.replace(config, expert_quant=expert_quant)
+  if job == "train" and config.expert_quant is not None:
+    raise ValueError(
+      f"job='train' trains every expert weight: quantized experts ({config.expert_quant!r}) "
+      "are frozen; train in bf16 (expert_quant=None) or tune adapters (job='lora')"
+    )
+  return config
+
+
+def _expert_parallel(chosen: int | None, devices: int, experts: int) -> int:
+  if chosen is None:
+    return math.gcd(devices, experts)
+  if chosen < 1 or devices % chosen or experts % chosen:
+    raise ValueError(
+      f"expert_parallel={chosen} must divide both the devices ({devices}) and the experts "
+      f"({experts})"
+    )
+  return chosen
+
+
+def _layer_params(config: MoEConfig) -> MoEParams:
+  """One layer's parameters as shapes (`jax.ShapeDtypeStruct`), experts in the config's
+  format, adapters float32."""
+  float_config = dataclasses.replace(config, expert_quant=None, lora_rank=0)
+  shapes = param_shapes(float_config)
+  params = MoEParams(
+    **{name: jax.ShapeDtypeStruct(shape, config.param_dtype) for name, shape in shapes.items()}
+  )
+  if config.expert_quant is not None:
+    params = jax.eval_shape(
+      lambda p: quant.quantize_experts(p, float_config, config.expert_quant)[0], params
+    )
+  as_f32 = lambda shapes: (
+    None
+    if shapes is None
+    else type(shapes)(*(jax.ShapeDtypeStruct(shape, jnp.float32) for shape in shapes))
+  )
+  return params._replace(
+    lora=as_f32(lora.expert_lora_shapes(config)),
+    shared_lora=as_f32(lora.shared_lora_shapes(config)),
+  )
+
+
+def _stacked(params: MoEParams, config: MoEConfig, mesh, layers: int) -> MoEParams:
+  """`layers` layers of `params`, the layer axis on no mesh axis, the rest as the layer's."""
+  place = lambda leaf, spec: jax.ShapeDtypeStruct(
+    (layers, *leaf.shape), leaf.dtype, sharding=stacked_sharding(NamedSharding(mesh, spec))
+  )
+  return map_params(place, LayerSpecs.from_config(config).params(params), params)
+
+
+def _bytes_per_device(tree) -> int:
+  """Bytes of a tree of sharded shapes on one device; 4-bit values packed two to a byte, as
+  XLA stores them."""
+  shard = lambda leaf: np.prod(leaf.sharding.shard_shape(leaf.shape))
+  bits = sum(shard(leaf) * jax.dtypes.itemsize_bits(leaf.dtype) for leaf in jax.tree.leaves(tree))
+  return int(bits) // 8
+
+
+def _program(config: MoEConfig, mesh, job: str, layers: int, tokens_per_device: int, policy):
+  """(the job's function, its abstract arguments, the per-device bytes of its parts)."""
+  stack = _stacked(_layer_params(config), config, mesh, layers)
+  devices = mesh.devices.size
+  x = jax.ShapeDtypeStruct(
+    (devices * tokens_per_device, config.hidden_size),
+    config.dtype,
+    sharding=NamedSharding(mesh, P(tuple(mesh.axis_names))),
+  )
+  field = lambda names: {n: getattr(stack, n) for n in names if getattr(stack, n) is not None}
+  other = [n for n in MoEParams._fields if n not in EXPERT_PARAMS + ADAPTER_PARAMS]
+  parts = {
+    "expert_weights": _bytes_per_device(field(EXPERT_PARAMS)),
+    "other_moe_weights": _bytes_per_device(field(other)),
+    "adapters": _bytes_per_device(field(ADAPTER_PARAMS)),
+    "gradients": 0,
+    "optimizer_state": 0,
+  }
+
+  def forward(stack: MoEParams, x: jax.Array) -> jax.Array:
+    def layer(x, params):
+      return x + moe_apply(params, x, config=config, mesh=mesh)[0], None
+
+    if policy is not None:
+      layer = jax.checkpoint(layer, policy=policy)
+    return jax.lax.scan(layer, x, stack)[0]
+
+  if job == "infer":
+    return forward, (stack, x), parts
+  trains = lambda name: (name in ADAPTER_PARAMS) == (job == "lora")
+  trained = stack._replace(**{n: None for n in MoEParams._fields if not trains(n)})
+  frozen = stack._replace(**{n: None for n in MoEParams._fields if trains(n)})
+  optimizer = optax.adam(1e-4, mu_dtype=jnp.float32)
+  state = _like_params(jax.eval_shape(optimizer.init, trained), trained)
+  parts["gradients"] = _bytes_per_device(trained)  # within temp, while the update runs
+  parts["optimizer_state"] = _bytes_per_device(state)
+
+  def loss(trained: MoEParams, frozen: MoEParams, x: jax.Array) -> jax.Array:
+    params = MoEParams(*(t if t is not None else f for t, f in zip(trained, frozen, strict=True)))
+    return jnp.mean(jnp.square(forward(params, x).astype(jnp.float32)))
+
+  def step(trained, state, frozen, x):
+    grads = jax.grad(loss)(trained, frozen, x)
+    updates, state = optimizer.update(grads, state, trained)
+    return optax.apply_updates(trained, updates), state
+
+  return step, (trained, state, frozen, x), parts
+
+
+def _like_params(state, trained):
+  """Adam's state laid out as the parameters it tracks (its step count replicated)."""
+  by_shape = {}
+  for leaf in jax.tree.leaves(trained):
+    by_shape.setdefault(leaf.shape, leaf.sharding)
+  replicated = NamedSharding(next(iter(by_shape.values())).mesh, P())
+  place = lambda leaf: jax.ShapeDtypeStruct(
+    leaf.shape, leaf.dtype, sharding=by_shape.get(leaf.shape, replicated)
+  )
+  return jax.tree.map(place, state)
+
+
+def _donated(job: str) -> tuple[int, ...]:
+  """Arguments the step overwrites (parameters and optimizer state): their buffers reused."""
+  return () if job == "infer" else (0, 1)
+
+
+def rest_of_model_parameters(config_json: dict[str, Any]) -> int:
+  """Parameters of the model outside its MoE layers, from config.json: embeddings (and an
+  untied output projection), each layer's attention (multi-head latent attention where
+  `kv_lora_rank` is set, else grouped-query: q, k, v, o) and two norms, each dense layer's
+  gated FFN (3 D x intermediate_size), the final norm. Biases are not counted."""
+  config_json = hf.config_json(config_json)
+  read = lambda key, default=None: config_json.get(key, default)
+  d, heads = read("hidden_size"), read("num_attention_heads")
+  family = hf.family_of(config_json.get("model_type"))
+  layers = family.layers(config_json)
+  dense = layers - len(hf.moe_layers(config_json))
+  embeddings = read("vocab_size") * d * (1 if read("tie_word_embeddings", False) else 2)
+  if read("kv_lora_rank"):
+    q_rank, kv_rank = read("q_lora_rank"), read("kv_lora_rank")
+    nope, rope, v = read("qk_nope_head_dim"), read("qk_rope_head_dim"), read("v_head_dim")
+    q = d * q_rank + q_rank * heads * (nope + rope) if q_rank else d * heads * (nope + rope)
+    attention = q + d * (kv_rank + rope) + kv_rank * heads * (nope + v) + heads * v * d
+  else:
+    head_dim = read("head_dim") or d // heads
+    kv = read("num_key_value_heads", heads)
+    attention = 2 * d * heads * head_dim + 2 * d * kv * head_dim
+  ffn = 3 * d * read("intermediate_size", 0)
+  return int(embeddings + layers * (attention + 2 * d) + dense * ffn + d)
+
+
+# The XLA expert paths' forward in the recorded H200 run (docs/performance.md, "GPU"): 8192
+# tokens, K=2, D=2048, F=1024, bf16, one device: milliseconds by (path, local experts).
+RECORDED_H200_MS = {("ragged_dot", 8): 2.95, ("tile loop", 8): 6.41, ("tile loop", 32): 7.22}
+_RECORDED_FLOPS = 2 * 8192 * 2 * 3 * 2048 * 1024
+
+
+def _efficiency(path: str) -> tuple[str, float]:
+  """(the rate's source, the fraction of the H200's bf16 peak it is) for the expert path the
+  call plan took: ragged_dot's recorded forward at 8 local experts (its best: the rate falls
+  as they grow), else the tile loop's at 32. The Pallas kernels have no recorded layer rate:
+  they are estimated at the tile loop's, and the report says so."""
+  key = ("ragged_dot", 8) if path == "ragged_dot" else ("tile loop", 32)
+  source = f"the XLA {key[0]} path" if path != "pallas" else "the tile loop (no kernel rate)"
+  return source, _RECORDED_FLOPS / (RECORDED_H200_MS[key] * 1e-3) / GPUS["h200"].peak_bf16_flops
+
+
+def recorded_error() -> float:
+  """The estimate's compute term on the recorded run's other shape: the tile loop's rate at
+  8 local experts predicted from its 32-expert figure (the same FLOPs), relative error."""
+  predicted, measured = RECORDED_H200_MS["tile loop", 32], RECORDED_H200_MS["tile loop", 8]
+  return abs(predicted - measured) / measured
+
+
+def estimate_step(
+  config: MoEConfig,
+  gpu: Gpu,
+  job: str,
+  mesh_shape: dict[str, int],
+  nodes: int,
+  gpus_per_node: int,
+  tokens_per_device: int,
+  call: CallPlan,
+  layers: int,
+) -> StepEstimate:
+  """One step's time, per layer and for the stack, as compute + HBM + exchange (no overlap
+  counted), for the chunk, scheme and expert path of the layer's `call` plan: an estimate,
+  not a measurement."""
+  d, f, k = config.hidden_size, config.intermediate_size, config.top_k
+  ep = mesh_shape["expert"]
+  chunk, scheme = call.layout.chunk, call.scheme
+  source, efficiency = _efficiency(call.expert.path)
+  passes = {"infer": 1, "lora": 2, "train": 3}[job]  # forward; + input gradient; + weight gradient
+  per_token = 2 * k * 3 * d * f + 2 * 3 * d * config.shared_intermediate_size
+  flops = passes * tokens_per_device * per_token
+  compute = flops / (gpu.peak_bf16_flops * efficiency)
+  weights = _expert_bytes_per_device(config, ep)
+  chunks = -(-tokens_per_device // chunk)
+  memory = passes * chunks * weights / gpu.memory_bandwidth
+  copies = min(k, ep) if scheme == "all_to_all" else ep - 1
+  sent = 2 * tokens_per_device * copies * d * jnp.dtype(config.dtype).itemsize
+  across = max(0, ep - gpus_per_node) / max(ep - 1, 1) if nodes > 1 else 0.0
+  bandwidth = 1 / ((1 - across) / gpu.nvlink_bandwidth + across / NETWORK)
+  exchange = (2 if job != "infer" else 1) * sent / bandwidth
+  layer = compute + memory + exchange
+  return StepEstimate(
+    compute_s=compute,
+    memory_s=memory,
+    exchange_s=exchange,
+    layer_s=layer,
+    stack_s=layer * layers,
+    assumptions=(
+      f"compute: {passes} pass(es) of the routed and shared experts' matmuls at the "
+      f"{gpu.name} bf16 peak ({gpu.peak_bf16_flops / 1e12:.0f} TFLOP/s) times {efficiency:.3f}, "
+      f"the fraction {source} reached in the recorded H200 run (routing balanced); the layer's "
+      f"path: {call.expert.path} ({call.expert_reason})",
+      f"HBM: each chunk ({chunks} of {chunk} tokens) reads the device's expert weights "
+      f"({weights / 2**30:.2f} GiB) once per pass at {gpu.memory_bandwidth / 1e12:.1f} TB/s",
+      f"exchange: {scheme} sends each token to {copies} other device(s) and back, at "
+      f"{gpu.nvlink_bandwidth / 1e9:.0f} GB/s NVLink within a node and {NETWORK / 1e9:.0f} GB/s "
+      "across nodes",
+      "no overlap of the three; attention and the rest of the model not included",
+      f"error on the recorded H200 run's shapes: {recorded_error():.0%} (the tile loop at 8 "
+      "local experts predicted from its rate at 32); untested at these shapes",
+    ),
+  )
+
+
+def _expert_bytes_per_device(config: MoEConfig, ep: int) -> int:
+  stack = _layer_params(config)
+  experts = [getattr(stack, n) for n in EXPERT_PARAMS if getattr(stack, n) is not None]
+  bits = sum(leaf.size * jax.dtypes.itemsize_bits(leaf.dtype) for leaf in jax.tree.leaves(experts))
+  return bits // 8 // ep
