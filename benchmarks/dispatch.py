@@ -49,9 +49,10 @@ import numpy as np
 from jax import export
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
-from suite import best_time, make_params, sections_of  # benchmarks/suite.py, beside this script
+from suite import best_time, sections_of  # benchmarks/suite.py, beside this script
 
 from moejax import MoEConfig, dispatch, files, moe_apply, routing
+from moejax.testing import random_params
 
 BF16_BYTES = 2
 SCALING_AXES = (8, 16, 32, 64, 128, 256)
@@ -287,7 +288,7 @@ def plot_scaling(rows: list[dict], path: Path) -> None:
 
 def time_section(repeats: int) -> list[dict]:
   base = MoEConfig(num_experts=32, top_k=2, hidden_size=256, intermediate_size=512, chunk_size=256)
-  params = make_params(base)
+  params = random_params(base, jax.random.key(0))
   x = jax.random.normal(jax.random.key(1), (8192, 256))
   mesh = mesh_of(2, 4)
   times = {}
@@ -340,7 +341,7 @@ def timing_section(repeats: int) -> list[dict]:
     dtype=jnp.bfloat16,
     param_dtype=jnp.bfloat16,
   )
-  params = make_params(base)
+  params = random_params(base, jax.random.key(0))
   mesh = mesh_of(1, devices)
   rows = []
   for per_device in TIMING_TOKENS_PER_DEVICE:

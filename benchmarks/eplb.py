@@ -39,8 +39,9 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from moejax import MoEConfig, MoEParams, eplb, files, moe_apply, param_shapes
+from moejax import MoEConfig, eplb, files, moe_apply
 from moejax.expert_placement import logical_load
+from moejax.testing import random_params
 
 MESHES = ((1, 8), (2, 4))
 SHAPES = ((16, 2), (64, 8))  # (E, K)
@@ -52,18 +53,6 @@ def skewed_logits(rng: np.random.Generator, tokens: int, experts: int, strength:
   """[T, E] logits: N(0, 1) + strength · log(popularity), Zipf(1.0) over shuffled experts."""
   popularity = 1.0 / (1.0 + np.argsort(order))  # expert order[0] is the most popular
   return rng.standard_normal((tokens, experts)) + strength * np.log(popularity)[None, :]
-
-
-def random_params(config: MoEConfig, seed: int) -> MoEParams:
-  """Logical weights at fan-in scale (their values do not change the routing here)."""
-  shapes = param_shapes(dataclasses.replace(config, num_redundant_experts=0))
-  keys = jax.random.split(jax.random.key(seed), len(shapes))
-  return MoEParams(
-    **{
-      name: jax.random.normal(key, shape) * shape[-2] ** -0.5
-      for key, (name, shape) in zip(keys, shapes.items(), strict=True)
-    }
-  )
 
 
 def measure(params, x, logits, config, mesh, placement, timed: bool) -> dict:
@@ -104,7 +93,7 @@ def run_case(mesh_shape, experts, top_k, strength, tokens, redundant, seed, dims
     chunk_size=256,
     dispatch="all_gather",
   )
-  params = random_params(base, seed)
+  params = random_params(dataclasses.replace(base, num_redundant_experts=0), jax.random.key(seed))
   batch = lambda: (
     jax.numpy.asarray(rng.standard_normal((tokens, dims)), jax.numpy.float32),
     jax.numpy.asarray(skewed_logits(rng, tokens, experts, strength, order), jax.numpy.float32),

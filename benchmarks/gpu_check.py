@@ -156,7 +156,7 @@ def part_layer(out: Path, smoke: bool, record: Recorder) -> None:
   from jax.sharding import Mesh
 
   import moejax
-  from tests.helpers import poison, random_params
+  from moejax.testing import poison, random_params
 
   warnings.simplefilter("ignore")  # the CPU smoke run interprets the kernels, and says so
   tokens, dim = (64, 64) if smoke else (2048, 512)

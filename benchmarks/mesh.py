@@ -31,9 +31,10 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from kernels_pallas import autotune
-from moejax import MoEConfig, MoELayer, axis_groups, moe_apply, param_shapes, quant
+from moejax import MoEConfig, MoELayer, axis_groups, moe_apply
 from moejax.params import EXPERT_PARAMS, MoEParams
 from moejax.sharding import LayerSpecs
+from moejax.testing import abstract_params
 
 CONFIG = MoEConfig(num_experts=8, top_k=2, hidden_size=256, intermediate_size=512, chunk_size=256)
 TOKENS = 4096
@@ -157,14 +158,8 @@ def deepseek_rows() -> list[dict]:
 
 def _layer_bytes(config: MoEConfig, weights: str, axis_sizes: dict[str, int]) -> tuple[int, int]:
   """(routed experts', all) weight bytes of one layer on one device."""
-  abstract = MoEParams(
-    **{
-      name: jax.ShapeDtypeStruct(shape, config.param_dtype)
-      for name, shape in param_shapes(config).items()
-    }
-  )
-  if weights == "fp8":
-    abstract = jax.eval_shape(lambda p: quant.quantize_experts(p, config, "fp8_block")[0], abstract)
+  quantized = dataclasses.replace(config, expert_quant="fp8_block") if weights == "fp8" else config
+  abstract = abstract_params(quantized)
   specs = LayerSpecs.from_config(config).params(abstract)
   routed = total = 0
   for name, value, spec in zip(MoEParams._fields, abstract, specs, strict=True):

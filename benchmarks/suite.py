@@ -57,12 +57,13 @@ from jax.sharding import Mesh
 
 from kernels_pallas.formats import FORMATS
 from kernels_pallas.quantized import is_block_scaled
-from moejax import MoEConfig, MoEParams, files, lora, moe_apply, param_shapes, quant, routing
+from moejax import MoEConfig, MoEParams, files, lora, moe_apply, quant, routing
 from moejax.experts import default_tile_rows, grouped_mlp
 from moejax.forward import chunk_layout, compiled_executables
 from moejax.meshes import named_sharding
 from moejax.params import ExpertWeights
 from moejax.sharding import LayerSpecs
+from moejax.testing import abstract_params, random_params
 
 D, F = 256, 512
 SECTIONS = (
@@ -113,17 +114,6 @@ def interleaved_best(calls: dict[str, tuple], rounds: int) -> dict[str, float]:
       jax.block_until_ready(fn(*args))
       best[name] = min(best[name], time.perf_counter() - start)
   return best
-
-
-def make_params(config: MoEConfig, seed: int = 0) -> MoEParams:
-  shapes = param_shapes(config)
-  keys = jax.random.split(jax.random.key(seed), len(shapes))
-  return MoEParams(
-    **{
-      name: jax.random.normal(k, shape) * shape[-2] ** -0.5
-      for k, (name, shape) in zip(keys, shapes.items(), strict=True)
-    }
-  )
 
 
 def on_mesh(params: MoEParams, config: MoEConfig, mesh: Mesh) -> MoEParams:
@@ -242,7 +232,7 @@ def layer_section(full: bool, repeats: int) -> list[dict]:
   for experts, top_k, tokens in shapes:
     flops = 2 * tokens * top_k * 3 * D * F
     config = config_of(experts, top_k, chunk=256)
-    params = make_params(config)
+    params = random_params(config, jax.random.key(0))
     x = jax.random.normal(jax.random.key(1), (tokens, D))
     impls = {
       "dense matmul (ceiling)": functools.partial(dense_ceiling, top_k=top_k),
@@ -302,7 +292,7 @@ def chunk_section(full: bool, repeats: int) -> list[dict]:
   for mesh_name, mesh in (("1 device", None), ("2x4 mesh", mesh_2x4())):
     for chunk in (64, 256, 1024):
       config = config_of(32, 2, chunk)
-      params = make_params(config)
+      params = random_params(config, jax.random.key(0))
       fn = jax.jit(moejax_forward(config, mesh))
       for tokens in token_counts:
         x = jax.random.normal(jax.random.key(2), (tokens, D))
@@ -334,7 +324,7 @@ def decode_section(repeats: int) -> list[dict]:
   """Decode-size calls (E=32, K=2, D=1024, F=2048, float32): the layer against two baselines
   that read only the used experts, on one device; and the layer on the 2x4 mesh."""
   config = MoEConfig(**DECODE_SHAPE, chunk_size=256)
-  params = make_params(config)
+  params = random_params(config, jax.random.key(0))
   itemsize = 4
   expert_bytes = 3 * config.hidden_size * config.intermediate_size * itemsize
   rows = []
@@ -485,7 +475,7 @@ def auto_section(repeats: int) -> list[dict]:
     x = jax.random.normal(jax.random.key(7), (tokens, D))
     configs = {"auto": config_of(32, 2, "auto"), "one": config_of(32, 2, tokens)}
     configs |= {c: config_of(32, 2, c) for c in AUTO_FIXED if c < tokens}
-    params = make_params(configs["auto"])
+    params = random_params(configs["auto"], jax.random.key(0))
     calls = {name: (jax.jit(moejax_forward(c)), params, x) for name, c in configs.items()}
     best = interleaved_best(calls, rounds=repeats)
     fastest = min(best.values())
@@ -501,9 +491,7 @@ def auto_section(repeats: int) -> list[dict]:
 
 
 def _temp_mib(config: MoEConfig, x, mesh: Mesh | None) -> float:
-  params = jax.tree.map(
-    lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), make_params(config)
-  )  # fmt: skip
+  params = abstract_params(config)
   return peak_temp_bytes(jax.jit(moejax_forward(config, mesh)), params, x) / 2**20
 
 
@@ -543,7 +531,7 @@ def steps_section(repeats: int) -> list[dict]:
     return one_device_process("steps", repeats)
   calls = {}
   x = jax.random.normal(jax.random.key(6), (STEP_TOKENS, D))
-  params = make_params(config_of(32, 2, STEP_TOKENS))
+  params = random_params(config_of(32, 2, STEP_TOKENS), jax.random.key(0))
   for chunks in STEP_CHUNKS:
     forward = jax.jit(moejax_forward(config_of(32, 2, STEP_TOKENS // chunks)))
     grad = jax.jit(jax.grad(lambda p, x, f=forward: jnp.sum(f(p, x) ** 2), argnums=(0, 1)))
@@ -577,7 +565,7 @@ def quant_section(repeats: int) -> list[dict]:
   """Quantized experts vs float32 ones on one device (E=32, K=2, C=512): forward time, timed
   interleaved, weight bytes and compiled temporaries."""
   config = config_of(32, 2, 512)
-  params = make_params(config)
+  params = random_params(config, jax.random.key(0))
   layers = {"float32": (params, config)}
   for expert_quant in FORMATS:  # each in its own default block
     layers[expert_quant] = quant.quantize_experts(params, config, expert_quant)
@@ -618,7 +606,7 @@ def lora_section(repeats: int) -> list[dict]:
   interleaved; the trained bytes and Adam's state for them."""
   config = config_of(32, 2, 512)
   x = jax.random.normal(jax.random.key(8), (4096, D))
-  bases = {"float32": (make_params(config), config)}
+  bases = {"float32": (random_params(config, jax.random.key(0)), config)}
   bases["fp8_block"] = quant.quantize_experts(*bases["float32"], "fp8_block")
   calls, trained = {}, {}
   for base_name, (params, base) in bases.items():
@@ -688,7 +676,7 @@ def _random_adapters(config: MoEConfig):
 def padding_section(repeats: int) -> list[dict]:
   tokens = 8192
   config = config_of(32, 2, 256)
-  params = make_params(config)
+  params = random_params(config, jax.random.key(0))
   x = jax.random.normal(jax.random.key(3), (tokens, D))
   rows = []
   for mesh_name, mesh in (("1 device", None), ("2x4 mesh", mesh_2x4())):
@@ -720,7 +708,7 @@ def padding_section(repeats: int) -> list[dict]:
 
 def compile_section() -> list[dict]:
   config = config_of(8, 2, 64)
-  params = make_params(config)
+  params = random_params(config, jax.random.key(0))
   x = jax.random.normal(jax.random.key(5), (1024, D))
   mesh = mesh_2x4()
   before = compiled_executables()

@@ -57,6 +57,7 @@ SUBMODULES = (
   "models",
   "quant",
   "targets",
+  "testing",
   "train",
 )
 

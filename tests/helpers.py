@@ -17,7 +17,8 @@ import pytest
 from jax.sharding import Mesh
 
 from kernels_pallas import compat
-from moejax import MoEConfig, MoEParams, eplb, lora, moe_apply, param_shapes, reference_moe
+from moejax import MoEConfig, MoEParams, eplb, lora, moe_apply, reference_moe
+from moejax.testing import poison
 
 # (atol, rtol) per comparison and dtype, the suite's one table. "layer": the layer against
 # the float32 reference (in float32 only the summation order differs); "kernel": a kernel
@@ -132,19 +133,6 @@ def seed_of(name: str) -> int:
   return zlib.crc32(name.encode())
 
 
-def random_params(config: MoEConfig, key: jax.Array, scale: float = 0.5) -> MoEParams:
-  """Random weights of every parameter the config needs, at fan-in scale."""
-  shapes = param_shapes(config)
-  keys = jax.random.split(key, len(shapes))
-  values = {
-    name: (
-      jax.random.normal(k, shape) * scale / np.sqrt(shape[-2] if len(shape) > 1 else 1)
-    ).astype(config.param_dtype)
-    for k, (name, shape) in zip(keys, shapes.items(), strict=True)
-  }
-  return MoEParams(**values)
-
-
 def random_adapters(config: MoEConfig, key: jax.Array, scale: float = 0.1):
   """(ExpertLoRA, SharedLoRA or None) of the config's rank, every entry random (B too: a
   trained adapter, not PEFT's zero-B start), `scale` times standard normal."""
@@ -168,17 +156,6 @@ def mesh_of(data: int, expert: int, axis_names=("data", "expert")) -> Mesh:
   """A (data, expert) mesh of the first data*expert devices, automatic axes."""
   devices = np.array(jax.devices()[: data * expert]).reshape(data, expert)
   return Mesh(devices, axis_names)
-
-
-def rank_mask(counts, rows_per_rank: int) -> jax.Array:
-  """[R * L] bool: rank r's first counts[r] rows valid."""
-  counts = np.asarray(counts)
-  return jnp.asarray((np.arange(rows_per_rank)[None, :] < counts[:, None]).reshape(-1))
-
-
-def poison(x: jax.Array, mask: jax.Array) -> jax.Array:
-  """x with NaN in every masked-out row."""
-  return jnp.where(mask[..., None], x, jnp.nan)
 
 
 @contextlib.contextmanager

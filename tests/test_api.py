@@ -10,15 +10,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from moejax import MoEConfig, MoELayer, moe_apply, param_shapes, reference_moe
-from tests.helpers import (
-  assert_close,
-  count_compiles,
-  mesh_of,
-  poison,
-  random_params,
-  rank_mask,
-  seed_of,
-)
+from moejax.testing import poison, random_params, rank_mask
+from tests.helpers import assert_close, count_compiles, mesh_of, seed_of
 
 CONFIG = MoEConfig(
   num_experts=8,

@@ -8,7 +8,8 @@ from flax import nnx
 
 from kernels_pallas import platform
 from moejax import MoEConfig, MoELayer, chunk_layout, moe_apply, plan_call
-from tests.helpers import BASE, mesh_of, poison, rank_mask
+from moejax.testing import poison, rank_mask
+from tests.helpers import BASE, mesh_of
 
 CONFIG = MoEConfig(**BASE)
 HOPPER = platform.Target(platform="gpu", compute_capability="9.0", device_kind="NVIDIA H100")

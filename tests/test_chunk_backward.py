@@ -13,7 +13,8 @@ from moejax.activations import GatedActivation
 from moejax.chunking import seed_gradient
 from moejax.experts import grouped_mlp
 from moejax.params import ExpertWeights
-from tests.helpers import random_params, seed_of, tolerance
+from moejax.testing import random_params
+from tests.helpers import seed_of, tolerance
 
 EXPERTS, DIM, WIDTH, ROWS, TOP_K = 8, 16, 24, 12, 2
 

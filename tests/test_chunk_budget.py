@@ -11,15 +11,8 @@ import pytest
 from moejax import MoEConfig, MoEParams, chunk_layout, moe_apply, param_shapes, plan_call
 from moejax.chunk_budget import auto_chunk, budget_bytes, chunk_bytes, outside_chunks
 from moejax.quant import quantize_experts
-from tests.helpers import (
-  check_against_reference,
-  count_compiles,
-  mesh_of,
-  random_params,
-  rank_mask,
-  seed_of,
-  slow,
-)
+from moejax.testing import random_params, rank_mask
+from tests.helpers import check_against_reference, count_compiles, mesh_of, seed_of, slow
 
 MIB = 1 << 20
 BASE = dict(num_experts=8, top_k=2, hidden_size=128, intermediate_size=256)

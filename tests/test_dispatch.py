@@ -15,7 +15,8 @@ from jax.sharding import PartitionSpec as P
 
 from moejax import MoEConfig, dispatch, moe_apply
 from moejax.collectives import ragged_all_to_all
-from tests.helpers import BASE, RICH, SCHEMES, mesh_of, random_params, rank_mask, seed_of
+from moejax.testing import random_params, rank_mask
+from tests.helpers import BASE, RICH, SCHEMES, mesh_of, seed_of
 
 ROWS_PER_RANK = 10
 CONFIG = MoEConfig(**{**BASE, **RICH})  # grouped top-k, bias, sigmoid, a shared expert

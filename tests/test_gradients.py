@@ -4,7 +4,8 @@ import jax
 import jax.numpy as jnp
 
 from moejax import MoEConfig, MoEParams, moe_apply
-from tests.helpers import assert_close, mesh_of, poison, random_params, rank_mask, seed_of
+from moejax.testing import poison, random_params, rank_mask
+from tests.helpers import assert_close, mesh_of, seed_of
 
 ROWS_PER_RANK = 6
 

@@ -21,7 +21,8 @@ from safetensors.numpy import save_file
 from moejax import hf, moe_apply, quant, reference_moe
 from moejax.hf.nvfp4 import COMPRESSED_TENSORS, MODELOPT
 from moejax.stacking import layer_of
-from tests.helpers import mesh_of, poison, seed_of, tolerance
+from moejax.testing import poison
+from tests.helpers import mesh_of, seed_of, tolerance
 from tests.hf_checkpoints import (
   DEEPSEEK,
   E2M1,

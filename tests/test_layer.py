@@ -6,16 +6,8 @@ import numpy as np
 import pytest
 
 from moejax import MoEConfig, moe_apply, reference_moe
-from tests.helpers import (
-  SCHEMES,
-  assert_close,
-  mesh_of,
-  poison,
-  random_params,
-  rank_mask,
-  seed_of,
-  slow,
-)
+from moejax.testing import poison, random_params, rank_mask
+from tests.helpers import SCHEMES, assert_close, mesh_of, seed_of, slow
 
 ROWS_PER_RANK = 12
 

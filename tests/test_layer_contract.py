@@ -19,6 +19,7 @@ import pytest
 
 from kernels_pallas import platform
 from moejax import MoEConfig, eplb, id_spaces, moe_apply, plan, reference_moe
+from moejax.testing import poison, random_params, rank_mask
 from tests.helpers import (
   BASE,
   MESHES,
@@ -28,9 +29,6 @@ from tests.helpers import (
   count_compiles,
   mesh_id,
   mesh_of,
-  poison,
-  random_params,
-  rank_mask,
   seed_of,
   tolerance,
 )

@@ -37,12 +37,12 @@ from moejax.lora import ExpertLoRA
 from moejax.models import shard_model
 from moejax.params import ExpertWeights
 from moejax.stacking import layer_of
+from moejax.testing import random_params
 from tests.helpers import (
   check_against_reference,
   check_layer,
   mesh_of,
   random_adapters,
-  random_params,
   seed_of,
   tolerance,
 )

@@ -27,14 +27,8 @@ from moejax import (
 from moejax.expert_placement import initial_placement
 from moejax.linen import moe_linen
 from moejax.params import EXPERT_PARAMS
-from tests.helpers import (
-  assert_close,
-  check_against_reference,
-  mesh_of,
-  poison,
-  random_params,
-  seed_of,
-)
+from moejax.testing import poison, random_params
+from tests.helpers import assert_close, check_against_reference, mesh_of, seed_of
 from tests.lowering import collectives
 
 BASE = MoEConfig(

@@ -32,8 +32,9 @@ from moejax import (
 )
 from moejax.models import MoETransformer, TransformerConfig, shard_model
 from moejax.stacking import layer_of
+from moejax.testing import poison
 from moejax.train import train_step
-from tests.helpers import SMALL_SHARED, assert_close, poison, random_adapters, seed_of, slow
+from tests.helpers import SMALL_SHARED, assert_close, random_adapters, seed_of, slow
 from tests.hf_checkpoints import write_checkpoint
 
 CONFIG = SMALL_SHARED

@@ -8,15 +8,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from moejax import MoEConfig, moe_apply, reference_moe
-from tests.helpers import (
-  SMALL_SHARED,
-  assert_close,
-  mesh_of,
-  poison,
-  random_params,
-  rank_mask,
-  seed_of,
-)
+from moejax.testing import poison, random_params, rank_mask
+from tests.helpers import SMALL_SHARED, assert_close, mesh_of, seed_of
 
 CONFIG = SMALL_SHARED
 

@@ -10,18 +10,8 @@ import pytest
 from flax import nnx
 
 from moejax import MoEConfig, MoELayer, moe_apply, param_shapes, reference_moe, routing
-from tests.helpers import (
-  BASE,
-  OPTIONS,
-  count_compiles,
-  mesh_of,
-  poison,
-  random_params,
-  rank_mask,
-  seed_of,
-  slow,
-  tolerance,
-)
+from moejax.testing import poison, random_params, rank_mask
+from tests.helpers import BASE, OPTIONS, count_compiles, mesh_of, seed_of, slow, tolerance
 
 ROWS_PER_RANK = 9
 

@@ -23,16 +23,8 @@ from kernels_pallas.quantized import BlockScaled
 from moejax import MoEConfig, MoELayer, MoEParams, checkpoint, moe_apply, quant, reference_moe
 from moejax.layer import QuantizedWeight
 from moejax.models import shard_model
-from tests.helpers import (
-  assert_close,
-  check_layer,
-  mesh_of,
-  random_params,
-  rank_mask,
-  seed_of,
-  slow,
-  tolerance,
-)
+from moejax.testing import random_params, rank_mask
+from tests.helpers import assert_close, check_layer, mesh_of, seed_of, slow, tolerance
 
 BASE = dict(num_experts=8, top_k=2, hidden_size=64, intermediate_size=64, chunk_size=8)
 FP8 = dict(expert_quant="fp8_block", quant_block_size=(32, 32))

@@ -22,17 +22,8 @@ from moejax import MoEConfig, MoELayer, checkpoint, eplb, moe_apply, reference_m
 from moejax.forward import compiled_executables
 from moejax.params import EXPERT_PARAMS
 from moejax.replicas import move_plan
-from tests.helpers import (
-  BASE,
-  count_compiles,
-  mesh_of,
-  poison,
-  random_params,
-  rank_mask,
-  seed_of,
-  slow,
-  tolerance,
-)
+from moejax.testing import poison, random_params, rank_mask
+from tests.helpers import BASE, count_compiles, mesh_of, seed_of, slow, tolerance
 
 CONFIG = MoEConfig(**BASE, num_redundant_experts=8, expert_bias=True)
 LOGICAL = dataclasses.replace(CONFIG, num_redundant_experts=0)

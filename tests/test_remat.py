@@ -11,7 +11,8 @@ import jax.numpy as jnp
 import pytest
 
 from moejax import CHECKPOINT_NAMES, MoEConfig, moe_apply, remat
-from tests.helpers import mesh_of, poison, random_params, seed_of, tolerance
+from moejax.testing import poison, random_params
+from tests.helpers import mesh_of, seed_of, tolerance
 
 CONFIG = MoEConfig(
   num_experts=8,

@@ -26,14 +26,14 @@ from jax.sharding import PartitionSpec as P
 
 from kernels_pallas.formats import FORMATS
 from kernels_pallas.gpus import GPUS, Gpu
-from moejax import hf, lora, quant, targets
+from moejax import hf, targets
 from moejax.call_plan import CallPlan, plan_call
 from moejax.config import MoEConfig
 from moejax.forward import moe_apply
-from moejax.params import ADAPTER_PARAMS, EXPERT_PARAMS, MoEParams, param_shapes
+from moejax.params import ADAPTER_PARAMS, EXPERT_PARAMS, MoEParams
 from moejax.remat import REMAT_POLICIES
-from moejax.sharding import LayerSpecs, map_params
 from moejax.stacking import stacked_sharding
+from moejax.testing import abstract_params
 
 JOBS = ("infer", "lora", "train")
 
@@ -322,35 +322,13 @@ def _expert_parallel(chosen: int | None, devices: int, experts: int) -> int:
   return chosen
 
 
-def _layer_params(config: MoEConfig) -> MoEParams:
-  """One layer's parameters as shapes (`jax.ShapeDtypeStruct`), experts in the config's
-  format, adapters float32."""
-  float_config = dataclasses.replace(config, expert_quant=None, lora_rank=0)
-  shapes = param_shapes(float_config)
-  params = MoEParams(
-    **{name: jax.ShapeDtypeStruct(shape, config.param_dtype) for name, shape in shapes.items()}
+def _stacked(config: MoEConfig, mesh, layers: int) -> MoEParams:
+  """`layers` layers' abstract parameters, the layer axis on no mesh axis, the rest as the
+  layer's."""
+  place = lambda leaf: jax.ShapeDtypeStruct(
+    (layers, *leaf.shape), leaf.dtype, sharding=stacked_sharding(leaf.sharding)
   )
-  if config.expert_quant is not None:
-    params = jax.eval_shape(
-      lambda p: quant.quantize_experts(p, float_config, config.expert_quant)[0], params
-    )
-  as_f32 = lambda shapes: (
-    None
-    if shapes is None
-    else type(shapes)(*(jax.ShapeDtypeStruct(shape, jnp.float32) for shape in shapes))
-  )
-  return params._replace(
-    lora=as_f32(lora.expert_lora_shapes(config)),
-    shared_lora=as_f32(lora.shared_lora_shapes(config)),
-  )
-
-
-def _stacked(params: MoEParams, config: MoEConfig, mesh, layers: int) -> MoEParams:
-  """`layers` layers of `params`, the layer axis on no mesh axis, the rest as the layer's."""
-  place = lambda leaf, spec: jax.ShapeDtypeStruct(
-    (layers, *leaf.shape), leaf.dtype, sharding=stacked_sharding(NamedSharding(mesh, spec))
-  )
-  return map_params(place, LayerSpecs.from_config(config).params(params), params)
+  return jax.tree.map(place, abstract_params(config, mesh))
 
 
 def _bytes_per_device(tree) -> int:
@@ -363,7 +341,7 @@ def _bytes_per_device(tree) -> int:
 
 def _program(config: MoEConfig, mesh, job: str, layers: int, tokens_per_device: int, policy):
   """(the job's function, its abstract arguments, the per-device bytes of its parts)."""
-  stack = _stacked(_layer_params(config), config, mesh, layers)
+  stack = _stacked(config, mesh, layers)
   devices = mesh.devices.size
   x = jax.ShapeDtypeStruct(
     (devices * tokens_per_device, config.hidden_size),
@@ -530,7 +508,7 @@ def estimate_step(
 
 
 def _expert_bytes_per_device(config: MoEConfig, ep: int) -> int:
-  stack = _layer_params(config)
+  stack = abstract_params(config)
   experts = [getattr(stack, n) for n in EXPERT_PARAMS if getattr(stack, n) is not None]
   bits = sum(leaf.size * jax.dtypes.itemsize_bits(leaf.dtype) for leaf in jax.tree.leaves(experts))
   return bits // 8 // ep

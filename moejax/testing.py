@@ -1,0 +1,87 @@
+"""Stand-in weights and inputs, shared by tests, benchmarks and users: random weights of every
+parameter a config needs, the same as abstract shapes laid out on a mesh (to compile a call
+without memory, e.g. for compile-only GPUs), and padding rows poisoned with NaN, which proves
+that no masked row reaches an output.
+
+>>> config = MoEConfig(num_experts=4, top_k=2, hidden_size=8, intermediate_size=16)
+>>> abstract_params(config).w_gate_up.shape
+(4, 8, 32)
+>>> poison(jnp.ones((3, 2)), rank_mask([1, 0], 2)[:3]).tolist()
+[[1.0, 1.0], [nan, nan], [nan, nan]]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AbstractMesh, Mesh, NamedSharding
+
+from moejax import lora, quant
+from moejax.config import MoEConfig
+from moejax.params import MoEParams, param_shapes
+from moejax.sharding import LayerSpecs, map_params
+
+
+def random_params(config: MoEConfig, key: jax.Array, scale: float = 0.5) -> MoEParams:
+  """Random float weights of every parameter the config needs (its `param_shapes`), normal
+  times `scale` over the square root of the fan-in, in `config.param_dtype`: experts
+  unquantized, no adapters (`moejax.quant.quantize_experts` and `moejax.lora` make those)."""
+  shapes = param_shapes(config)
+  keys = jax.random.split(key, len(shapes))
+  values = {
+    name: (
+      jax.random.normal(k, shape) * scale / np.sqrt(shape[-2] if len(shape) > 1 else 1)
+    ).astype(config.param_dtype)
+    for k, (name, shape) in zip(keys, shapes.items(), strict=True)
+  }
+  return MoEParams(**values)
+
+
+def abstract_params(config: MoEConfig, mesh: Mesh | AbstractMesh | None = None) -> MoEParams:
+  """Every parameter the layer takes for `config` as a `jax.ShapeDtypeStruct`: experts in the
+  config's format (`BlockScaled` where `expert_quant` is set), LoRA adapters float32; on
+  `mesh`, each laid out as the layer wants it (experts over the expert axis), for
+  `jax.jit(...).lower(abstract_params(config, mesh), x)` without a byte of weights."""
+  float_config = dataclasses.replace(config, expert_quant=None, lora_rank=0)
+  params = MoEParams(
+    **{
+      name: jax.ShapeDtypeStruct(shape, config.param_dtype)
+      for name, shape in param_shapes(float_config).items()
+    }
+  )
+  if config.expert_quant is not None:
+    params = jax.eval_shape(
+      lambda p: quant.quantize_experts(p, float_config, config.expert_quant)[0], params
+    )
+  as_f32 = lambda shapes: (
+    None
+    if shapes is None
+    else type(shapes)(*(jax.ShapeDtypeStruct(shape, jnp.float32) for shape in shapes))
+  )
+  params = params._replace(
+    lora=as_f32(lora.expert_lora_shapes(config)),
+    shared_lora=as_f32(lora.shared_lora_shapes(config)),
+  )
+  if mesh is None:
+    return params
+  place = lambda leaf, spec: jax.ShapeDtypeStruct(
+    leaf.shape, leaf.dtype, sharding=NamedSharding(mesh, spec)
+  )
+  return map_params(place, LayerSpecs.from_config(config).params(params), params)
+
+
+def rank_mask(counts: Sequence[int], rows_per_rank: int) -> jax.Array:
+  """[len(counts) * rows_per_rank] bool: rank r's first `counts[r]` rows valid, the rest
+  padding (the layout of a data-parallel batch whose ranks hold uneven token counts)."""
+  counts = np.asarray(counts)
+  return jnp.asarray((np.arange(rows_per_rank)[None, :] < counts[:, None]).reshape(-1))
+
+
+def poison(x: jax.Array, mask: jax.Array) -> jax.Array:
+  """`x` [..., D] with NaN in every row `mask` [...] marks invalid: a masked row that reached
+  an output, or a gradient, would show as NaN there."""
+  return jnp.where(mask[..., None], x, jnp.nan)
