@@ -1,35 +1,7 @@
 """`python -m moejax bench`: the benchmark suite, one process, measured side by side.
 
-Sections (each prints a table; all rows go to `results/bench.json`, the chunk sweep to a PNG):
-  layer       forward and forward+backward vs a dense matmul of the same active FLOPs (the
-              ceiling), every expert on every token, GShard one-hot einsums (capacity 1.25)
-              and sort + jax.lax.ragged_dot
-  chunks      time and compiled peak temporary memory vs total tokens, per chunk size, on one
-              device and on the 2x4 mesh
-  auto        chunk_size="auto" (the default) against fixed chunks of 256, 1024, 4096 and one
-              chunk: forward time on one device (T = 256 ... 65,536, interleaved, in a
-              process of its own) and compiled temp on one device and the 2x4 mesh
-  steps       the chunk loop's cost per step: T=4096 on one device as 1, 8 and 32 chunks,
-              forward and forward+backward, timed interleaved in a process of its own that
-              has one CPU device (see `one_device_process`)
-  decode      decode-size calls (T per device 1 ... 128, E=32, K=2, D=1024, F=2048) against two
-              baselines that read only the used experts, and on the 2x4 mesh (both schemes)
-  padding     100 / 50 / 10 / 0 % valid tokens, and one busy rank among idle ones
-  quant       fp8_block, mxfp4, int4_group and nvfp4 experts vs float32 ones (T=512 and 4096,
-              one device): time ratio, expert-weight bytes at each format's bit width and
-              the compiled temporaries (no dequantized copy of all experts)
-  compiles    executables compiled across 20 token-count patterns (must be 1)
-  lora        LoRA adapters (r = 8, 16, 64) against the same layer without them, float32
-              and fp8_block experts: forward, training's forward + backward (adapters
-              only), trained bytes and Adam's state
-  depth       scanned and unrolled stacks of blocks, remat policies of the layer's
-              checkpoint names, and the layer's compile time against a dense MLP
-              (`benchmarks/depth.py`; not in the default run: several minutes)
-  mesh        expert weights split over data (`expert_fsdp`) vs replicated, an expert
-              group (expert, tensor) on a (2, 2, 2) mesh vs (2, 4), and DeepSeek-V3's
-              weight bytes per device by expert parallelism and FSDP
-              (`benchmarks/mesh.py`; not in the default run)
-
+Each section prints a table; all rows go to `results/bench.json` (the chunk sweep also to a
+PNG). The sections are a registry, `SECTIONS`: a new one is a function and a `Section` row.
 What the expert-axis exchange sends (both dispatch schemes) is `benchmarks/dispatch.py`'s.
 
 float32 on simulated CPU devices (the caller sets 8 of them). `--full` runs more shapes.
@@ -40,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import importlib
 import json
 import math
 import os
@@ -47,7 +20,9 @@ import re
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
@@ -66,20 +41,6 @@ from moejax.sharding import LayerSpecs
 from moejax.testing import abstract_params, random_params
 
 D, F = 256, 512
-SECTIONS = (
-  "layer",
-  "chunks",
-  "auto",
-  "steps",
-  "decode",
-  "padding",
-  "quant",
-  "compiles",
-  "lora",
-  "depth",
-  "mesh",
-)
-DEFAULT_SECTIONS = SECTIONS[:-2]
 
 
 def best_time(fn, *args, repeats: int) -> float:
@@ -762,62 +723,152 @@ def plot_chunks(rows: list[dict], path: Path) -> None:
     fig.savefig(temporary, dpi=120)
 
 
-def main(argv: list[str] | None = None) -> None:
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Section:
+  """One section of the suite: its name (`--sections`), what it measures, how it runs (the
+  parsed flags -> its rows) and whether a plain run includes it."""
+
+  name: str
+  summary: str
+  run: Callable[[argparse.Namespace], list[dict]]
+  default: bool = True
+
+
+def _chunks_with_plot(args: argparse.Namespace) -> list[dict]:
+  rows = chunk_section(args.full, args.repeats)
+  plot_chunks(rows, Path(args.out) / "chunk_sweep.png")
+  return rows
+
+
+def _beside(module: str):
+  """A benchmark module beside this file (`benchmarks/depth.py`, `benchmarks/mesh.py`)."""
+  sys.path.insert(0, str(Path(__file__).parent))
+  return importlib.import_module(module)
+
+
+# In the order they run.
+SECTIONS = {
+  section.name: section
+  for section in (
+    Section(
+      name="layer",
+      summary="forward and forward+backward vs a dense matmul of the same active FLOPs (the "
+      "ceiling), every expert on every token, GShard one-hot einsums (capacity 1.25) and "
+      "sort + jax.lax.ragged_dot",
+      run=lambda args: layer_section(args.full, args.repeats),
+    ),
+    Section(
+      name="chunks",
+      summary="time and compiled peak temporary memory vs total tokens, per chunk size, on one "
+      "device and on the 2x4 mesh",
+      run=_chunks_with_plot,
+    ),
+    Section(
+      name="decode",
+      summary="decode-size calls (T per device 1 ... 128, E=32, K=2, D=1024, F=2048) against "
+      "two baselines that read only the used experts, and on the 2x4 mesh (both schemes)",
+      run=lambda args: decode_section(args.repeats),
+    ),
+    Section(
+      name="auto",
+      summary='chunk_size="auto" (the default) against fixed chunks of 256, 1024, 4096 and '
+      "one chunk: forward time on one device (T = 256 ... 65,536, interleaved, in a process "
+      "of its own) and compiled temp on one device and the 2x4 mesh",
+      run=lambda args: auto_section(args.repeats),
+    ),
+    Section(
+      name="steps",
+      summary="the chunk loop's cost per step: T=4096 on one device as 1, 8 and 32 chunks, "
+      "forward and forward+backward, timed interleaved in a process of its own that has one "
+      "CPU device (see `one_device_process`)",
+      run=lambda args: steps_section(args.repeats),
+    ),
+    Section(
+      name="padding",
+      summary="100 / 50 / 10 / 0 % valid tokens, and one busy rank among idle ones",
+      run=lambda args: padding_section(args.repeats),
+    ),
+    Section(
+      name="quant",
+      summary="fp8_block, mxfp4, int4_group and nvfp4 experts vs float32 ones (T=512 and "
+      "4096, one device): time ratio, expert-weight bytes at each format's bit width and the "
+      "compiled temporaries (no dequantized copy of all experts)",
+      run=lambda args: quant_section(args.repeats),
+    ),
+    Section(
+      name="compiles",
+      summary="executables compiled across 20 token-count patterns (must be 1)",
+      run=lambda args: compile_section(),
+    ),
+    Section(
+      name="lora",
+      summary="LoRA adapters (r = 8, 16, 64) against the same layer without them, float32 and "
+      "fp8_block experts: forward, training's forward + backward (adapters only), trained "
+      "bytes and Adam's state",
+      run=lambda args: lora_section(args.repeats),
+    ),
+    Section(
+      name="depth",
+      summary="scanned and unrolled stacks of blocks, remat policies of the layer's checkpoint "
+      "names, and the layer's compile time against a dense MLP (benchmarks/depth.py; several "
+      "minutes)",
+      run=lambda args: _beside("depth").depth_section(args.repeats, _table),
+      default=False,
+    ),
+    Section(
+      name="mesh",
+      summary="expert weights split over data (`expert_fsdp`) vs replicated, an expert group "
+      "(expert, tensor) on a (2, 2, 2) mesh vs (2, 4), and DeepSeek-V3's weight bytes per "
+      "device by expert parallelism and FSDP (benchmarks/mesh.py)",
+      run=lambda args: _beside("mesh").mesh_section(args.repeats, _table),
+      default=False,
+    ),
+  )
+}
+
+
+def _sections_help() -> str:
+  wrap = lambda text: textwrap.fill(text, 96, initial_indent="  ", subsequent_indent="  ")
+  return "sections:\n" + "\n".join(
+    f"{section.name}{'' if section.default else ' (not in a plain run)'}\n{wrap(section.summary)}"
+    for section in SECTIONS.values()
+  )
+
+
+def parser() -> argparse.ArgumentParser:
+  """The suite's command line (`python -m moejax bench --help`)."""
   parser = argparse.ArgumentParser(
     prog="python -m moejax bench",
     description=__doc__,
+    epilog=_sections_help(),
     formatter_class=argparse.RawDescriptionHelpFormatter,
   )
   parser.add_argument("--full", action="store_true", help="more shapes and token counts")
   parser.add_argument("--repeats", type=int, default=3, help="timed calls per case (default 3)")
   parser.add_argument("--out", default="results", help="folder for bench.json and the plot")
   parser.add_argument("--overwrite", action="store_true", help="replace earlier results in --out")
+  defaults = [name for name, section in SECTIONS.items() if section.default]
   parser.add_argument(
     "--sections",
-    default=",".join(DEFAULT_SECTIONS),
-    help=f"comma-separated, of: {','.join(SECTIONS)} (default: all but depth and mesh)",
+    default=",".join(defaults),
+    help=f"comma-separated, of: {','.join(SECTIONS)} (default: {','.join(defaults)})",
   )
-  args = parser.parse_args(argv)
-  sections = sections_of(parser, args.sections, SECTIONS)
+  return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+  flags = parser()
+  args = flags.parse_args(argv)
+  chosen = sections_of(flags, args.sections, tuple(SECTIONS))
   start = time.perf_counter()
   print(
     f"moejax bench: {jax.devices()[0].device_kind}, {len(jax.devices())} devices, "
     f"JAX {jax.__version__}, D={D}, F={F}, float32"
   )
-  rows = []
   out = Path(args.out)
   if not args.overwrite:
     files.refuse_existing([out / "bench.json", out / "chunk_sweep.png"], how="pass --overwrite")
-  if "layer" in sections:
-    rows += layer_section(args.full, args.repeats)
-  if "chunks" in sections:
-    chunk_rows = chunk_section(args.full, args.repeats)
-    rows += chunk_rows
-    plot_chunks(chunk_rows, out / "chunk_sweep.png")
-  if "decode" in sections:
-    rows += decode_section(args.repeats)
-  if "auto" in sections:
-    rows += auto_section(args.repeats)
-  if "steps" in sections:
-    rows += steps_section(args.repeats)
-  if "padding" in sections:
-    rows += padding_section(args.repeats)
-  if "quant" in sections:
-    rows += quant_section(args.repeats)
-  if "compiles" in sections:
-    rows += compile_section()
-  if "lora" in sections:
-    rows += lora_section(args.repeats)
-  if "depth" in sections:
-    sys.path.insert(0, str(Path(__file__).parent))  # benchmarks/depth.py, beside this file
-    import depth
-
-    rows += depth.depth_section(args.repeats, _table)
-  if "mesh" in sections:
-    sys.path.insert(0, str(Path(__file__).parent))  # benchmarks/mesh.py, beside this file
-    import mesh
-
-    rows += mesh.mesh_section(args.repeats, _table)
+  rows = [row for name, section in SECTIONS.items() if name in chosen for row in section.run(args)]
   files.write_atomically(out / "bench.json", json.dumps(rows, indent=1), overwrite=True)
   print(f"\nwrote {out / 'bench.json'} in {time.perf_counter() - start:.0f} s")
 

@@ -18,7 +18,7 @@ from flax.core import FrozenDict, freeze, unfreeze
 from kernels_pallas.formats import FORMATS
 from kernels_pallas.quantized import BlockScaled
 from moejax import MoEConfig, MoELayer, MoEParams, checkpoint, eplb, linen, reference_moe, train
-from moejax.apps.cli import _parser as main_parser
+from moejax.apps.cli import parser as main_parser
 from moejax.expert_placement import initial_placement, logical_load
 from moejax.linen import moe_linen
 from moejax.models import ClusterTask, MoETransformer, TransformerConfig, shard_model

@@ -61,7 +61,8 @@ def _layer_flags(flags: argparse.ArgumentParser, *, experts: int, hidden: int, i
   )
 
 
-def _parser() -> argparse.ArgumentParser:
+def parser() -> argparse.ArgumentParser:
+  """The command line's parser: its commands and their flags (`bench`'s are the suite's)."""
   # The choices come from the tables that define them. Importing JAX starts no backend: the
   # device count set after parsing still applies.
   from kernels_pallas.formats import FORMATS
@@ -220,13 +221,13 @@ def run_bench(bench_args: list[str]) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-  parser = _parser()
-  args, rest = parser.parse_known_args(argv)
+  flags = parser()
+  args, rest = flags.parse_known_args(argv)
   if args.command == "bench":
     run_bench(rest)  # the suite parses its own flags
     return
   if rest:
-    parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    flags.error(f"unrecognized arguments: {' '.join(rest)}")
   if args.command == "fit":
     os.environ.setdefault("JAX_PLATFORMS", "cpu")  # compile-only GPUs; nothing runs
     from moejax.apps import fit_cli
