@@ -474,7 +474,7 @@ def one_device_process(section: str, repeats: int) -> list[dict]:
 
   Simulated devices share this machine's cores, and with more of them than cores XLA:CPU's
   multithreaded matmuls slow down: on 2 cores a loop step of one [32, 256] x [256, 1024] dot
-  takes ~44 us with 1 or 2 simulated devices and ~70 us with 8 (docs/performance.md, "Chunk
+  takes ~44 us with 1 or 2 simulated devices and ~70 us with 8 (docs/measurements.md, "Chunk
   loop"). A program on one device in an 8-device process pays that per matmul, which no
   one-device machine does, and more so the smaller its matmuls are.
   """

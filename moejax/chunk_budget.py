@@ -151,7 +151,7 @@ def budget_bytes(config: MoEConfig) -> int:
   """`config.chunk_memory_bytes`, else the platform's default: on a GPU 1/16 of the memory
   JAX reports for the device (1 GiB where it reports none); elsewhere 256 MiB, past which a
   CPU's chunk step no longer gets faster (its caches hold far less, and every chunk streams
-  the expert weights once: docs/performance.md, "chunk_size=auto")."""
+  the expert weights once: docs/performance.md, "Chunk loop")."""
   if config.chunk_memory_bytes is not None:
     return config.chunk_memory_bytes
   if platform.platform() != "gpu":

@@ -125,7 +125,7 @@ def as_stored(w: BlockScaled) -> BlockScaled:
   layers (`lax.scan` over stacked `MoEParams`, as deep models run), a transposed copy of
   every layer's expert weights made before the loop. Held here, at the slice a decode reads,
   only that slice is laid out anew (measured on a compile-only H200: the copy is gone, no
-  temp is added; docs/performance.md, "GPU").
+  temp is added; docs/measurements.md, "Checked without a GPU").
   """
   pin = lambda leaf: with_layout_constraint(leaf, Layout(tuple(range(leaf.ndim))))
   return jax.tree.map(pin, w)

@@ -119,6 +119,36 @@ def test_every_flag_in_the_docs_exists():
   assert not missing, f"flags the docs mention that no command defines: {missing}"
 
 
+SECTION_REFERENCE = re.compile(r"((?:docs/)?\w+\.md)`?,? \(?\"([^\"]+)\"")
+
+
+def headings(doc: Path) -> list[str]:
+  return [line.lstrip("#").strip() for line in doc.read_text().splitlines() if line.startswith("#")]
+
+
+def test_every_section_a_doc_or_comment_points_to_exists():
+  """`docs/performance.md, "GPU"` in the docs or the code: the file has a heading that
+  starts so."""
+  sources = [
+    *DOCS,
+    *(
+      path
+      for package in ("moejax", "kernels_pallas", "benchmarks", "tests")
+      for path in (ROOT / package).rglob("*.py")
+    ),
+  ]
+  found, missing = 0, {}
+  for source in sources:
+    for name, section in SECTION_REFERENCE.findall(source.read_text()):
+      doc = ROOT / name if name.startswith("docs/") or name == "README.md" else ROOT / "docs" / name
+      found += 1
+      section = " ".join(section.replace("#", " ").split())  # a comment wrapped mid-name
+      if not doc.exists() or not any(h.startswith(section) for h in headings(doc)):
+        missing.setdefault(f"{name}: {section!r}", []).append(source.name)
+  assert found > 10
+  assert not missing, f"sections pointed to that do not exist: {missing}"
+
+
 def test_the_docs_checks_fail_on_a_wrong_name():
   """The checks can fail: a planted wrong name of each kind is caught."""
   assert resolves("moejax.plan_call") and not resolves("moejax.plan_calls")
