@@ -63,7 +63,9 @@ def _mesh() -> jax.sharding.Mesh:
 def _model(
   blocks: int, scanned: bool, policy: Callable | None, mesh, moe: MoEConfig = MOE
 ) -> MoETransformer:
-  config = TransformerConfig(64, blocks, 2, moe, scan_layers=scanned, remat_policy=policy)
+  config = TransformerConfig(
+    vocab_size=64, num_layers=blocks, num_heads=2, moe=moe, scan_layers=scanned, remat_policy=policy
+  )
   model = MoETransformer(config, mesh=mesh, rngs=nnx.Rngs(0))
   shard_model(model, mesh)
   return model

@@ -245,18 +245,20 @@ def _expert_paths(with_kernel: bool) -> dict[str, Callable]:
   from kernels_pallas.backends import Case, select_kernel
   from kernels_pallas.platform import on_cpu
   from moejax.activations import GatedActivation
-  from moejax.experts import default_tile_rows, grouped_mlp, sorted_mlp
+  from moejax.experts import default_tile_rows, grouped_matmul_mlp, tile_loop_mlp
   from moejax.params import ExpertWeights
 
   def tile_loop(x, ids, weights, w_gate_up, w_down):
     rows = default_tile_rows(ids.size, w_gate_up.shape[0])
     experts = ExpertWeights(w_gate_up, w_down)
-    return grouped_mlp(x, ids, weights, experts, activation=GatedActivation("silu"), tile_rows=rows)
+    return tile_loop_mlp(
+      x, ids, weights, experts, activation=GatedActivation("silu"), tile_rows=rows
+    )
 
   def on_backend(backend: str) -> Callable:
     def sorted_path(x, ids, weights, w_gate_up, w_down):
       experts = ExpertWeights(w_gate_up, w_down)
-      return sorted_mlp(
+      return grouped_matmul_mlp(
         x,
         ids,
         weights,

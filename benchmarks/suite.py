@@ -33,7 +33,7 @@ from jax.sharding import Mesh
 from kernels_pallas.formats import FORMATS
 from kernels_pallas.quantized import is_block_scaled
 from moejax import MoEConfig, MoEParams, files, lora, moe_apply, quant, routing
-from moejax.experts import default_tile_rows, grouped_mlp
+from moejax.experts import default_tile_rows, tile_loop_mlp
 from moejax.forward import chunk_layout, compiled_executables
 from moejax.meshes import named_sharding
 from moejax.params import ExpertWeights
@@ -350,7 +350,7 @@ def decode_cost_rows(config: MoEConfig, params: MoEParams, repeats: int) -> list
     return routing.route(logits, mask, config, None)
 
   def experts_only(params, x, ids, weights):
-    return grouped_mlp(
+    return tile_loop_mlp(
       x, ids, weights, ExpertWeights(params.w_gate_up, params.w_down),
       activation=config.gated_activation, tile_rows=default_tile_rows(ids.size, 32),
     )  # fmt: skip

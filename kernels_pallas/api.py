@@ -82,7 +82,7 @@ def _resolve(implementation: str | None, lhs, rhs, activation=None, precision=No
     )
   rhs_format = format_of(rhs)
   case = Case(
-    lhs.dtype, activation, precision, rhs_dtype=None if rhs_format else rhs.dtype,
+    lhs.dtype, activation, precision=precision, rhs_dtype=None if rhs_format else rhs.dtype,
     rhs_format=rhs_format,
   )  # fmt: skip
   if implementation is None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import Literal
 
 import jax.numpy as jnp
 
@@ -76,8 +77,11 @@ def _mosaic_tgmm_blocks(num_rows: int, k: int, n: int) -> MosaicBlocks:
   return MosaicBlocks(block_m=128, block_n=128, block_k=64, max_concurrent_steps=3)
 
 
+# A backend's name (`implementation=` of the ops).
+BackendName = Literal["mosaic", "triton", "xla"]
+
 # In order of preference: a device runs the first kernel made for it that can run the case.
-BACKENDS: dict[str, Backend] = {
+BACKENDS: dict[BackendName, Backend] = {
   "mosaic": Backend(
     name="mosaic",
     made_for=lambda capability: capability is not None and capability.startswith("9"),  # Hopper
@@ -139,6 +143,7 @@ class Case:
 
   dtype: object
   activation: str | None = None
+  _: dataclasses.KW_ONLY
   precision: object = None
   rhs_dtype: object = None
   rhs_format: str | None = None

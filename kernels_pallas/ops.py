@@ -66,7 +66,7 @@ def _pad_gate_up(rhs: jax.Array | BlockScaled, multiple: int) -> jax.Array | Blo
 
 def _check_supported(settings: KernelSettings, dtype, activation=None, rhs=None) -> None:
   """Raises NotImplementedError with the registry's reason if the backend cannot run this."""
-  case = Case(dtype, activation, settings.precision, rhs_format=format_of(rhs))
+  case = Case(dtype, activation, precision=settings.precision, rhs_format=format_of(rhs))
   reason = unsupported_reason(settings.implementation, case)
   if reason is not None:
     raise NotImplementedError(reason)

@@ -35,7 +35,7 @@ from moejax.chunk_budget import (
   chunk_bytes_by_term,
 )
 from moejax.chunking import TokenLayout
-from moejax.config import MoEConfig
+from moejax.config import MoEConfig, Scheme
 from moejax.dispatch import Exchange, dispatch_choice, make_exchange, received_rows
 from moejax.experts import default_tile_rows
 from moejax.plan import ExpertPlan, choose_plan
@@ -68,7 +68,7 @@ class CallPlan:
   target: platform.Target
   layout: TokenLayout
   chunk_reason: str
-  scheme: str
+  scheme: Scheme
   scheme_reason: str
   exchange: Exchange
   received_rows: int
@@ -173,7 +173,7 @@ def _layout(
   num_tokens: int,
   devices: int,
   exchange: Exchange,
-  scheme: str,
+  scheme: Scheme,
   path_of: PathOf,
 ) -> tuple[TokenLayout, int | None]:
   """The tokens' layout, and the budget that chose its chunk (None: the config did)."""

@@ -32,7 +32,7 @@ from typing import NamedTuple
 import numpy as np
 
 from kernels_pallas import platform
-from moejax.config import MoEConfig
+from moejax.config import ExpertPath, MoEConfig, Scheme
 from moejax.experts import default_tile_rows
 
 GRANULARITY = 8  # rows: a chunk of several is a multiple of the tile loop's smallest tile
@@ -54,7 +54,7 @@ class RowShape(NamedTuple):
 F32 = 4
 # The expert path ("tile_loop", "ragged_dot", "pallas") a call takes with chunks of C rows per
 # device: the call plan's rule, handed to the budget.
-PathOf = Callable[[int], str]
+PathOf = Callable[[int], ExpertPath]
 # Bytes per received row, by what holds them: an upper bound. Measured on XLA:CPU in float32
 # at K = 2, S = 4 (tests/test_chunk_budget.py checks the sum against memory_analysis()), one
 # chunk adds 18-22·D bytes per received row forward and 28-39·D with the backward pass;
@@ -84,7 +84,7 @@ def tile_padding_bytes(config: MoEConfig, chunk: int, axis_size: int) -> int:
   return local_experts * tile_rows * config.hidden_size * 2 * F32
 
 
-def ragged_dot_bytes(config: MoEConfig, chunk: int, axis_size: int, path: str) -> int:
+def ragged_dot_bytes(config: MoEConfig, chunk: int, axis_size: int, path: ExpertPath) -> int:
   """What XLA:GPU's ragged_dot adds to a chunk on expert `path` (0 but for "ragged_dot"): its GPU
   lowering expands each grouped matmul densely over the El local experts, and the gradient
   holds, per received (row, choice) and local expert, up to (5·D + 10·F) times the compute
@@ -99,14 +99,16 @@ def ragged_dot_bytes(config: MoEConfig, chunk: int, axis_size: int, path: str) -
   return received * config.top_k * per_pair * np.dtype(config.dtype).itemsize
 
 
-def chunk_bytes(config: MoEConfig, chunk: int, axis_size: int, scheme: str, path: str) -> int:
+def chunk_bytes(
+  config: MoEConfig, chunk: int, axis_size: int, scheme: Scheme, path: ExpertPath
+) -> int:
   """What one chunk of `chunk` rows per device holds under the exchange `scheme`
   (`dispatch.scheme_of`) on expert `path`: the sum of `chunk_bytes_by_term`."""
   return sum(chunk_bytes_by_term(config, chunk, axis_size, scheme, path).values())
 
 
 def chunk_bytes_by_term(
-  config: MoEConfig, chunk: int, axis_size: int, scheme: str, path: str
+  config: MoEConfig, chunk: int, axis_size: int, scheme: Scheme, path: ExpertPath
 ) -> dict[str, int]:
   """`chunk_bytes`' terms: each of `CHUNK_TERMS` for the S·C rows the chunk receives, the tile
   padding, and ragged_dot's dense expansion on a GPU (0 on the other paths)."""
@@ -160,7 +162,9 @@ def budget_bytes(config: MoEConfig) -> int:
   return int(limit * GPU_BUDGET_FRACTION) if limit else GPU_FALLBACK_BUDGET_BYTES
 
 
-def auto_chunk(config: MoEConfig, share: int, axis_size: int, scheme: str, path_of: PathOf) -> int:
+def auto_chunk(
+  config: MoEConfig, share: int, axis_size: int, scheme: Scheme, path_of: PathOf
+) -> int:
   """The chunk of a device holding `share` tokens: all of them in one chunk if its
   `chunk_bytes` fit the budget; else, of the chunks that fit (multiples of `GRANULARITY`),
   the largest that divides the share (up to twice the fewest chunks), so that the layout

@@ -17,6 +17,10 @@ Activation = Literal["silu", "gelu", "gelu_tanh", "swiglu_oai"]
 Scoring = Literal["softmax", "sigmoid", "sparsemixer"]
 ExpertBackend = Literal["xla", "pallas", "auto"]
 Dispatch = Literal["all_gather", "all_to_all", "auto"]
+# The exchange schemes a call runs ("auto" resolved).
+Scheme = Literal["all_gather", "all_to_all"]
+# The paths a call's experts can take (`moejax.plan`).
+ExpertPath = Literal["tile_loop", "ragged_dot", "pallas"]
 
 _ACTIVATIONS = tuple(GATED)
 _SCORINGS = get_args(Scoring)

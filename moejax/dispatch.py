@@ -32,7 +32,7 @@ from moejax.collectives import (
   scatter_sum_rows,
   swap_slices,
 )
-from moejax.config import MoEConfig
+from moejax.config import Dispatch, MoEConfig, Scheme
 from moejax.id_spaces import is_local, local_id, owner_device
 
 
@@ -326,7 +326,7 @@ def resolve_dispatch(dispatch: str, axis_size: int, platform_name: str) -> str:
   return dispatch_choice(dispatch, axis_size, platform_name)[0]
 
 
-def dispatch_choice(dispatch: str, axis_size: int, platform_name: str) -> tuple[str, str]:
+def dispatch_choice(dispatch: Dispatch, axis_size: int, platform_name: str) -> tuple[Scheme, str]:
   """`resolve_dispatch`'s scheme and why, in words (what `moejax.plan_call` reports)."""
   if dispatch != "auto":
     return dispatch, f"config.dispatch={dispatch!r}"
@@ -351,7 +351,7 @@ def scheme_of(config: MoEConfig, axis_size: int) -> str:
 
 
 def make_exchange(
-  config: MoEConfig, axis: tuple[str, ...] | None, axis_size: int, scheme: str
+  config: MoEConfig, axis: tuple[str, ...] | None, axis_size: int, scheme: Scheme
 ) -> Exchange:
   """The exchange of `scheme` ("all_gather" or "all_to_all": `scheme_of`) over the expert
   group `axis` of `axis_size` devices (None, 1: no mesh), over the config's physical experts

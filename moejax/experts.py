@@ -2,11 +2,11 @@
 
 `routed_mlp` is the entry; it runs the path of the call's `moejax.plan.ExpertPlan`:
 
-- "tile_loop" (`grouped_mlp`): sorts the (row, choice) assignments by expert, pads each
+- "tile_loop" (`tile_loop_mlp`): sorts the (row, choice) assignments by expert, pads each
   expert's rows to whole tiles (`kernels_pallas.metadata.aligned_rows`, the layout the Mosaic
   kernels use) and runs one dense [B, D] x [D, 2F] x [F, D] MLP per tile in a `lax.scan`,
   skipping unused tiles with `lax.cond`.
-- "ragged_dot" and "pallas" (`sorted_mlp`): `kernels_pallas.moe_mlp` on the plan's backend
+- "ragged_dot" and "pallas" (`grouped_matmul_mlp`): `kernels_pallas.moe_mlp` on the plan's backend
   (XLA's two `jax.lax.ragged_dot`s, or the fused kernels); with LoRA adapters, unfused
   `kernels_pallas.gmm`s on that backend (`adapted_mlp`).
 
@@ -76,7 +76,7 @@ def sort_by_expert(expert_ids: jax.Array, local_experts: int) -> tuple[jax.Array
   return order, group_sizes
 
 
-def grouped_mlp(
+def tile_loop_mlp(
   x: jax.Array,
   expert_ids: jax.Array,
   weights: jax.Array,
@@ -116,7 +116,7 @@ def grouped_mlp(
     layout.tile_ends, jnp.arange(row_of.size // tile_rows), "right", method="compare_all"
   )
   tiles = Tiles(
-    tokens=row_of.reshape(-1, tile_rows),  # [tiles, B]
+    rows=row_of.reshape(-1, tile_rows),  # [tiles, B]
     weights=jnp.where(filled, weights.reshape(-1)[assignment], 0.0).reshape(-1, tile_rows),
     expert=jnp.minimum(tile_expert, local_experts - 1).astype(jnp.int32),
     num_used=layout.tile_ends[-1],
@@ -128,7 +128,7 @@ def grouped_mlp(
   return jnp.sum(tiled_out[assignment_row].reshape(rows, top_k, dim), axis=1)
 
 
-def sorted_mlp(
+def grouped_matmul_mlp(
   x: jax.Array,
   expert_ids: jax.Array,
   weights: jax.Array,
@@ -138,13 +138,13 @@ def sorted_mlp(
   backend: str,
   interpret: bool = False,
 ) -> jax.Array:
-  """`grouped_mlp`'s contract on `kernels_pallas.moe_mlp` (fused kernels, or XLA ragged_dot).
+  """`tile_loop_mlp`'s contract on `kernels_pallas.moe_mlp` (fused kernels, or XLA ragged_dot).
 
   Sorts the N*K assignments by local expert (the others last, past the groups' sum, where
   `moe_mlp` writes 0), runs the MLP with the routing weights in its epilogue (`adapted_mlp`
   with adapters), and sums each row's K results.
 
-  Args and returns: as `grouped_mlp` (without biases, `tile_rows` and seeds; `activation`
+  Args and returns: as `tile_loop_mlp` (without biases, `tile_rows` and seeds; `activation`
   silu or gelu), plus `backend`, a `kernels_pallas` backend name, and `interpret`, to run a
   kernel in its interpreter.
   """
@@ -222,7 +222,7 @@ def routed_mlp(
   With `config.apply_router_weight_on_input` (K=1) each row is scaled by its weight before
   its expert, and the output is not weighted.
 
-  Args and returns: as `grouped_mlp` (without `tile_rows` and `activation`), plus the call's
+  Args and returns: as `tile_loop_mlp` (without `tile_rows` and `activation`), plus the call's
   `plan` (`moejax.plan.plan_experts`). The tile loop accumulates onto `grad_seeds` in place;
   the other paths add them (`moejax.chunking.seed_gradient`).
   """
@@ -232,7 +232,7 @@ def routed_mlp(
     x = (x.astype(jnp.float32) * jnp.sum(weights, axis=-1, keepdims=True)).astype(x.dtype)
     weights = local.astype(jnp.float32)
   if plan.path == "tile_loop":
-    return grouped_mlp(
+    return tile_loop_mlp(
       x,
       expert_ids,
       weights,
@@ -243,7 +243,7 @@ def routed_mlp(
     )
   if grad_seeds is not None:
     experts = ExpertWeights(*map(_seeded, experts, grad_seeds))
-  return sorted_mlp(
+  return grouped_matmul_mlp(
     x,
     expert_ids,
     weights,

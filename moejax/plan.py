@@ -5,13 +5,13 @@
 would otherwise decide (`experts`, the `shard_map` options) reads it. The rule was measured
 on an H200 (docs/performance.md, "GPU"):
 
-- "tile_loop" (`experts.grouped_mlp`): one dense MLP per tile of an expert's rows. On a CPU
+- "tile_loop" (`experts.tile_loop_mlp`): one dense MLP per tile of an expert's rows. On a CPU
   it runs near the dense-matmul rate, where `jax.lax.ragged_dot` is an order of magnitude
   slower; it is also the only path with expert biases and GPT-OSS's activation.
-- "ragged_dot" (`experts.sorted_mlp` on XLA): XLA's GPU lowering expands it densely over the
+- "ragged_dot" (`experts.grouped_matmul_mlp` on XLA): XLA's GPU lowering expands it densely over the
   groups, so it wins only with few local experts (El <= 8 on the H200: 2.2x the tile loop's
   forward at El=8, 0.26x its forward+backward at El=32), and never on a decode-size call.
-- "pallas" (`experts.sorted_mlp` on a kernel): the fused `kernels_pallas.moe_mlp`; the
+- "pallas" (`experts.grouped_matmul_mlp` on a kernel): the fused `kernels_pallas.moe_mlp`; the
   registry picks the kernel (`kernels_pallas.backends.select_kernel`).
 
 `expert_backend="xla"` takes the better XLA path; "pallas" the device's kernel (interpreted on
@@ -30,30 +30,31 @@ from kernels_pallas import platform
 from kernels_pallas.api import KERNEL_FASTER_FROM_ROWS, measured_faster
 from kernels_pallas.backends import (
   REFERENCE,
+  BackendName,
   Case,
   no_kernel_reason,
   select_kernel,
   unsupported_reason,
 )
-from moejax.config import MoEConfig
+from moejax.config import ExpertPath, MoEConfig
 
 # Most local experts for which XLA's ragged_dot beats the tile loop on a GPU (H200, bf16).
 RAGGED_DOT_MAX_LOCAL_EXPERTS = 8
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class ExpertPlan:
   """How one call computes its local experts (static, hashable).
 
   Attributes:
     path: "tile_loop", "ragged_dot" or "pallas".
-    backend: the `kernels_pallas` backend `experts.sorted_mlp` runs ("xla" for ragged_dot, a
+    backend: the `kernels_pallas` backend `experts.grouped_matmul_mlp` runs ("xla" for ragged_dot, a
       kernel for pallas), None for the tile loop.
     interpret: whether that kernel runs in its interpreter (a CPU): slow, for testing.
   """
 
-  path: str
-  backend: str | None = None
+  path: ExpertPath
+  backend: BackendName | None = None
   interpret: bool = False
 
   @property
@@ -121,21 +122,23 @@ def choose_plan(config: MoEConfig, num_rows: int, local_experts: int) -> ExpertC
     if kernel is None:
       why = f"no kernel runs it ({no_kernel_reason(case)})"
       warning = f"expert_backend='pallas' falls back to the XLA tile loop: {why}"
-      return ExpertChoice(ExpertPlan("tile_loop"), warning, f"expert_backend='pallas', but {why}")
+      return ExpertChoice(
+        ExpertPlan(path="tile_loop"), warning, f"expert_backend='pallas', but {why}"
+      )
     reason = f"expert_backend='pallas': {kernel}, the device's kernel for the case"
     if not platform.on_cpu():
-      return ExpertChoice(ExpertPlan("pallas", kernel), None, reason)
+      return ExpertChoice(ExpertPlan(path="pallas", backend=kernel), None, reason)
     warning = (
       "expert_backend='pallas' on a CPU runs the Pallas kernels in the interpreter: slow, "
       "for testing only"
     )
-    return ExpertChoice(ExpertPlan("pallas", kernel, interpret=True), warning, reason)
+    return ExpertChoice(ExpertPlan(path="pallas", backend=kernel, interpret=True), warning, reason)
   if config.expert_backend == "auto" and kernel is not None and measured_faster(kernel, num_rows):
     reason = (
       f"expert_backend='auto': KERNEL_FASTER_FROM_ROWS records {kernel} faster than XLA from "
       f"{KERNEL_FASTER_FROM_ROWS[kernel]} rows; the call has {num_rows}"
     )
-    return ExpertChoice(ExpertPlan("pallas", kernel), None, reason)
+    return ExpertChoice(ExpertPlan(path="pallas", backend=kernel), None, reason)
   xla = _xla_choice(config, case, num_rows, local_experts)
   if config.expert_backend == "auto" and kernel is not None:
     xla = xla._replace(
@@ -167,5 +170,5 @@ def _xla_choice(config: MoEConfig, case: Case, num_rows: int, local_experts: int
       f"ragged_dot: {local_experts} local experts on a GPU, at most "
       f"{RAGGED_DOT_MAX_LOCAL_EXPERTS} (measured faster than the tile loop on an H200)"
     )
-    return ExpertChoice(ExpertPlan("ragged_dot", REFERENCE), None, reason)
-  return ExpertChoice(ExpertPlan("tile_loop"), None, reason)
+    return ExpertChoice(ExpertPlan(path="ragged_dot", backend=REFERENCE), None, reason)
+  return ExpertChoice(ExpertPlan(path="tile_loop"), None, reason)

@@ -86,13 +86,13 @@ class Tiles(NamedTuple):
   """Which rows each tile of the tile loop runs, with what weights, through which expert.
 
   Attributes:
-    tokens: [tiles, B] int32 row of each tile slot (the zero row for empty slots).
+    rows: [tiles, B] int32 row of each tile slot (the zero row for empty slots).
     weights: [tiles, B] float32 weight of each slot's output (0 for empty slots).
     expert: [tiles] int32 expert of each tile.
     num_used: [] int32 tiles in use; the rest are skipped and give 0.
   """
 
-  tokens: jax.Array
+  rows: jax.Array
   weights: jax.Array
   expert: jax.Array
   num_used: jax.Array
@@ -122,27 +122,27 @@ def tile_mlp(x_padded, experts, tiles, grad_seeds, activation):
 
   Returns:
     [tiles, B, D] float32: slot (t, b) holds `tiles.weights[t, b] * mlp_e(x_padded[row])`,
-    e = `tiles.expert[t]`, row = `tiles.tokens[t, b]`.
+    e = `tiles.expert[t]`, row = `tiles.rows[t, b]`.
   """
-  tile_rows, dim = tiles.tokens.shape[1], x_padded.shape[1]
+  tile_rows, dim = tiles.rows.shape[1], x_padded.shape[1]
 
-  def used_tile(tokens, row_weights, expert):
+  def used_tile(rows, row_weights, expert):
     one = experts.of_expert(expert, x_padded.dtype)
     out = gated_mlp(
-      x_padded[tokens], one.w_gate_up, one.w_down, activation, one.b_gate_up, one.b_down, one.lora
+      x_padded[rows], one.w_gate_up, one.w_down, activation, one.b_gate_up, one.b_down, one.lora
     )
     return out * row_weights[:, None]
 
   def run_tile(_, tile):
-    index, tokens, row_weights, expert = tile
+    index, rows, row_weights, expert = tile
     out = jax.lax.cond(
       index < tiles.num_used,
-      lambda: used_tile(tokens, row_weights, expert),
+      lambda: used_tile(rows, row_weights, expert),
       lambda: filled_like(x_padded, (tile_rows, dim), 0, jnp.float32),
     )
     return None, out
 
-  steps = (jnp.arange(tiles.tokens.shape[0]), tiles.tokens, tiles.weights, tiles.expert)
+  steps = (jnp.arange(tiles.rows.shape[0]), tiles.rows, tiles.weights, tiles.expert)
   return jax.lax.scan(run_tile, None, steps)[1]
 
 
@@ -237,13 +237,13 @@ def _tile_mlp_bwd(activation, residuals, d_tiles):
   )
 
   def tile_backward(carry, tile):
-    index, tokens, row_weights, expert, d_out = tile
+    index, rows, row_weights, expert, d_out = tile
 
     def accumulate(carry):
       d_x, d_experts = carry
       one = experts.of_expert(expert, x_padded.dtype)
       d_tile_x, d_row_weights, grads = _tile_grads(
-        x_padded[tokens], one, row_weights, d_out, activation, trained
+        x_padded[rows], one, row_weights, d_out, activation, trained
       )
       d_experts = ExpertWeights(
         *(
@@ -251,12 +251,12 @@ def _tile_mlp_bwd(activation, residuals, d_tiles):
           for total, g in zip(d_experts, grads, strict=True)
         )
       )
-      return (d_x.at[tokens].add(d_tile_x), d_experts), d_row_weights
+      return (d_x.at[rows].add(d_tile_x), d_experts), d_row_weights
 
     skip = lambda carry: (carry, jnp.zeros_like(row_weights))
     return jax.lax.cond(index < tiles.num_used, accumulate, skip, carry)
 
-  steps = (jnp.arange(tiles.tokens.shape[0]), tiles.tokens, tiles.weights, tiles.expert, d_tiles)
+  steps = (jnp.arange(tiles.rows.shape[0]), tiles.rows, tiles.weights, tiles.expert, d_tiles)
   (d_x, d_experts), d_tile_weights = jax.lax.scan(tile_backward, init, steps)
   cast = lambda g, w: jax.tree.map(lambda g, w: g.astype(w.dtype), g, w)
   d_experts = ExpertWeights(

@@ -11,7 +11,7 @@ import pytest
 from moejax import MoEConfig, moe_apply
 from moejax.activations import GatedActivation
 from moejax.chunking import seed_gradient
-from moejax.experts import grouped_mlp
+from moejax.experts import tile_loop_mlp
 from moejax.params import ExpertWeights
 from moejax.testing import random_params
 from tests.helpers import seed_of, tolerance
@@ -34,7 +34,7 @@ def test_tile_loop_accumulates_onto_its_gradient_seeds(biases, request):
   activation = GatedActivation("silu")
 
   def layer(params, x, weights, grad_seeds):
-    out = grouped_mlp(
+    out = tile_loop_mlp(
       x, ids, weights, params, activation=activation, tile_rows=8, grad_seeds=grad_seeds
     )
     return jnp.sum(out * d_out)

@@ -83,17 +83,19 @@ def _unrolled_value(stacked: dict, path: tuple, moe_every: int) -> jax.Array:
 
 def test_the_transformer_config_refuses_what_it_cannot_scan_or_remat():
   with pytest.raises(ValueError, match="scan_layers must be a bool, got 'yes'"):
-    TransformerConfig(32, 2, 2, CONFIG, scan_layers="yes")
+    TransformerConfig(vocab_size=32, num_layers=2, num_heads=2, moe=CONFIG, scan_layers="yes")
   with pytest.raises(ValueError, match=r"num_layers must be an int, got 2\.0"):
-    TransformerConfig(32, 2.0, 2, CONFIG)
+    TransformerConfig(vocab_size=32, num_layers=2.0, num_heads=2, moe=CONFIG)
   with pytest.raises(ValueError, match="vocab_size must be a positive int, got 0"):
-    TransformerConfig(0, 2, 2, CONFIG)
+    TransformerConfig(vocab_size=0, num_layers=2, num_heads=2, moe=CONFIG)
   with pytest.raises(TypeError, match=r"moe must be a moejax\.MoEConfig, got dict"):
-    TransformerConfig(32, 2, 2, {})
+    TransformerConfig(vocab_size=32, num_layers=2, num_heads=2, moe={})
   with pytest.raises(ValueError, match="moe_every=2 blocks: num_layers=3 must divide by it"):
-    TransformerConfig(32, 3, 2, CONFIG, moe_every=2, scan_layers=True)
+    TransformerConfig(
+      vocab_size=32, num_layers=3, num_heads=2, moe=CONFIG, moe_every=2, scan_layers=True
+    )
   with pytest.raises(TypeError, match=r"remat_policy must be None or a jax\.checkpoint policy"):
-    TransformerConfig(32, 2, 2, CONFIG, remat_policy="full")
+    TransformerConfig(vocab_size=32, num_layers=2, num_heads=2, moe=CONFIG, remat_policy="full")
 
 
 def test_scanned_transformer_equals_the_unrolled_one(request):
@@ -101,7 +103,15 @@ def test_scanned_transformer_equals_the_unrolled_one(request):
   gives the unrolled model's loss, aux losses and gradients, its weights copied in."""
   mesh = mesh_of(2, 4)
   moe = dataclasses.replace(CONFIG, chunk_size=8)
-  config = TransformerConfig(32, 4, 2, moe, moe_every=2, dense_ffn_size=24, scan_layers=True)
+  config = TransformerConfig(
+    vocab_size=32,
+    num_layers=4,
+    num_heads=2,
+    moe=moe,
+    moe_every=2,
+    dense_ffn_size=24,
+    scan_layers=True,
+  )
   key = jax.random.key(seed_of(request.node.name))
   scanned = MoETransformer(config, mesh=mesh, rngs=nnx.Rngs(seed_of(request.node.name) % 2**31))
   unrolled = MoETransformer(

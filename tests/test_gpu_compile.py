@@ -131,10 +131,12 @@ def test_decisions_follow_the_call_devices(gpu, pallas_kernel):
   device = targets.compile_only_devices(gpu)[0]
   config = MoEConfig(**LAYER, **BF16)
   with platform.running_on(device):
-    assert plan_experts(config, num_rows=4096, local_experts=4) == ExpertPlan("ragged_dot", "xla")
+    assert plan_experts(config, num_rows=4096, local_experts=4) == ExpertPlan(
+      path="ragged_dot", backend="xla"
+    )
     pallas = MoEConfig(**LAYER, dtype=jnp.bfloat16, expert_backend="pallas")
     assert plan_experts(pallas, num_rows=4096, local_experts=4) == ExpertPlan(
-      "pallas", pallas_kernel
+      path="pallas", backend=pallas_kernel
     )
     assert budget_bytes(config) == GPUS[gpu].memory_bytes // 16
   assert platform.on_cpu()  # the process's own default device is unchanged

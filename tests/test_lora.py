@@ -359,7 +359,7 @@ def test_linen_rebalance_moves_the_adapters(request):
 
 
 @pytest.mark.parametrize("base", ["bf16", "fp8_block"])
-def test_the_adapted_sorted_mlp_lowers_to_mosaic_gpu_kernels(base):
+def test_the_adapted_grouped_matmul_mlp_lowers_to_mosaic_gpu_kernels(base):
   """On the Pallas path the adapters are rank-r grouped matmuls of their own (r = 4, padded to
   the kernel's blocks): forward and gradient lower for cuda to Mosaic GPU kernels only."""
   spec = jax.ShapeDtypeStruct

@@ -169,7 +169,7 @@ def test_a_transformer_trains_and_checkpoints(mesh, tmp_path, request):
   """One optimizer step of `MoETransformer` on a batch split over data (the embedding's gather
   included), its loss the one-device model's; saved, then restored into a fresh model."""
   seed = seed_of(request.node.name)
-  config = TransformerConfig(32, 2, 2, CONFIG)
+  config = TransformerConfig(vocab_size=32, num_layers=2, num_heads=2, moe=CONFIG)
 
   def step(mesh):
     model = MoETransformer(config, mesh=mesh, rngs=nnx.Rngs(seed))

@@ -31,7 +31,9 @@ MOE = MoEConfig(num_experts=8, top_k=2, hidden_size=32, intermediate_size=64, ch
 
 def build(mesh_shape, seed, moe_every=1, scan_layers=False, moe=MOE):
   mesh = mesh_of(*mesh_shape)
-  config = TransformerConfig(64, 2, 2, moe, moe_every=moe_every, scan_layers=scan_layers)
+  config = TransformerConfig(
+    vocab_size=64, num_layers=2, num_heads=2, moe=moe, moe_every=moe_every, scan_layers=scan_layers
+  )
   model = MoETransformer(config, mesh=mesh, rngs=nnx.Rngs(seed))
   shard_model(model, mesh)
   optimizer = nnx.Optimizer(model, optax.adam(3e-3), wrt=nnx.Param)

@@ -168,6 +168,6 @@ def test_expert_biases_always_plan_the_tile_loop(backend, capability, monkeypatc
   with warnings.catch_warnings(record=True) as caught, platform.targeting(device):
     warnings.simplefilter("always")
     chosen = plan.plan_experts(config, num_rows=64, local_experts=2)
-  assert chosen == plan.ExpertPlan("tile_loop"), chosen
+  assert chosen == plan.ExpertPlan(path="tile_loop"), chosen
   if backend == "pallas":
     assert any("expert biases" in str(w.message) for w in caught), caught

@@ -10,7 +10,7 @@ import pytest
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
 
 from moejax import MoEConfig
-from moejax.experts import grouped_mlp
+from moejax.experts import tile_loop_mlp
 from moejax.params import ExpertWeights
 from tests.helpers import seed_of
 
@@ -60,7 +60,7 @@ def test_tile_loop_reads_weights_only_in_used_tiles(grad, biases, request):
 
   def layer(w_gate_up, w_down, x):
     experts = ExpertWeights(w_gate_up, w_down, *b)
-    return grouped_mlp(x, ids, weights, experts, activation=config.gated_activation, tile_rows=8)
+    return tile_loop_mlp(x, ids, weights, experts, activation=config.gated_activation, tile_rows=8)
 
   fn = jax.grad(lambda *a: jnp.sum(layer(*a) ** 2), argnums=(0, 1, 2)) if grad else layer
   jaxpr = jax.make_jaxpr(fn)(w_gate_up, w_down, x).jaxpr

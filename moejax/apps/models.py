@@ -21,7 +21,7 @@ from moejax.config import MoEConfig, check_field_types
 from moejax.layer import MoELayer
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class TransformerConfig:
   """Shape of `MoETransformer`.
 
@@ -171,7 +171,8 @@ class MoETransformer(nnx.Module):
   norm, tied output projection.
 
   >>> moe = MoEConfig(num_experts=4, top_k=2, hidden_size=16, intermediate_size=32)
-  >>> model = MoETransformer(TransformerConfig(32, 2, 2, moe), rngs=nnx.Rngs(0))
+  >>> shape = TransformerConfig(vocab_size=32, num_layers=2, num_heads=2, moe=moe)
+  >>> model = MoETransformer(shape, rngs=nnx.Rngs(0))
   >>> model(jnp.zeros((2, 5), jnp.int32), jnp.ones((2, 5), bool)).shape
   (2, 5, 32)
   """

@@ -122,7 +122,7 @@ class GroupedMatmulTestBase:
 
   def skip_unsupported(self, call, dtype, activation=None, precision=None, rhs_format=None) -> bool:
     """If the backend cannot run the case, checks that `call()` says so; returns whether."""
-    case = Case(dtype, activation, precision, rhs_format=rhs_format)
+    case = Case(dtype, activation, precision=precision, rhs_format=rhs_format)
     reason = unsupported_reason(self.implementation, case)
     if reason is not None:
       with pytest.raises(NotImplementedError):

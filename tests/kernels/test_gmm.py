@@ -158,11 +158,11 @@ def test_auto_uses_xla_off_the_measured_cases():
 
   assert best_implementation(jnp.bfloat16, "silu", num_rows=1 << 20) == "xla"
   config = MoEConfig(num_experts=8, top_k=2, hidden_size=64, intermediate_size=128)
-  assert plan_experts(config, num_rows=1 << 20, local_experts=8) == ExpertPlan("tile_loop")
+  assert plan_experts(config, num_rows=1 << 20, local_experts=8) == ExpertPlan(path="tile_loop")
   pallas = MoEConfig(**{**config.__dict__, "expert_backend": "pallas"})
   with pytest.warns(UserWarning, match="in the interpreter"):
     assert plan_experts(pallas, num_rows=16, local_experts=8) == ExpertPlan(
-      "pallas", "triton", interpret=True
+      path="pallas", backend="triton", interpret=True
     )
 
 
