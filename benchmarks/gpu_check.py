@@ -207,7 +207,10 @@ def part_layer(out: Path, smoke: bool, record: Recorder) -> None:
       )
       if error > bound or grad_error > 2 * bound:
         raise AssertionError(f"relative error {error:.3g}, gradients {grad_error:.3g}")
-      return dict(out_rel=error, grad_rel=grad_error)
+      call = moejax.plan_call(config, x, mesh=mesh)  # the path the layer took, and why
+      return dict(
+        out_rel=error, grad_rel=grad_error, path=call.expert.path, backend=call.expert.backend
+      )
 
     name = f"layer {backend} {jnp.dtype(dtype).name} {activation}" + (" 1x1 mesh" if mesh else "")
     record.case(name, check)
@@ -353,7 +356,7 @@ def part_chunks(out: Path, smoke: bool, record: Recorder) -> None:
   import jax
   import jax.numpy as jnp
 
-  from moejax import MoEConfig, MoEParams, chunk_layout, moe_apply, param_shapes
+  from moejax import MoEConfig, MoEParams, moe_apply, param_shapes, plan_call
 
   sys.path.insert(0, str(ROOT / "benchmarks"))
   from gpu_kernels import median_seconds
@@ -376,9 +379,13 @@ def part_chunks(out: Path, smoke: bool, record: Recorder) -> None:
       x = jax.random.normal(keys[-1], (tokens, config.hidden_size), jnp.bfloat16)
       fn = jax.jit(lambda p, x: moe_apply(p, x, config=config)[0])
       seconds = median_seconds(fn, params, x, repeats=1 if smoke else 10)
-      layout = chunk_layout(config, tokens)
+      call = plan_call(config, x)
       return dict(
-        tokens=tokens, chunk_size=str(config.chunk_size), C=layout.chunk, ms=seconds * 1e3
+        tokens=tokens,
+        chunk_size=str(config.chunk_size),
+        C=call.layout.chunk,
+        path=call.expert.path,
+        ms=seconds * 1e3,
       )
 
     record.case(f"chunk_size={chunk} T={tokens}", measure)

@@ -32,9 +32,9 @@ from jax.sharding import Mesh
 
 from kernels_pallas.formats import FORMATS
 from kernels_pallas.quantized import is_block_scaled
-from moejax import MoEConfig, MoEParams, files, lora, moe_apply, quant, routing
+from moejax import MoEConfig, MoEParams, files, lora, moe_apply, plan_call, quant, routing
 from moejax.experts import default_tile_rows, tile_loop_mlp
-from moejax.forward import chunk_layout, compiled_executables
+from moejax.forward import compiled_executables
 from moejax.meshes import named_sharding
 from moejax.params import ExpertWeights
 from moejax.sharding import LayerSpecs
@@ -441,10 +441,11 @@ def auto_section(repeats: int) -> list[dict]:
     best = interleaved_best(calls, rounds=repeats)
     fastest = min(best.values())
     for name, config in configs.items():
-      layout = chunk_layout(config, tokens)
+      call = plan_call(config, x)
       rows.append(
         dict(
-          section="auto", T=tokens, chunk=name, C=layout.chunk, ms=best[name] * 1e3,
+          section="auto", T=tokens, chunk=name, C=call.layout.chunk, path=call.expert.path,
+          ms=best[name] * 1e3,
           of_best=best[name] / fastest, temp_mib=_temp_mib(config, x, None),
         )
       )  # fmt: skip
