@@ -99,17 +99,6 @@ class Recorder:
     self(row)
 
 
-def _relative_error(got, want) -> float:
-  """max |got - want| / max |want|, in float32; raises on a non-finite value."""
-  import jax.numpy as jnp
-  import numpy as np
-
-  got, want = (np.asarray(jnp.asarray(a, jnp.float32)) for a in (got, want))
-  if not np.all(np.isfinite(got)):
-    raise AssertionError("non-finite output")
-  return float(np.max(np.abs(got - want)) / max(float(np.max(np.abs(want))), 1e-30))
-
-
 def part_test_base(out: Path, smoke: bool, record: Recorder) -> None:
   """The backend test base under pytest; one row per test from its JUnit XML."""
   report = out / "test_base.xml"
@@ -156,7 +145,7 @@ def part_layer(out: Path, smoke: bool, record: Recorder) -> None:
   from jax.sharding import Mesh
 
   import moejax
-  from moejax.testing import poison, random_params
+  from moejax.testing import RELATIVE_BOUNDS, poison, random_params, relative_error
 
   warnings.simplefilter("ignore")  # the CPU smoke run interprets the kernels, and says so
   tokens, dim = (64, 64) if smoke else (2048, 512)
@@ -185,8 +174,7 @@ def part_layer(out: Path, smoke: bool, record: Recorder) -> None:
       num_shared_experts=1,
       shared_intermediate_size=dim,
     )
-    # TF32 products (a GPU's float32 default) and bf16 bound the achievable agreement.
-    bound = 3e-3 if dtype == jnp.float32 else 3e-2
+    bound = RELATIVE_BOUNDS[jnp.dtype(dtype)]  # TF32 products (a GPU's float32 default), bf16
 
     def check(config=config, bound=bound, mesh=mesh):
       params = random_params(config, jax.random.key(1))
@@ -196,14 +184,14 @@ def part_layer(out: Path, smoke: bool, record: Recorder) -> None:
         p, poison(x, mask), config=config, mesh=mesh, token_mask=mask
       )
       reference = lambda p: moejax.reference_moe(p, x, config, token_mask=mask)
-      error = _relative_error(layer(params)[0], reference(params))
+      error = relative_error(layer(params)[0], reference(params))
       loss = lambda f: lambda p: jnp.sum(jnp.sin(f(p)))
       got, want = (
         jax.grad(loss(lambda p: layer(p)[0]))(params),
         jax.grad(loss(reference))(params),
       )
       grad_error = max(
-        _relative_error(a, b) for a, b in zip(got, want, strict=True) if a is not None
+        relative_error(a, b) for a, b in zip(got, want, strict=True) if a is not None
       )
       if error > bound or grad_error > 2 * bound:
         raise AssertionError(f"relative error {error:.3g}, gradients {grad_error:.3g}")

@@ -15,20 +15,23 @@ on an H200 (docs/performance.md, "GPU"):
   registry picks the kernel (`kernels_pallas.backends.select_kernel`).
 
 `expert_backend="xla"` takes the better XLA path; "pallas" the device's kernel (interpreted on
-a CPU, for testing); "auto" a kernel only where `kernels_pallas.api.KERNEL_FASTER_FROM_ROWS` has a
-measurement showing it faster, else the XLA path. LoRA adapters change no choice: every path
+a CPU, for testing); "auto" the path a tuning file measured fastest for the call on its device
+kind (`moejax.tuning`: the user's, then the shipped table; `python -m moejax tune` writes
+one), else the XLA path. LoRA adapters change no choice: every path
 adds their products (the sorted paths in unfused grouped matmuls, `experts.adapted_mlp`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import logging
 import warnings
 from typing import NamedTuple
 
 from kernels_pallas import platform
-from kernels_pallas.api import KERNEL_FASTER_FROM_ROWS, measured_faster
 from kernels_pallas.backends import (
+  BACKENDS,
   REFERENCE,
   BackendName,
   Case,
@@ -36,6 +39,7 @@ from kernels_pallas.backends import (
   select_kernel,
   unsupported_reason,
 )
+from moejax import tuning
 from moejax.config import ExpertPath, MoEConfig
 
 # Most local experts for which XLA's ragged_dot beats the tile loop on a GPU (H200, bf16).
@@ -133,19 +137,44 @@ def choose_plan(config: MoEConfig, num_rows: int, local_experts: int) -> ExpertC
       "for testing only"
     )
     return ExpertChoice(ExpertPlan(path="pallas", backend=kernel, interpret=True), warning, reason)
-  if config.expert_backend == "auto" and kernel is not None and measured_faster(kernel, num_rows):
-    reason = (
-      f"expert_backend='auto': KERNEL_FASTER_FROM_ROWS records {kernel} faster than XLA from "
-      f"{KERNEL_FASTER_FROM_ROWS[kernel]} rows; the call has {num_rows}"
-    )
-    return ExpertChoice(ExpertPlan(path="pallas", backend=kernel), None, reason)
   xla = _xla_choice(config, case, num_rows, local_experts)
-  if config.expert_backend == "auto" and kernel is not None:
-    xla = xla._replace(
-      reason=f"expert_backend='auto': no recorded run measured {kernel} faster at {num_rows} "
-      f"rows (KERNEL_FASTER_FROM_ROWS); {xla.reason}"
+  if config.expert_backend != "auto":
+    return xla
+  found = tuning.measured(config, num_rows, local_experts)
+  if found is not None:
+    return ExpertChoice(_tuned_plan(found, case), None, found.reason(num_rows))
+  if platform.on_cpu():
+    return xla._replace(reason=f"expert_backend='auto', no tuning entry: {xla.reason}")
+  _say_once_how_to_tune(platform.target().device_kind, xla.plan.path)
+  return xla._replace(
+    reason=f"expert_backend='auto', no tuning entry for this case on "
+    f"{platform.target().device_kind} ({tuning.user_file(platform.target().device_kind)}, the "
+    f"shipped table): {xla.reason}"
+  )
+
+
+def _tuned_plan(found: tuning.Measured, case: Case) -> ExpertPlan:
+  """The plan of a tuning file's winner; one that cannot run the case is an error."""
+  chosen = found.candidate
+  if chosen.path == "tile_loop":
+    return ExpertPlan(path="tile_loop")
+  why = unsupported_reason(chosen.backend, case) if chosen.backend in BACKENDS else "unknown"
+  if why is not None:
+    raise tuning.TuningFileError(
+      f"tuning file {found.source} names {chosen.name} for a case it cannot run ({why})"
     )
-  return xla
+  return ExpertPlan(path=chosen.path, backend=chosen.backend, interpret=platform.on_cpu())
+
+
+@functools.cache
+def _say_once_how_to_tune(device_kind: str, path: str) -> None:
+  logging.getLogger("moejax").warning(
+    "moejax: expert_backend='auto' on %s runs the XLA %s: no tuning entry measured the "
+    "kernels here. `python -m moejax tune` measures every path for your layer (see "
+    "docs/tuning.md).",
+    device_kind,
+    path,
+  )
 
 
 def _xla_choice(config: MoEConfig, case: Case, num_rows: int, local_experts: int) -> ExpertChoice:

@@ -1,7 +1,7 @@
-"""Stand-in weights and inputs, shared by tests, benchmarks and users: random weights of every
-parameter a config needs, the same as abstract shapes laid out on a mesh (to compile a call
-without memory, e.g. for compile-only GPUs), and padding rows poisoned with NaN, which proves
-that no masked row reaches an output.
+"""Stand-in weights and inputs, shared by tests, benchmarks, tuning and users: random weights of
+every parameter a config needs, the same as abstract shapes laid out on a mesh (to compile a
+call without memory, e.g. for compile-only GPUs), padding rows poisoned with NaN, which proves
+that no masked row reaches an output, and the tolerances a result is checked with.
 
 >>> config = MoEConfig(num_experts=4, top_k=2, hidden_size=8, intermediate_size=16)
 >>> abstract_params(config).w_gate_up.shape
@@ -24,6 +24,41 @@ from moejax import lora, quant
 from moejax.config import MoEConfig
 from moejax.params import MoEParams, param_shapes
 from moejax.sharding import LayerSpecs, map_params
+
+# (atol, rtol) per comparison and dtype, the suite's one table. "layer": the layer against
+# the float32 reference (in float32 only the summation order differs); "kernel": a kernel
+# against XLA on the same operands (in float32 only the K-block summation order differs);
+# "reordered": one computation against another of the same float32 sums in another order or
+# layout (seeded gradients, redundant slots, a round trip, a quantized rhs decoded apart);
+# "torch": the layer against transformers' or PEFT's float32 modules (their own op order).
+TOLERANCES = {
+  ("layer", jnp.dtype(jnp.float32)): (3e-5, 3e-5),
+  ("layer", jnp.dtype(jnp.bfloat16)): (5e-2, 5e-2),
+  ("kernel", jnp.dtype(jnp.float32)): (1e-6, 1e-6),
+  ("kernel", jnp.dtype(jnp.bfloat16)): (1e-2, 5e-3),
+  ("reordered", jnp.dtype(jnp.float32)): (1e-5, 1e-5),
+  ("torch", jnp.dtype(jnp.float32)): (1e-4, 1e-4),
+}
+
+
+def tolerance(dtype=jnp.float32, comparison: str = "layer") -> dict[str, float]:
+  """`TOLERANCES[comparison, dtype]` as keyword arguments (atol, rtol), e.g. for chex."""
+  atol, rtol = TOLERANCES[comparison, jnp.dtype(dtype)]
+  return dict(atol=atol, rtol=rtol)
+
+
+# Max |y - reference| / max |reference| of a layer against `reference_moe` in float32, by the
+# layer's dtype, on any device: a GPU multiplies float32 in TF32 by default (~1e-3); gradients
+# get twice the bound. What `moejax.tune` and benchmarks/gpu_check.py accept.
+RELATIVE_BOUNDS = {jnp.dtype(jnp.float32): 3e-3, jnp.dtype(jnp.bfloat16): 3e-2}
+
+
+def relative_error(actual, expected) -> float:
+  """max |actual - expected| / max |expected|; inf where actual is not finite."""
+  actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+  if not np.all(np.isfinite(actual)):
+    return float("inf")
+  return float(np.max(np.abs(actual - expected)) / max(np.max(np.abs(expected)), 1e-30))
 
 
 def random_params(config: MoEConfig, key: jax.Array, scale: float = 0.5) -> MoEParams:

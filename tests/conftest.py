@@ -43,6 +43,9 @@ if _CACHE_VARIABLE not in os.environ:
   os.environ[_CACHE_VARIABLE] = tempfile.mkdtemp(prefix="moejax-tests-compilation-cache-")
   atexit.register(shutil.rmtree, os.environ[_CACHE_VARIABLE], ignore_errors=True)
 jax.config.update("jax_compilation_cache_dir", os.environ[_CACHE_VARIABLE])
+# Tuning files (`moejax.tuning`) from an empty folder of the run's own: the user's measured
+# paths never change what a test plans. Tests that tune set their own folder.
+os.environ["MOEJAX_CACHE_DIR"] = os.path.join(os.environ[_CACHE_VARIABLE], "tuning")
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 

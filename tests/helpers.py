@@ -18,22 +18,8 @@ from jax.sharding import Mesh
 
 from kernels_pallas import compat
 from moejax import MoEConfig, MoEParams, eplb, lora, moe_apply, reference_moe
-from moejax.testing import poison
+from moejax.testing import poison, tolerance
 
-# (atol, rtol) per comparison and dtype, the suite's one table. "layer": the layer against
-# the float32 reference (in float32 only the summation order differs); "kernel": a kernel
-# against XLA on the same operands (in float32 only the K-block summation order differs);
-# "reordered": one computation against another of the same float32 sums in another order or
-# layout (seeded gradients, redundant slots, a round trip, a quantized rhs decoded apart);
-# "torch": the layer against transformers' or PEFT's float32 modules (their own op order).
-TOLERANCES = {
-  ("layer", jnp.dtype(jnp.float32)): (3e-5, 3e-5),
-  ("layer", jnp.dtype(jnp.bfloat16)): (5e-2, 5e-2),
-  ("kernel", jnp.dtype(jnp.float32)): (1e-6, 1e-6),
-  ("kernel", jnp.dtype(jnp.bfloat16)): (1e-2, 5e-3),
-  ("reordered", jnp.dtype(jnp.float32)): (1e-5, 1e-5),
-  ("torch", jnp.dtype(jnp.float32)): (1e-4, 1e-4),
-}
 # The meshes (data, expert) and dispatch schemes every layer contract runs on; None: no mesh.
 MESHES = (None, (1, 8), (2, 4), (4, 2), (8, 1))
 SCHEMES = ("all_gather", "all_to_all")
@@ -89,12 +75,6 @@ SMALL_SHARED = MoEConfig(
 def slow(*values, **kwargs):
   """A `pytest.param` in the slow tier (tests/conftest.py)."""
   return pytest.param(*values, marks=pytest.mark.slow, **kwargs)
-
-
-def tolerance(dtype=jnp.float32, comparison: str = "layer") -> dict[str, float]:
-  """`TOLERANCES[comparison, dtype]` as chex's keyword arguments."""
-  atol, rtol = TOLERANCES[comparison, jnp.dtype(dtype)]
-  return dict(atol=atol, rtol=rtol)
 
 
 def assert_close(

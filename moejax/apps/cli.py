@@ -1,4 +1,4 @@
-"""Command line: `python -m moejax demo|train|fit|bench [flags]`.
+"""Command line: `python -m moejax demo|train|fit|tune|bench [flags]`.
 
 The simulated CPU device count must be set before JAX starts its backends: this module parses
 the flags first, sets the devices, then runs the command.
@@ -183,6 +183,35 @@ def parser() -> argparse.ArgumentParser:
     "--remat", default="none", choices=list(REMAT_POLICIES), help="as train's --remat"
   )
   fit_flags.add_argument("--json", action="store_true", help="print the report as JSON")
+  tune_flags = command(
+    "tune",
+    help="measure the layer's expert paths on this machine's devices; `auto` then follows",
+  )
+  source = tune_flags.add_mutually_exclusive_group()
+  source.add_argument("--model", choices=sorted(PRESETS), help="a preset's MoE layer")
+  source.add_argument("--config", help="a checkpoint folder or its config.json")
+  _layer_flags(tune_flags, experts=16, hidden=128, intermediate=256)
+  tune_flags.add_argument(
+    "--dtype", default="bfloat16", choices=["float32", "bfloat16"], help="of the layer flags'"
+  )
+  tune_flags.add_argument("--mesh", default="1x1", help="DATAxEXPERT mesh shape")
+  tune_flags.add_argument(
+    "--tokens-per-device", type=positive_int, default=4096, help="a full-size call's"
+  )
+  tune_flags.add_argument("--repeats", type=positive_int, default=5, help="timed calls each")
+  tune_flags.add_argument(
+    "--forward-only", action="store_true", help="choose by forward time (inference)"
+  )
+  tune_flags.add_argument(
+    "--timeout", type=positive_float, default=300.0, help="seconds a candidate's first call"
+  )
+  tune_flags.add_argument(
+    "--overwrite", action="store_true", help="replace the file's entries for the same cases"
+  )
+  tune_flags.add_argument(
+    "--platform", default="auto", help="'cpu' simulates the mesh's devices; else as is"
+  )
+  tune_flags.set_defaults(chunk_size="auto")  # the tuner sets each call's
   commands.add_parser(  # no help flag of its own: `bench --help` reaches the suite's
     "bench",
     help="the benchmark suite (benchmarks/suite.py); its flags: bench --help",
@@ -238,7 +267,11 @@ def main(argv: list[str] | None = None) -> None:
   if args.platform == "cpu":
     simulate_cpu_devices(data * expert)
   # Imported here: JAX must load after XLA_FLAGS is set.
-  if args.command == "train":
+  if args.command == "tune":
+    from moejax.apps import tune_cli
+
+    tune_cli.run(args, mesh_shape=(data, expert))
+  elif args.command == "train":
     from moejax.apps import train
 
     train.run(args, mesh_shape=(data, expert))

@@ -191,7 +191,7 @@ def fit(
       config cannot run (training quantized experts).
     RuntimeError: JAX's CUDA plugin is missing (`moejax.targets`).
   """
-  name, config_json = _model(model)
+  name, config_json = model_json(model)
   if gpu not in GPUS:
     raise ValueError(f"gpu={gpu!r}; expected one of {sorted(GPUS)}")
   if job not in JOBS:
@@ -273,7 +273,8 @@ def fit(
 _REST_BYTES_PER_PARAMETER = {"infer": 2, "lora": 2, "train": 12}
 
 
-def _model(model: str | Path | dict[str, Any]) -> tuple[str, dict[str, Any]]:
+def model_json(model: str | Path | dict[str, Any]) -> tuple[str, dict[str, Any]]:
+  """(its name, config.json) of a preset, a checkpoint folder or config.json, or a dict."""
   if isinstance(model, dict):
     return str(model.get("model_type")), model
   if model in PRESETS:

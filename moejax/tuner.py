@@ -1,0 +1,285 @@
+"""Measuring a layer's expert paths on the device it runs on: `moejax.tune` and
+`python -m moejax tune`.
+
+For each call size the layer makes (a decode-size call, one token per device; and the
+chunk of `tokens_per_device` tokens the chunk budget picks), every candidate path the device
+can run (the tile loop and ragged_dot everywhere; on a GPU each `kernels_pallas` kernel made
+for it) runs the whole layer, forced onto that path: first its output and gradients (x and
+every float parameter) are checked against `reference_moe` in float32 on fresh random inputs
+whose padding is NaN (within `moejax.testing.RELATIVE_BOUNDS`); a candidate that fails, raises or
+runs past `timeout_s` is recorded so and never chosen. Then the passing ones are timed
+(device-synchronised, the median of `repeats` calls after a warm-up) and the fastest is the
+case's winner (forward+backward, or forward with `forward_only`). The entries go to the
+device kind's tuning file (`moejax.tuning`), which `expert_backend="auto"` then follows.
+
+A call cannot be interrupted: `timeout_s` bounds a candidate's first (compiling) call after
+the fact, and a candidate past it is not timed further.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import statistics
+import time
+from collections.abc import Callable, Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+
+from kernels_pallas import platform
+from kernels_pallas.backends import BACKENDS, REFERENCE, unsupported_reason
+from moejax import files, tuning
+from moejax.call_plan import plan_call
+from moejax.config import MoEConfig
+from moejax.forward import moe_apply
+from moejax.layer import MoELayer
+from moejax.plan import expert_case
+from moejax.reference import reference_moe
+from moejax.testing import RELATIVE_BOUNDS, poison, rank_mask, relative_error
+
+
+def tune(
+  config: MoEConfig,
+  *,
+  mesh: Mesh | None = None,
+  tokens_per_device: int = 4096,
+  repeats: int = 5,
+  forward_only: bool = False,
+  timeout_s: float = 300.0,
+  overwrite: bool = False,
+  write: bool = True,
+  seed: int = 0,
+) -> tuning.TuningFile:
+  """Measures the layer's candidate expert paths for its call sizes on `mesh`'s devices (or
+  the default device) and records the winners in the device kind's tuning file.
+
+  Args:
+    config: the layer's config (its `expert_backend` and `chunk_size` are the tuner's).
+    mesh: the mesh the layer runs on, or None for one device.
+    tokens_per_device: the tokens a device holds in a full-size call.
+    repeats: timed calls per candidate (the median is kept).
+    forward_only: choose winners by forward time (inference) instead of forward+backward.
+    timeout_s: a candidate whose first call takes longer is recorded "timed_out".
+    overwrite: replace entries the file already holds for the same case and size; without
+      it such a file is an error naming them (its other entries are always kept).
+    write: write the file (else only return what was measured).
+    seed: of the random weights and inputs.
+
+  Returns:
+    The tuning file as written: the file's earlier entries and the new ones.
+
+  Raises:
+    FileExistsError: the file holds entries for the same cases, and not `overwrite`.
+    tuning.TuningFileError: the existing file cannot be read.
+  """
+  device_kind = _device_kind(mesh)
+  path = tuning.user_file(device_kind)
+  text = tuning.read_file(path)
+  before = tuning.TuningFile(device_kind=device_kind)
+  if text is not None:
+    before = tuning.TuningFile.from_json(text, str(path))
+  entries = [
+    _measure(config, mesh, per_device, repeats, forward_only, timeout_s, seed)
+    for per_device in call_sizes(config, mesh, tokens_per_device)
+  ]
+  key = lambda entry: (tuple(sorted(entry.case.items())), entry.rows)
+  measured = {key(entry) for entry in entries}
+  clashes = [entry for entry in before.entries if key(entry) in measured]
+  if clashes and not overwrite:
+    raise FileExistsError(
+      f"{path} already holds {len(clashes)} entr(y/ies) for these cases (rows "
+      f"{sorted(entry.rows for entry in clashes)}): pass overwrite=True (--overwrite) to "
+      "replace them"
+    )
+  kept = tuple(entry for entry in before.entries if key(entry) not in measured)
+  table = tuning.TuningFile(device_kind=device_kind, entries=(*kept, *entries))
+  if write:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    files.write_atomically(path, table.to_json(), overwrite=True)
+  return table
+
+
+def call_sizes(config: MoEConfig, mesh: Mesh | None, tokens_per_device: int) -> list[int]:
+  """Tokens per device of the calls to measure: a decode-size call (1) and the chunk the
+  layer's plan takes for `tokens_per_device` (one chunk per device)."""
+  devices = 1 if mesh is None else mesh.devices.size
+  call = plan_call(config, (devices * tokens_per_device, config.hidden_size), mesh=mesh)
+  return sorted({1, call.layout.chunk})
+
+
+def candidates(config: MoEConfig, mesh: Mesh | None) -> list[tuning.Candidate]:
+  """The paths the target device can run the config's experts on (not yet measured): the
+  tile loop, ragged_dot where XLA runs the case, and on a GPU each kernel made for it."""
+  case = expert_case(config)
+  found = [tuning.Candidate(path="tile_loop", status="passed")]
+  with _running_on(mesh):
+    if unsupported_reason(REFERENCE, case) is None:
+      found.append(tuning.Candidate(path="ragged_dot", backend=REFERENCE, status="passed"))
+    if not platform.on_cpu():
+      capability = platform.gpu_compute_capability()
+      found += [
+        tuning.Candidate(path="pallas", backend=name, status="passed")
+        for name, backend in BACKENDS.items()
+        if name != REFERENCE
+        and backend.made_for(capability)
+        and unsupported_reason(name, case) is None
+      ]
+  return found
+
+
+def _measure(
+  config: MoEConfig,
+  mesh: Mesh | None,
+  per_device: int,
+  repeats: int,
+  forward_only: bool,
+  timeout_s: float,
+  seed: int,
+) -> tuning.Entry:
+  """One case: every candidate checked, the passing ones timed, the winner chosen."""
+  config = dataclasses.replace(config, expert_backend="auto", chunk_size=per_device)
+  devices = 1 if mesh is None else mesh.devices.size
+  shape = (devices * per_device, config.hidden_size)
+  with _ambient(mesh):
+    call = plan_call(config, shape, mesh=mesh)
+    rows, local = call.received_rows * config.top_k, call.exchange.local_experts
+    inputs = _inputs(config, mesh, shape, seed)
+  # The float32 reference, on one device (host copies of the inputs).
+  reference = _outputs(reference_moe, config, None, jax.tree.map(np.asarray, inputs))
+  case = tuning.case_of(config, local)
+  results = []
+  for candidate in candidates(config, mesh):
+    with _ambient(mesh), tuning.forcing(case, rows, candidate):
+      jax.clear_caches()  # a compiled program of another candidate has the same signature
+      results.append(_run(candidate, config, mesh, inputs, reference, repeats, timeout_s))
+  passed = [c for c in results if c.status == "passed"]
+  time_of = (lambda c: c.forward_ms) if forward_only else (lambda c: c.train_ms)
+  winner = min(passed, key=time_of, default=None)
+  return tuning.Entry(
+    case=case,
+    rows=rows,
+    objective="forward" if forward_only else "train",
+    candidates=tuple(results),
+    winner=None if winner is None else winner.name,
+    versions=tuning.versions_now(),
+  )
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class _Inputs:
+  params: object
+  x: jax.Array
+  mask: jax.Array
+  probe: jax.Array
+
+
+def _inputs(config: MoEConfig, mesh: Mesh | None, shape: tuple[int, int], seed: int) -> _Inputs:
+  """Fresh random weights (as the layer holds them), tokens with about a quarter of every
+  device's rows padding, and a random cotangent."""
+  keys = jax.random.split(jax.random.key(seed), 3)
+  devices = 1 if mesh is None else mesh.devices.size
+  per_device = shape[0] // devices
+  counts = [max(1, per_device - per_device // 4 - d % 2) for d in range(devices)]
+  layer = MoELayer(config, mesh=mesh, rngs=nnx.Rngs(seed))
+  return _Inputs(
+    params=layer.moe_params(),
+    x=jax.random.normal(keys[0], shape, jnp.float32).astype(config.dtype),
+    mask=rank_mask(counts, per_device),
+    probe=jax.random.normal(keys[1], (shape[0], config.hidden_size), jnp.float32),
+  )
+
+
+def _outputs(layer: Callable, config: MoEConfig, mesh: Mesh | None, inputs: _Inputs):
+  """`_functions`' (y, gradients) on the inputs."""
+  forward, loss = _functions(layer, config, mesh, inputs)
+  return jax.block_until_ready((forward(inputs.params, inputs.x), loss(inputs.params, inputs.x)))
+
+
+def _functions(layer: Callable, config: MoEConfig, mesh: Mesh | None, inputs: _Inputs):
+  """(forward, gradient of <y, probe> with respect to x and, for float experts, the
+  parameters), jitted; the fast path gets x poisoned where masked."""
+  if layer is reference_moe:
+    apply = lambda p, x: reference_moe(p, x, config, token_mask=inputs.mask)
+  else:
+    apply = lambda p, x: moe_apply(
+      p, poison(x, inputs.mask), config=config, mesh=mesh, token_mask=inputs.mask
+    )[0]
+  value = lambda p, x: jnp.sum(
+    jnp.where(inputs.mask[:, None], apply(p, x).astype(jnp.float32), 0.0) * inputs.probe
+  )
+  argnums = (0, 1) if config.expert_quant is None else (1,)  # quantized experts: constants
+  return jax.jit(apply), jax.jit(jax.grad(value, argnums=argnums))
+
+
+def _run(
+  candidate: tuning.Candidate,
+  config: MoEConfig,
+  mesh: Mesh | None,
+  inputs: _Inputs,
+  reference,
+  repeats: int,
+  timeout_s: float,
+) -> tuning.Candidate:
+  """The candidate checked and, if it passes, timed."""
+  try:
+    taken = plan_call(config, inputs.x, mesh=mesh).expert
+    if (taken.path, taken.backend) != (candidate.path, candidate.backend):
+      raise RuntimeError(f"the layer took {taken.path} ({taken.backend}), not the candidate")
+    forward, gradient = _functions(moe_apply, config, mesh, inputs)
+    start = time.perf_counter()
+    y, grads = jax.block_until_ready(
+      (forward(inputs.params, inputs.x), gradient(inputs.params, inputs.x))
+    )
+    first_s = time.perf_counter() - start
+  except Exception as error:  # a candidate that raises is recorded, never chosen
+    return dataclasses.replace(
+      candidate, status="crashed", detail=f"{type(error).__name__}: {error}"[:500]
+    )
+  error = relative_error(y, reference[0])
+  grad_error = max(
+    relative_error(a, b)
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(reference[1]), strict=True)
+  )
+  checked = dataclasses.replace(candidate, error=error, grad_error=grad_error)
+  bound = RELATIVE_BOUNDS[jnp.dtype(config.dtype)]
+  if not (error <= bound and grad_error <= 2 * bound):
+    detail = f"relative error {error:.2g}, gradients {grad_error:.2g}; bounds {bound}, {2 * bound}"
+    return dataclasses.replace(checked, status="failed", detail=detail)
+  if first_s > timeout_s:
+    return dataclasses.replace(checked, status="timed_out", detail=f"first call {first_s:.0f} s")
+  return dataclasses.replace(
+    checked,
+    status="passed",
+    forward_ms=_median_ms(forward, inputs, repeats),
+    train_ms=_median_ms(gradient, inputs, repeats),
+  )
+
+
+def _median_ms(fn: Callable, inputs: _Inputs, repeats: int) -> float:
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(fn(inputs.params, inputs.x))
+    times.append(time.perf_counter() - start)
+  return statistics.median(times) * 1e3
+
+
+def _device_kind(mesh: Mesh | None) -> str:
+  with _running_on(mesh):
+    return platform.target().device_kind
+
+
+def _ambient(mesh: Mesh | None) -> contextlib.AbstractContextManager:
+  """`jax.set_mesh(mesh)`, or nothing for one device."""
+  return contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh)
+
+
+@contextlib.contextmanager
+def _running_on(mesh: Mesh | None) -> Iterator[None]:
+  with platform.running_on(None if mesh is None else mesh.devices.flat[0]):
+    yield
