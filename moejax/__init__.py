@@ -27,6 +27,7 @@ from moejax.layer import MoELayer, collect_aux
 from moejax.params import MoEParams, param_shapes
 from moejax.reference import reference_moe
 from moejax.remat import CHECKPOINT_NAMES
+from moejax.tuner import tune
 
 __all__ = [
   "CHECKPOINT_NAMES",
@@ -43,6 +44,7 @@ __all__ = [
   "plan_call",
   "reference_moe",
   "targets",
+  "tune",
 ]
 
 # Submodules the docs write as `moejax.<name>`: reachable after a plain `import moejax`,
@@ -59,6 +61,7 @@ SUBMODULES = (
   "targets",
   "testing",
   "train",
+  "tuning",
 )
 
 

@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import statistics
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -78,29 +80,44 @@ def tune(
   """
   device_kind = _device_kind(mesh)
   path = tuning.user_file(device_kind)
+  if write:
+    _check_writable(path.parent)
   text = tuning.read_file(path)
   before = tuning.TuningFile(device_kind=device_kind)
   if text is not None:
     before = tuning.TuningFile.from_json(text, str(path))
-  entries = [
-    _measure(config, mesh, per_device, repeats, forward_only, timeout_s, seed)
-    for per_device in call_sizes(config, mesh, tokens_per_device)
-  ]
+  sizes = call_sizes(config, mesh, tokens_per_device)
   key = lambda entry: (tuple(sorted(entry.case.items())), entry.rows)
-  measured = {key(entry) for entry in entries}
-  clashes = [entry for entry in before.entries if key(entry) in measured]
+  measuring = {_key_of(config, mesh, per_device) for per_device in sizes}
+  clashes = [entry for entry in before.entries if key(entry) in measuring]
   if clashes and not overwrite:
     raise FileExistsError(
       f"{path} already holds {len(clashes)} entr(y/ies) for these cases (rows "
       f"{sorted(entry.rows for entry in clashes)}): pass overwrite=True (--overwrite) to "
       "replace them"
     )
-  kept = tuple(entry for entry in before.entries if key(entry) not in measured)
+  entries = [
+    _measure(config, mesh, per_device, repeats, forward_only, timeout_s, seed)
+    for per_device in sizes
+  ]
+  kept = tuple(entry for entry in before.entries if key(entry) not in measuring)
   table = tuning.TuningFile(device_kind=device_kind, entries=(*kept, *entries))
   if write:
-    path.parent.mkdir(parents=True, exist_ok=True)
     files.write_atomically(path, table.to_json(), overwrite=True)
   return table
+
+
+def _check_writable(folder: Path) -> None:
+  """Makes the tuning folder; one that cannot be made or written is an error naming it,
+  raised before anything is measured."""
+  try:
+    folder.mkdir(parents=True, exist_ok=True)
+  except OSError as error:
+    raise OSError(
+      f"the tuning folder {folder} cannot be made ({error}): set MOEJAX_CACHE_DIR"
+    ) from None
+  if not os.access(folder, os.W_OK):
+    raise OSError(f"the tuning folder {folder} is not writable: set MOEJAX_CACHE_DIR")
 
 
 def call_sizes(config: MoEConfig, mesh: Mesh | None, tokens_per_device: int) -> list[int]:
@@ -131,6 +148,27 @@ def candidates(config: MoEConfig, mesh: Mesh | None) -> list[tuning.Candidate]:
   return found
 
 
+def _tuned_config(config: MoEConfig, per_device: int) -> MoEConfig:
+  """The config a call of `per_device` tokens per device is measured with: one chunk."""
+  return dataclasses.replace(config, expert_backend="auto", chunk_size=per_device)
+
+
+def _case_and_rows(config: MoEConfig, mesh: Mesh | None, per_device: int):
+  """(the case, the rows) of that call, as `moejax.tuning` keys it."""
+  config = _tuned_config(config, per_device)
+  devices = 1 if mesh is None else mesh.devices.size
+  call = plan_call(config, (devices * per_device, config.hidden_size), mesh=mesh)
+  return (
+    tuning.case_of(config, call.exchange.local_experts),
+    call.received_rows * config.top_k,
+  )
+
+
+def _key_of(config: MoEConfig, mesh: Mesh | None, per_device: int):
+  case, rows = _case_and_rows(config, mesh, per_device)
+  return tuple(sorted(case.items())), rows
+
+
 def _measure(
   config: MoEConfig,
   mesh: Mesh | None,
@@ -141,16 +179,14 @@ def _measure(
   seed: int,
 ) -> tuning.Entry:
   """One case: every candidate checked, the passing ones timed, the winner chosen."""
-  config = dataclasses.replace(config, expert_backend="auto", chunk_size=per_device)
+  case, rows = _case_and_rows(config, mesh, per_device)
+  config = _tuned_config(config, per_device)
   devices = 1 if mesh is None else mesh.devices.size
   shape = (devices * per_device, config.hidden_size)
   with _ambient(mesh):
-    call = plan_call(config, shape, mesh=mesh)
-    rows, local = call.received_rows * config.top_k, call.exchange.local_experts
     inputs = _inputs(config, mesh, shape, seed)
   # The float32 reference, on one device (host copies of the inputs).
   reference = _outputs(reference_moe, config, None, jax.tree.map(np.asarray, inputs))
-  case = tuning.case_of(config, local)
   results = []
   for candidate in candidates(config, mesh):
     with _ambient(mesh), tuning.forcing(case, rows, candidate):

@@ -1,0 +1,138 @@
+"""Tuning on the device (`moejax.tune`, `moejax.tuning`): every candidate the CPU runs is
+checked and timed, `expert_backend="auto"` follows the file and the call plan cites it, a
+wrong candidate is never chosen, and bad files are errors, never a silent change of path."""
+
+import dataclasses
+import json
+
+import jax
+import pytest
+from flax import nnx
+
+import moejax
+from moejax import experts, tuning
+from moejax.testing import rank_mask
+from tests.helpers import assert_close, seed_of
+
+CONFIG = moejax.MoEConfig(num_experts=8, top_k=2, hidden_size=16, intermediate_size=32)
+TOKENS = 32  # per device: one chunk of 32 rows, 64 (row, choice) assignments
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+  monkeypatch.setenv("MOEJAX_CACHE_DIR", str(tmp_path))
+  return tmp_path
+
+
+def tuned(**kwargs) -> tuning.TuningFile:
+  return moejax.tune(CONFIG, tokens_per_device=TOKENS, repeats=1, **kwargs)
+
+
+def test_tune_checks_and_times_every_cpu_path_and_auto_follows_the_file(cache, request):
+  table = tuned()
+  path = tuning.user_file("cpu")
+  assert path.parent == cache and tuning.TuningFile.from_json(path.read_text(), "") == table
+  assert sorted(entry.rows for entry in table.entries) == [2, 2 * TOKENS]  # decode, chunk
+  for entry in table.entries:
+    assert [c.name for c in entry.candidates] == ["tile_loop", "ragged_dot"]
+    for candidate in entry.candidates:
+      assert candidate.status == "passed", candidate
+      assert candidate.error < 1e-4 and candidate.grad_error < 1e-4
+      assert candidate.forward_ms > 0 and candidate.train_ms > 0
+    fastest = min(entry.candidates, key=lambda c: c.train_ms)
+    assert entry.winner == fastest.name and entry.versions == tuning.versions_now()
+
+  # Plant ragged_dot as the chunk's winner: the plan takes it (on a CPU the XLA rule says the
+  # tile loop), cites the file, and the layer still computes the reference's output.
+  record = json.loads(path.read_text())
+  for entry in record["entries"]:
+    entry["winner"] = "ragged_dot"
+  path.write_text(json.dumps(record))
+  x = jax.random.normal(jax.random.key(seed_of(request.node.name)), (TOKENS, 16))
+  call = moejax.plan_call(CONFIG, x)
+  assert call.expert.path == "ragged_dot", call
+  assert str(path) in call.expert_reason and "ragged_dot fastest" in call.expert_reason
+  params = moejax.MoELayer(CONFIG, rngs=nnx.Rngs(0)).moe_params()
+  mask = rank_mask([TOKENS - 5], TOKENS)
+  y, _ = moejax.moe_apply(params, x, config=CONFIG, token_mask=mask)
+  assert_close(y, moejax.reference_moe(params, x, CONFIG, token_mask=mask), what="y")
+
+  with pytest.raises(FileExistsError, match="--overwrite"):
+    tuned()  # the same cases again: refused, the file unchanged
+  assert json.loads(path.read_text()) == record
+
+
+def test_a_wrong_candidate_is_rejected_and_never_chosen(cache, monkeypatch):
+  """ragged_dot made wrong on purpose (its output 1% off): the check fails it."""
+  right = experts.grouped_matmul_mlp
+  monkeypatch.setattr(experts, "grouped_matmul_mlp", lambda *a, **k: 1.01 * right(*a, **k))
+  table = tuned(write=False)
+  for entry in table.entries:
+    status = {c.name: c.status for c in entry.candidates}
+    assert status == {"tile_loop": "passed", "ragged_dot": "failed"}, entry
+    assert entry.winner == "tile_loop"
+  assert not tuning.user_file("cpu").exists()  # write=False
+
+
+def write_entry(path, **changes) -> None:
+  """A tuning file whose entry names ragged_dot for CONFIG's chunk, changed as asked."""
+  candidate = tuning.Candidate(path="ragged_dot", backend="xla", status="passed", train_ms=1.0)
+  entry = tuning.Entry(
+    case=tuning.case_of(CONFIG, 8),
+    rows=2 * TOKENS,
+    objective="train",
+    candidates=(candidate,),
+    winner="ragged_dot",
+    versions=tuning.versions_now(),
+  )
+  entry = dataclasses.replace(entry, **changes)
+  path.parent.mkdir(parents=True, exist_ok=True)
+  path.write_text(tuning.TuningFile(device_kind="cpu", entries=(entry,)).to_json())
+
+
+def test_entries_of_other_versions_are_ignored_with_a_notice(cache):
+  path = tuning.user_file("cpu")
+  write_entry(path)
+  assert moejax.plan_call(CONFIG, (TOKENS, 16)).expert.path == "ragged_dot"
+  write_entry(path, versions={**tuning.versions_now(), "jax": "0.0.1"})
+  with pytest.warns(UserWarning, match="1 of 1 entries .* other versions"):
+    call = moejax.plan_call(CONFIG, (TOKENS, 16))
+  assert call.expert.path == "tile_loop" and "no tuning entry" in call.expert_reason
+
+
+def test_an_entry_holds_for_calls_within_a_factor_of_two_only(cache):
+  write_entry(tuning.user_file("cpu"))
+  paths = {t: moejax.plan_call(CONFIG, (t, 16)).expert.path for t in (16, 32, 64, 128)}
+  assert paths == {16: "ragged_dot", 32: "ragged_dot", 64: "ragged_dot", 128: "tile_loop"}
+
+
+@pytest.mark.parametrize(
+  "text, problem",
+  [("{not json", "cannot be read"), ('{"format": 99}', "format 99"), ("[]", "cannot be read")],
+)
+def test_a_corrupt_tuning_file_is_an_error_naming_it(cache, text, problem):
+  path = tuning.user_file("cpu")
+  path.parent.mkdir(parents=True, exist_ok=True)
+  path.write_text(text)
+  with pytest.raises(tuning.TuningFileError, match=problem) as raised:
+    moejax.plan_call(CONFIG, (TOKENS, 16))
+  assert str(path) in str(raised.value)
+  write_entry(path, winner="pallas:nowhere")
+  with pytest.raises(tuning.TuningFileError, match="none of the entry's candidates"):
+    moejax.plan_call(CONFIG, (TOKENS, 16))
+
+
+def test_an_unwritable_tuning_folder_fails_before_measuring(tmp_path, monkeypatch):
+  blocker = tmp_path / "a file"
+  blocker.write_text("")
+  monkeypatch.setenv("MOEJAX_CACHE_DIR", str(blocker / "tuning"))
+  with pytest.raises(OSError, match="MOEJAX_CACHE_DIR"):
+    tuned()
+
+
+def test_other_configs_and_expert_backends_ignore_the_entry(cache):
+  write_entry(tuning.user_file("cpu"))
+  other = dataclasses.replace(CONFIG, intermediate_size=64)
+  assert moejax.plan_call(other, (TOKENS, 16)).expert.path == "tile_loop"
+  xla = dataclasses.replace(CONFIG, expert_backend="xla")
+  assert moejax.plan_call(xla, (TOKENS, 16)).expert.path == "tile_loop"
