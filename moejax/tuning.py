@@ -22,6 +22,7 @@ import contextlib
 import dataclasses
 import functools
 import importlib.metadata
+import itertools
 import json
 import math
 import os
@@ -321,20 +322,37 @@ def _current_entries(text: str, source: str) -> TuningFile:
   return dataclasses.replace(table, entries=kept)
 
 
-@functools.lru_cache(maxsize=16)
-def _process_zeros(key: str, text: str | None) -> str | None:
-  """Process 0's `text` under `key`, shared through JAX's distributed key-value store (host
-  to host, no device program): every process returns it."""
+# Lookups of the user's file so far: every process makes the same ones in the same order (they
+# trace the same programs), so the n-th lookup of each process is process 0's n-th.
+_LOOKUPS = itertools.count()
+
+
+def _process_zeros(name: str, text: str | None) -> str | None:
+  """Process 0's `text`, shared through JAX's distributed key-value store (host to host, no
+  device program): every process returns it; one whose own differs says so, once."""
   from jax._src import distributed  # the coordinator's key-value store
 
   client = distributed.global_state.client
+  key = f"{name}#{next(_LOOKUPS)}"
   if jax.process_index() == 0:
     client.key_value_set(key, "" if text is None else "1" + text)
-  shared = client.blocking_key_value_get(key, 60_000)
-  if jax.process_index() != 0 and (shared[1:] if shared else None) != text:
-    warnings.warn(
+  try:
+    shared = client.blocking_key_value_get(key, 60_000)
+  except jax.errors.JaxRuntimeError as error:
+    raise TuningFileError(
+      f"process {jax.process_index()} waited 60 s for process 0's tuning file ({key}): in a "
+      "multi-process job every process makes the same calls that plan (moe_apply, plan_call, "
+      f"layer.plan), in the same order ({error})"
+    ) from None
+  shared = shared[1:] if shared else None
+  if shared != text:
+    _say_once(
       "moejax: this process's tuning file differs from process 0's; every process uses "
-      "process 0's, so that all compile the same program",
-      stacklevel=2,
+      "process 0's, so that all compile the same program"
     )
-  return shared[1:] if shared else None
+  return shared
+
+
+@functools.cache
+def _say_once(notice: str) -> None:
+  warnings.warn(notice, stacklevel=3)

@@ -7,7 +7,8 @@ process, builds a 2x4 (data, expert) mesh spanning both, runs the layer with eac
 scheme (all_gather, all_to_all) on uneven per-rank token counts (one rank empty) and checks
 this process's output shards against the reference; then an `MoELayer` with redundant experts
 on the same mesh, before and after `rebalance` (the load summed over both processes, the
-weights moved across them). Prints "OK ..." and exits 0 on success.
+weights moved across them); then each process with a tuning file of its own, which differ:
+both take process 0's path. Prints "OK ..." and exits 0 on success.
 """
 
 import dataclasses
@@ -97,6 +98,43 @@ def main() -> None:
     sys.exit(1)
   check(layer(x, mask), expected, "rebalanced")
   print(f"placement {np.asarray(placement.physical_to_logical).tolist()}", flush=True)
+
+  # Tuning files that differ: process 0's names ragged_dot for the call, process 1's the tile
+  # loop. Both plan process 0's choice (process 1 says so) and compile one program.
+  import tempfile
+  import warnings
+
+  from moejax import plan_call, tuning
+
+  os.environ["MOEJAX_CACHE_DIR"] = tempfile.mkdtemp(prefix=f"moejax-tuning-{process_id}-")
+  call = plan_call(base, x, mesh=mesh)
+  winner = tuning.Candidate(
+    path=("ragged_dot", "tile_loop")[process_id],
+    backend=("xla", None)[process_id],
+    status="passed",
+  )
+  entry = tuning.Entry(
+    case=tuning.case_of(base, call.exchange.local_experts),
+    rows=call.received_rows * base.top_k,
+    objective="train",
+    candidates=(winner,),
+    winner=winner.name,
+    versions=tuning.versions_now(),
+  )
+  path = tuning.user_file("cpu")
+  path.parent.mkdir(parents=True, exist_ok=True)
+  path.write_text(tuning.TuningFile(device_kind="cpu", entries=(entry,)).to_json())
+  with warnings.catch_warnings(record=True) as notices:
+    warnings.simplefilter("always")
+    taken = plan_call(base, x, mesh=mesh).expert.path
+  told = any("process 0's" in str(notice.message) for notice in notices)
+  if taken != "ragged_dot" or told != (process_id == 1):
+    print(f"FAIL process {process_id}: tuned path {taken}, notice {told}", flush=True)
+    sys.exit(1)
+  y, _ = jax.jit(lambda p, x, m: moe_apply(p, x, config=base, mesh=mesh, token_mask=m))(
+    params, x, mask
+  )
+  check(y, np.asarray(reference_moe(params, x_host, base, mask_host)), "tuned")
   jax.distributed.shutdown()
 
 

@@ -31,6 +31,7 @@ from moejax import (
   param_shapes,
   plan_call,
   targets,
+  tuning,
 )
 from moejax.chunk_budget import budget_bytes, chunk_bytes, outside_chunks
 from moejax.lora import expert_lora_shapes, init_like
@@ -424,3 +425,40 @@ def test_every_kernel_block_configuration_fits(name, gpu):
     expect_triton_deprecation() if name == "triton" else contextlib.nullcontext(),
   ):
     compile_kernel(KernelCall("gmm", None, too_large), name, mesh)
+
+
+def test_auto_follows_a_tuning_entry_for_the_h200(tmp_path, monkeypatch):
+  """With an entry naming the Mosaic kernel for the call, the H200 program runs it; without
+  one, XLA; with an entry of another JAX version, XLA and a notice."""
+  monkeypatch.setenv("MOEJAX_CACHE_DIR", str(tmp_path))
+  mesh = targets.target_mesh("h200", (1, 8))
+  config = MoEConfig(**LAYER, **BF16)  # expert_backend="auto"
+  call = plan_call(config, abstract_tokens(config, mesh), mesh=mesh)
+  with platform.running_on(mesh.devices.flat[0]):
+    entry = tuning.Entry(
+      case=tuning.case_of(config, call.exchange.local_experts),
+      rows=call.received_rows * config.top_k,
+      objective="train",
+      candidates=(tuning.Candidate(path="pallas", backend="mosaic", status="passed"),),
+      winner="pallas:mosaic",
+      versions=tuning.versions_now(),
+    )
+
+  def kernels(versions=None) -> bool:
+    if versions is not None:
+      stale = dataclasses.replace(entry, versions=versions)
+      table = tuning.TuningFile(device_kind="NVIDIA H200", entries=(stale,))
+      tuning.user_file("NVIDIA H200").parent.mkdir(parents=True, exist_ok=True)
+      tuning.user_file("NVIDIA H200").write_text(table.to_json())
+    jax.clear_caches()  # the same signature compiled on another path
+    return "mosaic_gpu_v2" in custom_calls(compile_layer(config, mesh, gradient=False))
+
+  assert not kernels()
+  assert "no tuning entry" in call.expert_reason
+  assert kernels(entry.versions)
+  assert (
+    "measured pallas:mosaic fastest"
+    in plan_call(config, abstract_tokens(config, mesh), mesh=mesh).expert_reason
+  )
+  with pytest.warns(UserWarning, match="other versions"):
+    assert not kernels({**entry.versions, "jax": "0.0.1"})

@@ -1,5 +1,5 @@
-"""The layer across 2 processes (4 CPU devices each, gloo collectives), as on 2 hosts, and
-rebalancing its redundant experts there."""
+"""The layer across 2 processes (4 CPU devices each, gloo collectives), as on 2 hosts,
+rebalancing its redundant experts there, and tuning files that differ between them."""
 
 import os
 import socket
@@ -56,7 +56,7 @@ def wait_all(processes: list[subprocess.Popen], deadline_s: float) -> list[tuple
 def test_two_processes_run_the_layer_on_a_shared_mesh():
   results = wait_all(launch([0, 1], free_port(), init_timeout=60), deadline_s=300)
   for pid, (code, out, err) in enumerate(results):
-    checks = ("all_gather", "all_to_all", "redundant experts", "rebalanced")
+    checks = ("all_gather", "all_to_all", "redundant experts", "rebalanced", "tuned")
     ok = all(f"OK process {pid} ({what})" in out for what in checks)
     assert code == 0 and ok, f"process {pid} ({code}):\n{out}\n{err[-3000:]}"
   # Each process re-placed the experts from the load summed over both: the same placement.
