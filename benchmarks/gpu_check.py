@@ -20,6 +20,8 @@ stop the others), each writing `DIR/<part>.json` as it goes:
   chunks     the layer's forward on DeepSeek-V3's expert shard (one device, bf16) with
              chunk_size="auto" (the default, by the GPU's memory) against 256, at 2048 and
              16384 tokens: the GPU default, measured
+  tune       `moejax.tune` on a layer of DeepSeek-V3's shape class: every expert path checked
+             and timed, DIR/tuning/tuning-<device>.json written (the shipped table's format)
 
 Each part's JSON header records what moejax plans with on the device
 (`kernels_pallas.platform.Target`) beside what the device reports and the known GPUs' table
@@ -59,13 +61,14 @@ from moejax import files  # noqa: E402  (imports JAX, but starts no backend)
 # Part -> time limit on a GPU, in seconds (550 in all: under the 600 s one device command may
 # run, parts that finish early leave the rest for start-up).
 LIMITS = {
-  "test_base": 130,
+  "test_base": 120,
   "layer": 50,
-  "bench": 135,
-  "xla_paths": 45,
-  "decode": 60,
-  "quant": 90,
-  "chunks": 40,
+  "bench": 115,
+  "xla_paths": 40,
+  "decode": 55,
+  "quant": 75,
+  "chunks": 35,
+  "tune": 60,
 }
 
 
@@ -379,6 +382,42 @@ def part_chunks(out: Path, smoke: bool, record: Recorder) -> None:
     record.case(f"chunk_size={chunk} T={tokens}", measure)
 
 
+def part_tune(out: Path, smoke: bool, record: Recorder) -> None:
+  """`moejax.tune` on a layer of DeepSeek-V3's shape class (one device, bf16): every path
+  checked and timed, the tuning file written to DIR/tuning/ (the format of the shipped table,
+  `moejax/tuned/`, and of a user's `python -m moejax tune`)."""
+  import dataclasses
+
+  import jax.numpy as jnp
+
+  import moejax
+
+  os.environ["MOEJAX_CACHE_DIR"] = str(out / "tuning")
+  sizes = (8, 2, 64, 128, 64) if smoke else (32, 8, 2048, 1024, 4096)
+  names = ("num_experts", "top_k", "hidden_size", "intermediate_size")
+  config = moejax.MoEConfig(
+    **dict(zip(names, sizes[:4], strict=True)), dtype=jnp.bfloat16, param_dtype=jnp.bfloat16
+  )
+
+  def measure():
+    table = moejax.tune(
+      config, tokens_per_device=sizes[4], repeats=1 if smoke else 5, overwrite=True
+    )
+    return dict(
+      file=str(moejax.tuning.user_file(table.device_kind)),
+      entries=[
+        dict(
+          rows=entry.rows,
+          winner=entry.winner,
+          candidates=[dataclasses.asdict(c) for c in entry.candidates],
+        )
+        for entry in table.entries
+      ],
+    )
+
+  record.case(f"tune E={sizes[0]} K={sizes[1]} D={sizes[2]} F={sizes[3]}", measure)
+
+
 PARTS = {
   "test_base": part_test_base,
   "layer": part_layer,
@@ -387,6 +426,7 @@ PARTS = {
   "decode": part_decode,
   "quant": part_quant,
   "chunks": part_chunks,
+  "tune": part_tune,
 }
 
 
