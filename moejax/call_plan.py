@@ -26,7 +26,7 @@ import jax
 from jax.sharding import AbstractMesh, Mesh
 
 from kernels_pallas import platform
-from moejax import axis_groups, meshes
+from moejax import axis_groups, meshes, tuning
 from moejax.chunk_budget import (
   PathOf,
   auto_chunk,
@@ -60,6 +60,8 @@ class CallPlan:
     expert_reason: why that path.
     expert_warning: what running the plan warns of (a kernel interpreted on a CPU, a
       requested kernel that cannot run), or None.
+    tuned: the tuning entry the expert path followed (`moejax.tuning.Measured`: the file, the
+      entry, the winner's times), or None.
     tile_rows: B, the tile loop's rows per tile (None on the other paths).
     chunk_terms: ((term, bytes), ...) of one chunk (`moejax.chunk_budget.chunk_bytes_by_term`).
     budget: the chunk budget in bytes where `chunk_size="auto"` chose C, else None.
@@ -75,6 +77,7 @@ class CallPlan:
   expert: ExpertPlan
   expert_reason: str
   expert_warning: str | None
+  tuned: tuning.Measured | None
   tile_rows: int | None
   chunk_terms: tuple[tuple[str, int], ...]
   budget: int | None
@@ -162,6 +165,7 @@ def plan_for(config: MoEConfig, num_tokens: int, mesh: Mesh | AbstractMesh | Non
     expert=choice.plan,
     expert_reason=choice.reason,
     expert_warning=choice.warning,
+    tuned=choice.measured,
     tile_rows=default_tile_rows(assignments, config.num_physical_experts) if tiled else None,
     chunk_terms=tuple(terms.items()),
     budget=budget,

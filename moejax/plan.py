@@ -115,6 +115,7 @@ class ExpertChoice(NamedTuple):
   plan: ExpertPlan
   warning: str | None
   reason: str
+  measured: tuning.Measured | None = None
 
 
 def choose_plan(config: MoEConfig, num_rows: int, local_experts: int) -> ExpertChoice:
@@ -142,7 +143,7 @@ def choose_plan(config: MoEConfig, num_rows: int, local_experts: int) -> ExpertC
     return xla
   found = tuning.measured(config, num_rows, local_experts)
   if found is not None:
-    return ExpertChoice(_tuned_plan(found, case), None, found.reason(num_rows))
+    return ExpertChoice(_tuned_plan(found, case), None, found.reason(num_rows), found)
   if platform.on_cpu():
     return xla._replace(reason=f"expert_backend='auto', no tuning entry: {xla.reason}")
   _say_once_how_to_tune(platform.target().device_kind, xla.plan.path)

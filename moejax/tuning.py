@@ -12,7 +12,8 @@ plan names the file it used.
 An entry applies to calls of the same case (the config's expert fields, the local experts
 and K) whose (row, choice) assignments are within a factor of 2 of the entry's; the nearest
 wins. Entries measured with other versions of moejax, JAX, jaxlib, CUDA or the driver are
-ignored, with a one-line notice. A file that cannot be read is an error naming it, never a
+ignored, with a one-line notice (a machine without a GPU, compiling for one, compares the
+versions it knows). A file that cannot be read is an error naming it, never a
 silent change of path. In a multi-process job every process uses process 0's file.
 """
 
@@ -181,6 +182,14 @@ def _gpu_platform_version() -> str | None:
     return None
 
 
+def same_versions(measured: dict[str, str | None], now: dict[str, str | None]) -> bool:
+  """Whether an entry's versions are today's: every version known now is the entry's (a
+  machine without a GPU, compiling for one, knows no CUDA or driver version)."""
+  return measured.keys() == now.keys() and all(
+    value is None or measured[name] == value for name, value in now.items()
+  )
+
+
 def _installed(package: str) -> str | None:
   try:
     return importlib.metadata.version(package)
@@ -311,7 +320,7 @@ def _current_entries(text: str, source: str) -> TuningFile:
   """The table in `text`, without entries of other versions (a one-line notice, once)."""
   table = TuningFile.from_json(text, source)
   now = versions_now()
-  kept = tuple(entry for entry in table.entries if entry.versions == now)
+  kept = tuple(entry for entry in table.entries if same_versions(entry.versions, now))
   if len(kept) < len(table.entries):
     warnings.warn(
       f"moejax: {len(table.entries) - len(kept)} of {len(table.entries)} entries of {source} "

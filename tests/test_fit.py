@@ -7,7 +7,10 @@ import json
 import numpy as np
 import pytest
 
+from kernels_pallas import platform
+from kernels_pallas.gpus import GPUS
 from moejax import fit as planner
+from moejax import plan_call, targets, tuning
 from moejax.apps.cli import main
 from tests.gpu_tier import GPU_COMPILE_TIER, no_persistent_compilation_cache  # noqa: F401
 
@@ -129,3 +132,35 @@ def test_a_preset_is_planned_at_its_real_shapes():
   assert report.fits and report.chunk_size <= report.tokens_per_device == 4096
   keys = report.to_json()
   assert {"fits", "gpu_memory_bytes", "per_device_bytes", "chunk_size"} <= set(keys)
+
+
+@pytest.mark.usefixtures("no_persistent_compilation_cache")
+@GPU_COMPILE_TIER[0]
+@GPU_COMPILE_TIER[1]
+def test_the_estimate_takes_a_tuning_files_rate(tmp_path, monkeypatch):
+  """With a tuning entry for the call on the target's GPU kind, the layer's path and the
+  estimate's rate are the entry's, and the report names the file."""
+  monkeypatch.setenv("MOEJAX_CACHE_DIR", str(tmp_path))
+  mesh = targets.target_mesh("h200", (1, 8))
+  config = planner._config(TINY, "infer", "released", 16, False, "auto", "auto")
+  call = plan_call(config, (8 * 256, config.hidden_size), mesh=mesh)
+  local = call.exchange.local_experts
+  winner = tuning.Candidate(path="tile_loop", status="passed", forward_ms=2.0, train_ms=6.0)
+  with platform.running_on(mesh.devices.flat[0]):
+    entry = tuning.Entry(
+      case=tuning.case_of(config, local),
+      rows=call.received_rows * config.top_k,
+      objective="train",
+      candidates=(winner,),
+      winner="tile_loop",
+      versions=tuning.versions_now(),
+    )
+  path = tuning.user_file("NVIDIA H200")
+  path.parent.mkdir(parents=True, exist_ok=True)
+  path.write_text(tuning.TuningFile(device_kind="NVIDIA H200", entries=(entry,)).to_json())
+  report = planner.fit(TINY, "h200", tokens_per_device=256)
+  assert report.expert_path == "tile_loop"  # ragged_dot without the entry (above)
+  assert str(path) in report.estimate.rate_source
+  flops = 6 * entry.rows / 8 * config.hidden_size * config.intermediate_size
+  efficiency = flops / 2e-3 / GPUS["h200"].peak_bf16_flops
+  assert f"times {efficiency:.3f}" in " ".join(report.estimate.assumptions)

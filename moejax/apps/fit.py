@@ -103,8 +103,10 @@ NETWORK = 50e9
 @dataclasses.dataclass(frozen=True)
 class StepEstimate:
   """An estimated time of one step, per MoE layer and for the stack (seconds), with every
-  assumption it makes."""
+  assumption it makes; `rate_source` says where the expert path's rate came from (a tuning
+  file's entry for the GPU kind, else the recorded H200 run)."""
 
+  rate_source: str
   compute_s: float
   memory_s: float
   exchange_s: float
@@ -437,14 +439,25 @@ RECORDED_H200_MS = {("ragged_dot", 8): 2.95, ("tile loop", 8): 6.41, ("tile loop
 _RECORDED_FLOPS = 2 * 8192 * 2 * 3 * 2048 * 1024
 
 
-def _efficiency(path: str) -> tuple[str, float]:
-  """(the rate's source, the fraction of the H200's bf16 peak it is) for the expert path the
-  call plan took: ragged_dot's recorded forward at 8 local experts (its best: the rate falls
-  as they grow), else the tile loop's at 32. The Pallas kernels have no recorded layer rate:
-  they are estimated at the tile loop's, and the report says so."""
+def _efficiency(call: CallPlan, config: MoEConfig, gpu: Gpu) -> tuple[str, float]:
+  """(the rate's source, the fraction of the GPU's bf16 peak it is) for the expert path the
+  call plan took: the forward a tuning file measured for the call on this GPU kind (its
+  winner's, at its rows: each device's local (row, choice) assignments, 6·D·F FLOPs each),
+  else the recorded H200 run's: ragged_dot's forward at 8 local experts (its best: the rate
+  falls as they grow), else the tile loop's at 32. The Pallas kernels have no recorded layer
+  rate: without a tuning entry they are estimated at the tile loop's, and the report says so."""
+  tuned = call.tuned
+  if tuned is not None and tuned.candidate.forward_ms:
+    devices = config.num_physical_experts // tuned.entry.case["local_experts"]
+    flops = 6 * tuned.entry.rows / devices * config.hidden_size * config.intermediate_size
+    rate = flops / (tuned.candidate.forward_ms * 1e-3)
+    source = f"{tuned.candidate.name}'s forward at {tuned.entry.rows} rows in {tuned.source}"
+    return source, rate / gpu.peak_bf16_flops
+  path = call.expert.path
   key = ("ragged_dot", 8) if path == "ragged_dot" else ("tile loop", 32)
   source = f"the XLA {key[0]} path" if path != "pallas" else "the tile loop (no kernel rate)"
-  return source, _RECORDED_FLOPS / (RECORDED_H200_MS[key] * 1e-3) / GPUS["h200"].peak_bf16_flops
+  recorded = _RECORDED_FLOPS / (RECORDED_H200_MS[key] * 1e-3) / GPUS["h200"].peak_bf16_flops
+  return f"{source} in the recorded H200 run", recorded
 
 
 def recorded_error() -> float:
@@ -471,7 +484,7 @@ def estimate_step(
   d, f, k = config.hidden_size, config.intermediate_size, config.top_k
   ep = mesh_shape["expert"]
   chunk, scheme = call.layout.chunk, call.scheme
-  source, efficiency = _efficiency(call.expert.path)
+  source, efficiency = _efficiency(call, config, gpu)
   passes = {"infer": 1, "lora": 2, "train": 3}[job]  # forward; + input gradient; + weight gradient
   per_token = 2 * k * 3 * d * f + 2 * 3 * d * config.shared_intermediate_size
   flops = passes * tokens_per_device * per_token
@@ -486,6 +499,7 @@ def estimate_step(
   exchange = (2 if job != "infer" else 1) * sent / bandwidth
   layer = compute + memory + exchange
   return StepEstimate(
+    rate_source=source,
     compute_s=compute,
     memory_s=memory,
     exchange_s=exchange,
@@ -494,7 +508,7 @@ def estimate_step(
     assumptions=(
       f"compute: {passes} pass(es) of the routed and shared experts' matmuls at the "
       f"{gpu.name} bf16 peak ({gpu.peak_bf16_flops / 1e12:.0f} TFLOP/s) times {efficiency:.3f}, "
-      f"the fraction {source} reached in the recorded H200 run (routing balanced); the layer's "
+      f"the fraction of its peak reached by {source} (routing balanced); the layer's "
       f"path: {call.expert.path} ({call.expert_reason})",
       f"HBM: each chunk ({chunks} of {chunk} tokens) reads the device's expert weights "
       f"({weights / 2**30:.2f} GiB) once per pass at {gpu.memory_bandwidth / 1e12:.1f} TB/s",

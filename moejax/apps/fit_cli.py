@@ -51,7 +51,8 @@ def text(report: FitReport) -> str:
     "per device (GiB):",
     *(f"  {name:20s} {value / GIB:8.2f}" for name, value in bytes_.items()),
     f"estimated step time (an estimate): {report.estimate.layer_s * 1e3:.2f} ms per MoE layer, "
-    f"{report.estimate.stack_s:.3f} s for the stack",
+    f"{report.estimate.stack_s:.3f} s for the stack (the expert path's rate: "
+    f"{report.estimate.rate_source})",
     *(f"  assumes: {line}" for line in report.estimate.assumptions),
     *(f"note: {line}" for line in report.notes),
   ]
