@@ -11,6 +11,7 @@ from flax import nnx
 
 import moejax
 from moejax import experts, tuning
+from moejax.apps.cli import main
 from moejax.testing import rank_mask
 from tests.helpers import assert_close, seed_of
 
@@ -56,10 +57,6 @@ def test_tune_checks_and_times_every_cpu_path_and_auto_follows_the_file(cache, r
   mask = rank_mask([TOKENS - 5], TOKENS)
   y, _ = moejax.moe_apply(params, x, config=CONFIG, token_mask=mask)
   assert_close(y, moejax.reference_moe(params, x, CONFIG, token_mask=mask), what="y")
-
-  with pytest.raises(FileExistsError, match="--overwrite"):
-    tuned()  # the same cases again: refused, the file unchanged
-  assert json.loads(path.read_text()) == record
 
 
 def test_a_wrong_candidate_is_rejected_and_never_chosen(cache, monkeypatch):
@@ -136,3 +133,20 @@ def test_other_configs_and_expert_backends_ignore_the_entry(cache):
   assert moejax.plan_call(other, (TOKENS, 16)).expert.path == "tile_loop"
   xla = dataclasses.replace(CONFIG, expert_backend="xla")
   assert moejax.plan_call(xla, (TOKENS, 16)).expert.path == "tile_loop"
+
+
+@pytest.mark.slow  # tunes once more, through the command line
+def test_the_tune_command_writes_the_file_and_never_replaces_entries_unasked(cache, capsys):
+  flags = ["tune", "--experts", "8", "--hidden", "64", "--intermediate", "128", "--mesh", "1x1"]
+  flags += ["--tokens-per-device", "16", "--repeats", "1", "--dtype", "float32"]
+  main(flags)
+  printed = capsys.readouterr().out
+  assert "tile_loop" in printed and "ragged_dot" in printed and "fastest" in printed
+  written = tuning.user_file("cpu").read_text()
+  assert {entry.rows for entry in tuning.TuningFile.from_json(written, "").entries} == {2, 32}
+  with pytest.raises(SystemExit, match=r"already holds 2 entr.*--overwrite"):
+    main(flags)  # refused before measuring: the file unchanged
+  assert tuning.user_file("cpu").read_text() == written
+  with pytest.raises(SystemExit):
+    main(["tune", "--model", "nope"])
+  assert "invalid choice: 'nope'" in capsys.readouterr().err
