@@ -88,3 +88,11 @@ def test_the_library_never_imports_its_applications():
 def test_the_oracle_does_not_import_the_fast_path():
   graph = import_graph("moejax")
   assert "moejax.forward" not in reachable("moejax.reference", graph)
+
+
+def test_pytest_skips_the_public_names_of_application_modules():
+  """The root conftest.py names the same modules as `moejax.apps.PUBLIC_NAMES` (collecting
+  both spellings of one module fails pytest's import check)."""
+  namespace = {}
+  exec((ROOT / "conftest.py").read_text(), namespace)
+  assert namespace["collect_ignore"] == [f"moejax/{name}.py" for name in public_names()]
