@@ -137,6 +137,7 @@ def grouped_matmul_mlp(
   activation: GatedActivation,
   backend: str,
   interpret: bool = False,
+  blocks=None,
 ) -> jax.Array:
   """`tile_loop_mlp`'s contract on `kernels_pallas.moe_mlp` (fused kernels, or XLA ragged_dot).
 
@@ -145,8 +146,9 @@ def grouped_matmul_mlp(
   with adapters), and sums each row's K results.
 
   Args and returns: as `tile_loop_mlp` (without biases, `tile_rows` and seeds; `activation`
-  silu or gelu), plus `backend`, a `kernels_pallas` backend name, and `interpret`, to run a
-  kernel in its interpreter.
+  silu or gelu), plus `backend`, a `kernels_pallas` backend name, `interpret`, to run a
+  kernel in its interpreter, and `blocks`, the forward kernels' block sizes (None: the
+  backend's choice).
   """
   rows, top_k = expert_ids.shape
   order, group_sizes = sort_by_expert(expert_ids, experts.w_gate_up.shape[0])  # [N*K], [El]
@@ -160,11 +162,16 @@ def grouped_matmul_mlp(
       row_weights=row_weights.astype(x.dtype),
       activation=activation.name,
       implementation=backend,
+      config=blocks,
       interpret=interpret,
     )  # [N*K, D]
   else:
     gmm = functools.partial(
-      kernels_pallas.gmm, group_sizes=group_sizes, implementation=backend, interpret=interpret
+      kernels_pallas.gmm,
+      group_sizes=group_sizes,
+      implementation=backend,
+      config=blocks,
+      interpret=interpret,
     )
     out_sorted = adapted_mlp(x_sorted, experts, row_weights, activation, gmm)
   out = jnp.zeros_like(out_sorted).at[order].set(out_sorted)  # back to assignment order
@@ -251,6 +258,7 @@ def routed_mlp(
     activation=config.gated_activation,
     backend=plan.backend,
     interpret=plan.interpret,
+    blocks=plan.blocks,
   )
 
 

@@ -55,11 +55,14 @@ class ExpertPlan:
     backend: the `kernels_pallas` backend `experts.grouped_matmul_mlp` runs ("xla" for ragged_dot, a
       kernel for pallas), None for the tile loop.
     interpret: whether that kernel runs in its interpreter (a CPU): slow, for testing.
+    blocks: the kernel's forward block sizes (the backend's `blocks_type`) a tuning file
+      measured, or None for `kernels_pallas`' own choice.
   """
 
   path: ExpertPath
   backend: BackendName | None = None
   interpret: bool = False
+  blocks: object = None
 
   @property
   def check_vma(self) -> bool:
@@ -164,7 +167,10 @@ def _tuned_plan(found: tuning.Measured, case: Case) -> ExpertPlan:
     raise tuning.TuningFileError(
       f"tuning file {found.source} names {chosen.name} for a case it cannot run ({why})"
     )
-  return ExpertPlan(path=chosen.path, backend=chosen.backend, interpret=platform.on_cpu())
+  blocks = chosen.blocks and BACKENDS[chosen.backend].blocks_type(**chosen.blocks)
+  return ExpertPlan(
+    path=chosen.path, backend=chosen.backend, interpret=platform.on_cpu(), blocks=blocks
+  )
 
 
 @functools.cache

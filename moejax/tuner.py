@@ -32,7 +32,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from kernels_pallas import platform
+from kernels_pallas import autotune, platform
 from kernels_pallas.backends import BACKENDS, REFERENCE, unsupported_reason
 from moejax import files, tuning
 from moejax.call_plan import plan_call
@@ -42,6 +42,12 @@ from moejax.layer import MoELayer
 from moejax.plan import expert_case
 from moejax.reference import reference_moe
 from moejax.testing import RELATIVE_BOUNDS, poison, rank_mask, relative_error
+
+# The kernel block configurations `kernels_pallas.autotune` knows, by backend: each is a
+# candidate of its own beside the backend's default choice.
+KNOWN_BLOCKS = {
+  "mosaic": tuple(dataclasses.asdict(blocks) for blocks in autotune.MOSAIC_CANDIDATES)
+}
 
 
 def tune(
@@ -138,13 +144,14 @@ def candidates(config: MoEConfig, mesh: Mesh | None) -> list[tuning.Candidate]:
       found.append(tuning.Candidate(path="ragged_dot", backend=REFERENCE, status="passed"))
     if not platform.on_cpu():
       capability = platform.gpu_compute_capability()
-      found += [
-        tuning.Candidate(path="pallas", backend=name, status="passed")
-        for name, backend in BACKENDS.items()
-        if name != REFERENCE
-        and backend.made_for(capability)
-        and unsupported_reason(name, case) is None
-      ]
+      for name, backend in BACKENDS.items():
+        if (
+          name != REFERENCE and backend.made_for(capability) and not unsupported_reason(name, case)
+        ):
+          found += [
+            tuning.Candidate(path="pallas", backend=name, blocks=blocks, status="passed")
+            for blocks in (None, *KNOWN_BLOCKS.get(name, ()))
+          ]
   return found
 
 
@@ -264,7 +271,8 @@ def _run(
   """The candidate checked and, if it passes, timed."""
   try:
     taken = plan_call(config, inputs.x, mesh=mesh).expert
-    if (taken.path, taken.backend) != (candidate.path, candidate.backend):
+    blocks = None if taken.blocks is None else dataclasses.asdict(taken.blocks)
+    if (taken.path, taken.backend, blocks) != (candidate.path, candidate.backend, candidate.blocks):
       raise RuntimeError(f"the layer took {taken.path} ({taken.backend}), not the candidate")
     forward, gradient = _functions(moe_apply, config, mesh, inputs)
     start = time.perf_counter()

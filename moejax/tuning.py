@@ -65,10 +65,13 @@ class Candidate:
     forward_ms: median forward time, or None (not timed: only passing candidates are).
     train_ms: median forward+backward time, or None.
     detail: the error or the reason, for a candidate that did not pass.
+    blocks: a kernel's forward block sizes (the fields of its backend's `blocks_type`), or
+      None for the blocks `kernels_pallas` picks.
   """
 
   path: ExpertPath
   backend: str | None = None
+  blocks: dict[str, int] | None = None
   status: Status
   error: float | None = None
   grad_error: float | None = None
@@ -78,8 +81,11 @@ class Candidate:
 
   @property
   def name(self) -> str:
-    """ "tile_loop", "ragged_dot", "pallas:mosaic"."""
-    return self.path if self.path != "pallas" else f"pallas:{self.backend}"
+    """'tile_loop', 'ragged_dot', 'pallas:mosaic', 'pallas:mosaic[128x256x64x4]'."""
+    if self.path != "pallas":
+      return self.path
+    blocks = "" if self.blocks is None else "[" + "x".join(map(str, self.blocks.values())) + "]"
+    return f"pallas:{self.backend}{blocks}"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -9,7 +9,9 @@ import jax
 import pytest
 from flax import nnx
 
+import kernels_pallas
 import moejax
+from kernels_pallas.gmm_triton import TritonBlocks
 from moejax import experts, tuning
 from moejax.apps.cli import main
 from moejax.testing import rank_mask
@@ -150,3 +152,27 @@ def test_the_tune_command_writes_the_file_and_never_replaces_entries_unasked(cac
   with pytest.raises(SystemExit):
     main(["tune", "--model", "nope"])
   assert "invalid choice: 'nope'" in capsys.readouterr().err
+
+
+def test_a_kernel_entry_with_block_sizes_runs_that_kernel_with_them(cache, monkeypatch, request):
+  """A winner `pallas:triton[32x32x16x4x2]`: the layer calls the Triton kernels with those
+  blocks (recorded here, computed by XLA: a CPU runs no GPU kernel) and the reference's
+  output."""
+  blocks = dict(block_m=32, block_n=32, block_k=16, num_warps=4, num_stages=2)
+  candidate = tuning.Candidate(path="pallas", backend="triton", blocks=blocks, status="passed")
+  write_entry(tuning.user_file("cpu"), candidates=(candidate,), winner=candidate.name)
+  asked = []
+
+  def moe_mlp(*args, implementation, config, interpret, **kwargs):
+    asked.append((implementation, config, interpret))
+    return right(*args, implementation="xla", **kwargs)
+
+  right = kernels_pallas.moe_mlp
+  monkeypatch.setattr(kernels_pallas, "moe_mlp", moe_mlp)
+  call = moejax.plan_call(CONFIG, (TOKENS, 16))
+  assert call.expert.blocks == TritonBlocks(**blocks) and candidate.name in call.expert_reason
+  x = jax.random.normal(jax.random.key(seed_of(request.node.name)), (TOKENS, 16))
+  params = moejax.MoELayer(CONFIG, rngs=nnx.Rngs(0)).moe_params()
+  y, _ = moejax.moe_apply(params, x, config=CONFIG)
+  assert set(asked) == {("triton", TritonBlocks(**blocks), True)}  # each trace of the chunk
+  assert_close(y, moejax.reference_moe(params, x, CONFIG), what="y")
