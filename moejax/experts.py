@@ -24,13 +24,14 @@ import jax.numpy as jnp
 import kernels_pallas
 from kernels_pallas.metadata import aligned_rows
 from kernels_pallas.quantized import is_block_scaled
-from moejax import id_spaces
+from moejax import id_spaces, tokamax_experts
 from moejax.activations import GatedActivation
 from moejax.chunking import seed_gradient
 from moejax.config import MoEConfig
 from moejax.params import ExpertWeights, SharedWeights
 from moejax.plan import ExpertPlan
 from moejax.tiles import Tiles, gated_mlp, tile_mlp
+from moejax.tokamax_experts import TOKAMAX
 
 _MIN_TILE_ROWS = 8
 _MAX_TILE_ROWS = 512
@@ -153,7 +154,10 @@ def grouped_matmul_mlp(
   rows, top_k = expert_ids.shape
   order, group_sizes = sort_by_expert(expert_ids, experts.w_gate_up.shape[0])  # [N*K], [El]
   x_sorted, row_weights = x[order // top_k], weights.reshape(-1)[order]
-  if experts.lora is None:
+  if backend == TOKAMAX:
+    gmm = functools.partial(tokamax_experts.ragged_dot, group_sizes=group_sizes)
+    out_sorted = adapted_mlp(x_sorted, experts, row_weights, activation, gmm)
+  elif experts.lora is None:
     out_sorted = kernels_pallas.moe_mlp(
       x_sorted,
       experts.w_gate_up,
@@ -185,15 +189,16 @@ def adapted_mlp(
   activation: GatedActivation,
   gmm,
 ) -> jax.Array:
-  """`kernels_pallas.moe_mlp` with the experts' adapters: each projection is three grouped
-  matmuls, `gmm(rows, W) + gmm(gmm(rows, A), B)`, the gated activation between them in XLA.
+  """`kernels_pallas.moe_mlp` as grouped matmuls of its own, with the experts' adapters if
+  they have any: each projection is `gmm(rows, W)`, plus `gmm(gmm(rows, A), B)` with
+  adapters, the gated activation between them in XLA.
 
   Unfused: the [M, 2F] pre-activation goes to memory, and the rank-r products are grouped
   matmuls of their own (r columns, padded to the kernel's blocks).
 
   Args:
     x_sorted: [M, D] rows grouped by local expert in order, in the compute dtype.
-    experts: the local `ExpertWeights`, with `lora`.
+    experts: the local `ExpertWeights`, with or without `lora`.
     row_weights: [M] float32 routing weight of each row.
     activation: the gate/up combination.
     gmm: `kernels_pallas.gmm` bound to the groups and the backend: (lhs, rhs) -> [M, N];
@@ -203,15 +208,19 @@ def adapted_mlp(
     [M, D] float32.
   """
 
-  def project(rows, w, a, b):
-    low_rank = gmm(rows, a, preferred_element_type=jnp.float32).astype(rows.dtype)  # [M, r]
+  def project(rows, w, a=None, b=None):
     full = gmm(rows, w, preferred_element_type=jnp.float32)
+    if a is None:
+      return full
+    low_rank = gmm(rows, a, preferred_element_type=jnp.float32).astype(rows.dtype)  # [M, r]
     return full + gmm(low_rank, b, preferred_element_type=jnp.float32)
 
   lora = experts.lora
-  gate_up = project(x_sorted, experts.w_gate_up, lora.gate_up_a, lora.gate_up_b)  # [M, 2F]
+  gate_up_adapter = () if lora is None else (lora.gate_up_a, lora.gate_up_b)
+  down_adapter = () if lora is None else (lora.down_a, lora.down_b)
+  gate_up = project(x_sorted, experts.w_gate_up, *gate_up_adapter)  # [M, 2F]
   hidden = activation(*jnp.split(gate_up, 2, axis=-1)).astype(x_sorted.dtype)  # [M, F]
-  return project(hidden, experts.w_down, lora.down_a, lora.down_b) * row_weights[:, None]
+  return project(hidden, experts.w_down, *down_adapter) * row_weights[:, None]
 
 
 def routed_mlp(

@@ -27,7 +27,7 @@ import dataclasses
 import functools
 import logging
 import warnings
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 from kernels_pallas import platform
 from kernels_pallas.backends import (
@@ -39,7 +39,7 @@ from kernels_pallas.backends import (
   select_kernel,
   unsupported_reason,
 )
-from moejax import tuning
+from moejax import tokamax_experts, tuning
 from moejax.config import ExpertPath, MoEConfig
 
 # Most local experts for which XLA's ragged_dot beats the tile loop on a GPU (H200, bf16).
@@ -52,15 +52,16 @@ class ExpertPlan:
 
   Attributes:
     path: "tile_loop", "ragged_dot" or "pallas".
-    backend: the `kernels_pallas` backend `experts.grouped_matmul_mlp` runs ("xla" for ragged_dot, a
-      kernel for pallas), None for the tile loop.
+    backend: what `experts.grouped_matmul_mlp` runs: for ragged_dot "xla" (`jax.lax`) or
+      "tokamax" (`moejax.tokamax_experts`), for pallas a `kernels_pallas` kernel; None for
+      the tile loop.
     interpret: whether that kernel runs in its interpreter (a CPU): slow, for testing.
     blocks: the kernel's forward block sizes (the backend's `blocks_type`) a tuning file
       measured, or None for `kernels_pallas`' own choice.
   """
 
   path: ExpertPath
-  backend: BackendName | None = None
+  backend: BackendName | Literal["tokamax"] | None = None
   interpret: bool = False
   blocks: object = None
 
@@ -162,7 +163,10 @@ def _tuned_plan(found: tuning.Measured, case: Case) -> ExpertPlan:
   chosen = found.candidate
   if chosen.path == "tile_loop":
     return ExpertPlan(path="tile_loop")
-  why = unsupported_reason(chosen.backend, case) if chosen.backend in BACKENDS else "unknown"
+  if chosen.backend == tokamax_experts.TOKAMAX:
+    why = tokamax_experts.unsupported_reason(case)
+  else:
+    why = unsupported_reason(chosen.backend, case) if chosen.backend in BACKENDS else "unknown"
   if why is not None:
     raise tuning.TuningFileError(
       f"tuning file {found.source} names {chosen.name} for a case it cannot run ({why})"

@@ -34,7 +34,7 @@ from jax.sharding import Mesh
 
 from kernels_pallas import autotune, platform
 from kernels_pallas.backends import BACKENDS, REFERENCE, unsupported_reason
-from moejax import files, tuning
+from moejax import files, tokamax_experts, tuning
 from moejax.call_plan import plan_call
 from moejax.config import MoEConfig
 from moejax.forward import moe_apply
@@ -42,6 +42,7 @@ from moejax.layer import MoELayer
 from moejax.plan import expert_case
 from moejax.reference import reference_moe
 from moejax.testing import RELATIVE_BOUNDS, poison, rank_mask, relative_error
+from moejax.tokamax_experts import TOKAMAX
 
 # The kernel block configurations `kernels_pallas.autotune` knows, by backend: each is a
 # candidate of its own beside the backend's default choice.
@@ -142,6 +143,8 @@ def candidates(config: MoEConfig, mesh: Mesh | None) -> list[tuning.Candidate]:
   with _running_on(mesh):
     if unsupported_reason(REFERENCE, case) is None:
       found.append(tuning.Candidate(path="ragged_dot", backend=REFERENCE, status="passed"))
+    if not platform.on_cpu() and tokamax_experts.unsupported_reason(case) is None:
+      found.append(tuning.Candidate(path="ragged_dot", backend=TOKAMAX, status="passed"))
     if not platform.on_cpu():
       capability = platform.gpu_compute_capability()
       for name, backend in BACKENDS.items():

@@ -81,7 +81,10 @@ class Candidate:
 
   @property
   def name(self) -> str:
-    """'tile_loop', 'ragged_dot', 'pallas:mosaic', 'pallas:mosaic[128x256x64x4]'."""
+    """'tile_loop', 'ragged_dot', 'ragged_dot:tokamax', 'pallas:mosaic',
+    'pallas:mosaic[128x256x64x4]'."""
+    if self.path == "ragged_dot":
+      return self.path if self.backend in (None, "xla") else f"ragged_dot:{self.backend}"
     if self.path != "pallas":
       return self.path
     blocks = "" if self.blocks is None else "[" + "x".join(map(str, self.blocks.values())) + "]"

@@ -6,16 +6,17 @@ import dataclasses
 import json
 
 import jax
+import jax.numpy as jnp
 import pytest
 from flax import nnx
 
 import kernels_pallas
 import moejax
 from kernels_pallas.gmm_triton import TritonBlocks
-from moejax import experts, tuning
+from moejax import experts, tokamax_experts, tuning
 from moejax.apps.cli import main
-from moejax.testing import rank_mask
-from tests.helpers import assert_close, seed_of
+from moejax.testing import poison, rank_mask
+from tests.helpers import assert_close, assert_trees_close, seed_of
 
 CONFIG = moejax.MoEConfig(num_experts=8, top_k=2, hidden_size=16, intermediate_size=32)
 TOKENS = 32  # per device: one chunk of 32 rows, 64 (row, choice) assignments
@@ -176,3 +177,25 @@ def test_a_kernel_entry_with_block_sizes_runs_that_kernel_with_them(cache, monke
   y, _ = moejax.moe_apply(params, x, config=CONFIG)
   assert set(asked) == {("triton", TritonBlocks(**blocks), True)}  # each trace of the chunk
   assert_close(y, moejax.reference_moe(params, x, CONFIG), what="y")
+
+
+def test_a_tokamax_entry_runs_tokamaxs_ragged_dot(cache, request):
+  """`ragged_dot:tokamax` (the optional extra; its XLA kernel on a CPU): the layer's output
+  and gradients are the reference's. Without the extra such an entry is an error naming it."""
+  candidate = tuning.Candidate(path="ragged_dot", backend="tokamax", status="passed")
+  write_entry(tuning.user_file("cpu"), candidates=(candidate,), winner="ragged_dot:tokamax")
+  if not tokamax_experts.installed():
+    with pytest.raises(tuning.TuningFileError, match="tokamax is not installed"):
+      moejax.plan_call(CONFIG, (TOKENS, 16))
+    return
+  assert moejax.plan_call(CONFIG, (TOKENS, 16)).expert.backend == "tokamax"
+  x = jax.random.normal(jax.random.key(seed_of(request.node.name)), (TOKENS, 16))
+  mask = rank_mask([TOKENS - 7], TOKENS)
+  params = moejax.MoELayer(CONFIG, rngs=nnx.Rngs(0)).moe_params()
+  layer = lambda p, x: moejax.moe_apply(p, poison(x, mask), config=CONFIG, token_mask=mask)[0]
+  reference = lambda p, x: moejax.reference_moe(p, x, CONFIG, token_mask=mask)
+  assert_close(layer(params, x), reference(params, x), what="y")
+  loss = lambda f: lambda p, x: jnp.sum(jnp.sin(f(p, x)))
+  got = jax.grad(loss(layer), argnums=(0, 1))(params, x)
+  want = jax.grad(loss(reference), argnums=(0, 1))(params, x)
+  assert_trees_close(got, want, what="gradients")
