@@ -199,3 +199,15 @@ def test_a_tokamax_entry_runs_tokamaxs_ragged_dot(cache, request):
   got = jax.grad(loss(layer), argnums=(0, 1))(params, x)
   want = jax.grad(loss(reference), argnums=(0, 1))(params, x)
   assert_trees_close(got, want, what="gradients")
+
+
+def test_the_shipped_table_is_read_after_the_users_file(cache, tmp_path, monkeypatch):
+  shipped = tmp_path / "shipped"
+  monkeypatch.setattr(tuning, "SHIPPED_DIR", shipped)
+  write_entry(shipped / tuning.file_name("cpu"))
+  call = moejax.plan_call(CONFIG, (TOKENS, 16))
+  assert call.expert.path == "ragged_dot" and str(shipped) in call.expert_reason
+  tile_loop = tuning.Candidate(path="tile_loop", status="passed")
+  write_entry(tuning.user_file("cpu"), candidates=(tile_loop,), winner="tile_loop")
+  call = moejax.plan_call(CONFIG, (TOKENS, 16))
+  assert call.expert.path == "tile_loop" and str(tuning.user_file("cpu")) in call.expert_reason
