@@ -98,7 +98,7 @@ def plan_experts(config: MoEConfig, num_rows: int, local_experts: int) -> Expert
 
   >>> config = MoEConfig(num_experts=8, top_k=2, hidden_size=64, intermediate_size=128)
   >>> plan_experts(config, num_rows=512, local_experts=8)  # on a CPU
-  ExpertPlan(path='tile_loop', backend=None, interpret=False)
+  ExpertPlan(path='tile_loop', backend=None, interpret=False, blocks=None)
   """
   choice = choose_plan(config, num_rows, local_experts)
   if choice.warning is not None:

@@ -61,7 +61,8 @@ class Candidate:
     status: "passed" (output and gradients within tolerance), "failed" (outside it, or not
       finite), "crashed" (an error; `detail` says which) or "timed_out".
     error: max |candidate - reference| / max |reference| of the output, or None.
-    grad_error: the same over the gradients (parameters and x), or None.
+    grad_error: the largest over the gradients' leaves (parameters and x), each over its max
+      magnitude or a thousandth of the largest leaf's, or None.
     forward_ms: median forward time, or None (not timed: only passing candidates are).
     train_ms: median forward+backward time, or None.
     detail: the error or the reason, for a candidate that did not pass.

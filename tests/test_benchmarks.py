@@ -60,6 +60,7 @@ def test_gpu_check_smoke_runs_every_part(tmp_path):
     "decode": "passed",
     "quant": "passed",
     "chunks": "passed",
+    "tune": "passed",
   }
   layer = json.loads((tmp_path / "layer.json").read_text())["rows"]
   assert {r["case"].split()[1] for r in layer} == {"xla", "pallas", "auto"}
@@ -74,6 +75,10 @@ def test_gpu_check_smoke_runs_every_part(tmp_path):
   assert {(r["op"], r["backend"], r["weights"]) for r in quant if r["status"] == "ok"} >= set(
     itertools.product(("gmm", "moe_mlp"), ("triton", "mosaic"), ("bf16", "fp8_block", "mxfp4"))
   )
+  (tune,) = json.loads((tmp_path / "tune.json").read_text())["rows"]
+  assert tune["status"] == "ok" and Path(tune["file"]).parent == tmp_path / "tuning"
+  for entry in tune["entries"]:
+    assert {c["status"] for c in entry["candidates"]} == {"passed"} and entry["winner"]
   assert "| case |" in (tmp_path / "gpu_check.md").read_text()
 
 
