@@ -393,7 +393,8 @@ def part_tune(out: Path, smoke: bool, record: Recorder) -> None:
   import moejax
 
   os.environ["MOEJAX_CACHE_DIR"] = str(out / "tuning")
-  sizes = (8, 2, 64, 128, 64) if smoke else (32, 8, 2048, 1024, 4096)
+  # tokens per device last (the smoke run's 1 makes one call size: the decode-size one)
+  sizes = (8, 2, 64, 128, 1) if smoke else (32, 8, 2048, 1024, 4096)
   names = ("num_experts", "top_k", "hidden_size", "intermediate_size")
   config = moejax.MoEConfig(
     **dict(zip(names, sizes[:4], strict=True)), dtype=jnp.bfloat16, param_dtype=jnp.bfloat16
