@@ -50,6 +50,7 @@ __all__ = [
 # Submodules the docs write as `moejax.<name>`: reachable after a plain `import moejax`,
 # imported on first use (orbax, safetensors and Linen load only for those who use them).
 SUBMODULES = (
+  "balancing",
   "checkpoint",
   "eplb",
   "fit",

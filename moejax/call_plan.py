@@ -37,7 +37,7 @@ from moejax.chunk_budget import (
 from moejax.chunking import TokenLayout
 from moejax.config import MoEConfig, Scheme
 from moejax.dispatch import Exchange, dispatch_choice, make_exchange, received_rows
-from moejax.experts import default_tile_rows
+from moejax.experts import tile_rows_for
 from moejax.plan import ExpertPlan, choose_plan
 from moejax.sharding import check_mesh
 
@@ -166,7 +166,7 @@ def plan_for(config: MoEConfig, num_tokens: int, mesh: Mesh | AbstractMesh | Non
     expert_reason=choice.reason,
     expert_warning=choice.warning,
     tuned=choice.measured,
-    tile_rows=default_tile_rows(assignments, config.num_physical_experts) if tiled else None,
+    tile_rows=tile_rows_for(config, assignments) if tiled else None,
     chunk_terms=tuple(terms.items()),
     budget=budget,
   )

@@ -33,7 +33,7 @@ import numpy as np
 
 from kernels_pallas import platform
 from moejax.config import ExpertPath, MoEConfig, Scheme
-from moejax.experts import default_tile_rows
+from moejax.experts import tile_rows_for
 
 GRANULARITY = 8  # rows: a chunk of several is a multiple of the tile loop's smallest tile
 CPU_BUDGET_BYTES = 256 << 20
@@ -79,7 +79,7 @@ def tile_padding_bytes(config: MoEConfig, chunk: int, axis_size: int) -> int:
   """The tile loop's padding of one chunk: up to a tile of B rows per local expert, whose
   float32 outputs and cotangents are held like the rows'."""
   received = axis_size * chunk
-  tile_rows = default_tile_rows(received * config.top_k, config.num_physical_experts)
+  tile_rows = tile_rows_for(config, received * config.top_k)
   local_experts = config.num_physical_experts // axis_size
   return local_experts * tile_rows * config.hidden_size * 2 * F32
 

@@ -152,6 +152,13 @@ class MoEConfig:
       exchange delivered (`moejax.remat.DISPATCHED_ROWS`, [chunks, ...] per device) for the
       backward pass, which then sends no chunk again: one exchange per chunk less, for the
       memory of all dispatched rows. Off: the backward pass sends each chunk again.
+    batch_invariant: make each token's output, expert ids and weights bit-identical
+      whatever else the call holds (other tokens, their number, its position, padding,
+      `token_mask`, the chunk size): the router and the shared experts run in fixed row
+      blocks and the experts take the tile loop at fixed tile rows, whatever the call's
+      size (or the Pallas kernel with `expert_backend="pallas"`; never ragged_dot, whose
+      lowering depends on the size). `moejax.invariance`; docs/design.md, "Batch
+      invariance" gives the scope and the cost.
 
   >>> MoEConfig(num_experts=8, top_k=2, hidden_size=64, intermediate_size=128).chunk_size
   'auto'
@@ -197,6 +204,7 @@ class MoEConfig:
   lora_alpha: float = 8.0
   lora_rslora: bool = False
   save_dispatched_rows: bool = False
+  batch_invariant: bool = False
 
   def __post_init__(self) -> None:
     check_field_types(self)

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import kernels_pallas
 from kernels_pallas.metadata import aligned_rows
 from kernels_pallas.quantized import is_block_scaled
-from moejax import id_spaces, tokamax_experts
+from moejax import id_spaces, invariance, tokamax_experts
 from moejax.activations import GatedActivation
 from moejax.chunking import seed_gradient
 from moejax.config import MoEConfig
@@ -54,6 +54,14 @@ def default_tile_rows(num_rows: int, num_experts: int) -> int:
   mean = num_rows / num_experts
   rows = _MIN_TILE_ROWS * round((mean + _SPREAD_MARGIN * mean**0.5) / _MIN_TILE_ROWS)
   return min(max(rows, _MIN_TILE_ROWS), _MAX_TILE_ROWS)
+
+
+def tile_rows_for(config: MoEConfig, num_rows: int) -> int:
+  """The tile loop's rows per tile for `num_rows` (row, choice) assignments: fixed with
+  `config.batch_invariant` (`moejax.invariance.TILE_ROWS`), else `default_tile_rows`."""
+  if config.batch_invariant:
+    return invariance.TILE_ROWS
+  return default_tile_rows(num_rows, config.num_physical_experts)
 
 
 def sort_by_expert(expert_ids: jax.Array, local_experts: int) -> tuple[jax.Array, jax.Array]:
@@ -254,7 +262,7 @@ def routed_mlp(
       weights,
       experts,
       activation=config.gated_activation,
-      tile_rows=default_tile_rows(expert_ids.size, config.num_physical_experts),
+      tile_rows=tile_rows_for(config, expert_ids.size),
       grad_seeds=grad_seeds,
     )
   if grad_seeds is not None:
@@ -304,7 +312,7 @@ def shared_mlp(x: jax.Array, shared: SharedWeights, *, config: MoEConfig) -> jax
   """The shared experts (fused into one MLP of width Fs) on every row.
 
   Args:
-    x: [C, D] rows in the compute dtype.
+    x: [C, D] rows in the compute dtype (in fixed blocks with `config.batch_invariant`).
     shared: the `SharedWeights`; with a `gate_kernel` ([D, 1], `config.shared_expert_gate`)
       the output is scaled per row by `sigmoid(x @ gate_kernel)`; with adapters each
       projection adds theirs.
@@ -313,12 +321,16 @@ def shared_mlp(x: jax.Array, shared: SharedWeights, *, config: MoEConfig) -> jax
   Returns:
     [C, D] float32.
   """
-  out = gated_mlp(x, shared.w_gate_up, shared.w_down, config.gated_activation, lora=shared.lora)
-  if shared.gate_kernel is None:
-    return out
-  gate = jnp.dot(
-    x.astype(jnp.float32),
-    shared.gate_kernel.astype(jnp.float32),
-    precision=jax.lax.Precision.HIGHEST,
-  )
-  return out * jax.nn.sigmoid(gate)
+
+  def shared_rows(rows: jax.Array) -> jax.Array:
+    out = gated_mlp(rows, shared.w_gate_up, shared.w_down, config.gated_activation, lora=shared.lora)
+    if shared.gate_kernel is None:
+      return out
+    gate = jnp.dot(
+      rows.astype(jnp.float32),
+      shared.gate_kernel.astype(jnp.float32),
+      precision=jax.lax.Precision.HIGHEST,
+    )
+    return out * jax.nn.sigmoid(gate)
+
+  return invariance.in_row_blocks(shared_rows, x, invariance.block_rows(config))

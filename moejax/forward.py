@@ -1,7 +1,8 @@
 """`moe_apply`: the functional MoE forward pass, on one device or a (data, expert) mesh.
 
 Flow: check inputs (trace time) -> flatten and pad tokens -> `shard_map` over the mesh ->
-on each device `local_forward`: router once on the local tokens -> top-k -> pipelined chunk
+on each device `local_forward`: router once on the local tokens -> top-k (or the given expert
+ids: routing replay) -> pipelined chunk
 loop of send (the expert-axis exchange, `moejax.dispatch`) / local experts and return ->
 shared experts -> masked output and router stats.
 """
@@ -16,8 +17,9 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
-from moejax import expert_placement, meshes, remat, routing, sharding
+from moejax import expert_placement, invariance, meshes, remat, routing, sharding
 from moejax.call_plan import plan_for
 from moejax.chunking import ChunkStages, TokenLayout, chunk_scan
 from moejax.collectives import gather_along, sum_over, vary_over
@@ -57,6 +59,17 @@ class MoEAux(NamedTuple):
     physical_counts: [P] int32 valid (token, choice) pairs sent to each physical expert slot
       (P = E + R; equal to `expert_counts[:E]` without redundant experts). A device's load
       is the sum over its P / S slots.
+    expert_ids: [..., K] int32 the logical expert ids each token used (x's leading shape):
+      the router's top-k, or the given ones; E + Z (no expert) for masked tokens and for
+      given ids that routed nowhere. Pass them back as `expert_ids=` to replay the routing.
+    invalid_expert_ids: [] int32 given ids of valid tokens that routed nowhere (out of
+      [0, E + Z), or a token's repeat of an earlier id): they add nothing to the output.
+    score_sums: [E + Z] float32 each expert's router score summed over the valid tokens
+      (differentiable): with `expert_counts` and `num_tokens`, the load-balancing loss of
+      several calls together (`moejax.balancing.global_load_balancing_loss`).
+    num_tokens: [] int32 valid tokens in the call.
+    load_max_over_mean: [] float32 the most-loaded routed expert's count over the mean count
+      of the E routed experts (1.0 when balanced; 0 without valid tokens).
   """
 
   expert_counts: jax.Array
@@ -65,6 +78,11 @@ class MoEAux(NamedTuple):
   chunks_run: jax.Array
   dispatch_rows: jax.Array
   physical_counts: jax.Array
+  expert_ids: jax.Array
+  invalid_expert_ids: jax.Array
+  score_sums: jax.Array
+  num_tokens: jax.Array
+  load_max_over_mean: jax.Array
 
 
 def moe_apply(
@@ -75,6 +93,7 @@ def moe_apply(
   mesh: Mesh | None = None,
   token_mask: jax.Array | None = None,
   router_logits: jax.Array | None = None,
+  expert_ids: jax.Array | None = None,
   placement: expert_placement.Placement | None = None,
 ) -> tuple[jax.Array, MoEAux]:
   """Runs the MoE layer: y = shared(x) + sum_k w_k * expert_{e_k}(x), per token.
@@ -90,6 +109,13 @@ def moe_apply(
     token_mask: [...] bool, True for real tokens; None means all real.
     router_logits: [..., E + Z] precomputed router logits (its bias, if any, included); then
       the router is not run again.
+    expert_ids: [..., K] integer expert ids (logical, in [0, E + Z)) each token uses instead
+      of the router's top-k: routing replay (e.g. a previous call's `MoEAux.expert_ids`).
+      The weights stay the router's scores at those ids, renormalized and scaled as the
+      config says (the selection bias enters no weight), so the router still gets its
+      gradient. Concrete ids out of range or repeated within a valid token are an error;
+      under `jit` such an id routes nowhere and is counted in `MoEAux.invalid_expert_ids`.
+      Masked tokens' ids are ignored.
     placement: with `config.num_redundant_experts` R > 0 (required then, rejected
       otherwise), the `moejax.eplb.Placement` of the P = E + R physical experts in `params`.
       Data: a new placement runs the same executable.
@@ -98,9 +124,9 @@ def moe_apply(
     (y, aux): y has x's shape and dtype, exactly 0 where the mask is False; aux is `MoEAux`.
   """
   mesh = meshes.of_call(mesh)
-  _check_call(params, x, token_mask, router_logits, config, mesh)
+  _check_call(params, x, token_mask, router_logits, expert_ids, config, mesh)
   expert_placement.check_placement(placement, config)
-  args = (params, x, token_mask, router_logits, placement)
+  args = (params, x, token_mask, router_logits, expert_ids, placement)
   if mesh is not None and meshes.is_explicit(mesh):
     return _apply_on_explicit_mesh(args, config, mesh)
   return _moe_apply_jit(*args, config=config, mesh=mesh)
@@ -109,10 +135,10 @@ def moe_apply(
 def _apply_on_explicit_mesh(args, config, mesh):
   """The layer on an explicit-axes mesh: y comes back sharded like x (`meshes.with_auto_axes`)."""
   specs = sharding.LayerSpecs.from_config(config)
-  out_specs = (
-    jax.typeof(args[1]).sharding.spec,
-    MoEAux(*specs.aux(MoEAux._fields, per_device=_PER_DEVICE)),
-  )
+  x_spec = jax.typeof(args[1]).sharding.spec
+  aux_specs = MoEAux(*specs.aux(MoEAux._fields, per_device=_PER_DEVICE))
+  ids_spec = P(*x_spec[: args[1].ndim - 1], None)  # the tokens' leading dims, then K
+  out_specs = (x_spec, aux_specs._replace(expert_ids=ids_spec))
   apply = lambda auto_mesh, *args: _moe_apply_jit(*args, config=config, mesh=auto_mesh)
   return meshes.with_auto_axes(apply, mesh, out_specs)(*args)
 
@@ -135,9 +161,9 @@ def compiled_executables() -> int:
   return _moe_apply_jit._cache_size()
 
 
-def _check_call(params, x, token_mask, router_logits, config, mesh) -> None:
+def _check_call(params, x, token_mask, router_logits, expert_ids, config, mesh) -> None:
   """Trace-time checks, so that bad input fails with a clear message before any XLA error."""
-  check_inputs(params, x, token_mask, router_logits, config)
+  check_inputs(params, x, token_mask, router_logits, config, expert_ids)
   if mesh is not None:
     sharding.check_mesh(mesh, config)
   if mesh is None and meshes.explicitly_sharded(x):
@@ -149,12 +175,14 @@ def _check_call(params, x, token_mask, router_logits, config, mesh) -> None:
 
 
 @functools.partial(jax.jit, static_argnames=("config", "mesh"))
-def _moe_apply_jit(params, x, token_mask, router_logits, placement, *, config, mesh):
+def _moe_apply_jit(params, x, token_mask, router_logits, expert_ids, placement, *, config, mesh):
   with meshes.running_on(mesh):  # plan for the mesh's devices, not the default one
-    return _moe_apply_traced(params, x, token_mask, router_logits, placement, config, mesh)
+    return _moe_apply_traced(
+      params, x, token_mask, router_logits, expert_ids, placement, config, mesh
+    )
 
 
-def _moe_apply_traced(params, x, token_mask, router_logits, placement, config, mesh):
+def _moe_apply_traced(params, x, token_mask, router_logits, expert_ids, placement, config, mesh):
   """`moe_apply`'s program (traced under jit)."""
   lead = x.shape[:-1]
   call = plan_for(config, math.prod(lead), mesh)  # every static choice, made here once
@@ -163,9 +191,9 @@ def _moe_apply_traced(params, x, token_mask, router_logits, placement, config, m
   layout = call.layout
   flat = lambda a, fill: layout.pad(a.reshape(layout.num_tokens, *a.shape[len(lead) :]), fill)
   mask = jnp.ones(lead, bool) if token_mask is None else token_mask
-  tokens = TokenInputs(
-    flat(x, 0), flat(mask, False), None if router_logits is None else flat(router_logits, 0)
-  )
+  maybe_flat = lambda a: None if a is None else flat(a, 0)
+  given_ids = None if expert_ids is None else expert_ids.astype(jnp.int32)
+  tokens = TokenInputs(flat(x, 0), flat(mask, False), maybe_flat(router_logits), maybe_flat(given_ids))
   body = functools.partial(
     local_forward,
     config=config,
@@ -175,9 +203,9 @@ def _moe_apply_traced(params, x, token_mask, router_logits, placement, config, m
     all_axes=() if mesh is None else config.data_axes + config.expert_axes,
   )
   if mesh is None:
-    y, stats, slot_counts, counts = body(params, placement, tokens)
+    y, used_ids, stats, slot_counts, counts = body(params, placement, tokens)
   else:
-    y, stats, slot_counts, counts = _shard(
+    y, used_ids, stats, slot_counts, counts = _shard(
       body, mesh, config, call.expert, params, placement, tokens
     )
   y = remat.named(layout.unpad(y).reshape(x.shape).astype(x.dtype), remat.LAYER_OUTPUT)
@@ -188,6 +216,11 @@ def _moe_apply_traced(params, x, token_mask, router_logits, placement, config, m
     chunks_run=counts.chunks_run,
     dispatch_rows=counts.rows_sent,
     physical_counts=slot_counts,
+    expert_ids=layout.unpad(used_ids).reshape(*lead, config.top_k),
+    invalid_expert_ids=stats.invalid_choices,
+    score_sums=stats.score_sums,
+    num_tokens=stats.num_tokens,
+    load_max_over_mean=routing.load_max_over_mean(stats.expert_counts[: config.num_experts]),
   )
   return y, aux
 
@@ -199,11 +232,13 @@ class TokenInputs(NamedTuple):
     x: [L, D] tokens.
     token_mask: [L] bool, False for padding.
     router_logits: [L, E + Z] precomputed logits, or None to run the router.
+    expert_ids: [L, K] int32 given expert ids (routing replay), or None for the top-k.
   """
 
   x: jax.Array
   token_mask: jax.Array
   router_logits: jax.Array | None
+  expert_ids: jax.Array | None
 
 
 class RoutedRows(NamedTuple):
@@ -254,8 +289,14 @@ def _shard(
   return jax.shard_map(
     body,
     mesh=mesh,
-    in_specs=(param_specs, specs.replicated, TokenInputs(*[specs.tokens_t] * 3)),
-    out_specs=(specs.tokens_t, stats_specs, specs.replicated, DeviceCounts(*[specs.tokens_t] * 2)),
+    in_specs=(param_specs, specs.replicated, TokenInputs(*[specs.tokens_t] * 4)),
+    out_specs=(
+      specs.tokens_t,
+      specs.tokens_t,
+      stats_specs,
+      specs.replicated,
+      DeviceCounts(*[specs.tokens_t] * 2),
+    ),
     check_vma=plan.check_vma,
   )(params, placement, tokens)
 
@@ -275,7 +316,7 @@ def local_forward(
   chunk_size: int,
   exchange: Exchange,
   all_axes: tuple[str, ...],
-) -> tuple[jax.Array, routing.RouterStats, jax.Array, DeviceCounts]:
+) -> tuple[jax.Array, jax.Array, routing.RouterStats, jax.Array, DeviceCounts]:
   """One device's part of the layer (the `shard_map` body).
 
   Args:
@@ -289,17 +330,22 @@ def local_forward(
     all_axes: every mesh axis the tokens are split over (to sum router stats).
 
   Returns:
-    (y [L, D] in the compute dtype, RouterStats summed over all devices, [P] int32 pairs sent
-    to each physical expert summed over all devices, this device's `DeviceCounts`).
+    (y [L, D] in the compute dtype, [L, K] int32 the logical expert ids used, RouterStats
+    summed over all devices, [P] int32 pairs sent to each physical expert summed over all
+    devices, this device's `DeviceCounts`).
   """
   token_mask = tokens.token_mask
   x = _zero_padding(tokens.x, token_mask)
   router_logits = tokens.router_logits
   if router_logits is None:  # the router's only run
-    router_logits = routing.router_logits(x, params.router_kernel, params.router_bias)
+    router_logits = routing.router_logits(
+      x, params.router_kernel, params.router_bias, block_rows=invariance.block_rows(config)
+    )
   router_logits = _zero_padding(router_logits, token_mask)  # the logits' only masking
   router_logits = remat.named(router_logits, remat.ROUTER_LOGITS)
-  route = routing.route(router_logits, token_mask, config, params.routing_bias)
+  route = routing.route(
+    router_logits, token_mask, config, params.routing_bias, given_ids=tokens.expert_ids
+  )
   stats = jax.tree.map(
     lambda a: sum_over(a, all_axes), routing.router_stats(router_logits, route, token_mask)
   )
@@ -326,7 +372,7 @@ def local_forward(
   )
   rows_sent = exchange.rows_sent(expert_ids, chunks_run, chunk_size).astype(jnp.int32)
   counts = DeviceCounts(chunks_run[None], rows_sent[None])
-  return _zero_padding(y, token_mask), stats, sum_over(slot_counts, all_axes), counts
+  return _zero_padding(y, token_mask), route.expert_ids, stats, sum_over(slot_counts, all_axes), counts
 
 
 ChunkWeights = tuple[ExpertWeights, SharedWeights | None]  # (seeded, rest): `ChunkStages`

@@ -4,15 +4,18 @@ wrong: one set of checks for the fast path (`moejax.moe_apply`) and the oracle
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 
 from moejax.config import MoEConfig
 from moejax.params import MoEParams, check_params
 
 
-def check_inputs(params, x, token_mask, router_logits, config) -> None:
+def check_inputs(params, x, token_mask, router_logits, config, expert_ids=None) -> None:
   """The layer's inputs against its config (types, dtypes, shapes), each named when wrong:
-  for `moe_apply` and `reference_moe` alike."""
+  for `moe_apply` and `reference_moe` alike. Given `expert_ids` outside a trace (concrete
+  values) must also be in range and distinct per valid token (`check_expert_id_values`)."""
   if not isinstance(config, MoEConfig):
     raise TypeError(f"config must be a MoEConfig, got {type(config).__name__}")
   if not isinstance(params, MoEParams):
@@ -20,7 +23,8 @@ def check_inputs(params, x, token_mask, router_logits, config) -> None:
       f"params must be a moejax.MoEParams (e.g. `layer.moe_params()`), got {type(params).__name__}"
     )
   check_params(params, config)
-  for name, value in (("x", x), ("token_mask", token_mask), ("router_logits", router_logits)):
+  named = (("x", x), ("token_mask", token_mask), ("router_logits", router_logits))
+  for name, value in (*named, ("expert_ids", expert_ids)):
     if value is not None and not hasattr(value, "shape"):
       raise TypeError(f"{name} must be an array (JAX or NumPy), got {type(value).__name__}")
   if not jnp.issubdtype(jnp.result_type(x), jnp.floating):
@@ -40,3 +44,36 @@ def check_inputs(params, x, token_mask, router_logits, config) -> None:
       raise ValueError(f"router_logits has shape {router_logits.shape}; expected {expected}")
     if not jnp.issubdtype(jnp.result_type(router_logits), jnp.floating):
       raise TypeError(f"router_logits must be floating, got dtype {jnp.result_type(router_logits)}")
+  if expert_ids is not None:
+    expected = (*x.shape[:-1], config.top_k)
+    if expert_ids.shape != expected:
+      raise ValueError(
+        f"expert_ids has shape {expert_ids.shape}; expected [..., top_k] = {expected}"
+      )
+    if not jnp.issubdtype(jnp.result_type(expert_ids), jnp.integer):
+      raise TypeError(f"expert_ids must be integer (int32), got dtype {jnp.result_type(expert_ids)}")
+    check_expert_id_values(expert_ids, token_mask, config)
+
+
+def check_expert_id_values(expert_ids, token_mask, config) -> None:
+  """Concrete `expert_ids` (outside a trace): each valid token's K ids in [0, E + Z) and
+  distinct, else a ValueError naming the first bad token. Traced ones are not read (no host
+  sync): under `jit` an invalid id routes nowhere and is counted
+  (`moejax.MoEAux.invalid_expert_ids`)."""
+  if isinstance(expert_ids, jax.core.Tracer) or isinstance(token_mask, jax.core.Tracer):
+    return
+  ids = np.asarray(expert_ids).reshape(-1, config.top_k)
+  mask = np.ones(len(ids), bool) if token_mask is None else np.asarray(token_mask).reshape(-1)
+  outputs = config.num_router_outputs
+  out_of_range = ((ids < 0) | (ids >= outputs)).any(-1)
+  ranked = np.sort(ids, axis=-1)
+  repeated = (ranked[:, 1:] == ranked[:, :-1]).any(-1)
+  for bad, what in ((out_of_range, f"outside [0, {outputs})"), (repeated, "repeated")):
+    found = np.flatnonzero(bad & mask)
+    if found.size:
+      token = np.unravel_index(found[0], np.shape(expert_ids)[:-1])
+      raise ValueError(
+        f"expert_ids: token {tuple(int(i) for i in token)} has ids {ids[found[0]].tolist()}, "
+        f"{what} ({found.size} such tokens); each token takes top_k={config.top_k} distinct "
+        f"expert ids in [0, num_experts + num_zero_experts = {outputs})"
+      )

@@ -27,7 +27,17 @@ from moejax.params import (
 )
 from moejax.quant import quantize
 
-_AUX_NAMES = ("expert_counts", "load_balancing_loss", "router_z_loss")
+# The `MoEAux` fields a call sows under `nnx.capture` (the per-device ones stay out).
+_AUX_NAMES = (
+  "expert_counts",
+  "load_balancing_loss",
+  "router_z_loss",
+  "expert_ids",
+  "invalid_expert_ids",
+  "score_sums",
+  "num_tokens",
+  "load_max_over_mean",
+)
 
 Initializer = Callable[[jax.Array, tuple[int, ...], jnp.dtype], jax.Array]
 
@@ -109,9 +119,11 @@ class MoELayer(nnx.Module):
   (E over the expert axis); with a mesh they are created sharded on it. Biases start at
   `bias_init`, matrices at `kernel_init`.
 
-  Under `nnx.capture(..., nnx.Intermediate)` each call sows its aux outputs: `expert_counts`
-  [E + Z], `load_balancing_loss` [], `router_z_loss` [] (a tuple of values per name, one per
-  call). `moejax.moe_apply` returns the same values directly.
+  Under `nnx.capture(..., nnx.Intermediate)` each call sows its aux outputs (`moejax.MoEAux`):
+  `expert_counts` [E + Z], `load_balancing_loss` [], `router_z_loss` [], `expert_ids`
+  [..., K] (replay them with `expert_ids=`), `invalid_expert_ids` [], `score_sums` [E + Z],
+  `num_tokens` [], `load_max_over_mean` [] (a tuple of values per name, one per call).
+  `moejax.moe_apply` returns them directly.
 
   With `config.num_redundant_experts` R > 0 the expert parameters hold P = E + R physical
   slots, and the layer keeps non-trainable state that optax (given `wrt=nnx.Param`) never
@@ -220,6 +232,7 @@ class MoELayer(nnx.Module):
     token_mask: jax.Array | None = None,
     *,
     router_logits: jax.Array | None = None,
+    expert_ids: jax.Array | None = None,
   ) -> jax.Array:
     """Applies the layer.
 
@@ -228,6 +241,8 @@ class MoELayer(nnx.Module):
       token_mask: [...] bool, True for real tokens; None means all real.
       router_logits: [..., E + Z] logits from an external router (Z zero-computation
         experts, 0 but for LongCat-Flash); the layer's router then does not run.
+      expert_ids: [..., K] int32 logical expert ids to use instead of the router's top-k
+        (routing replay; `moejax.moe_apply` says how they are weighted and checked).
 
     Returns:
       [..., D] with x's dtype; rows whose mask is False are exactly 0.
@@ -239,6 +254,7 @@ class MoELayer(nnx.Module):
       mesh=self.mesh,
       token_mask=token_mask,
       router_logits=router_logits,
+      expert_ids=expert_ids,
       placement=self._placement(),
     )
     if self.config.num_redundant_experts:
@@ -303,9 +319,10 @@ def collect_aux(intermediates: nnx.State) -> dict[str, list[jax.Array]]:
     intermediates: the `nnx.Intermediate` state returned by `nnx.capture(model, ...)`.
 
   Returns:
-    {"expert_counts": [...], "load_balancing_loss": [...], "router_z_loss": [...]}: one entry
-    per layer call, in module order: [E + Z] and [] for a layer called once, [layers, E + Z]
-    and [layers] for a stack applied with `nnx.scan` (one entry for the whole stack).
+    {"expert_counts": [...], "load_balancing_loss": [...], ...} (the names the layer sows):
+    one entry per layer call, in module order: [E + Z] and [] for a layer called once,
+    [layers, E + Z] and [layers] for a stack applied with `nnx.scan` (one entry for the whole
+    stack).
     `moejax.train.summed_aux` adds them up either way.
   """
   aux: dict[str, list[jax.Array]] = {name: [] for name in _AUX_NAMES}

@@ -15,7 +15,7 @@ on an H200 (docs/performance.md, "GPU"):
   registry picks the kernel (`kernels_pallas.backends.select_kernel`).
 
 `expert_backend="xla"` takes the better XLA path; "pallas" the device's kernel (interpreted on
-a CPU, for testing); "auto" the path a tuning file measured fastest for the call on its device
+a CPU, for testing); with `batch_invariant=True` every backend but "pallas" takes the tile loop; "auto" the path a tuning file measured fastest for the call on its device
 kind (`moejax.tuning`: the user's, then the shipped table; `python -m moejax tune` writes
 one), else the XLA path. LoRA adapters change no choice: every path
 adds their products (the sorted paths in unfused grouped matmuls, `experts.adapted_mlp`).
@@ -142,6 +142,12 @@ def choose_plan(config: MoEConfig, num_rows: int, local_experts: int) -> ExpertC
       "for testing only"
     )
     return ExpertChoice(ExpertPlan(path="pallas", backend=kernel, interpret=True), warning, reason)
+  if config.batch_invariant:
+    reason = (
+      "batch_invariant=True: the tile loop at fixed tile rows, whatever the call's size "
+      "(ragged_dot's lowering and the measured choice both depend on it)"
+    )
+    return ExpertChoice(ExpertPlan(path="tile_loop"), None, reason)
   xla = _xla_choice(config, case, num_rows, local_experts)
   if config.expert_backend != "auto":
     return xla

@@ -46,9 +46,12 @@ def _mlp(x, w_gate_up, w_down, config: MoEConfig, b_gate_up=None, b_down=None) -
   return out if b_down is None else out + b_down[None, :]
 
 
-def _sparsemixer_routing(logits: jax.Array, eps: float) -> tuple[jax.Array, jax.Array]:
-  """PhiMoE's inference routing, as its modeling code writes it (with the division)."""
-  ranked = jnp.argsort(-logits, axis=-1, stable=True)
+def _sparsemixer_routing(
+  logits: jax.Array, eps: float, given_ids: jax.Array | None
+) -> tuple[jax.Array, jax.Array]:
+  """PhiMoE's inference routing, as its modeling code writes it (with the division); given
+  ids replace its two argmax picks."""
+  ranked = jnp.argsort(-logits, axis=-1, stable=True) if given_ids is None else given_ids
   ids, weights = [], []
   candidates = logits
   for _ in range(2):
@@ -64,18 +67,58 @@ def _sparsemixer_routing(logits: jax.Array, eps: float) -> tuple[jax.Array, jax.
   return jnp.stack(ids, axis=-1), jnp.stack(weights, axis=-1)
 
 
+def _usable(given_ids: jax.Array, num_outputs: int) -> jax.Array:
+  """[T, K] bool: a given id is in range and no earlier choice of its token repeats it."""
+  columns = []
+  for k in range(given_ids.shape[1]):
+    ok = (given_ids[:, k] >= 0) & (given_ids[:, k] < num_outputs)
+    for j in range(k):
+      ok = ok & (given_ids[:, j] != given_ids[:, k])
+    columns.append(ok)
+  return jnp.stack(columns, axis=-1)
+
+
 def reference_routing(
-  logits: jax.Array, config: MoEConfig, routing_bias: jax.Array | None
+  logits: jax.Array,
+  config: MoEConfig,
+  routing_bias: jax.Array | None,
+  given_ids: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
-  """[T, E + Z] float32 logits -> (expert ids [T, K], weights [T, K]), vLLM's semantics."""
+  """[T, E + Z] float32 logits -> (expert ids [T, K], weights [T, K]), vLLM's semantics; with
+  `given_ids` [T, K] those ids (routing replay): unusable ones (out of range, repeated) get
+  id E + Z and weight 0."""
+  if given_ids is None:
+    return _chosen_routing(logits, config, routing_bias)
+  usable = _usable(given_ids, config.num_router_outputs)
+  safe_ids = jnp.where(usable, given_ids, 0)
   if config.scoring == "sparsemixer":
-    ids, weights = _sparsemixer_routing(logits, config.sparsemixer_eps)
-    return ids, weights * config.routed_scaling_factor
+    _, weights = _sparsemixer_routing(logits, config.sparsemixer_eps, safe_ids)
+  else:
+    weights = jnp.take_along_axis(_scores(logits, config), safe_ids, axis=-1)
+  weights = jnp.where(usable, weights, 0.0)
+  if config.renormalize:
+    total = weights.sum(-1, keepdims=True)
+    weights = jnp.where(total > 0, weights / jnp.where(total > 0, total, 1.0), 0.0)
+  ids = jnp.where(usable, given_ids, config.num_router_outputs)
+  return ids, weights * config.routed_scaling_factor
+
+
+def _scores(logits: jax.Array, config: MoEConfig) -> jax.Array:
+  """Softmax or sigmoid scores, written out."""
   if config.scoring == "softmax":
     scores = jnp.exp(logits - logits.max(-1, keepdims=True))
-    scores = scores / scores.sum(-1, keepdims=True)
-  else:
-    scores = 1.0 / (1.0 + jnp.exp(-logits))
+    return scores / scores.sum(-1, keepdims=True)
+  return 1.0 / (1.0 + jnp.exp(-logits))
+
+
+def _chosen_routing(
+  logits: jax.Array, config: MoEConfig, routing_bias: jax.Array | None
+) -> tuple[jax.Array, jax.Array]:
+  """The router's own choice: (expert ids [T, K], weights [T, K])."""
+  if config.scoring == "sparsemixer":
+    ids, weights = _sparsemixer_routing(logits, config.sparsemixer_eps, None)
+    return ids, weights * config.routed_scaling_factor
+  scores = _scores(logits, config)
   choice = scores if routing_bias is None else scores + routing_bias[None, :]
   groups = config.num_expert_groups
   if groups > 1:
@@ -111,6 +154,7 @@ def reference_moe(
   token_mask: jax.Array | None = None,
   router_logits: jax.Array | None = None,
   placement: Placement | None = None,
+  expert_ids: jax.Array | None = None,
 ) -> jax.Array:
   """The MoE layer computed densely in float32.
 
@@ -126,14 +170,18 @@ def reference_moe(
       otherwise, as `moe_apply` takes it), the `moejax.eplb.Placement` of the P = E + R
       physical slots in `params` (`layer.placement.get_value()` after a `rebalance`): each
       expert computes with the weights of its first replica.
+    expert_ids: [..., K] given logical expert ids (routing replay, as `moe_apply` takes
+      them), or None for the router's choice.
 
   Returns:
     [..., D] float32; rows whose mask is False are 0. Inputs split over an explicit mesh
     axis are made whole first (`meshes.gathered`): the reference computes densely.
   """
-  check_inputs(params, x, token_mask, router_logits, config)
+  check_inputs(params, x, token_mask, router_logits, config, expert_ids)
   check_placement(placement, config)
-  params, x, token_mask, router_logits = meshes.gathered((params, x, token_mask, router_logits))
+  params, x, token_mask, router_logits, expert_ids = meshes.gathered(
+    (params, x, token_mask, router_logits, expert_ids)
+  )
   if placement is not None:
     params = _logical(params, placement)
   f32 = lambda a: None if a is None else jnp.asarray(a, jnp.float32)
@@ -161,7 +209,8 @@ def reference_moe(
   else:
     logits = f32(router_logits).reshape(tokens.shape[0], -1)
   logits = jnp.where(mask[:, None], logits, 0.0)
-  ids, weights = reference_routing(logits, config, p.routing_bias)
+  given = None if expert_ids is None else jnp.asarray(expert_ids, jnp.int32).reshape(-1, config.top_k)
+  ids, weights = reference_routing(logits, config, p.routing_bias, given)
   if config.apply_router_weight_on_input:  # K = 1: expert(w * x), unweighted output
     expert_in = weights * tokens
     scale = lambda e: (ids == e).astype(jnp.float32)  # [T, 1]

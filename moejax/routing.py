@@ -2,6 +2,11 @@
 
 Everything here runs in float32, whatever the layer's compute dtype (Switch Transformer's
 selective precision, Fedus et al. 2021, section 2.4): top-k is decided by small score gaps.
+
+Routing replay: given expert ids (`route(..., given_ids=)`) replace the top-k choice; the
+weights stay the live router's, so its gradient still flows. An id outside [0, E + Z), or
+one a token already chose, routes nowhere with weight 0 and is counted
+(`RouterStats.invalid_choices`).
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import jax.numpy as jnp
 
 from moejax.config import MoEConfig
 from moejax.id_spaces import padding_id
+from moejax.invariance import in_row_blocks
 
 
 class Routing(NamedTuple):
@@ -24,11 +30,14 @@ class Routing(NamedTuple):
     weights: [T, K] float32 combine weights; 0 for padding tokens.
     scores: [T, E + Z] float32 softmax or sigmoid of the logits (softmax for sparsemixer);
       0 for padding tokens.
+    invalid: [T, K] bool, given ids (routing replay) of valid tokens that route nowhere;
+      all False when the router chose.
   """
 
   expert_ids: jax.Array
   weights: jax.Array
   scores: jax.Array
+  invalid: jax.Array
 
 
 class RouterStats(NamedTuple):
@@ -40,33 +49,51 @@ class RouterStats(NamedTuple):
     score_sums: [E + Z] float32 sum of each expert's score over the valid tokens.
     z_sum: [] float32 sum over valid tokens of logsumexp(logits)**2.
     num_tokens: [] int32 valid tokens.
+    invalid_choices: [] int32 given expert ids (routing replay) that routed nowhere: out of
+      range, or a token's repeat of an earlier choice; 0 when the router chose.
   """
 
   expert_counts: jax.Array
   score_sums: jax.Array
   z_sum: jax.Array
   num_tokens: jax.Array
+  invalid_choices: jax.Array
 
 
 def router_logits(
-  x: jax.Array, router_kernel: jax.Array, router_bias: jax.Array | None = None
+  x: jax.Array,
+  router_kernel: jax.Array,
+  router_bias: jax.Array | None = None,
+  *,
+  block_rows: int | None = None,
 ) -> jax.Array:
   """The router: [T, D] tokens x [D, E + Z] kernel (+ [E + Z] bias) -> [T, E + Z] float32
   logits, at full precision.
 
   HIGHEST, because a GPU's default float32 matmul rounds its inputs to TF32, which flips the
   top-k between near-tied experts (measured on an H200: 7% output error vs the reference).
+  With `block_rows`, the matmul runs on fixed [block_rows, D] blocks
+  (`moejax.invariance.in_row_blocks`): a token's logits then do not depend on how many
+  tokens the call holds.
   """
-  logits = jnp.dot(
-    x.astype(jnp.float32), router_kernel.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST
-  )
-  return logits if router_bias is None else logits + router_bias.astype(jnp.float32)[None, :]
+  kernel = router_kernel.astype(jnp.float32)
+
+  def logits_of(rows: jax.Array) -> jax.Array:
+    logits = jnp.dot(rows.astype(jnp.float32), kernel, precision=jax.lax.Precision.HIGHEST)
+    return logits if router_bias is None else logits + router_bias.astype(jnp.float32)[None, :]
+
+  return in_row_blocks(logits_of, x, block_rows)
 
 
 def route(
-  logits: jax.Array, token_mask: jax.Array, config: MoEConfig, routing_bias: jax.Array | None
+  logits: jax.Array,
+  token_mask: jax.Array,
+  config: MoEConfig,
+  routing_bias: jax.Array | None,
+  given_ids: jax.Array | None = None,
 ) -> Routing:
-  """Chooses K experts per token, as vLLM's `FusedMoE` select_experts does.
+  """Chooses K experts per token, as vLLM's `FusedMoE` select_experts does, or takes the given
+  ones (routing replay).
 
   Args:
     logits: [T, E + Z] router logits (cast to float32). Padding rows may hold anything in the
@@ -75,14 +102,28 @@ def route(
     token_mask: [T] bool, True for real tokens.
     config: the layer's config (scoring, groups, renormalize, scaling).
     routing_bias: [E + Z] selection bias, or None when `config.use_routing_bias` is off.
+    given_ids: [T, K] int32 expert ids to route to instead of the top-k choice (groups and
+      the selection bias then choose nothing), or None. Their weights are the router's
+      scores at those ids (for sparsemixer its weight rule around each given pick),
+      renormalized and scaled as the config says. Invalid ids (see the module docstring)
+      get weight 0 and route nowhere.
 
   Returns:
     The `Routing` of the T tokens. Padding tokens route to no expert with weight 0.
   """
   logits = logits.astype(jnp.float32)
+  valid = None
+  if given_ids is not None:
+    valid = _valid_choices(given_ids, config.num_router_outputs)
+    given_ids = jnp.where(valid, given_ids, 0)
   if config.scoring == "sparsemixer":
     scores = jax.nn.softmax(logits, axis=-1)
-    expert_ids, weights = _sparsemixer(logits, config.sparsemixer_eps)
+    expert_ids, weights = _sparsemixer(logits, config.sparsemixer_eps, given_ids)
+  elif given_ids is not None:
+    scores = jax.nn.softmax(logits, axis=-1) if config.scoring == "softmax" else None
+    scores = jax.nn.sigmoid(logits) if scores is None else scores
+    expert_ids = given_ids
+    weights = jnp.take_along_axis(scores, expert_ids, axis=-1)
   else:
     scores = jax.nn.softmax(logits, axis=-1) if config.scoring == "softmax" else None
     scores = jax.nn.sigmoid(logits) if scores is None else scores
@@ -93,38 +134,59 @@ def route(
       choice = _keep_best_groups(choice, config, biased=routing_bias is not None)
     _, expert_ids = jax.lax.top_k(choice, config.top_k)  # [T, K]
     weights = jnp.take_along_axis(scores, expert_ids, axis=-1)  # unbiased scores, [T, K]
-  if config.renormalize:
-    weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
-  weights = weights * config.routed_scaling_factor
   mask = token_mask[:, None]
+  invalid = jnp.zeros(weights.shape, bool)
+  if valid is not None:
+    weights = jnp.where(valid, weights, 0.0)
+    expert_ids = jnp.where(valid, expert_ids, padding_id(config))
+    invalid = mask & ~valid
+  if config.renormalize:
+    total = jnp.sum(weights, axis=-1, keepdims=True)
+    weights = weights / jnp.where(total > 0, total, 1.0)  # 0 only when no choice is valid
+  weights = weights * config.routed_scaling_factor
   return Routing(
     expert_ids=jnp.where(mask, expert_ids, padding_id(config)).astype(jnp.int32),
     weights=jnp.where(mask, weights, 0.0),
     scores=jnp.where(mask, scores, 0.0),
+    invalid=invalid,
   )
 
 
-def _sparsemixer(logits: jax.Array, eps: float) -> tuple[jax.Array, jax.Array]:
+def _valid_choices(given_ids: jax.Array, num_outputs: int) -> jax.Array:
+  """[T, K] bool: each given id in [0, num_outputs) and not a repeat of an earlier choice of
+  its token."""
+  in_range = (given_ids >= 0) & (given_ids < num_outputs)
+  k = given_ids.shape[-1]
+  earlier = jnp.tril(jnp.ones((k, k), bool), -1)  # [K, K]: j < i
+  repeats = jnp.any((given_ids[:, :, None] == given_ids[:, None, :]) & earlier, axis=-1)
+  return in_range & ~repeats
+
+
+def _sparsemixer(
+  logits: jax.Array, eps: float, given_ids: jax.Array | None = None
+) -> tuple[jax.Array, jax.Array]:
   """PhiMoE's sparsemixer top-2, inference form: (ids [T, 2], weights [T, 2]).
 
   Pick 1 is the argmax; its weight is the softmax over the logits s with
   (max - s) <= 2 eps * max(|s|, max), read at pick 1. Pick 2 is the argmax without pick 1,
   weighted the same way over the logits other than pick 1. Compared, not divided, so a row of
-  zeros (0/0) keeps every logit.
+  zeros (0/0) keeps every logit. With `given_ids` ([T, 2], in range) the picks are those
+  ids, each weighted by the same rule around its own logit.
   """
 
-  def pick(candidates: jax.Array) -> tuple[jax.Array, jax.Array]:
-    best = jnp.argmax(candidates, axis=-1)  # [T]
-    top = jnp.max(candidates, axis=-1, keepdims=True)  # [T, 1]
+  def pick(candidates: jax.Array, given: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+    best = jnp.argmax(candidates, axis=-1) if given is None else given  # [T]
+    top = jnp.take_along_axis(candidates, best[:, None], axis=-1)  # [T, 1]
     outside = (top - logits) > 2 * eps * jnp.maximum(jnp.abs(logits), top)
     weights = jax.nn.softmax(jnp.where(outside, -jnp.inf, candidates), axis=-1)
     return best, jnp.take_along_axis(weights, best[:, None], axis=-1)[:, 0]
 
-  first, first_weight = pick(logits)
+  column = lambda k: None if given_ids is None else given_ids[:, k]
+  first, first_weight = pick(logits, column(0))
   without_first = jnp.where(
     jnp.arange(logits.shape[-1])[None, :] == first[:, None], -jnp.inf, logits
   )
-  second, second_weight = pick(without_first)
+  second, second_weight = pick(without_first, column(1))
   return jnp.stack([first, second], axis=-1), jnp.stack([first_weight, second_weight], axis=-1)
 
 
@@ -174,6 +236,7 @@ def router_stats(logits: jax.Array, routing: Routing, token_mask: jax.Array) -> 
     score_sums=jnp.sum(routing.scores, axis=0),
     z_sum=jnp.sum(jnp.where(token_mask, log_z, 0.0) ** 2),
     num_tokens=jnp.sum(token_mask, dtype=jnp.int32),
+    invalid_choices=jnp.sum(routing.invalid, dtype=jnp.int32),
   )
 
 
@@ -207,3 +270,18 @@ def router_z_loss(stats: RouterStats) -> jax.Array:
     [] float32; 0 when there are no valid tokens.
   """
   return stats.z_sum / jnp.maximum(stats.num_tokens, 1).astype(jnp.float32)
+
+
+def load_max_over_mean(expert_counts: jax.Array) -> jax.Array:
+  """The most-loaded expert's count over the mean count: 1.0 when balanced, 0 when nothing
+  was routed.
+
+  Args:
+    expert_counts: [E] int32 (token, choice) pairs per routed expert.
+
+  Returns:
+    [] float32.
+  """
+  counts = expert_counts.astype(jnp.float32)
+  mean = jnp.mean(counts)
+  return jnp.where(mean > 0, jnp.max(counts) / jnp.where(mean > 0, mean, 1.0), 0.0)

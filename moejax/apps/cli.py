@@ -113,6 +113,14 @@ def parser() -> argparse.ArgumentParser:
   )
   train_flags.add_argument("--learning-rate", type=positive_float, default=3e-3, help="Adam's")
   train_flags.add_argument(
+    "--bias-update-rate",
+    type=positive_float,
+    default=None,
+    help="balance the experts without an aux loss: each layer gets a selection bias that "
+    "moves this much per step toward the mean load (DeepSeek-V3's rule; e.g. 1e-3); "
+    "default: no selection bias",
+  )
+  train_flags.add_argument(
     "--lora-rank",
     type=int,
     default=0,

@@ -14,6 +14,7 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding
 
+from moejax import balancing
 from moejax.apps import checkpoint
 from moejax.apps.cli_setup import from_flags, layer_mesh, moe_config
 from moejax.apps.models import ClusterTask, MoETransformer, TransformerConfig, shard_model
@@ -49,6 +50,12 @@ def loss_fn(
   Returns:
     (total loss, metrics: task_loss and `summed_aux`'s values).
   """
+  total, (metrics, _) = _loss_and_intermediates(model, tokens, targets, token_mask, weights)
+  return total, metrics
+
+
+def _loss_and_intermediates(model, tokens, targets, token_mask, weights):
+  """`loss_fn`'s (total, (metrics, the captured `nnx.Intermediate` state))."""
   logits, intermediates = nnx.capture(model, nnx.Intermediate)(tokens, token_mask)
   # Cross-entropy against one-hot targets: elementwise, so it keeps the batch's sharding on
   # explicit-axes meshes (a gather's gradient is a scatter whose layout JAX then asks for).
@@ -59,7 +66,7 @@ def loss_fn(
   aux = summed_aux(intermediates)
   total = task + weights.load_balancing * aux["load_balancing_loss"]
   total = total + weights.router_z * aux["router_z_loss"]
-  return total, dict(task_loss=task, **aux)
+  return total, (dict(task_loss=task, **aux), intermediates)
 
 
 def summed_aux(intermediates: nnx.State) -> dict[str, jax.Array]:
@@ -67,19 +74,22 @@ def summed_aux(intermediates: nnx.State) -> dict[str, jax.Array]:
   layer: the same for unrolled layers and for stacks applied with `nnx.scan`.
 
   Returns:
-    {"load_balancing_loss": [], "router_z_loss": [], "expert_counts": [layers, E + Z]}.
+    {"load_balancing_loss": [], "router_z_loss": [], "expert_counts": [layers, E + Z],
+    "load_max_over_mean": [] the largest of the layers'}.
   """
   aux = collect_aux(intermediates)
   total = lambda name: sum((jnp.sum(value) for value in aux[name]), jnp.float32(0))
   counts = [c.reshape(-1, c.shape[-1]) for c in aux["expert_counts"]]
+  worst = [jnp.max(value) for value in aux["load_max_over_mean"]]
   return dict(
     load_balancing_loss=total("load_balancing_loss"),
     router_z_loss=total("router_z_loss"),
     expert_counts=jnp.concatenate(counts) if counts else jnp.zeros((0, 0), jnp.int32),
+    load_max_over_mean=jnp.max(jnp.stack(worst)) if worst else jnp.float32(0),
   )
 
 
-@nnx.jit(static_argnames="weights")
+@nnx.jit(static_argnames=("weights", "bias_update_rate"))
 def train_step(
   model: MoETransformer,
   optimizer: nnx.Optimizer,
@@ -87,12 +97,19 @@ def train_step(
   targets: jax.Array,
   token_mask: jax.Array,
   weights: LossWeights = LossWeights(),
+  bias_update_rate: float = 0.0,
 ) -> dict[str, jax.Array]:
   """One optimizer step over the optimizer's variables (`wrt`: the gradient is taken of
-  those only, e.g. just the adapters); returns the loss and `loss_fn`'s metrics."""
-  grad_fn = nnx.value_and_grad(loss_fn, argnums=nnx.DiffState(0, optimizer.wrt), has_aux=True)
-  (loss, metrics), grads = grad_fn(model, tokens, targets, token_mask, weights)
+  those only, e.g. just the adapters); then, with `bias_update_rate` > 0, every MoE layer's
+  selection bias moves toward balance by the step's loads (`moejax.balancing`). Returns the
+  loss and `loss_fn`'s metrics."""
+  grad_fn = nnx.value_and_grad(
+    _loss_and_intermediates, argnums=nnx.DiffState(0, optimizer.wrt), has_aux=True
+  )
+  (loss, (metrics, intermediates)), grads = grad_fn(model, tokens, targets, token_mask, weights)
   optimizer.update(model, grads)
+  if bias_update_rate:
+    balancing.update_routing_biases(model, intermediates, rate=bias_update_rate)
   return dict(loss=loss, **metrics)
 
 
@@ -108,7 +125,11 @@ def run(args, mesh_shape: tuple[int, int]) -> list[dict[str, float]]:
   resume = resumes(args)
 
   moe = moe_config(
-    args, expert_backend=args.backend, lora_rank=args.lora_rank, expert_quant=args.expert_quant
+    args,
+    expert_backend=args.backend,
+    lora_rank=args.lora_rank,
+    expert_quant=args.expert_quant,
+    use_routing_bias=args.bias_update_rate is not None,
   )
   mesh = layer_mesh(args, mesh_shape, moe)
   task = ClusterTask(vocab_size=args.vocab, seq_len=args.seq_len, seed=args.seed)
@@ -138,13 +159,16 @@ def run(args, mesh_shape: tuple[int, int]) -> list[dict[str, float]]:
   for step in bar:
     batch = [jax.device_put(a, batch_sharding) for a in task.batch(args.batch_size, step)]
     began = time.perf_counter()
-    metrics = jax.device_get(train_step(model, optimizer, *batch))
+    metrics = jax.device_get(
+      train_step(model, optimizer, *batch, bias_update_rate=args.bias_update_rate or 0.0)
+    )
     tokens_per_s = float(batch[2].sum()) / (time.perf_counter() - began)
     row = dict(
       step=step,
       loss=float(metrics["loss"]),
       task_loss=float(metrics["task_loss"]),
       aux_loss=float(metrics["load_balancing_loss"]),
+      load_max_over_mean=float(metrics["load_max_over_mean"]),
       tokens_per_s=tokens_per_s,
     )
     history.append({**row, "expert_counts": metrics["expert_counts"].tolist()})
@@ -156,6 +180,10 @@ def run(args, mesh_shape: tuple[int, int]) -> list[dict[str, float]]:
   )
   load = np.asarray(history[-1]["expert_counts"])
   print(f"loss {history[0]['loss']:.3f} -> {history[-1]['loss']:.3f}; checkpoint: {saved}")
+  print(
+    "max/mean expert load (the worst layer): "
+    f"{history[0]['load_max_over_mean']:.2f} -> {history[-1]['load_max_over_mean']:.2f}"
+  )
   print("expert load at the last step (tokens per expert, one row per MoE layer):")
   for layer, counts in enumerate(load):
     print(f"  layer {layer}: {counts.tolist()}")

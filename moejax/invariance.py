@@ -1,0 +1,44 @@
+"""Batch invariance (`MoEConfig.batch_invariant`): what makes a token's output bit-identical
+whatever else is in the call.
+
+A matmul's result for one row can depend on the matmul's shape: XLA (and cuBLAS) pick an
+algorithm, and with it a summation order, by size. The layer's per-token matmuls whose shape
+follows the call's size (the router over all of a device's tokens, the shared experts over a
+chunk) run in fixed blocks of `BLOCK_ROWS` rows, and the tile loop's tiles have `TILE_ROWS`
+rows whatever the call's size. docs/design.md, "Batch invariance" says what this covers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+from moejax.config import MoEConfig
+
+# Rows of each block of the router's and the shared experts' matmuls.
+BLOCK_ROWS = 128
+# Rows of each tile of the tile loop.
+TILE_ROWS = 64
+
+
+def block_rows(config: MoEConfig) -> int | None:
+  """The fixed block of the layer's per-token matmuls, or None: one matmul over all rows."""
+  return BLOCK_ROWS if config.batch_invariant else None
+
+
+def in_row_blocks(fn: Callable[[jax.Array], jax.Array], x: jax.Array, rows: int | None):
+  """`fn` ([B, ...] rows -> [B, ...]) on `x` [N, ...], in fixed blocks of B = `rows` rows
+  (zero-padded, one loop step per block), or on all of `x` at once when `rows` is None.
+
+  In blocks, every row is computed by the same program whatever N is, so its result is
+  bit-identical for every N.
+  """
+  if rows is None:
+    return fn(x)
+  num_rows = x.shape[0]
+  blocks = -(-num_rows // rows)
+  padded = jnp.pad(x, [(0, blocks * rows - num_rows)] + [(0, 0)] * (x.ndim - 1))
+  out = jax.lax.map(fn, padded.reshape(blocks, rows, *x.shape[1:]))
+  return out.reshape(blocks * rows, *out.shape[2:])[:num_rows]
