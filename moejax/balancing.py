@@ -38,7 +38,8 @@ def bias_update(
     The new bias, with `routing_bias`'s shape and dtype: each routed expert's moved by
     `rate * sign(mean - count)` (mean over the E routed experts).
   """
-  counts = expert_counts[..., :num_experts].astype(jnp.float32)
+  routing_bias = jnp.asarray(routing_bias)
+  counts = jnp.asarray(expert_counts)[..., :num_experts].astype(jnp.float32)
   mean = jnp.mean(counts, axis=-1, keepdims=True)
   step = rate * jnp.sign(mean - counts)
   moved = routing_bias[..., :num_experts].astype(jnp.float32) + step

@@ -158,7 +158,8 @@ def _valid_choices(given_ids: jax.Array, num_outputs: int) -> jax.Array:
   in_range = (given_ids >= 0) & (given_ids < num_outputs)
   k = given_ids.shape[-1]
   earlier = jnp.tril(jnp.ones((k, k), bool), -1)  # [K, K]: j < i
-  repeats = jnp.any((given_ids[:, :, None] == given_ids[:, None, :]) & earlier, axis=-1)
+  same = given_ids[:, :, None] == given_ids[:, None, :]  # [T, K, K]
+  repeats = jnp.any(same & earlier[None], axis=-1)
   return in_range & ~repeats
 
 

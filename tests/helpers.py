@@ -259,6 +259,7 @@ def check_against_reference(
   *,
   seed: int,
   placement: eplb.Placement | None = None,
+  expert_ids: jax.Array | None = None,
 ) -> None:
   """The layer against `reference_moe` (`check_layer`).
 
@@ -273,11 +274,19 @@ def check_against_reference(
     mask: [T] bool.
     seed: draws the probe of the gradients' loss.
     placement: with `config.num_redundant_experts`, the layer's placement.
+    expert_ids: [T, K] ids both layers route to (routing replay), or None.
   """
   physical = params if placement is None else eplb.place(params, placement, config)
+  logical = dataclasses.replace(config, num_redundant_experts=0)
+  ours, theirs = _moe_layer(config, mesh), _reference_layer(logical)
+  if expert_ids is not None:
+    ours = lambda p, x, mask: moe_apply(
+      p[0], x, config=config, mesh=mesh, token_mask=mask, placement=p[1], expert_ids=expert_ids
+    )[0]
+    theirs = lambda p, x, mask: reference_moe(p, x, logical, mask, expert_ids=expert_ids)
   check_layer(
-    _moe_layer(config, mesh),
-    _reference_layer(dataclasses.replace(config, num_redundant_experts=0)),
+    ours,
+    theirs,
     (physical, placement),
     x,
     mask,

@@ -151,6 +151,21 @@ class LayerContract:
     }
     chex.assert_trees_all_equal(np.asarray(aux.dispatch_rows), sent[self.scheme])
 
+  def test_replays_expert_ids(self, request):
+    """Routing replay: the router's own ids given back reproduce its output bit for bit;
+    other ids (zero-computation experts among them) match the reference, gradients too."""
+    config = self.config(**OPTIONS["longcat"])
+    params, x = self.inputs(config, request.node.name)
+    mask, mesh = rank_mask(UNEVEN, ROWS_PER_RANK), mesh_of(2, 4)
+    y, aux = self.apply(params, poison(x, mask), config, mesh, token_mask=mask)
+    replayed, again = self.apply(
+      params, poison(x, mask), config, mesh, token_mask=mask, expert_ids=aux.expert_ids
+    )
+    chex.assert_trees_all_equal((replayed, again.expert_ids), (y, aux.expert_ids))
+    rng = np.random.default_rng(seed_of(request.node.name))
+    others = [rng.permutation(config.num_router_outputs)[: config.top_k] for _ in x]
+    self.check(params, x, config, mesh, mask, seed=1, expert_ids=jnp.asarray(np.stack(others)))
+
   def test_one_executable_for_every_token_pattern(self, request):
     config = self.config(**RICH)
     params, x = self.inputs(config, request.node.name)
