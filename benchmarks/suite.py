@@ -817,6 +817,20 @@ SECTIONS = {
       default=False,
     ),
     Section(
+      name="invariance",
+      summary="batch_invariant=True against the default: forward and forward+backward time "
+      "ratios, T = 1, 64, 4096, one device and the 2x4 mesh (benchmarks/rl.py)",
+      run=lambda args: _beside("rl").invariance_section(args.repeats, interleaved_best, _table),
+      default=False,
+    ),
+    Section(
+      name="balancing",
+      summary="the aux-loss-free bias update on a skewed synthetic router: max/mean expert "
+      "load over 200 steps with and without it (benchmarks/rl.py)",
+      run=lambda args: _beside("rl").balancing_section(_table),
+      default=False,
+    ),
+    Section(
       name="mesh",
       summary="expert weights split over data (`expert_fsdp`) vs replicated, an expert group "
       "(expert, tensor) on a (2, 2, 2) mesh vs (2, 4), and DeepSeek-V3's weight bytes per "
