@@ -43,8 +43,8 @@ def invariance_rows(repeats: int, interleaved_best: Callable) -> list[dict]:
       for mode in ("default", "invariant"):
         config = dataclasses.replace(CONFIG, batch_invariant=mode == "invariant")
         params = random_params(config, jax.random.key(0))
-        forward = jax.jit(lambda p, x, c=config: moe_apply(p, x, config=c, mesh=on)[0])
-        loss = lambda p, x, c=config: jnp.sum(moe_apply(p, x, config=c, mesh=on)[0] ** 2)
+        forward = jax.jit(lambda p, x, c=config, m=on: moe_apply(p, x, config=c, mesh=m)[0])
+        loss = lambda p, x, c=config, m=on: jnp.sum(moe_apply(p, x, config=c, mesh=m)[0] ** 2)
         calls[f"{mode} forward"] = (forward, params, x)
         calls[f"{mode} gradient"] = (jax.jit(jax.grad(loss)), params, x)
       best = interleaved_best(calls, repeats)

@@ -323,7 +323,9 @@ def shared_mlp(x: jax.Array, shared: SharedWeights, *, config: MoEConfig) -> jax
   """
 
   def shared_rows(rows: jax.Array) -> jax.Array:
-    out = gated_mlp(rows, shared.w_gate_up, shared.w_down, config.gated_activation, lora=shared.lora)
+    out = gated_mlp(
+      rows, shared.w_gate_up, shared.w_down, config.gated_activation, lora=shared.lora
+    )
     if shared.gate_kernel is None:
       return out
     gate = jnp.dot(

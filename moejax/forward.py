@@ -193,7 +193,9 @@ def _moe_apply_traced(params, x, token_mask, router_logits, expert_ids, placemen
   mask = jnp.ones(lead, bool) if token_mask is None else token_mask
   maybe_flat = lambda a: None if a is None else flat(a, 0)
   given_ids = None if expert_ids is None else expert_ids.astype(jnp.int32)
-  tokens = TokenInputs(flat(x, 0), flat(mask, False), maybe_flat(router_logits), maybe_flat(given_ids))
+  tokens = TokenInputs(
+    flat(x, 0), flat(mask, False), maybe_flat(router_logits), maybe_flat(given_ids)
+  )
   body = functools.partial(
     local_forward,
     config=config,
@@ -372,7 +374,13 @@ def local_forward(
   )
   rows_sent = exchange.rows_sent(expert_ids, chunks_run, chunk_size).astype(jnp.int32)
   counts = DeviceCounts(chunks_run[None], rows_sent[None])
-  return _zero_padding(y, token_mask), route.expert_ids, stats, sum_over(slot_counts, all_axes), counts
+  return (
+    _zero_padding(y, token_mask),
+    route.expert_ids,
+    stats,
+    sum_over(slot_counts, all_axes),
+    counts,
+  )
 
 
 ChunkWeights = tuple[ExpertWeights, SharedWeights | None]  # (seeded, rest): `ChunkStages`

@@ -51,7 +51,9 @@ def check_inputs(params, x, token_mask, router_logits, config, expert_ids=None) 
         f"expert_ids has shape {expert_ids.shape}; expected [..., top_k] = {expected}"
       )
     if not jnp.issubdtype(jnp.result_type(expert_ids), jnp.integer):
-      raise TypeError(f"expert_ids must be integer (int32), got dtype {jnp.result_type(expert_ids)}")
+      raise TypeError(
+        f"expert_ids must be integer (int32), got dtype {jnp.result_type(expert_ids)}"
+      )
     check_expert_id_values(expert_ids, token_mask, config)
 
 

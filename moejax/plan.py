@@ -15,9 +15,10 @@ on an H200 (docs/performance.md, "GPU"):
   registry picks the kernel (`kernels_pallas.backends.select_kernel`).
 
 `expert_backend="xla"` takes the better XLA path; "pallas" the device's kernel (interpreted on
-a CPU, for testing); with `batch_invariant=True` every backend but "pallas" takes the tile loop; "auto" the path a tuning file measured fastest for the call on its device
+a CPU, for testing); "auto" the path a tuning file measured fastest for the call on its device
 kind (`moejax.tuning`: the user's, then the shipped table; `python -m moejax tune` writes
-one), else the XLA path. LoRA adapters change no choice: every path
+one), else the XLA path. With `batch_invariant=True` every backend but "pallas" takes the tile
+loop, whatever the call's size. LoRA adapters change no choice: every path
 adds their products (the sorted paths in unfused grouped matmuls, `experts.adapted_mlp`).
 """
 

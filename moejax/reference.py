@@ -209,7 +209,9 @@ def reference_moe(
   else:
     logits = f32(router_logits).reshape(tokens.shape[0], -1)
   logits = jnp.where(mask[:, None], logits, 0.0)
-  given = None if expert_ids is None else jnp.asarray(expert_ids, jnp.int32).reshape(-1, config.top_k)
+  given = (
+    None if expert_ids is None else jnp.asarray(expert_ids, jnp.int32).reshape(-1, config.top_k)
+  )
   ids, weights = reference_routing(logits, config, p.routing_bias, given)
   if config.apply_router_weight_on_input:  # K = 1: expert(w * x), unweighted output
     expert_in = weights * tokens

@@ -462,3 +462,15 @@ def test_auto_follows_a_tuning_entry_for_the_h200(tmp_path, monkeypatch):
   )
   with pytest.warns(UserWarning, match="other versions"):
     assert not kernels({**entry.versions, "jax": "0.0.1"})
+
+
+def test_the_gradient_holds_the_scatter_adds_that_need_deterministic_ops():
+  """docs/design.md, "Batch invariance": a batch-invariant layer's gradient on an H200 sums
+  rows by scatter-adds (the tile loop's row gradients, the routing weights'), which XLA:GPU
+  runs with atomics unless `--xla_gpu_deterministic_ops` is set. (Compiling with the flag
+  needs a real GPU: it leaves compile-only devices no GEMM configs to choose from.)"""
+  config = MoEConfig(**LAYER, **BF16, batch_invariant=True, dispatch="all_to_all", chunk_size=128)
+  compiled = compile_layer(config, targets.target_mesh("h200", (2, 4)), True, tokens_per_device=256)
+  lines = [line for _, line in instructions(compiled.as_text())]
+  assert any(re.search(r"= f32\[\d+,\d+\]\S* scatter\(", line) for line in lines), "no scatter"
+  assert sum("scatter-add" in line.split("=")[0] for line in lines) >= 3
