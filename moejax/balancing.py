@@ -8,7 +8,7 @@ when more. The bias only chooses experts (`MoEConfig.use_routing_bias`); it ente
 and gets no gradient, so the update is the only thing that moves it.
 
 >>> bias = jnp.zeros(4)
->>> bias_update(bias, jnp.array([10, 2, 4, 4]), rate=0.01, num_experts=4).tolist()
+>>> bias_update(bias, jnp.array([9, 1, 5, 5]), rate=0.01, num_experts=4).tolist()
 [-0.009999999776482582, 0.009999999776482582, 0.0, 0.0]
 """
 

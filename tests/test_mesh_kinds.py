@@ -79,8 +79,14 @@ def test_the_layer_its_gradient_and_moe_apply(mesh, request):
   assert_close(y, want, what="y")
   if mesh.axis_types[0] == AxisType.Explicit:
     assert jax.typeof(y).sharding.spec == jax.typeof(xs).sharding.spec
-  applied, _ = moe_apply(params, xs, config=CONFIG, mesh=mesh, token_mask=masks)
+  applied, aux = moe_apply(params, xs, config=CONFIG, mesh=mesh, token_mask=masks)
   assert_close(applied, want, what="moe_apply's y")
+  replayed, _ = moe_apply(
+    params, xs, config=CONFIG, mesh=mesh, token_mask=masks, expert_ids=aux.expert_ids
+  )
+  assert np.array_equal(replayed, applied), "routing replay of the call's own ids"
+  if mesh.axis_types[0] == AxisType.Explicit:  # the ids come back split like the tokens
+    assert tuple(jax.typeof(aux.expert_ids).sharding.spec)[:1] == ("data",)
   loss = lambda y: jnp.sum(jnp.where(mask[..., None], y, 0.0) ** 2)
   # Jitted: JAX's eager `grad` on an explicit mesh wants `jax.set_mesh` (for any function).
   grads = nnx.jit(nnx.grad(lambda m: loss(m(xs, token_mask=masks))))(layer)
