@@ -163,7 +163,7 @@ class GroupedMatmulTestBase:
 
   @pytest.mark.slow
   def test_every_zero_size_group_pattern(self, request):
-    groups = 8
+    groups = 6  # 64 patterns: empty groups first, last, adjacent, alone and all of them
     lhs, rhs, _ = operands(request.node.name, 64, 64, 64, groups, BF16)
     kwargs = self.kwargs()
     if kwargs["config"] is not None:  # the edges tested are rows': one N block, one K step
@@ -171,7 +171,7 @@ class GroupedMatmulTestBase:
     run = jax.jit(lambda sizes: gmm(lhs, rhs, sizes, **kwargs))
     if self.skip_unsupported(lambda: run(jnp.ones(groups, jnp.int32)), BF16):
       return
-    full = jnp.array([3, 9, 1, 12, 7, 2, 15, 8], jnp.int32)  # sum 57 < 64
+    full = jnp.array([3, 9, 1, 12, 7, 15], jnp.int32)  # sum 47 < 64
     for present in itertools.product([0, 1], repeat=groups):
       sizes = full * jnp.array(present, jnp.int32)
       assert_close(run(sizes), reference_gmm(lhs, rhs, sizes), BF16, comparison="kernel")
