@@ -2,6 +2,7 @@
 compiles (fast tier), and reports read off programs compiled for compile-only H200s (the
 GPU-compile tier: JAX's CUDA plugin, no GPU)."""
 
+import dataclasses
 import json
 
 import numpy as np
@@ -11,6 +12,7 @@ from kernels_pallas import platform
 from kernels_pallas.gpus import GPUS
 from moejax import fit as planner
 from moejax import plan_call, targets, tuning
+from moejax.apps import fit_cli
 from moejax.apps.cli import main
 from tests.gpu_tier import GPU_COMPILE_TIER, no_persistent_compilation_cache  # noqa: F401
 
@@ -119,6 +121,11 @@ def test_a_report_reads_the_compiled_program(job):
   assert (
     json.loads(json.dumps(report.to_json()))["per_device_bytes"]["total"] == per_device["total"]
   )
+  # 8 experts' devices, K = 2: all_gather sends a token to 7 others, all_to_all to 2
+  schemes = estimate.exchange_s_by_scheme
+  assert schemes["all_gather"] == pytest.approx(schemes["all_to_all"] * 7 / 2)
+  assert estimate.exchange_s in schemes.values()
+  assert estimate.tokens_per_s_per_gpu == pytest.approx(256 / estimate.stack_s)
 
 
 @pytest.mark.usefixtures("no_persistent_compilation_cache")
@@ -164,3 +171,21 @@ def test_the_estimate_takes_a_tuning_files_rate(tmp_path, monkeypatch):
   flops = 6 * entry.rows / 8 * config.hidden_size * config.intermediate_size
   efficiency = flops / 2e-3 / GPUS["h200"].peak_bf16_flops
   assert f"times {efficiency:.3f}" in " ".join(report.estimate.assumptions)
+
+
+@pytest.mark.usefixtures("no_persistent_compilation_cache")
+@GPU_COMPILE_TIER[0]
+@GPU_COMPILE_TIER[1]
+def test_the_command_warns_of_a_flag_that_does_nothing_and_fails_a_plan_that_does_not_fit(
+  monkeypatch, capsys
+):
+  report = planner.fit(TINY, "h200", expert_fsdp=True, tokens_per_device=256)
+  assert report.mesh["data"] == 1 and "expert_fsdp does nothing" in report.warnings[0]
+  monkeypatch.setattr(fit_cli, "fit", lambda *args, **kwargs: report)
+  main(["fit", "--model", "qwen3-30b-a3b", "--expert-fsdp"])  # fits: returns
+  assert "warning: expert_fsdp does nothing" in capsys.readouterr().err
+  too_big = dataclasses.replace(report, fits=False)
+  monkeypatch.setattr(fit_cli, "fit", lambda *args, **kwargs: too_big)
+  with pytest.raises(SystemExit) as exited:
+    main(["fit", "--model", "qwen3-30b-a3b"])
+  assert exited.value.code == 1 and "does NOT fit" in capsys.readouterr().out

@@ -113,6 +113,8 @@ class StepEstimate:
   layer_s: float
   stack_s: float
   assumptions: tuple[str, ...]
+  exchange_s_by_scheme: dict[str, float]
+  tokens_per_s_per_gpu: float
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,7 +125,8 @@ class FitReport:
   gradients within temp, the rest arguments; total = arguments + temp + outputs_not_aliased
   + rest_of_model), the
   GPU's memory, whether it fits and with what headroom, the mesh, chunk and expert path the
-  program used (its `moejax.plan_call`), and the step estimate."""
+  program used (its `moejax.plan_call`), the step estimate, and `warnings`: settings that
+  changed nothing (e.g. `expert_fsdp` with no data axis to split over)."""
 
   model: str
   gpu: str
@@ -146,6 +149,7 @@ class FitReport:
   rest_of_model_parameters: int
   estimate: StepEstimate
   notes: tuple[str, ...]
+  warnings: tuple[str, ...] = ()
 
   def to_json(self) -> dict[str, Any]:
     return dataclasses.asdict(self)
@@ -258,6 +262,7 @@ def fit(
     headroom_bytes=target.memory_bytes - per_device["total"],
     rest_of_model_parameters=rest,
     estimate=estimate,
+    warnings=_ineffective_settings(expert_fsdp, mesh_shape),
     notes=(
       "MoE stack: compiled for the target by XLA (memory_analysis), its real layer count "
       "scanned; the stand-in loss is the mean square of the stack's output; total = "
@@ -268,6 +273,17 @@ def fit(
       "evenly over every device; its activations are not counted",
     ),
   )
+
+
+def _ineffective_settings(expert_fsdp: bool, mesh_shape: dict[str, int]) -> tuple[str, ...]:
+  """What a setting asked for that the plan cannot do, in words."""
+  if expert_fsdp and mesh_shape["data"] == 1:
+    return (
+      f"expert_fsdp does nothing here: the expert axis takes all {mesh_shape['expert']} "
+      "devices, so the data axis has 1 device to split the expert weights over (choose a "
+      "smaller expert_parallel)",
+    )
+  return ()
 
 
 # Bytes per parameter of the rest of the model: bf16 weights; training adds bf16 gradients
@@ -492,11 +508,21 @@ def estimate_step(
   weights = _expert_bytes_per_device(config, ep)
   chunks = -(-tokens_per_device // chunk)
   memory = passes * chunks * weights / gpu.memory_bandwidth
-  copies = min(k, ep) if scheme == "all_to_all" else ep - 1
-  sent = 2 * tokens_per_device * copies * d * jnp.dtype(config.dtype).itemsize
   across = max(0, ep - gpus_per_node) / max(ep - 1, 1) if nodes > 1 else 0.0
   bandwidth = 1 / ((1 - across) / gpu.nvlink_bandwidth + across / NETWORK)
-  exchange = (2 if job != "infer" else 1) * sent / bandwidth
+  copies_by_scheme = {"all_gather": ep - 1, "all_to_all": min(k, ep)}
+  exchange_by_scheme = {
+    name: (2 if job != "infer" else 1)
+    * 2
+    * tokens_per_device
+    * copies
+    * d
+    * jnp.dtype(config.dtype).itemsize
+    / bandwidth
+    for name, copies in copies_by_scheme.items()
+  }
+  copies, exchange = copies_by_scheme[scheme], exchange_by_scheme[scheme]
+  other = next(name for name in copies_by_scheme if name != scheme)
   layer = compute + memory + exchange
   return StepEstimate(
     rate_source=source,
@@ -505,6 +531,8 @@ def estimate_step(
     exchange_s=exchange,
     layer_s=layer,
     stack_s=layer * layers,
+    exchange_s_by_scheme=exchange_by_scheme,
+    tokens_per_s_per_gpu=tokens_per_device / (layer * layers),
     assumptions=(
       f"compute: {passes} pass(es) of the routed and shared experts' matmuls at the "
       f"{gpu.name} bf16 peak ({gpu.peak_bf16_flops / 1e12:.0f} TFLOP/s) times {efficiency:.3f}, "
@@ -514,8 +542,10 @@ def estimate_step(
       f"({weights / 2**30:.2f} GiB) once per pass at {gpu.memory_bandwidth / 1e12:.1f} TB/s",
       f"exchange: {scheme} sends each token to {copies} other device(s) and back, at "
       f"{gpu.nvlink_bandwidth / 1e9:.0f} GB/s NVLink within a node and {NETWORK / 1e9:.0f} GB/s "
-      "across nodes",
-      "no overlap of the three; attention and the rest of the model not included",
+      f"across nodes ({other} would send each to {copies_by_scheme[other]}: "
+      f"{exchange_by_scheme[other] * 1e3:.2f} ms per layer against {exchange * 1e3:.2f} ms)",
+      "no overlap of the three; attention and the rest of the model not included (so "
+      "tokens_per_s_per_gpu is the MoE stack's alone)",
       f"error on the recorded H200 run's shapes: {recorded_error():.0%} (the tile loop at 8 "
       "local experts predicted from its rate at 32); untested at these shapes",
     ),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 from moejax.apps.fit import FitReport, fit
 
@@ -11,7 +12,8 @@ GIB = 2**30
 
 
 def run(args: argparse.Namespace) -> FitReport:
-  """Runs the planner for the flags; bad flags exit naming what is wrong."""
+  """Runs the planner for the flags and prints its report; bad flags exit naming what is
+  wrong, and a plan that does not fit exits with status 1 after its report."""
   try:
     report = fit(
       args.model or args.config,
@@ -32,6 +34,10 @@ def run(args: argparse.Namespace) -> FitReport:
   except (ValueError, RuntimeError, FileNotFoundError, NotImplementedError) as error:
     raise SystemExit(f"moejax fit: {error}") from None
   print(json.dumps(report.to_json(), indent=2) if args.json else text(report))
+  for warning in report.warnings:
+    print(f"moejax fit: warning: {warning}", file=sys.stderr)
+  if not report.fits:
+    raise SystemExit(1)
   return report
 
 
@@ -52,7 +58,8 @@ def text(report: FitReport) -> str:
     *(f"  {name:20s} {value / GIB:8.2f}" for name, value in bytes_.items()),
     f"estimated step time (an estimate): {report.estimate.layer_s * 1e3:.2f} ms per MoE layer, "
     f"{report.estimate.stack_s:.3f} s for the stack (the expert path's rate: "
-    f"{report.estimate.rate_source})",
+    f"{report.estimate.rate_source}); {report.estimate.tokens_per_s_per_gpu:,.0f} tokens/s "
+    "per GPU through the MoE stack",
     *(f"  assumes: {line}" for line in report.estimate.assumptions),
     *(f"note: {line}" for line in report.notes),
   ]
