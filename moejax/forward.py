@@ -62,6 +62,8 @@ class MoEAux(NamedTuple):
     expert_ids: [..., K] int32 the logical expert ids each token used (x's leading shape):
       the router's top-k, or the given ones; E + Z (no expert) for masked tokens and for
       given ids that routed nowhere. Pass them back as `expert_ids=` to replay the routing.
+    expert_weights: [..., K] float32 the combine weight of each of those choices (0 for
+      masked tokens and invalid ids).
     invalid_expert_ids: [] int32 given ids of valid tokens that routed nowhere (out of
       [0, E + Z), or a token's repeat of an earlier id): they add nothing to the output.
     score_sums: [E + Z] float32 each expert's router score summed over the valid tokens
@@ -79,6 +81,7 @@ class MoEAux(NamedTuple):
   dispatch_rows: jax.Array
   physical_counts: jax.Array
   expert_ids: jax.Array
+  expert_weights: jax.Array
   invalid_expert_ids: jax.Array
   score_sums: jax.Array
   num_tokens: jax.Array
@@ -138,7 +141,7 @@ def _apply_on_explicit_mesh(args, config, mesh):
   x_spec = jax.typeof(args[1]).sharding.spec
   aux_specs = MoEAux(*specs.aux(MoEAux._fields, per_device=_PER_DEVICE))
   ids_spec = P(*x_spec[: args[1].ndim - 1], None)  # the tokens' leading dims, then K
-  out_specs = (x_spec, aux_specs._replace(expert_ids=ids_spec))
+  out_specs = (x_spec, aux_specs._replace(expert_ids=ids_spec, expert_weights=ids_spec))
   apply = lambda auto_mesh, *args: _moe_apply_jit(*args, config=config, mesh=auto_mesh)
   return meshes.with_auto_axes(apply, mesh, out_specs)(*args)
 
@@ -205,9 +208,9 @@ def _moe_apply_traced(params, x, token_mask, router_logits, expert_ids, placemen
     all_axes=() if mesh is None else config.data_axes + config.expert_axes,
   )
   if mesh is None:
-    y, used_ids, stats, slot_counts, counts = body(params, placement, tokens)
+    y, used, stats, slot_counts, counts = body(params, placement, tokens)
   else:
-    y, used_ids, stats, slot_counts, counts = _shard(
+    y, used, stats, slot_counts, counts = _shard(
       body, mesh, config, call.expert, params, placement, tokens
     )
   y = remat.named(layout.unpad(y).reshape(x.shape).astype(x.dtype), remat.LAYER_OUTPUT)
@@ -218,7 +221,8 @@ def _moe_apply_traced(params, x, token_mask, router_logits, expert_ids, placemen
     chunks_run=counts.chunks_run,
     dispatch_rows=counts.rows_sent,
     physical_counts=slot_counts,
-    expert_ids=layout.unpad(used_ids).reshape(*lead, config.top_k),
+    expert_ids=layout.unpad(used[0]).reshape(*lead, config.top_k),
+    expert_weights=layout.unpad(used[1]).reshape(*lead, config.top_k),
     invalid_expert_ids=stats.invalid_choices,
     score_sums=stats.score_sums,
     num_tokens=stats.num_tokens,
@@ -294,7 +298,7 @@ def _shard(
     in_specs=(param_specs, specs.replicated, TokenInputs(*[specs.tokens_t] * 4)),
     out_specs=(
       specs.tokens_t,
-      specs.tokens_t,
+      (specs.tokens_t, specs.tokens_t),
       stats_specs,
       specs.replicated,
       DeviceCounts(*[specs.tokens_t] * 2),
@@ -318,7 +322,7 @@ def local_forward(
   chunk_size: int,
   exchange: Exchange,
   all_axes: tuple[str, ...],
-) -> tuple[jax.Array, jax.Array, routing.RouterStats, jax.Array, DeviceCounts]:
+) -> tuple[jax.Array, tuple[jax.Array, jax.Array], routing.RouterStats, jax.Array, DeviceCounts]:
   """One device's part of the layer (the `shard_map` body).
 
   Args:
@@ -332,9 +336,9 @@ def local_forward(
     all_axes: every mesh axis the tokens are split over (to sum router stats).
 
   Returns:
-    (y [L, D] in the compute dtype, [L, K] int32 the logical expert ids used, RouterStats
-    summed over all devices, [P] int32 pairs sent to each physical expert summed over all
-    devices, this device's `DeviceCounts`).
+    (y [L, D] in the compute dtype, ([L, K] int32 the logical expert ids used, [L, K]
+    float32 their weights), RouterStats summed over all devices, [P] int32 pairs sent to
+    each physical expert summed over all devices, this device's `DeviceCounts`).
   """
   token_mask = tokens.token_mask
   x = _zero_padding(tokens.x, token_mask)
@@ -376,7 +380,7 @@ def local_forward(
   counts = DeviceCounts(chunks_run[None], rows_sent[None])
   return (
     _zero_padding(y, token_mask),
-    route.expert_ids,
+    (route.expert_ids, route.weights),
     stats,
     sum_over(slot_counts, all_axes),
     counts,

@@ -33,6 +33,7 @@ _AUX_NAMES = (
   "load_balancing_loss",
   "router_z_loss",
   "expert_ids",
+  "expert_weights",
   "invalid_expert_ids",
   "score_sums",
   "num_tokens",
@@ -120,10 +121,10 @@ class MoELayer(nnx.Module):
   `bias_init`, matrices at `kernel_init`.
 
   Under `nnx.capture(..., nnx.Intermediate)` each call sows its aux outputs (`moejax.MoEAux`):
-  `expert_counts` [E + Z], `load_balancing_loss` [], `router_z_loss` [], `expert_ids`
-  [..., K] (replay them with `expert_ids=`), `invalid_expert_ids` [], `score_sums` [E + Z],
-  `num_tokens` [], `load_max_over_mean` [] (a tuple of values per name, one per call).
-  `moejax.moe_apply` returns them directly.
+  `expert_counts` [E + Z], `load_balancing_loss` [], `router_z_loss` [], `expert_ids` and
+  `expert_weights` [..., K] (replay the ids with `expert_ids=`), `invalid_expert_ids` [],
+  `score_sums` [E + Z], `num_tokens` [], `load_max_over_mean` [] (a tuple of values per
+  name, one per call). `moejax.moe_apply` returns them directly.
 
   With `config.num_redundant_experts` R > 0 the expert parameters hold P = E + R physical
   slots, and the layer keeps non-trainable state that optax (given `wrt=nnx.Param`) never

@@ -1,4 +1,4 @@
-"""Batch invariance (`MoEConfig.batch_invariant`): a token's output and expert ids are
+"""Batch invariance (`MoEConfig.batch_invariant`): a token's output, expert ids and weights are
 bit-identical whatever else is in the call (other tokens, their number, its position,
 padding, the mask, the chunk size), on one device and on a mesh, for every path and
 quantized format the CPU runs. Bit equality, no tolerance."""
@@ -40,8 +40,9 @@ FORMATS = ("fp8_block", "mxfp4", "nvfp4", "int4_group")
 
 
 def probe_results(config: MoEConfig, params, mesh, seed: int) -> list[tuple[np.ndarray, ...]]:
-  """(y, expert ids) of one probe token in calls of every size in `SIZES`, each among other
-  random tokens, at a random position, with a random mask and NaN-poisoned padding."""
+  """(y, expert ids, expert weights) of one probe token in calls of every size in `SIZES`,
+  each among other random tokens, at a random position, with a random mask and NaN-poisoned
+  padding."""
   rng = np.random.default_rng(seed)
   probe = rng.normal(size=config.hidden_size).astype(np.float32)
   found = []
@@ -56,17 +57,18 @@ def probe_results(config: MoEConfig, params, mesh, seed: int) -> list[tuple[np.n
       y, aux = moe_apply(
         params, poison(x, jnp.asarray(mask)), config=config, mesh=mesh, token_mask=mask
       )
-      found.append((np.asarray(y[at].astype(jnp.float32)), np.asarray(aux.expert_ids[at])))
+      found.append(
+        tuple(
+          np.asarray(a[at]) for a in (y.astype(jnp.float32), aux.expert_ids, aux.expert_weights)
+        )
+      )
   return found
 
 
 def assert_all_identical(found: list[tuple[np.ndarray, ...]]) -> None:
-  first_y, first_ids = found[0]
-  for y, ids in found[1:]:
-    np.testing.assert_array_equal(ids, first_ids)
-    assert y.tobytes() == first_y.tobytes(), (
-      f"not bit-identical: max diff {np.abs(y - first_y).max()}"
-    )
+  for result in found[1:]:
+    for name, got, want in zip(("y", "ids", "weights"), result, found[0], strict=True):
+      assert got.tobytes() == want.tobytes(), f"{name} not bit-identical: {got} vs {want}"
 
 
 @pytest.mark.parametrize("case", list(CASES))
