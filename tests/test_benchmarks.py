@@ -216,3 +216,17 @@ def test_mesh_benchmark_deepseek_bytes_are_the_closed_form():
     expected = per_expert[weights] * experts * layers / (ep * fsdp) / 2**30
     assert row["routed_gib"] == pytest.approx(expected), (weights, ep, fsdp)
   assert len(rows) == 2 * 3 * 4
+
+
+@pytest.mark.slow
+def test_the_bias_update_balances_the_skewed_router_within_200_steps():
+  """`bench --sections balancing` (docs/performance.md, "Balancing without an aux loss"): the
+  aux-loss-free update brings max/mean load to <= 1.10 within 200 steps and keeps it near;
+  without it the skew stays."""
+  sys.path.insert(0, str(ROOT / "benchmarks"))
+  import rl
+
+  *steps, last = rl.balancing_rows()
+  assert steps[0]["with_update"] > 3 and min(r["without_update"] for r in steps) > 3
+  assert steps[-1]["with_update"] <= 1.10 and last["with_update"] <= 1.12
+  assert last["first_step_at_most_1_10"] < 200
