@@ -22,7 +22,8 @@ from moejax.params import QUANTIZED_PARAMS, MoEParams, expert_arrays, param_shap
 
 
 def moe_linen(config: MoEConfig, *, mesh: Mesh | None = None, name: str | None = None) -> nn.Module:
-  """A Linen module running `MoELayer(config, mesh=mesh)`; call it as `(x, token_mask)`.
+  """A Linen module running `MoELayer(config, mesh=mesh)`; call it as `(x, token_mask)`, with
+  the layer's keywords (`router_logits=`, `expert_ids=` for routing replay) as it takes them.
 
   Its parameters sit in the Linen `params` collection under the layer's own names
   (router_kernel, w_gate_up, w_down, ...), boxed with their sharding metadata. The layer's
