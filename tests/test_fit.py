@@ -4,6 +4,8 @@ GPU-compile tier: JAX's CUDA plugin, no GPU)."""
 
 import dataclasses
 import json
+import shlex
+import types
 
 import numpy as np
 import pytest
@@ -12,7 +14,7 @@ from kernels_pallas import platform
 from kernels_pallas.gpus import GPUS
 from moejax import fit as planner
 from moejax import plan_call, targets, tuning
-from moejax.apps import fit_cli
+from moejax.apps import fit_cli, fit_search
 from moejax.apps.cli import main
 from tests.gpu_tier import GPU_COMPILE_TIER, no_persistent_compilation_cache  # noqa: F401
 
@@ -189,3 +191,49 @@ def test_the_command_warns_of_a_flag_that_does_nothing_and_fails_a_plan_that_doe
   with pytest.raises(SystemExit) as exited:
     main(["fit", "--model", "qwen3-30b-a3b"])
   assert exited.value.code == 1 and "does NOT fit" in capsys.readouterr().out
+
+
+def test_find_tries_the_fewest_nodes_first_and_stops_at_the_first_plan_that_fits(monkeypatch):
+  """The search's order, with a stand-in planner that fits from 4 nodes with FSDP: 1 and 2
+  nodes tried in full, then 4 nodes until the first FSDP plan."""
+  calls = []
+
+  def planner_stand_in(model, gpu, *, nodes, expert_fsdp, **kwargs):
+    calls.append((nodes, kwargs["expert_parallel"], expert_fsdp))
+    fits = nodes >= 4 and expert_fsdp
+    return types.SimpleNamespace(fits=fits, per_device_bytes={"total": 100 // nodes}, nodes=nodes)
+
+  monkeypatch.setattr(fit_search, "fit", planner_stand_in)
+  search = fit_search.find("qwen3-30b-a3b", "h100", max_nodes=8, job="train", expert_quant=None)
+  # 128 experts: 8, 16 and 32 devices put every device on the expert axis first.
+  assert calls == [
+    (1, 8, False), (1, 4, True), (1, 2, True),
+    (2, 16, False), (2, 8, True), (2, 4, True),
+    (4, 32, False), (4, 16, True),
+  ]  # fmt: skip
+  assert search.found.nodes == 4 and len(search.tried) == len(calls)
+  assert search.command == (
+    "python -m moejax fit --model qwen3-30b-a3b --gpu h100 --nodes 4 --gpus-per-node 8 "
+    "--expert-parallel 16 --expert-fsdp --dispatch all_to_all --remat full --job train "
+    "--expert-quant none"
+  )
+  never = lambda *args, **kwargs: types.SimpleNamespace(fits=False, per_device_bytes={"total": 1})
+  monkeypatch.setattr(fit_search, "fit", never)
+  search = fit_search.find("qwen3-30b-a3b", "h100", max_nodes=2)
+  assert search.found is None and search.command is None and len(search.tried) == 6
+
+
+@pytest.mark.usefixtures("no_persistent_compilation_cache")
+@GPU_COMPILE_TIER[0]
+@GPU_COMPILE_TIER[1]
+def test_find_prints_a_command_whose_own_report_fits(tmp_path, capsys):
+  path = tmp_path / "config.json"
+  path.write_text(json.dumps(TINY))
+  flags = ["--config", str(path), "--job", "infer", "--expert-quant", "none"]
+  flags += ["--tokens-per-device", "256", "--max-nodes", "2"]
+  main(["fit", *flags, "--find"])
+  out = capsys.readouterr().out
+  command = out.strip().splitlines()[-1].split(": ", 1)[1]
+  assert out.splitlines()[1].split()[-2] == "yes"  # the first plan tried fits
+  main(shlex.split(command)[3:])  # `fit ...`: exits 1 unless it fits
+  assert "fits: " in capsys.readouterr().out

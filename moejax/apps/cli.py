@@ -190,6 +190,16 @@ def parser() -> argparse.ArgumentParser:
   fit_flags.add_argument(
     "--remat", default="none", choices=list(REMAT_POLICIES), help="as train's --remat"
   )
+  fit_flags.add_argument(
+    "--find",
+    action="store_true",
+    help="search the fewest nodes (up to --max-nodes) on which the job fits, trying expert "
+    "parallelism, --expert-fsdp, all_to_all and --remat full in place of those flags and "
+    "--nodes; prints each plan tried and the command of the one found",
+  )
+  fit_flags.add_argument(
+    "--max-nodes", type=positive_int, default=32, help="the most nodes --find tries"
+  )
   fit_flags.add_argument("--json", action="store_true", help="print the report as JSON")
   tune_flags = command(
     "tune",

@@ -6,14 +6,18 @@ import argparse
 import json
 import sys
 
+from moejax.apps import fit_search
 from moejax.apps.fit import FitReport, fit
 
 GIB = 2**30
 
 
-def run(args: argparse.Namespace) -> FitReport:
+def run(args: argparse.Namespace) -> FitReport | fit_search.Search:
   """Runs the planner for the flags and prints its report; bad flags exit naming what is
-  wrong, and a plan that does not fit exits with status 1 after its report."""
+  wrong, and a plan that does not fit exits with status 1 after its report. With --find, the
+  search (`moejax.apps.fit_search`) instead."""
+  if args.find:
+    return _find(args)
   try:
     report = fit(
       args.model or args.config,
@@ -64,3 +68,41 @@ def text(report: FitReport) -> str:
     *(f"note: {line}" for line in report.notes),
   ]
   return "\n".join(lines)
+
+
+def _find(args: argparse.Namespace) -> fit_search.Search:
+  """`fit --find`: each plan as it is tried, then the one found and its command."""
+  fixed = dict(
+    job=args.job,
+    expert_quant=None if args.expert_quant == "none" else args.expert_quant,
+    lora_rank=args.lora_rank,
+    tokens_per_device=args.tokens_per_device,
+    chunk_size=args.chunk_size,
+  )
+  if not args.json:
+    print("nodes  expert  fsdp  dispatch    remat  total GiB  fits  compile s")
+  show = lambda t: print(
+    f"{t.nodes:5d}  {t.expert_parallel:6d}  {'yes' if t.expert_fsdp else 'no':>4}  "
+    f"{t.dispatch:10s}  {t.remat:5s}  {t.total_bytes / GIB:9.2f}  {'yes' if t.fits else 'no':>4}"
+    f"  {t.compile_s:9.1f}"
+  )
+  try:
+    search = fit_search.find(
+      args.model or args.config,
+      args.gpu,
+      max_nodes=args.max_nodes,
+      gpus_per_node=args.gpus_per_node,
+      report=(lambda tried: None) if args.json else show,
+      **fixed,
+    )
+  except (ValueError, RuntimeError, FileNotFoundError, NotImplementedError) as error:
+    raise SystemExit(f"moejax fit: {error}") from None
+  if args.json:
+    print(json.dumps(search.to_json(), indent=2))
+  elif search.found is None:
+    print(f"no plan tried fits on up to {args.max_nodes} nodes")
+  else:
+    print(f"fits on {search.found.nodes} node(s): {search.command}")
+  if search.found is None:
+    raise SystemExit(1)
+  return search
