@@ -55,10 +55,11 @@ def node_counts(max_nodes: int) -> list[int]:
 
 
 def settings(devices: int, experts: int, job: str) -> list[dict[str, Any]]:
-  """The plans tried on `devices` GPUs, the least memory first: every device on the expert
-  axis, then half and a quarter of them with the expert weights split over the data axis
-  (`expert_fsdp`); the dropless all_to_all (its buffers grow with the expert-axis size less
-  than all_gather's); each layer rematerialized when the job has a backward pass."""
+  """The plans tried on `devices` GPUs, in order: every device on the expert axis (the
+  fewest expert weights per device), then half and a quarter of them with the expert weights
+  split over the data axis too (`expert_fsdp`; smaller exchange buffers, which grow with the
+  expert-axis size); always the dropless all_to_all (its buffers grow with that size less
+  than all_gather's), each layer rematerialized when the job has a backward pass."""
   remat = "none" if job == "infer" else "full"
   widest = max(s for s in range(1, devices + 1) if devices % s == 0 and experts % s == 0)
   tried = []
