@@ -24,16 +24,12 @@ def run(args: argparse.Namespace) -> FitReport | fit_search.Search:
       args.gpu,
       nodes=args.nodes,
       gpus_per_node=args.gpus_per_node,
-      job=args.job,
-      expert_quant=None if args.expert_quant == "none" else args.expert_quant,
-      lora_rank=args.lora_rank,
-      tokens_per_device=args.tokens_per_device,
       expert_parallel=args.expert_parallel,
       expert_fsdp=args.expert_fsdp,
       dispatch=args.dispatch,
-      chunk_size=args.chunk_size,
       remat=args.remat,
       progress=not args.json,
+      **_job(args),
     )
   except (ValueError, RuntimeError, FileNotFoundError, NotImplementedError) as error:
     raise SystemExit(f"moejax fit: {error}") from None
@@ -70,15 +66,20 @@ def text(report: FitReport) -> str:
   return "\n".join(lines)
 
 
-def _find(args: argparse.Namespace) -> fit_search.Search:
-  """`fit --find`: each plan as it is tried, then the one found and its command."""
-  fixed = dict(
+def _job(args: argparse.Namespace) -> dict:
+  """`fit`'s arguments that describe the job, the same whether planned or searched."""
+  return dict(
     job=args.job,
     expert_quant=None if args.expert_quant == "none" else args.expert_quant,
     lora_rank=args.lora_rank,
     tokens_per_device=args.tokens_per_device,
     chunk_size=args.chunk_size,
   )
+
+
+def _find(args: argparse.Namespace) -> fit_search.Search:
+  """`fit --find`: each plan as it is tried, then the one found and its command."""
+  fixed = _job(args)
   if not args.json:
     print("nodes  expert  fsdp  dispatch    remat  total GiB  fits  compile s")
   show = lambda t: print(
