@@ -252,6 +252,35 @@ def _forward(stages, chunk_size, lockstep_axis, pipelined, keep, weights, inputs
   return (out, jnp.sum(live, dtype=jnp.int32)), in_flights
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4))
+def _unsplit_forward(stages, chunk_size, lockstep_axis, pipelined, keep, weights, inputs, mask):
+  """`_forward`, kept whole by partial evaluation: what the gradient's forward pass runs.
+
+  Under `jax.grad`, a layer inside a `lax.scan` over layers (a model's stack) is split by
+  JAX's partial evaluation of that scan, which hoists out of the loop whatever depends only
+  on its constants (the token mask). Split inline, the chunk loop would become a loop over
+  the mask-only values (each chunk's order, its skip predicate, the zeros of a skipped
+  chunk's exchange buffers) that stores them for every chunk: O(chunks · S·C · D) bytes per
+  layer, 128 GiB per device for DeepSeek-V3 at S = 256 (docs/performance.md, "Memory at
+  scale"). A `custom_vjp` call is partially evaluated whole, so nothing of it is stored.
+  Its own gradient (only ever asked for in a derivative of a gradient) differentiates
+  `_forward` again from the inputs.
+  """
+  return _forward(stages, chunk_size, lockstep_axis, pipelined, keep, weights, inputs, mask)
+
+
+def _unsplit_forward_fwd(stages, chunk_size, lockstep_axis, pipelined, keep, *arrays):
+  return _forward(stages, chunk_size, lockstep_axis, pipelined, keep, *arrays), arrays
+
+
+def _unsplit_forward_bwd(stages, chunk_size, lockstep_axis, pipelined, keep, arrays, cotangents):
+  forward = functools.partial(_forward, stages, chunk_size, lockstep_axis, pipelined, keep)
+  return jax.vjp(forward, *arrays)[1](cotangents)
+
+
+_unsplit_forward.defvjp(_unsplit_forward_fwd, _unsplit_forward_bwd)
+
+
 def _pipelined_steps(
   stages, weights, take, order, live, token_mask, out, out_type, in_flight_type, keep
 ):
@@ -281,7 +310,7 @@ def _pipelined_steps(
 def _chunk_scan_fwd(stages, chunk_size, lockstep_axis, pipelined, saved, weights, inputs, mask):
   keep = saved is not None
   args = (stages, chunk_size, lockstep_axis, pipelined, keep, weights, inputs, mask)
-  out, in_flights = _forward(*args)
+  out, in_flights = _unsplit_forward(*args)
   kept = checkpoint_name(in_flights, saved) if keep else None
   return out, (weights, inputs, mask, kept)
 
