@@ -114,6 +114,11 @@ class MoEConfig:
       matrix's input axis; a global scale's columns): each device holds 1 / (S · data-group
       size) of them. A call gathers them over the data group once, before its chunk loop,
       and their gradients leave by a reduce-scatter.
+    shared_fsdp: store the router's kernel and the shared experts' matrices (the weights
+      every device uses whole) split along dim 0 over every device of the mesh, both groups:
+      each holds 1 / devices of them, and of their gradients and optimizer state. A call
+      gathers them once (the router's before routing, the shared experts' before the chunk
+      loop) and their gradients leave by a reduce-scatter. Biases and adapters stay whole.
     expert_backend: "xla" (the better XLA path for the device: the tile loop, or
       ragged_dot for few local experts on a GPU), "pallas" (the fused `kernels_pallas`
       kernels of the device; in the interpreter on a CPU, for testing) or "auto" (a kernel
@@ -195,6 +200,7 @@ class MoEConfig:
   data_axis: AxisGroup = "data"
   expert_axis: AxisGroup = "expert"
   expert_fsdp: bool = False
+  shared_fsdp: bool = False
   expert_backend: ExpertBackend = "auto"
   dispatch: Dispatch = "auto"
   num_redundant_experts: int = 0

@@ -33,6 +33,7 @@ from moejax.experts import routed_mlp, shared_mlp, zero_experts
 from moejax.inputs import check_inputs
 from moejax.params import (
   PER_EXPERT_FIELDS,
+  SHARED_PARAMS,
   ExpertWeights,
   MoEParams,
   SharedWeights,
@@ -344,8 +345,11 @@ def local_forward(
   x = _zero_padding(tokens.x, token_mask)
   router_logits = tokens.router_logits
   if router_logits is None:  # the router's only run
+    router_kernel = params.router_kernel
+    if config.shared_fsdp:
+      router_kernel = gather_along(router_kernel, all_axes, dim=0)
     router_logits = routing.router_logits(
-      x, params.router_kernel, params.router_bias, block_rows=invariance.block_rows(config)
+      x, router_kernel, params.router_bias, block_rows=invariance.block_rows(config)
     )
   router_logits = _zero_padding(router_logits, token_mask)  # the logits' only masking
   router_logits = remat.named(router_logits, remat.ROUTER_LOGITS)
@@ -397,23 +401,32 @@ def _prepare_weights(
   the same on several devices: the expert weights over the data axes `axes[0]`, the shared
   ones over all axes `axes[1]` (`vary_over`: before any chunk's cond).
 
-  With `expert_fsdp` the expert weights arrive split over the data axes along dim 1 and are
-  gathered here, once per pass and outside every chunk (per-device already): the backward
-  pass turns the gather into a reduce-scatter of their gradients.
+  With `expert_fsdp` the expert weights arrive split over the data axes along dim 1, with
+  `shared_fsdp` the shared experts' matrices over all axes along dim 0; they are gathered
+  here, once per pass and outside every chunk (per-device already): the backward pass turns
+  each gather into a reduce-scatter of their gradients.
   """
   data_axes, all_axes = axes
   if config.expert_fsdp:
-    params = params._replace(
-      **{
-        name: jax.tree.map(lambda leaf: gather_along(leaf, data_axes, dim=1), getattr(params, name))
-        for name in PER_EXPERT_FIELDS
-        if getattr(params, name) is not None
-      }
-    )
+    params = _gathered(params, PER_EXPERT_FIELDS, data_axes, dim=1)
+  if config.shared_fsdp:
+    params = _gathered(params, SHARED_PARAMS, all_axes, dim=0)
   experts, shared = compute_weights(params, config)
   if not config.expert_fsdp:
     experts = vary_over(experts, data_axes)
+  if shared is not None and config.shared_fsdp:  # only the adapters are still the same
+    return experts, shared._replace(lora=vary_over(shared.lora, all_axes))
   return experts, vary_over(shared, all_axes)
+
+
+def _gathered(
+  params: MoEParams, fields: tuple[str, ...], axes: tuple[str, ...], dim: int
+) -> MoEParams:
+  """`params` with every leaf of `fields` (those present) gathered over `axes` along `dim`."""
+  gather = lambda value: jax.tree.map(lambda leaf: gather_along(leaf, axes, dim=dim), value)
+  return params._replace(
+    **{name: gather(getattr(params, name)) for name in fields if getattr(params, name) is not None}
+  )
 
 
 def _send_chunk(weights: ChunkWeights, chunk: RoutedRows, *, exchange: Exchange) -> Dispatched:

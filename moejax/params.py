@@ -75,6 +75,9 @@ BIAS_PARAMS = ("routing_bias", "router_bias", "b_gate_up", "b_down")
 QUANTIZED_PARAMS = ("w_gate_up", "w_down")
 # The shared experts' parameters, in `SharedWeights`' order.
 SHARED_PARAMS = ("shared_w_gate_up", "shared_w_down", "shared_gate_kernel")
+# The matrices every device uses whole, split along dim 0 over all devices with
+# `config.shared_fsdp`.
+SHARED_FSDP_PARAMS = ("router_kernel", *SHARED_PARAMS)
 
 
 class ExpertWeights(NamedTuple):

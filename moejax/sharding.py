@@ -1,7 +1,8 @@
 """Mesh checks and every PartitionSpec of the layer, in one place.
 
 Tokens are split over the data and expert groups jointly, expert weights over the expert
-group (and with `expert_fsdp` their dim 1 over the data group), everything else is
+group (and with `expert_fsdp` their dim 1 over the data group), with `shared_fsdp` the
+router's and shared experts' matrices along dim 0 over both groups, everything else is
 replicated. The groups come from `MoEConfig.data_axis` / `.expert_axis` (`moejax.axis_groups`).
 """
 
@@ -24,6 +25,7 @@ from moejax.params import (
   EXPERT_PARAMS,
   PER_EXPERT_FIELDS,
   QUANTIZED_PARAMS,
+  SHARED_FSDP_PARAMS,
   MoEParams,
   param_shapes,
 )
@@ -37,12 +39,15 @@ class LayerSpecs:
     tokens_t: token-major arrays [T, ...]: T over (data group, expert group).
     experts_e: expert weights [E, ...]: E over the expert group; with `expert_fsdp`, dim 1
       over the data group too.
-    replicated: router, bias, shared experts, aux losses.
+    shared_d: the router's and shared experts' matrices (`SHARED_FSDP_PARAMS`): with
+      `shared_fsdp`, dim 0 over (data group, expert group); else replicated.
+    replicated: biases, shared adapters, aux losses.
     batch_b: a model's input batches [B, ...] (B sequences): B over the data group.
   """
 
   tokens_t: P
   experts_e: P
+  shared_d: P
   replicated: P
   batch_b: P
 
@@ -53,28 +58,41 @@ class LayerSpecs:
     return cls(
       tokens_t=P(data + experts),
       experts_e=P(spec_entry(experts), *fsdp),
+      shared_d=P(data + experts) if config.shared_fsdp else P(),
       replicated=P(),
       batch_b=P(spec_entry(data)),
     )
 
   def params(self, params: MoEParams) -> MoEParams:
-    """The spec of each parameter present (None for absent ones): experts (and their
-    adapters) over the expert group, the rest replicated."""
+    """The spec of each parameter present (None for absent ones)."""
     return MoEParams(
       *(
-        None if value is None else self.experts_e if name in PER_EXPERT_FIELDS else self.replicated
+        None if value is None else self.param(name)
         for name, value in zip(MoEParams._fields, params, strict=True)
       )
     )
 
+  def param(self, name: str) -> P:
+    """The spec of the `MoEParams` field `name`: experts (and their adapters) over the
+    expert group, the router's and shared experts' matrices as `shared_d`, the rest
+    replicated."""
+    if name in PER_EXPERT_FIELDS:
+      return self.experts_e
+    return self.shared_d if name in SHARED_FSDP_PARAMS else self.replicated
+
   def expert_leaf(self, ndim: int) -> P:
     """An expert leaf's spec [P, ...] written out to its rank, as `MoELayer` creates them (an
     equal but shorter spec would be another jit signature)."""
-    return P(*self.experts_e, *[None] * (ndim - len(self.experts_e)))
+    return P(*written_out(self.experts_e, ndim))
 
   def aux(self, fields: tuple[str, ...], per_device: tuple[str, ...]) -> list[P]:
     """Specs of the aux outputs: per-device counts over (data, expert), the rest replicated."""
     return [self.tokens_t if name in per_device else self.replicated for name in fields]
+
+
+def written_out(spec: P, ndim: int) -> tuple:
+  """`spec`'s entries followed by None up to rank `ndim`."""
+  return (*spec, *[None] * (ndim - len(spec)))
 
 
 def map_params(fn: Callable[[jax.Array, P], Any], specs: MoEParams, params: MoEParams) -> MoEParams:
@@ -92,8 +110,7 @@ def param_sharding(config: MoEConfig) -> dict[str, tuple]:
   """Per-parameter sharding names (nnx `out_sharding` metadata), keyed by parameter name."""
   specs = LayerSpecs.from_config(config)
   return {
-    name: tuple(specs.expert_leaf(len(shape))) if name in EXPERT_PARAMS else (None,) * len(shape)
-    for name, shape in param_shapes(config).items()
+    name: written_out(specs.param(name), len(shape)) for name, shape in param_shapes(config).items()
   }
 
 
@@ -158,6 +175,29 @@ def check_mesh(mesh: Mesh | AbstractMesh, config: MoEConfig) -> None:
     )
   if config.expert_fsdp:
     _check_fsdp_split(config, axis_groups.size(mesh, config.data_axis))
+  if config.shared_fsdp:
+    _check_shared_split(
+      config, axis_groups.size(mesh, config.data_axis) * axis_groups.size(mesh, config.expert_axis)
+    )
+
+
+def unsplit_shared(config: MoEConfig, devices: int) -> str | None:
+  """The first of the router's and shared experts' matrices whose dim 0 `shared_fsdp` cannot
+  split evenly over `devices`, or None when all split."""
+  shapes = param_shapes(config)
+  return next((n for n in SHARED_FSDP_PARAMS if n in shapes and shapes[n][0] % devices), None)
+
+
+def _check_shared_split(config: MoEConfig, devices: int) -> None:
+  """With `shared_fsdp`, dim 0 of the router's and shared experts' matrices split evenly over
+  all `devices`."""
+  name = unsplit_shared(config, devices)
+  if name is not None:
+    shape = param_shapes(config)[name]
+    raise ValueError(
+      f"shared_fsdp=True splits {name} {shape} along dim 0 over every device of the mesh "
+      f"({devices}): {shape[0]} is not divisible into {devices} shards"
+    )
 
 
 def _check_fsdp_split(config: MoEConfig, shards: int) -> None:

@@ -214,8 +214,8 @@ def test_find_tries_the_fewest_nodes_first_and_stops_at_the_first_plan_that_fits
   assert search.found.nodes == 4 and len(search.tried) == len(calls)
   assert search.command == (
     "python -m moejax fit --model qwen3-30b-a3b --gpu h100 --nodes 4 --gpus-per-node 8 "
-    "--expert-parallel 16 --expert-fsdp --dispatch all_to_all --remat full --job train "
-    "--expert-quant none"
+    "--expert-parallel 16 --expert-fsdp --shared-fsdp --dispatch all_to_all --remat full "
+    "--job train --expert-quant none"
   )
   never = lambda *args, **kwargs: types.SimpleNamespace(fits=False, per_device_bytes={"total": 1})
   monkeypatch.setattr(fit_search, "fit", never)

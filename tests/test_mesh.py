@@ -26,7 +26,7 @@ from moejax import (
 )
 from moejax.expert_placement import initial_placement
 from moejax.linen import moe_linen
-from moejax.params import EXPERT_PARAMS
+from moejax.params import EXPERT_PARAMS, SHARED_FSDP_PARAMS
 from moejax.testing import poison, random_params
 from tests.helpers import assert_close, check_against_reference, mesh_of, seed_of
 from tests.lowering import collectives
@@ -57,19 +57,21 @@ def tokens(seed: int, count: int = 40) -> tuple[jax.Array, jax.Array]:
 
 
 @pytest.mark.parametrize(
-  "dispatch, expert_fsdp, redundant",
+  "dispatch, fsdp, redundant",
   [("all_gather", False, 0), ("all_to_all", True, 8)],
   ids=["gather", "a2a-fsdp-redundant"],
 )
-def test_an_expert_group_computes_each_token_once(dispatch, expert_fsdp, redundant, request):
+def test_an_expert_group_computes_each_token_once(dispatch, fsdp, redundant, request):
   """(data, expert, tensor) = (2, 2, 2) with expert_axis=("expert", "tensor") is the (2, 4)
-  mesh: the reference's output and gradients, and the same rows sent and expert counts."""
+  mesh: the reference's output and gradients, and the same rows sent and expert counts (with
+  fsdp: the expert weights over the data group, the router and shared experts over all)."""
   seed = seed_of(request.node.name)
   grouped = dataclasses.replace(
     BASE,
     expert_axis=("expert", "tensor"),
     dispatch=dispatch,
-    expert_fsdp=expert_fsdp,
+    expert_fsdp=fsdp,
+    shared_fsdp=fsdp,
     num_redundant_experts=redundant,
   )
   placement = initial_placement(8, redundant) if redundant else None
@@ -167,6 +169,29 @@ def test_fsdp_stores_a_share_and_reduce_scatters_gradients(request):
   assert weight_gathers and all(weight_gathers), ops[True]
 
 
+def test_shared_fsdp_stores_a_share_and_reduce_scatters_gradients(request):
+  """With shared_fsdp each device holds 1 / 8 of the router's and shared experts' matrices
+  (dim 0); the gradient's program reduce-scatters their gradients, and the all-reduce of the
+  replicated layer's (one as large as those matrices) is gone."""
+  mesh = mesh_of(2, 4)
+  config = dataclasses.replace(BASE, shared_fsdp=True)
+  layer = MoELayer(config, mesh=mesh, rngs=nnx.Rngs(seed_of(request.node.name)))
+  shapes = param_shapes(config)
+  for name in SHARED_FSDP_PARAMS:
+    if name in shapes:
+      (shard,) = {s.data.shape for s in getattr(layer, name)[...].addressable_shards}
+      assert shard == (shapes[name][0] // 8, *shapes[name][1:]), name
+  x, mask = tokens(seed_of(request.node.name))
+  whole = 4 * sum(np.prod(shapes[n]) for n in SHARED_FSDP_PARAMS if n in shapes)  # f32 bytes
+  ops = {
+    fsdp: _collectives(dataclasses.replace(config, shared_fsdp=fsdp), mesh, x, mask)
+    for fsdp in (False, True)
+  }
+  reduced = lambda fsdp, kind: sum(size for op, size, _ in ops[fsdp] if op == kind)
+  assert reduced(False, "all-reduce") - reduced(True, "all-reduce") >= whole  # the check can fail
+  assert reduced(True, "reduce-scatter") - reduced(False, "reduce-scatter") >= whole / 8
+
+
 def _collectives(config, mesh, x, mask) -> list[tuple[str, int, bool]]:
   """(op, bytes of its result, whether in the entry computation) of each all-reduce,
   reduce-scatter and all-gather in the compiled gradient of the layer on `mesh`."""
@@ -193,6 +218,11 @@ class TestErrors:
   def test_the_data_group_must_split_dim_1(self):
     config = dataclasses.replace(BASE, hidden_size=18, expert_fsdp=True)
     with pytest.raises(ValueError, match=r"splits w_gate_up \(8, 18, 48\) along dim 1 .* 4 shards"):
+      MoELayer(config, mesh=mesh_of(4, 2), rngs=nnx.Rngs(0))
+
+  def test_every_device_must_split_the_shared_matrices(self):
+    config = dataclasses.replace(BASE, hidden_size=18, shared_fsdp=True)
+    with pytest.raises(ValueError, match=r"splits router_kernel \(18, 8\) along dim 0 .* 8 shards"):
       MoELayer(config, mesh=mesh_of(4, 2), rngs=nnx.Rngs(0))
 
   def test_a_scale_block_must_not_straddle_two_shards(self):

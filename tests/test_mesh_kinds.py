@@ -69,20 +69,22 @@ def random_batch(seed: int):
 
 
 def test_the_layer_its_gradient_and_moe_apply(mesh, request):
+  """On each kind, with the router and shared experts split over the mesh too (shared_fsdp)."""
   seed = seed_of(request.node.name)
-  layer = MoELayer(CONFIG, mesh=mesh, rngs=nnx.Rngs(seed))
+  config = dataclasses.replace(CONFIG, shared_fsdp=True)
+  layer = MoELayer(config, mesh=mesh, rngs=nnx.Rngs(seed))
   x, mask = random_batch(seed)
   xs, masks = batch_of(mesh, poison(x, mask), mask)
   y = layer(xs, token_mask=masks)
   params = layer.moe_params()
-  want = reference_moe(params, x, CONFIG, mask)
+  want = reference_moe(params, x, config, mask)
   assert_close(y, want, what="y")
   if mesh.axis_types[0] == AxisType.Explicit:
     assert jax.typeof(y).sharding.spec == jax.typeof(xs).sharding.spec
-  applied, aux = moe_apply(params, xs, config=CONFIG, mesh=mesh, token_mask=masks)
+  applied, aux = moe_apply(params, xs, config=config, mesh=mesh, token_mask=masks)
   assert_close(applied, want, what="moe_apply's y")
   replayed, _ = moe_apply(
-    params, xs, config=CONFIG, mesh=mesh, token_mask=masks, expert_ids=aux.expert_ids
+    params, xs, config=config, mesh=mesh, token_mask=masks, expert_ids=aux.expert_ids
   )
   assert np.array_equal(replayed, applied), "routing replay of the call's own ids"
   if mesh.axis_types[0] == AxisType.Explicit:  # the ids come back split like the tokens
@@ -91,8 +93,9 @@ def test_the_layer_its_gradient_and_moe_apply(mesh, request):
   # Jitted: JAX's eager `grad` on an explicit mesh wants `jax.set_mesh` (for any function).
   grads = nnx.jit(nnx.grad(lambda m: loss(m(xs, token_mask=masks))))(layer)
   host = jax.device_get(params)
-  expected = jax.grad(lambda p: loss(reference_moe(p, x, CONFIG, mask)))(host)
-  assert_close(grads.w_down[...], expected.w_down, what="d w_down")
+  expected = jax.grad(lambda p: loss(reference_moe(p, x, config, mask)))(host)
+  for name in ("w_down", "router_kernel", "shared_w_down"):
+    assert_close(getattr(grads, name)[...], getattr(expected, name), what=f"d {name}")
 
 
 def test_the_linen_module(mesh, request):

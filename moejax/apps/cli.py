@@ -182,6 +182,11 @@ def parser() -> argparse.ArgumentParser:
     "--expert-fsdp", action="store_true", help="split expert weights over the data axis too"
   )
   fit_flags.add_argument(
+    "--shared-fsdp",
+    action="store_true",
+    help="split the router's and shared experts' matrices over every device",
+  )
+  fit_flags.add_argument(
     "--dispatch", default="auto", choices=DISPATCHES, help="the exchange scheme"
   )
   fit_flags.add_argument(
@@ -194,7 +199,8 @@ def parser() -> argparse.ArgumentParser:
     "--find",
     action="store_true",
     help="search the fewest nodes (up to --max-nodes) on which the job fits, trying expert "
-    "parallelism, --expert-fsdp, all_to_all and --remat full in place of those flags and "
+    "parallelism, --expert-fsdp, --shared-fsdp, all_to_all and --remat full in place of "
+    "those flags and "
     "--nodes; prints each plan tried and the command of the one found",
   )
   fit_flags.add_argument(

@@ -149,6 +149,7 @@ class FitReport:
   rest_of_model_parameters: int
   estimate: StepEstimate
   notes: tuple[str, ...]
+  shared_fsdp: bool = False
   warnings: tuple[str, ...] = ()
 
   def to_json(self) -> dict[str, Any]:
@@ -167,6 +168,7 @@ def fit(
   tokens_per_device: int = 4096,
   expert_parallel: int | None = None,
   expert_fsdp: bool = False,
+  shared_fsdp: bool = False,
   dispatch: str = "auto",
   chunk_size: int | str = "auto",
   remat: str = "none",
@@ -187,7 +189,7 @@ def fit(
     tokens_per_device: tokens each device holds per step.
     expert_parallel: devices of the expert axis (default: the most that divide both the
       devices and the experts); the rest form the data axis.
-    expert_fsdp, dispatch, chunk_size: as `MoEConfig`'s.
+    expert_fsdp, shared_fsdp, dispatch, chunk_size: as `MoEConfig`'s.
     remat: each layer rematerialized in the backward pass: "none", "full" (recompute
       everything) or "names" (keep `moejax.CHECKPOINT_NAMES`), as `moejax.remat.REMAT_POLICIES`.
     progress: show a progress bar while building and compiling.
@@ -205,7 +207,16 @@ def fit(
   if remat not in REMAT_POLICIES:
     raise ValueError(f"remat={remat!r}; expected one of {tuple(REMAT_POLICIES)}")
   devices = nodes * gpus_per_node
-  config = _config(config_json, job, expert_quant, lora_rank, expert_fsdp, dispatch, chunk_size)
+  config = _config(
+    config_json,
+    job,
+    expert_quant,
+    lora_rank,
+    dispatch=dispatch,
+    chunk_size=chunk_size,
+    expert_fsdp=expert_fsdp,
+    shared_fsdp=shared_fsdp,
+  )
   ep = _expert_parallel(expert_parallel, devices, config.num_experts)
   mesh_shape = {"data": devices // ep, "expert": ep}
   layers = len(hf.moe_layers(config_json))
@@ -262,7 +273,8 @@ def fit(
     headroom_bytes=target.memory_bytes - per_device["total"],
     rest_of_model_parameters=rest,
     estimate=estimate,
-    warnings=_ineffective_settings(expert_fsdp, mesh_shape),
+    shared_fsdp=shared_fsdp,
+    warnings=_ineffective_settings(expert_fsdp, shared_fsdp, mesh_shape),
     notes=(
       "MoE stack: compiled for the target by XLA (memory_analysis), its real layer count "
       "scanned; the stand-in loss is the mean square of the stack's output; total = "
@@ -275,15 +287,20 @@ def fit(
   )
 
 
-def _ineffective_settings(expert_fsdp: bool, mesh_shape: dict[str, int]) -> tuple[str, ...]:
+def _ineffective_settings(
+  expert_fsdp: bool, shared_fsdp: bool, mesh_shape: dict[str, int]
+) -> tuple[str, ...]:
   """What a setting asked for that the plan cannot do, in words."""
+  warnings = []
   if expert_fsdp and mesh_shape["data"] == 1:
-    return (
+    warnings.append(
       f"expert_fsdp does nothing here: the expert axis takes all {mesh_shape['expert']} "
       "devices, so the data axis has 1 device to split the expert weights over (choose a "
-      "smaller expert_parallel)",
+      "smaller expert_parallel)"
     )
-  return ()
+  if shared_fsdp and mesh_shape["data"] * mesh_shape["expert"] == 1:
+    warnings.append("shared_fsdp does nothing here: one device holds the whole mesh")
+  return tuple(warnings)
 
 
 # Bytes per parameter of the rest of the model: bf16 weights; training adds bf16 gradients
@@ -305,16 +322,15 @@ def model_json(model: str | Path | dict[str, Any]) -> tuple[str, dict[str, Any]]
   )
 
 
-def _config(config_json, job, expert_quant, lora_rank, expert_fsdp, dispatch, chunk_size):
-  """The MoEConfig of the job: bf16, the experts in the chosen format."""
+def _config(config_json, job, expert_quant, lora_rank, **settings):
+  """The MoEConfig of the job: bf16, the experts in the chosen format, `settings` (dispatch,
+  chunk_size, expert_fsdp, shared_fsdp) as given."""
   config = hf.config_from_hf(
     config_json,
     dtype=jnp.bfloat16,
     param_dtype=jnp.bfloat16,
-    expert_fsdp=expert_fsdp,
-    dispatch=dispatch,
-    chunk_size=chunk_size,
     lora_rank=lora_rank if job == "lora" else 0,
+    **settings,
   )
   if expert_quant != "released":
     if expert_quant is not None and expert_quant not in FORMATS:

@@ -26,6 +26,7 @@ def run(args: argparse.Namespace) -> FitReport | fit_search.Search:
       gpus_per_node=args.gpus_per_node,
       expert_parallel=args.expert_parallel,
       expert_fsdp=args.expert_fsdp,
+      shared_fsdp=args.shared_fsdp,
       dispatch=args.dispatch,
       remat=args.remat,
       progress=not args.json,
@@ -81,10 +82,11 @@ def _find(args: argparse.Namespace) -> fit_search.Search:
   """`fit --find`: each plan as it is tried, then the one found and its command."""
   fixed = _job(args)
   if not args.json:
-    print("nodes  expert  fsdp  dispatch    remat  total GiB  fits  compile s")
+    print("nodes  expert  fsdp  shared fsdp  dispatch    remat  total GiB  fits  compile s")
+  yes = lambda flag: "yes" if flag else "no"
   show = lambda t: print(
-    f"{t.nodes:5d}  {t.expert_parallel:6d}  {'yes' if t.expert_fsdp else 'no':>4}  "
-    f"{t.dispatch:10s}  {t.remat:5s}  {t.total_bytes / GIB:9.2f}  {'yes' if t.fits else 'no':>4}"
+    f"{t.nodes:5d}  {t.expert_parallel:6d}  {yes(t.expert_fsdp):>4}  {yes(t.shared_fsdp):>11}  "
+    f"{t.dispatch:10s}  {t.remat:5s}  {t.total_bytes / GIB:9.2f}  {yes(t.fits):>4}"
     f"  {t.compile_s:9.1f}"
   )
   try:

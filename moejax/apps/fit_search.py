@@ -11,6 +11,8 @@ from typing import Any
 
 from moejax import hf
 from moejax.apps.fit import FitReport, fit, model_json
+from moejax.config import MoEConfig
+from moejax.sharding import unsplit_shared
 
 
 @dataclasses.dataclass(frozen=True)
@@ -20,6 +22,7 @@ class Tried:
   nodes: int
   expert_parallel: int
   expert_fsdp: bool
+  shared_fsdp: bool
   dispatch: str
   remat: str
   total_bytes: int
@@ -54,13 +57,17 @@ def node_counts(max_nodes: int) -> list[int]:
   return [*counts, max_nodes]
 
 
-def settings(devices: int, experts: int, job: str) -> list[dict[str, Any]]:
-  """The plans tried on `devices` GPUs, in order: every device on the expert axis (the
-  fewest expert weights per device), then half and a quarter of them with the expert weights
-  split over the data axis too (`expert_fsdp`; smaller exchange buffers, which grow with the
-  expert-axis size); always the dropless all_to_all (its buffers grow with that size less
-  than all_gather's), each layer rematerialized when the job has a backward pass."""
+def settings(devices: int, config: MoEConfig, job: str) -> list[dict[str, Any]]:
+  """The plans tried on `devices` GPUs for a layer of `config`, in order: every device on the
+  expert axis (the fewest expert weights per device), then half and a quarter of them with
+  the expert weights split over the data axis too (`expert_fsdp`; smaller exchange buffers,
+  which grow with the expert-axis size); always the router and shared experts split over
+  every device (`shared_fsdp`) where their shapes divide, and the dropless all_to_all (its
+  buffers grow with that size less than all_gather's), each layer rematerialized when the
+  job has a backward pass."""
   remat = "none" if job == "infer" else "full"
+  experts = config.num_experts
+  shared_fsdp = unsplit_shared(config, devices) is None
   widest = max(s for s in range(1, devices + 1) if devices % s == 0 and experts % s == 0)
   tried = []
   for expert_parallel in (widest, widest // 2, widest // 4):
@@ -70,6 +77,7 @@ def settings(devices: int, experts: int, job: str) -> list[dict[str, Any]]:
       dict(
         expert_parallel=expert_parallel,
         expert_fsdp=expert_parallel < devices,
+        shared_fsdp=shared_fsdp,
         dispatch="all_to_all",
         remat=remat,
       )
@@ -99,10 +107,10 @@ def find(
   Returns:
     The `Search`.
   """
-  experts = hf.config_from_hf(model_json(model)[1]).num_experts
+  config = hf.config_from_hf(model_json(model)[1])
   tried = []
   for nodes in node_counts(max_nodes):
-    for plan in settings(nodes * gpus_per_node, experts, fixed.get("job", "infer")):
+    for plan in settings(nodes * gpus_per_node, config, fixed.get("job", "infer")):
       began = time.perf_counter()
       result = fit(model, gpu, nodes=nodes, gpus_per_node=gpus_per_node, **plan, **fixed)
       tried.append(
@@ -132,6 +140,7 @@ def command(model, gpu: str, nodes: int, gpus_per_node: int, plan: dict, fixed: 
     f"python -m moejax fit {source} --gpu {gpu} --nodes {nodes} --gpus-per-node {gpus_per_node}",
     f"--expert-parallel {plan['expert_parallel']}",
     *(["--expert-fsdp"] if plan["expert_fsdp"] else []),
+    *(["--shared-fsdp"] if plan["shared_fsdp"] else []),
     f"--dispatch {plan['dispatch']} --remat {plan['remat']}",
   ]
   names = dict(job="--job", lora_rank="--lora-rank", tokens_per_device="--tokens-per-device")
