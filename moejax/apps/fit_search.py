@@ -144,9 +144,11 @@ def command(model, gpu: str, nodes: int, gpus_per_node: int, plan: dict, fixed: 
     f"--dispatch {plan['dispatch']} --remat {plan['remat']}",
   ]
   names = dict(job="--job", lora_rank="--lora-rank", tokens_per_device="--tokens-per-device")
+  if fixed.get("job") != "lora":  # the rank means nothing to another job
+    names.pop("lora_rank")
   flags += [f"{names[key]} {value}" for key, value in fixed.items() if key in names]
   if "expert_quant" in fixed:
     flags.append(f"--expert-quant {fixed['expert_quant'] or 'none'}")
-  if "chunk_size" in fixed:
+  if fixed.get("chunk_size", "auto") != "auto":
     flags.append(f"--chunk-size {fixed['chunk_size']}")
   return " ".join(flags)
