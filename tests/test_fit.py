@@ -61,6 +61,18 @@ def test_the_command_line_exits_naming_a_bad_flag(capsys):
     assert named in capsys.readouterr().err
 
 
+def test_the_kv_cache_is_counted_by_its_formula():
+  """Per token and layer: multi-head latent attention's latent and rope key; grouped-query
+  attention's keys and values; a sliding-window layer at most its window."""
+  assert (
+    planner.kv_cache_bytes(planner.PRESETS["qwen3-30b-a3b"], 1000) == 48 * 1000 * 2 * 4 * 128 * 2
+  )
+  gpt_oss = planner.PRESETS["gpt-oss-120b"]
+  assert planner.kv_cache_bytes(gpt_oss, 1000) == (18 * 1000 + 18 * 128) * 2 * 8 * 64 * 2
+  assert planner.kv_cache_bytes(gpt_oss, 100) == 36 * 100 * 2 * 8 * 64 * 2  # within the window
+  assert planner.kv_cache_bytes(planner.PRESETS["deepseek-v3"], 10) == 61 * 10 * (512 + 64) * 2
+
+
 def test_the_rest_of_the_model_is_counted_by_its_formula():
   """DeepSeek-V3's parameters outside its MoE layers, from its config.json: 61 layers of
   multi-head latent attention, 3 dense FFN layers, embeddings and the output projection."""
@@ -113,7 +125,8 @@ def test_a_report_reads_the_compiled_program(job):
   assert per_device["gradients"] == gradients[job] <= per_device["temp"]
   assert per_device["temp"] > 0
   compiled = per_device["arguments"] + per_device["temp"] + per_device["outputs_not_aliased"]
-  assert per_device["total"] == compiled + per_device["rest_of_model"]
+  rest = per_device["rest_of_model"] + per_device["kv_cache"]
+  assert per_device["total"] == compiled + rest
   assert report.fits and report.headroom_bytes == report.gpu_memory_bytes - per_device["total"]
   estimate = report.estimate
   assert estimate.stack_s == pytest.approx(3 * estimate.layer_s) and estimate.layer_s > 0

@@ -196,6 +196,12 @@ def parser() -> argparse.ArgumentParser:
     "--remat", default="none", choices=list(REMAT_POLICIES), help="as train's --remat"
   )
   fit_flags.add_argument(
+    "--context-tokens",
+    type=positive_int,
+    default=None,
+    help="job infer: tokens of context each device's KV cache holds (default: --tokens-per-device)",
+  )
+  fit_flags.add_argument(
     "--find",
     action="store_true",
     help="search the fewest nodes (up to --max-nodes) on which the job fits, trying expert "

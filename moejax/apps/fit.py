@@ -87,6 +87,8 @@ PRESETS: dict[str, dict[str, Any]] = {
     num_experts_per_tok=4, num_hidden_layers=36, num_attention_heads=64, num_key_value_heads=8,
     head_dim=64, vocab_size=201088, swiglu_limit=7.0, tie_word_embeddings=False,
     quantization_config=dict(quant_method="mxfp4"),
+    # Attention alternates a 128-token window and the full context, the window first.
+    sliding_window=128, layer_types=["sliding_attention", "full_attention"] * 18,
   ),
   "mixtral-8x22b": dict(
     model_type="mixtral", hidden_size=6144, intermediate_size=16384, num_local_experts=8,
@@ -121,12 +123,13 @@ class StepEstimate:
 class FitReport:
   """What `fit` found: per-device bytes (`per_device_bytes`: expert_weights,
   other_moe_weights, adapters, gradients, optimizer_state, arguments, temp,
-  outputs_not_aliased, rest_of_model, total; the first five parts of the compiler's figures,
-  gradients within temp, the rest arguments; total = arguments + temp + outputs_not_aliased
-  + rest_of_model), the
-  GPU's memory, whether it fits and with what headroom, the mesh, chunk and expert path the
-  program used (its `moejax.plan_call`), the step estimate, and `warnings`: settings that
-  changed nothing (e.g. `expert_fsdp` with no data axis to split over)."""
+  outputs_not_aliased, rest_of_model, kv_cache, total; the first five parts of the
+  compiler's figures, gradients within temp, the rest arguments; total = arguments + temp +
+  outputs_not_aliased + rest_of_model + kv_cache), the GPU's memory, whether it fits and with
+  what headroom, the mesh, chunk and expert path the program used (its `moejax.plan_call`),
+  the step estimate, the KV cache's `context_tokens` (0 for a job that trains), and
+  `warnings`: settings that changed nothing (e.g. `expert_fsdp` with no data axis to split
+  over)."""
 
   model: str
   gpu: str
@@ -150,6 +153,7 @@ class FitReport:
   estimate: StepEstimate
   notes: tuple[str, ...]
   shared_fsdp: bool = False
+  context_tokens: int = 0
   warnings: tuple[str, ...] = ()
 
   def to_json(self) -> dict[str, Any]:
@@ -172,6 +176,7 @@ def fit(
   dispatch: str = "auto",
   chunk_size: int | str = "auto",
   remat: str = "none",
+  context_tokens: int | None = None,
   progress: bool = False,
 ) -> FitReport:
   """Compiles the model's MoE stack for `nodes` x `gpus_per_node` GPUs of `gpu` and reports
@@ -192,6 +197,9 @@ def fit(
     expert_fsdp, shared_fsdp, dispatch, chunk_size: as `MoEConfig`'s.
     remat: each layer rematerialized in the backward pass: "none", "full" (recompute
       everything) or "names" (keep `moejax.CHECKPOINT_NAMES`), as `moejax.remat.REMAT_POLICIES`.
+    context_tokens: for "infer", the tokens of context each device's KV cache holds (its
+      sequences' together; `kv_cache_bytes`); None: `tokens_per_device`. Training jobs hold
+      no cache.
     progress: show a progress bar while building and compiling.
 
   Raises:
@@ -236,6 +244,11 @@ def fit(
     bar.update()
   rest = rest_of_model_parameters(config_json)
   rest_bytes = rest * _REST_BYTES_PER_PARAMETER[job] // devices
+  if job != "infer":
+    context_tokens = 0
+  elif context_tokens is None:
+    context_tokens = tokens_per_device
+  kv_cache = kv_cache_bytes(config_json, context_tokens)
   compiled = memory.argument_size_in_bytes + memory.temp_size_in_bytes
   compiled += memory.output_size_in_bytes - memory.alias_size_in_bytes
   per_device = {
@@ -244,7 +257,8 @@ def fit(
     "temp": int(memory.temp_size_in_bytes),
     "outputs_not_aliased": int(memory.output_size_in_bytes - memory.alias_size_in_bytes),
     "rest_of_model": int(rest_bytes),
-    "total": int(compiled + rest_bytes),
+    "kv_cache": int(kv_cache),
+    "total": int(compiled + rest_bytes + kv_cache),
   }
   target = GPUS[gpu]
   # What the compiled program's layer decided: its chunk, exchange and expert path.
@@ -274,15 +288,19 @@ def fit(
     rest_of_model_parameters=rest,
     estimate=estimate,
     shared_fsdp=shared_fsdp,
+    context_tokens=context_tokens,
     warnings=_ineffective_settings(expert_fsdp, shared_fsdp, mesh_shape),
     notes=(
       "MoE stack: compiled for the target by XLA (memory_analysis), its real layer count "
       "scanned; the stand-in loss is the mean square of the stack's output; total = "
-      "arguments + temp + outputs_not_aliased + rest_of_model (expert weights, adapters and "
+      "arguments + temp + outputs_not_aliased + rest_of_model + kv_cache (expert weights, "
+      "adapters and "
       "optimizer state are parts of the arguments, gradients of temp)",
       "rest of the model: parameters counted from config.json (embeddings, attention, dense "
       f"FFN layers, norms), {_REST_BYTES_PER_PARAMETER[job]} bytes each for this job, split "
       "evenly over every device; its activations are not counted",
+      f"KV cache: {context_tokens} tokens of context per device in bf16, every layer "
+      "(kv_cache_bytes; a job that trains holds none)",
     ),
   )
 
@@ -463,6 +481,34 @@ def rest_of_model_parameters(config_json: dict[str, Any]) -> int:
     attention = 2 * d * heads * head_dim + 2 * d * kv * head_dim
   ffn = 3 * d * read("intermediate_size", 0)
   return int(embeddings + layers * (attention + 2 * d) + dense * ffn + d)
+
+
+def kv_cache_bytes(config_json: dict[str, Any], context_tokens: int) -> int:
+  """Bytes of an inference KV cache holding `context_tokens` tokens, in bf16, over every layer
+  of the model: per token and layer, multi-head latent attention's compressed latent and
+  rope key (`kv_lora_rank + qk_rope_head_dim` values, as vLLM and SGLang cache it), else a key
+  and a value per KV head (`2 * num_key_value_heads * head_dim`). A layer of `layer_types`
+  "sliding_attention" (or every layer, with `sliding_window` set and `layer_types` absent)
+  holds at most `sliding_window` tokens.
+
+  >>> kv_cache_bytes(PRESETS["deepseek-v3"], 4096) == 61 * 4096 * (512 + 64) * 2
+  True
+  """
+  config_json = hf.config_json(config_json)
+  read = lambda key, default=None: config_json.get(key, default)
+  if read("kv_lora_rank"):
+    per_token = read("kv_lora_rank") + read("qk_rope_head_dim")
+  else:
+    heads = read("num_attention_heads")
+    head_dim = read("head_dim") or read("hidden_size") // heads
+    per_token = 2 * read("num_key_value_heads", heads) * head_dim
+  layers = hf.family_of(read("model_type")).layers(config_json)
+  window = read("sliding_window") if read("use_sliding_window", True) else None
+  kinds = read("layer_types") or ["sliding_attention" if window else "full_attention"] * layers
+  held = [
+    min(context_tokens, window) if k == "sliding_attention" else context_tokens for k in kinds
+  ]
+  return sum(held) * per_token * 2
 
 
 # The XLA expert paths' forward in the recorded H200 run (docs/performance.md, "GPU"): 8192

@@ -29,6 +29,7 @@ def run(args: argparse.Namespace) -> FitReport | fit_search.Search:
       shared_fsdp=args.shared_fsdp,
       dispatch=args.dispatch,
       remat=args.remat,
+      context_tokens=args.context_tokens,
       progress=not args.json,
       **_job(args),
     )
