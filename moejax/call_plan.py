@@ -27,6 +27,7 @@ from jax.sharding import AbstractMesh, Mesh
 
 from kernels_pallas import platform
 from moejax import axis_groups, meshes, tuning
+from moejax.capacity import received_rows
 from moejax.chunk_budget import (
   PathOf,
   auto_chunk,
@@ -36,7 +37,7 @@ from moejax.chunk_budget import (
 )
 from moejax.chunking import TokenLayout
 from moejax.config import MoEConfig, Scheme
-from moejax.dispatch import Exchange, dispatch_choice, make_exchange, received_rows
+from moejax.dispatch import Exchange, dispatch_choice, make_exchange
 from moejax.experts import tile_rows_for
 from moejax.plan import ExpertPlan, choose_plan
 from moejax.sharding import check_mesh
@@ -55,7 +56,8 @@ class CallPlan:
     scheme: the exchange, "all_gather" or "all_to_all".
     scheme_reason: why that scheme.
     exchange: the scheme's `moejax.dispatch.Exchange` over the expert group (S, El).
-    received_rows: N = S·C, the rows a device receives per chunk.
+    received_rows: N, the rows a device receives per chunk (S·C, or all_to_all's receive
+      capacity: `moejax.capacity`).
     expert: the `moejax.plan.ExpertPlan` (path, backend, interpreted or not) for N·K rows.
     expert_reason: why that path.
     expert_warning: what running the plan warns of (a kernel interpreted on a CPU, a
@@ -143,11 +145,11 @@ def plan_for(config: MoEConfig, num_tokens: int, mesh: Mesh | AbstractMesh | Non
     )
     # The expert path depends on the chunk (its received rows); the budget asks for each size.
     choice_at = lambda chunk: choose_plan(
-      config, received_rows(exchange, chunk) * config.top_k, exchange.local_experts
+      config, received_rows(config, chunk, axis_size, scheme) * config.top_k, exchange.local_experts
     )
     path_of = lambda chunk: choice_at(chunk).plan.path
     layout, budget = _layout(config, num_tokens, devices, exchange, scheme, path_of)
-    received = received_rows(exchange, layout.chunk)
+    received = received_rows(config, layout.chunk, axis_size, scheme)
     assignments = received * config.top_k
     choice = choice_at(layout.chunk)
     terms = chunk_bytes_by_term(config, layout.chunk, axis_size, scheme, choice.plan.path)

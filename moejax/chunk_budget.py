@@ -32,6 +32,7 @@ from typing import NamedTuple
 import numpy as np
 
 from kernels_pallas import platform
+from moejax.capacity import received_rows
 from moejax.config import ExpertPath, MoEConfig, Scheme
 from moejax.experts import tile_rows_for
 
@@ -60,9 +61,10 @@ PathOf = Callable[[int], ExpertPath]
 # chunk adds 18-22·D bytes per received row forward and 28-39·D with the backward pass;
 # these terms sum to 48·D (all_gather) and 52·D (all_to_all), and the tile loop's padding
 # (`tile_padding_bytes`) comes on top.
+PAIR_BUFFERS = "all_to_all's pair buffers: min(K, S) copies of each sent row, out and back"
 CHUNK_TERMS: dict[str, Callable[[RowShape], float]] = {
   "received rows (the exchange's buffer)": lambda r: r.dim * r.itemsize,
-  "all_to_all's pair buffers: min(K, S) copies of each sent row, out and back": (
+  PAIR_BUFFERS: (
     lambda r: r.all_to_all * 2 * min(r.top_k, r.axis_size) / r.axis_size * r.dim * r.itemsize
   ),
   "the next chunk in flight (pipelined: S > 1)": lambda r: r.dim * r.itemsize * (r.axis_size > 1),
@@ -75,17 +77,17 @@ CHUNK_TERMS: dict[str, Callable[[RowShape], float]] = {
 }
 
 
-def tile_padding_bytes(config: MoEConfig, chunk: int, axis_size: int) -> int:
-  """The tile loop's padding of one chunk: up to a tile of B rows per local expert, whose
-  float32 outputs and cotangents are held like the rows'."""
-  received = axis_size * chunk
+def tile_padding_bytes(config: MoEConfig, received: int, axis_size: int) -> int:
+  """The tile loop's padding of one chunk of N = `received` rows: up to a tile of B rows per
+  local expert, whose float32 outputs and cotangents are held like the rows'."""
   tile_rows = tile_rows_for(config, received * config.top_k)
   local_experts = config.num_physical_experts // axis_size
   return local_experts * tile_rows * config.hidden_size * 2 * F32
 
 
-def ragged_dot_bytes(config: MoEConfig, chunk: int, axis_size: int, path: ExpertPath) -> int:
-  """What XLA:GPU's ragged_dot adds to a chunk on expert `path` (0 but for "ragged_dot"): its GPU
+def ragged_dot_bytes(config: MoEConfig, received: int, axis_size: int, path: ExpertPath) -> int:
+  """What XLA:GPU's ragged_dot adds to a chunk of N = `received` rows on expert `path` (0 but
+  for "ragged_dot"): its GPU
   lowering expands each grouped matmul densely over the El local experts, and the gradient
   holds, per received (row, choice) and local expert, up to (5·D + 10·F) times the compute
   dtype's bytes. Measured on compile-only H200 programs in bf16 (El 4 and 8, K 2 and 4, D
@@ -93,7 +95,6 @@ def ragged_dot_bytes(config: MoEConfig, chunk: int, axis_size: int, path: Expert
   forward stays within them); float32 scaled by its size, not measured."""
   if path != "ragged_dot":
     return 0
-  received = axis_size * chunk
   local_experts = config.num_physical_experts // axis_size
   per_pair = (5 * config.hidden_size + 10 * config.intermediate_size) * local_experts
   return received * config.top_k * per_pair * np.dtype(config.dtype).itemsize
@@ -110,8 +111,9 @@ def chunk_bytes(
 def chunk_bytes_by_term(
   config: MoEConfig, chunk: int, axis_size: int, scheme: Scheme, path: ExpertPath
 ) -> dict[str, int]:
-  """`chunk_bytes`' terms: each of `CHUNK_TERMS` for the S·C rows the chunk receives, the tile
-  padding, and ragged_dot's dense expansion on a GPU (0 on the other paths)."""
+  """`chunk_bytes`' terms: each of `CHUNK_TERMS` for the N rows the chunk receives (S·C, or
+  all_to_all's receive capacity: `moejax.capacity`), the tile padding, and ragged_dot's dense
+  expansion on a GPU (0 on the other paths)."""
   row = RowShape(
     config.hidden_size,
     config.top_k,
@@ -119,13 +121,15 @@ def chunk_bytes_by_term(
     axis_size,
     all_to_all=scheme == "all_to_all",
   )
-  received = axis_size * chunk
-  terms = {name: math.ceil(term(row) * received) for name, term in CHUNK_TERMS.items()}
+  received = received_rows(config, chunk, axis_size, scheme)
+  # The pair buffers follow the rows sent (S·C of them's share), not the capacity.
+  rows_of = lambda name: axis_size * chunk if name == PAIR_BUFFERS else received
+  terms = {name: math.ceil(term(row) * rows_of(name)) for name, term in CHUNK_TERMS.items()}
   terms["the tile loop's padding (tile_padding_bytes)"] = tile_padding_bytes(
-    config, chunk, axis_size
+    config, received, axis_size
   )
   terms["ragged_dot's dense expansion on a GPU (ragged_dot_bytes)"] = ragged_dot_bytes(
-    config, chunk, axis_size, path
+    config, received, axis_size, path
   )
   return terms
 

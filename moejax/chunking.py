@@ -178,8 +178,8 @@ def chunk_scan(
   )
 
 
-def _chunk_order(token_mask: jax.Array, chunk_size: int) -> jax.Array:
-  """[chunks, C] row indices, valid rows first in a stable order.
+def chunk_order(token_mask: jax.Array, chunk_size: int) -> jax.Array:
+  """[chunks, C] row indices, valid rows first in a stable order: which rows chunk i holds.
 
   With padding scattered through a buffer, the chunks past this device's valid count are then
   all padding and get skipped, so the cost follows the busiest device's tokens.
@@ -225,7 +225,7 @@ def _forward(stages, chunk_size, lockstep_axis, pipelined, keep, weights, inputs
   """The loop: ((out, chunks_run), the in-flight values): with `keep`, [chunks, ...] each
   chunk's (zeros for skipped chunks), else None."""
   weights = stages.prepare(weights)
-  order = _chunk_order(token_mask, chunk_size)  # [chunks, C]
+  order = chunk_order(token_mask, chunk_size)  # [chunks, C]
   live = _live_chunks(token_mask, order, lockstep_axis)  # [chunks]
   take = lambda i: _rows_of(inputs, order[i])
   out_type = jax.eval_shape(stages.whole, weights, take(0))
@@ -334,7 +334,7 @@ def _chunk_scan_bwd(stages, chunk_size, lockstep_axis, pipelined, saved, residua
   d_out = cotangents[0]
   is_float = lambda a: jnp.issubdtype(a.dtype, jnp.inexact)
   float_inputs = [a for a in jax.tree.leaves(inputs) if is_float(a)]
-  order = _chunk_order(token_mask, chunk_size)
+  order = chunk_order(token_mask, chunk_size)
   live = _live_chunks(token_mask, order, lockstep_axis)
 
   def step(carry, i):

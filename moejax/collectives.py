@@ -40,6 +40,15 @@ def vary_over(x: jax.Array, axes: Sequence[str]) -> jax.Array:
   return jax.lax.pcast(x, tuple(axes), to="varying") if axes else x
 
 
+def varying_like(value: jax.Array, like: jax.Array) -> jax.Array:
+  """`value` (int or bool), per-device wherever `like` is (inside `shard_map`; elsewhere as it
+  is): what a value must share with the others of a `lax.cond` branch's output. Combined
+  with `filled_like`'s zeros (XLA folds them away) rather than cast by axis names, which
+  the JAX versions moejax supports expose differently."""
+  zero = filled_like(like, value.shape, 0, value.dtype)
+  return value | zero if value.dtype == jnp.bool_ else value + zero
+
+
 def axis_rank(axis: AxisGroup | None) -> jax.Array:
   """This device's index along `axis` (0 without a mesh)."""
   return jnp.int32(0) if axis is None else jax.lax.axis_index(axis)

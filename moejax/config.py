@@ -164,6 +164,13 @@ class MoEConfig:
       size (or the Pallas kernel with `expert_backend="pallas"`; never ragged_dot, whose
       lowering depends on the size). `moejax.invariance`; docs/design.md, "Batch
       invariance" gives the scope and the cost.
+    receive_capacity_factor: None (the default: all_to_all's receive buffers hold the worst
+      case, S·C rows per chunk), or f > 0: they hold f times the rows a device receives
+      when routing is balanced, C·min(K, S) (rounded up to a multiple of 8; at least S,
+      at most S·C), so that memory and bytes follow the expected load. Still dropless: a
+      chunk for which any device of the expert group would receive more runs again as
+      sub-chunks whose worst case fits (`moejax.capacity`); `MoEAux.overflowed_chunks`
+      counts them. Needs dispatch="all_to_all".
 
   >>> MoEConfig(num_experts=8, top_k=2, hidden_size=64, intermediate_size=128).chunk_size
   'auto'
@@ -211,6 +218,7 @@ class MoEConfig:
   lora_rslora: bool = False
   save_dispatched_rows: bool = False
   batch_invariant: bool = False
+  receive_capacity_factor: float | None = None
 
   def __post_init__(self) -> None:
     check_field_types(self)
@@ -249,6 +257,17 @@ class MoEConfig:
     budget = self.chunk_memory_bytes
     if budget is not None and not _positive_int(budget):
       raise ValueError(f"chunk_memory_bytes must be a positive int or None, got {budget!r}")
+    capacity = self.receive_capacity_factor
+    if capacity is not None and (
+      isinstance(capacity, bool) or not isinstance(capacity, int | float) or not capacity > 0
+    ):
+      raise ValueError(f"receive_capacity_factor must be a number > 0 or None, got {capacity!r}")
+    if capacity is not None and self.dispatch != "all_to_all":
+      raise ValueError(
+        "receive_capacity_factor sizes all_to_all's receive buffers, and dispatch="
+        f"{self.dispatch!r} need not run all_to_all (all_gather gathers every row to every "
+        "device): set dispatch='all_to_all'"
+      )
     redundant = self.num_redundant_experts
     if not isinstance(redundant, int) or isinstance(redundant, bool) or redundant < 0:
       raise ValueError(f"num_redundant_experts must be an int >= 0, got {redundant!r}")

@@ -11,6 +11,9 @@ The chunk loop runs `send` for chunk i+1 while the experts of chunk i compute.
   pair that the row's K choices need is sent once, with that device's (local expert id,
   weight) pairs; at most min(K, S) copies per row, and none for padding. A device receives at
   most C rows from each source, so the static buffers are [S·C, ...]: nothing is ever dropped.
+  With a receive capacity (`moejax.capacity`) they are smaller, each source's rows packed
+  after the previous source's, and a chunk that would overflow any device sends nothing
+  (`Dispatched.overflow`): the caller runs it again in sub-chunks.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ import jax
 import jax.numpy as jnp
 
 from kernels_pallas import platform
+from moejax.capacity import capacity_rows
+from moejax.chunking import chunk_order
 from moejax.collectives import (
   axis_rank,
   filled_like,
@@ -31,25 +36,30 @@ from moejax.collectives import (
   ragged_all_to_all,
   scatter_sum_rows,
   swap_slices,
+  varying_like,
 )
 from moejax.config import Dispatch, MoEConfig, Scheme
 from moejax.id_spaces import is_local, local_id, owner_device
 
 
 class Dispatched(NamedTuple):
-  """What a device received for one chunk: N = S·C rows and, per row, its K local choices.
+  """What a device received for one chunk: N rows (`received_rows`) and, per row, its K local
+  choices.
 
   Attributes:
     rows: [N, D] received rows in the compute dtype (unfilled rows hold zeros).
     local_ids: [N, K] int32 local expert ids; ids outside [0, El) compute nothing.
     weights: [N, K] float32 combine weights (0 where the id is not local).
     route_back: scheme-specific arrays `combine` needs to return the results.
+    overflow: with a receive capacity, [] bool, the same on every device of the group: some
+      device would have received more than its capacity, and nothing was sent; else None.
   """
 
   rows: jax.Array
   local_ids: jax.Array
   weights: jax.Array
   route_back: Any
+  overflow: jax.Array | None = None
 
 
 class Exchange(Protocol):
@@ -81,11 +91,16 @@ class Exchange(Protocol):
     """
     ...
 
+  def overflows(
+    self, expert_ids: jax.Array, token_mask: jax.Array, chunk_size: int
+  ) -> tuple[jax.Array, jax.Array]:
+    """([] int32 chunks that overflowed some device's receive capacity and ran in sub-chunks,
+    [] int32 rows this device would have received past its capacity in them); zeros without
+    a capacity.
 
-def received_rows(exchange: Exchange, chunk_size: int) -> int:
-  """N, the rows a device receives per chunk: S·C for both schemes (all_gather's gathered
-  chunk; all_to_all's static buffers, C from each source)."""
-  return exchange.axis_size * chunk_size
+    Args: expert_ids [L, K] and token_mask [L] of all this device's rows; C.
+    """
+    ...
 
 
 def crosses_devices(exchange: Exchange) -> bool:
@@ -117,6 +132,9 @@ class AllGather:
   def rows_sent(self, expert_ids, chunks_run, chunk_size) -> jax.Array:
     return chunks_run * chunk_size * self.axis_size
 
+  def overflows(self, expert_ids, token_mask, chunk_size) -> tuple[jax.Array, jax.Array]:
+    return no_overflow(token_mask)
+
 
 class _RouteBack(NamedTuple):
   """`AllToAll`'s bookkeeping between `send` and `combine` (S = axis size, Q = pair slots).
@@ -126,6 +144,7 @@ class _RouteBack(NamedTuple):
     send_sizes: [S] int32 pairs sent to each device.
     send_offsets: [S] int32 first pair slot of each device.
     recv_sizes: [S] int32 rows received from each device.
+    recv_offsets: [S] int32 where each source's rows start in this device's buffers.
     return_offsets: [S] int32 where each source wants its returned rows (its send offset).
   """
 
@@ -133,7 +152,26 @@ class _RouteBack(NamedTuple):
   send_sizes: jax.Array
   send_offsets: jax.Array
   recv_sizes: jax.Array
+  recv_offsets: jax.Array
   return_offsets: jax.Array
+
+
+class _Placement(NamedTuple):
+  """Where a chunk's rows go in `AllToAll`'s receive buffers (S = axis size).
+
+  Attributes:
+    buffer_rows: N, the buffers' static rows.
+    land_at: [S] int32 where this device's rows start in each destination's buffers.
+    recv_sizes, recv_offsets, return_offsets: as `_RouteBack`'s.
+    overflow: [] bool (same on every device) with a capacity, else None.
+  """
+
+  buffer_rows: int
+  land_at: jax.Array
+  recv_sizes: jax.Array
+  recv_offsets: jax.Array
+  return_offsets: jax.Array
+  overflow: jax.Array | None
 
 
 def destination_devices(expert_ids: jax.Array, local_experts: int, axis_size: int) -> jax.Array:
@@ -226,13 +264,50 @@ class AllToAll:
 
   `ragged` sends with `jax.lax.ragged_all_to_all` (only the filled rows travel); otherwise
   the drop-in of `moejax.collectives` sends the static [S, C, ...] buffers. The packing and
-  the offsets are the same code either way.
+  the offsets are the same code either way. `capacity_factor`: None (buffers of S·C rows,
+  source i's at i·C), or the receive capacity's factor (`moejax.capacity`: fewer rows, the
+  sources' packed in order).
   """
 
   axis: tuple[str, ...] | None
   axis_size: int
   local_experts: int
   ragged: bool
+  capacity_factor: float | None = None
+
+  def without_capacity(self) -> AllToAll:
+    """This exchange with worst-case buffers (what an overflowed chunk's sub-chunks run)."""
+    return dataclasses.replace(self, capacity_factor=None)
+
+  def _placement(self, send_sizes, send_offsets, chunk_rows, top_k) -> _Placement:
+    """Where this chunk's rows land: source i at i·C without a capacity (one small all-to-all
+    of sizes and offsets); with one, packed in source order, from the [S, S] matrix of every
+    device's send sizes (one small all-gather), which also tells every device alike whether
+    any would overflow."""
+    devices, rank = self.axis_size, axis_rank(self.axis)
+    per_device = lambda a: varying_like(a, send_sizes)  # as the chunk's other values
+    if self.capacity_factor is None:
+      received = swap_slices(jnp.stack([send_sizes, send_offsets], axis=-1), self.axis)
+      return _Placement(
+        buffer_rows=devices * chunk_rows,
+        land_at=jnp.full(devices, rank * chunk_rows, jnp.int32),
+        recv_sizes=received[:, 0],
+        recv_offsets=per_device(jnp.arange(devices, dtype=jnp.int32) * chunk_rows),
+        return_offsets=received[:, 1],
+        overflow=None,
+      )
+    sizes = gather_rows(send_sizes[None], self.axis)  # [source, destination]
+    landing = jnp.cumsum(sizes, axis=0) - sizes  # where each source starts at each destination
+    sending = jnp.cumsum(sizes, axis=1) - sizes  # each source's send offset for each one
+    capacity = capacity_rows(self.capacity_factor, chunk_rows, top_k, devices)
+    return _Placement(
+      buffer_rows=capacity,
+      land_at=landing[rank],
+      recv_sizes=per_device(sizes[:, rank]),
+      recv_offsets=per_device(landing[:, rank]),
+      return_offsets=per_device(sending[:, rank]),
+      overflow=per_device(jnp.any(jnp.sum(sizes, axis=0) > capacity)),
+    )
 
   def _exchange(self, operand, output, offsets, sizes, out_offsets, out_sizes, chunk_rows):
     return ragged_all_to_all(
@@ -258,29 +333,37 @@ class AllToAll:
     on_device = is_local(pair_ids, local_experts) & (pair_row < chunk_rows)[:, None]
     pair_ids = jnp.where(on_device, pair_ids, local_experts)
     pair_weights = jnp.where(on_device, weights[row], 0.0)
-    # Sizes and offsets first (one small all-to-all), then the rows: source i's rows land
-    # at [i*C, i*C + recv_sizes[i]) of this device's [S*C] buffers.
-    received = swap_slices(jnp.stack([send_sizes, send_offsets], axis=-1), self.axis)  # [S, 2]
-    recv_sizes, return_offsets = received[:, 0], received[:, 1]
-    land_at = jnp.full(devices, axis_rank(self.axis) * chunk_rows, jnp.int32)
+    # Sizes and offsets first, then the rows, each source's where `_placement` says.
+    place = self._placement(send_sizes, send_offsets, chunk_rows, expert_ids.shape[1])
     send = functools.partial(
       self._exchange,
       offsets=send_offsets,
       sizes=send_sizes,
-      out_offsets=land_at,
-      out_sizes=recv_sizes,
+      out_offsets=place.land_at,
+      out_sizes=place.recv_sizes,
       chunk_rows=chunk_rows,
     )
-    buffer_rows = devices * chunk_rows
     pair_rows = rows[row]
-    empty = lambda a, value: filled_like(a, (buffer_rows, *a.shape[1:]), value)
+    empty = lambda a, value: filled_like(a, (place.buffer_rows, *a.shape[1:]), value)
+    operands = ((pair_rows, 0), (pair_ids, local_experts), (pair_weights, 0))
+    send_all = lambda: tuple(send(a, empty(a, value)) for a, value in operands)
+    if place.overflow is None:
+      received = send_all()
+    else:  # an overflowing chunk sends nothing (the same choice on every device)
+      received = jax.lax.cond(
+        place.overflow, lambda: tuple(empty(a, value) for a, value in operands), send_all
+      )
     return Dispatched(
-      rows=send(pair_rows, empty(pair_rows, 0)),
-      local_ids=send(pair_ids, empty(pair_ids, local_experts)),
-      weights=send(pair_weights, empty(pair_weights, 0)),
+      *received,
       route_back=_RouteBack(
-        pairs.choice_slot, send_sizes, send_offsets, recv_sizes, return_offsets
+        pairs.choice_slot,
+        send_sizes,
+        send_offsets,
+        place.recv_sizes,
+        place.recv_offsets,
+        place.return_offsets,
       ),
+      overflow=place.overflow,
     )
 
   def combine(self, expert_out, dispatched) -> jax.Array:
@@ -290,7 +373,7 @@ class AllToAll:
     returned = self._exchange(
       expert_out,
       filled_like(expert_out, (slots, *expert_out.shape[1:]), 0),
-      jnp.arange(self.axis_size, dtype=jnp.int32) * chunk_rows,
+      back.recv_offsets,
       back.recv_sizes,
       back.return_offsets,
       back.send_sizes,
@@ -302,6 +385,32 @@ class AllToAll:
 
   def rows_sent(self, expert_ids, chunks_run, chunk_size) -> jax.Array:
     return jnp.sum(distinct_destinations(expert_ids, self.local_experts, self.axis_size))
+
+  def overflows(self, expert_ids, token_mask, chunk_size) -> tuple[jax.Array, jax.Array]:
+    if self.capacity_factor is None:
+      return no_overflow(token_mask)
+    # The chunk loop's chunks: their rows' destinations, from every device, summed per device.
+    chunk_ids = expert_ids[chunk_order(token_mask, chunk_size)]  # [chunks, C, K]
+    goes_to = jax.vmap(destination_devices, in_axes=(0, None, None))(
+      chunk_ids, self.local_experts, self.axis_size
+    )  # [chunks, C, S]
+    sizes = jnp.sum(goes_to, axis=1, dtype=jnp.int32)  # [chunks, S]
+    received = jnp.sum(gather_rows(sizes[None], self.axis), axis=0)  # [chunks, S]
+    capacity = capacity_rows(
+      self.capacity_factor, chunk_size, expert_ids.shape[1], self.axis_size
+    )
+    overflowed = jnp.any(received > capacity, axis=1)
+    past = jnp.maximum(received[:, axis_rank(self.axis)] - capacity, 0)
+    return (
+      jnp.sum(overflowed, dtype=jnp.int32),
+      jnp.sum(jnp.where(overflowed, past, 0), dtype=jnp.int32),
+    )
+
+
+def no_overflow(like: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """`Exchange.overflows` without a capacity: no chunk, no row (per-device like `like`)."""
+  zero = filled_like(like, (), 0, jnp.int32)
+  return zero, zero
 
 
 # Platforms where a recorded multi-device run (`benchmarks/dispatch.py --timing`, recorded in
@@ -360,4 +469,4 @@ def make_exchange(
   ragged = platform_has_ragged_all_to_all()
   if scheme == "all_gather":
     return AllGather(axis, axis_size, local_experts)
-  return AllToAll(axis, axis_size, local_experts, ragged)
+  return AllToAll(axis, axis_size, local_experts, ragged, config.receive_capacity_factor)

@@ -266,7 +266,7 @@ def routed_mlp(
       grad_seeds=grad_seeds,
     )
   if grad_seeds is not None:
-    experts = ExpertWeights(*map(_seeded, experts, grad_seeds))
+    experts = with_seeds(experts, grad_seeds)
   return grouped_matmul_mlp(
     x,
     expert_ids,
@@ -277,6 +277,12 @@ def routed_mlp(
     interpret=plan.interpret,
     blocks=plan.blocks,
   )
+
+
+def with_seeds(experts: ExpertWeights, grad_seeds: ExpertWeights) -> ExpertWeights:
+  """`experts` whose gradient gets `grad_seeds` added (`moejax.chunking.seed_gradient`): the
+  `ChunkStages` promise, for a path that does not accumulate in place."""
+  return ExpertWeights(*map(_seeded, experts, grad_seeds))
 
 
 def _seeded(weight, seed):

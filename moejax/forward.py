@@ -21,15 +21,16 @@ from jax.sharding import PartitionSpec as P
 
 from moejax import expert_placement, invariance, meshes, remat, routing, sharding
 from moejax.call_plan import plan_for
+from moejax.capacity import fallback_chunk, received_rows
 from moejax.chunking import ChunkStages, TokenLayout, chunk_scan
-from moejax.collectives import gather_along, sum_over, vary_over
+from moejax.collectives import filled_like, gather_along, sum_over, vary_over
 from moejax.config import MoEConfig
 from moejax.dispatch import (
   Dispatched,
   Exchange,
   crosses_devices,
 )
-from moejax.experts import routed_mlp, shared_mlp, zero_experts
+from moejax.experts import routed_mlp, shared_mlp, with_seeds, zero_experts
 from moejax.inputs import check_inputs
 from moejax.params import (
   PER_EXPERT_FIELDS,
@@ -73,6 +74,12 @@ class MoEAux(NamedTuple):
     num_tokens: [] int32 valid tokens in the call.
     load_max_over_mean: [] float32 the most-loaded routed expert's count over the mean count
       of the E routed experts (1.0 when balanced; 0 without valid tokens).
+    overflowed_chunks: [devices] int32 with a receive capacity
+      (`MoEConfig.receive_capacity_factor`), the chunks each device ran in sub-chunks because
+      some device of its expert group would have received more than its capacity (0
+      without one); devices ordered as `chunks_run`.
+    overflowed_rows: [devices] int32 the rows each device would have received past its
+      capacity in those chunks.
   """
 
   expert_counts: jax.Array
@@ -87,6 +94,8 @@ class MoEAux(NamedTuple):
   score_sums: jax.Array
   num_tokens: jax.Array
   load_max_over_mean: jax.Array
+  overflowed_chunks: jax.Array
+  overflowed_rows: jax.Array
 
 
 def moe_apply(
@@ -228,6 +237,8 @@ def _moe_apply_traced(params, x, token_mask, router_logits, expert_ids, placemen
     score_sums=stats.score_sums,
     num_tokens=stats.num_tokens,
     load_max_over_mean=routing.load_max_over_mean(stats.expert_counts[: config.num_experts]),
+    overflowed_chunks=counts.overflowed_chunks,
+    overflowed_rows=counts.overflowed_rows,
   )
   return y, aux
 
@@ -268,14 +279,18 @@ class DeviceCounts(NamedTuple):
   Attributes:
     chunks_run: chunks it ran (`MoEAux.chunks_run`).
     rows_sent: (row, destination device) pairs it sent (`MoEAux.dispatch_rows`).
+    overflowed_chunks: its chunks that ran in sub-chunks (`MoEAux.overflowed_chunks`).
+    overflowed_rows: rows past its capacity in them (`MoEAux.overflowed_rows`).
   """
 
   chunks_run: jax.Array
   rows_sent: jax.Array
+  overflowed_chunks: jax.Array
+  overflowed_rows: jax.Array
 
 
 # MoEAux fields with one entry per device (the rest are sums over all devices).
-_PER_DEVICE = ("chunks_run", "dispatch_rows")
+_PER_DEVICE = ("chunks_run", "dispatch_rows", "overflowed_chunks", "overflowed_rows")
 
 
 def _shard(
@@ -302,7 +317,7 @@ def _shard(
       (specs.tokens_t, specs.tokens_t),
       stats_specs,
       specs.replicated,
-      DeviceCounts(*[specs.tokens_t] * 2),
+      DeviceCounts(*[specs.tokens_t] * len(DeviceCounts._fields)),
     ),
     check_vma=plan.check_vma,
   )(params, placement, tokens)
@@ -381,7 +396,8 @@ def local_forward(
     saved_in_flight=remat.DISPATCHED_ROWS if config.save_dispatched_rows else None,
   )
   rows_sent = exchange.rows_sent(expert_ids, chunks_run, chunk_size).astype(jnp.int32)
-  counts = DeviceCounts(chunks_run[None], rows_sent[None])
+  overflowed = exchange.overflows(expert_ids, token_mask, chunk_size)
+  counts = DeviceCounts(chunks_run[None], rows_sent[None], *(a[None] for a in overflowed))
   return (
     _zero_padding(y, token_mask),
     (route.expert_ids, route.weights),
@@ -466,6 +482,27 @@ def _finish_chunk(
   Returns:
     [C, D] in the compute dtype.
   """
+  arrived = functools.partial(
+    _finish_arrived,
+    weights,
+    chunk,
+    dispatched,
+    grad_seeds,
+    exchange=exchange,
+    config=config,
+    plan=plan,
+  )
+  if dispatched.overflow is None:
+    return arrived()
+  in_sub_chunks = functools.partial(
+    _finish_in_sub_chunks, weights, chunk, grad_seeds, exchange=exchange, config=config, plan=plan
+  )
+  return jax.lax.cond(dispatched.overflow, in_sub_chunks, arrived)
+
+
+def _finish_arrived(weights, chunk, dispatched, grad_seeds, *, exchange, config, plan):
+  """`_finish_chunk` on what arrived: the local experts, the return exchange, the experts
+  computed where the rows live."""
   experts, shared = weights
   expert_out = routed_mlp(
     dispatched.rows,
@@ -482,3 +519,31 @@ def _finish_chunk(
   if shared is not None:
     out = out + shared_mlp(chunk.rows, shared, config=config)
   return out.astype(config.dtype)
+
+
+def _finish_in_sub_chunks(weights, chunk, grad_seeds, *, exchange, config, plan):
+  """`_finish_chunk` for a chunk that would overflow a device's receive capacity (nothing was
+  sent): a loop of sub-chunks (`moejax.capacity.fallback_chunk`) whose worst case fits it,
+  each sent and finished without a capacity. The loop's own backward pass recomputes each
+  sub-chunk, so neither pass holds more than a sub-chunk's buffers."""
+  chunk_rows = chunk.rows.shape[0]
+  capacity = received_rows(config, chunk_rows, exchange.axis_size, "all_to_all")
+  worst = exchange.without_capacity()
+  stages = ChunkStages(
+    prepare=lambda prepared: prepared,
+    send=functools.partial(_send_chunk, exchange=worst),
+    finish=functools.partial(_finish_chunk, exchange=worst, config=config, plan=plan),
+  )
+  experts, shared = weights
+  if grad_seeds is not None:  # this loop sums its own gradients: the seed is added to them
+    experts = with_seeds(experts, grad_seeds)
+  out, _ = chunk_scan(
+    stages,
+    (experts, shared),
+    chunk,
+    filled_like(chunk.weights[:, 0], (chunk_rows,), True, bool),  # padding routes nowhere
+    chunk_size=fallback_chunk(chunk_rows, capacity, exchange.axis_size),
+    lockstep_axis=exchange.axis,
+    pipelined=crosses_devices(worst),
+  )
+  return out

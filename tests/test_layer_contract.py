@@ -216,6 +216,36 @@ def test_every_option_runs_on_the_tile_loop():
   assert set(TestAllGather.options) | set(TestAllToAll.options) == set(OPTIONS)
 
 
+class TestAllToAllCapacity(LayerContract):
+  """all_to_all with receive buffers below the worst case (`receive_capacity_factor` 0.5:
+  8 rows per chunk of 4, against 16 or 32): some chunks fit and the others overflow and run
+  again in sub-chunks, and every check of the contract holds either way."""
+
+  scheme = "all_to_all"
+  meshes = ((2, 4), (1, 8), (4, 2))
+  options = ("gelu-top1", "phimoe", "longcat")
+
+  def config(self, **overrides) -> MoEConfig:
+    return dataclasses.replace(super().config(**overrides), receive_capacity_factor=0.5)
+
+  def test_some_chunks_fit_and_the_others_run_in_sub_chunks(self, request):
+    """The counts: on the 2x4 mesh with full ranks (3 chunks each, the last holding one row),
+    some chunks overflowed, not all; with every row to experts 0..K-1 on the 1x8 mesh (one
+    expert per device), the two full chunks (8 sources x C rows to each of devices 0..K-1,
+    against 8), not the third (one row from each source: 8 fit), and only those K devices
+    received past their capacity."""
+    config = self.config(**RICH)
+    params, x = self.inputs(config, request.node.name)
+    _, aux = self.apply(params, x, config, mesh_of(2, 4))
+    assert 0 < int(np.sum(aux.overflowed_chunks)) < int(np.sum(aux.chunks_run)), aux
+    to_the_first = jnp.tile(jnp.arange(config.top_k, dtype=jnp.int32), (x.shape[0], 1))
+    _, aux = self.apply(params, x, config, mesh_of(1, 8), expert_ids=to_the_first)
+    chex.assert_trees_all_equal(np.asarray(aux.chunks_run), np.full(8, 3))
+    chex.assert_trees_all_equal(np.asarray(aux.overflowed_chunks), np.full(8, 2))
+    past = 2 * (8 * config.chunk_size - 8) * (np.arange(8) < config.top_k)
+    chex.assert_trees_all_equal(np.asarray(aux.overflowed_rows), past)
+
+
 class RaggedDotPath(LayerContract):
   """The XLA path a GPU takes for few local experts (sort + ragged_dot), forced on the CPU.
   expert_backend="xla" keeps its traces apart from the other classes' in the jit cache.
