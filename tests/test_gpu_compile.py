@@ -160,11 +160,16 @@ def test_the_pallas_layer_compiles_its_gradient(gpu, kernel_call):
     assert not any("callback" in call for call in calls), calls
 
 
-@pytest.mark.parametrize("dispatch", ["all_gather", "all_to_all"])
-def test_the_xla_paths_compile_on_two_nodes(dispatch):
-  """Both dispatch schemes, forward and gradient, on 2 H200 nodes (data 2 x expert 8)."""
+@pytest.mark.parametrize(
+  "scheme", [dict(dispatch="all_gather"), dict(dispatch="all_to_all", receive_capacity_factor=1.0)]
+)
+def test_the_xla_paths_compile_on_two_nodes(scheme):
+  """Both dispatch schemes, forward and gradient, on 2 H200 nodes (data 2 x expert 8);
+  all_to_all with a receive capacity (half the worst case: C·K of S·C rows), whose program
+  holds both its exchanges (at capacity, and the worst case of an overflowed chunk's
+  sub-chunks)."""
   mesh = targets.target_mesh("h200", (2, 8), nodes=2)
-  config = MoEConfig(**LAYER, **BF16, dispatch=dispatch)
+  config = MoEConfig(**LAYER, **BF16, **scheme)
   for gradient in (False, True):
     compiled = compile_layer(config, mesh, gradient)
     assert compiled.memory_analysis().temp_size_in_bytes < GPUS["h200"].memory_bytes
