@@ -161,7 +161,9 @@ def test_the_pallas_layer_compiles_its_gradient(gpu, kernel_call):
 
 
 @pytest.mark.parametrize(
-  "scheme", [dict(dispatch="all_gather"), dict(dispatch="all_to_all", receive_capacity_factor=1.0)]
+  "scheme",
+  [dict(dispatch="all_gather"), dict(dispatch="all_to_all", receive_capacity_factor=1.0)],
+  ids=["all_gather", "all_to_all-capacity"],
 )
 def test_the_xla_paths_compile_on_two_nodes(scheme):
   """Both dispatch schemes, forward and gradient, on 2 H200 nodes (data 2 x expert 8);

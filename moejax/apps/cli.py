@@ -190,6 +190,12 @@ def parser() -> argparse.ArgumentParser:
     "--dispatch", default="auto", choices=DISPATCHES, help="the exchange scheme"
   )
   fit_flags.add_argument(
+    "--receive-capacity-factor",
+    type=float,
+    default=None,
+    help="all_to_all's receive buffers at this factor of the balanced load (MoEConfig's)",
+  )
+  fit_flags.add_argument(
     "--chunk-size", type=chunk_size, default="auto", help='C, rows per chunk per device, or "auto"'
   )
   fit_flags.add_argument(

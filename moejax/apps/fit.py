@@ -174,6 +174,7 @@ def fit(
   expert_fsdp: bool = False,
   shared_fsdp: bool = False,
   dispatch: str = "auto",
+  receive_capacity_factor: float | None = None,
   chunk_size: int | str = "auto",
   remat: str = "none",
   context_tokens: int | None = None,
@@ -194,7 +195,8 @@ def fit(
     tokens_per_device: tokens each device holds per step.
     expert_parallel: devices of the expert axis (default: the most that divide both the
       devices and the experts); the rest form the data axis.
-    expert_fsdp, shared_fsdp, dispatch, chunk_size: as `MoEConfig`'s.
+    expert_fsdp, shared_fsdp, dispatch, receive_capacity_factor, chunk_size: as
+      `MoEConfig`'s.
     remat: each layer rematerialized in the backward pass: "none", "full" (recompute
       everything) or "names" (keep `moejax.CHECKPOINT_NAMES`), as `moejax.remat.REMAT_POLICIES`.
     context_tokens: for "infer", the tokens of context each device's KV cache holds (its
@@ -221,6 +223,7 @@ def fit(
     expert_quant,
     lora_rank,
     dispatch=dispatch,
+    receive_capacity_factor=receive_capacity_factor,
     chunk_size=chunk_size,
     expert_fsdp=expert_fsdp,
     shared_fsdp=shared_fsdp,
@@ -342,7 +345,7 @@ def model_json(model: str | Path | dict[str, Any]) -> tuple[str, dict[str, Any]]
 
 def _config(config_json, job, expert_quant, lora_rank, **settings):
   """The MoEConfig of the job: bf16, the experts in the chosen format, `settings` (dispatch,
-  chunk_size, expert_fsdp, shared_fsdp) as given."""
+  receive_capacity_factor, chunk_size, expert_fsdp, shared_fsdp) as given."""
   config = hf.config_from_hf(
     config_json,
     dtype=jnp.bfloat16,

@@ -28,6 +28,7 @@ def run(args: argparse.Namespace) -> FitReport | fit_search.Search:
       expert_fsdp=args.expert_fsdp,
       shared_fsdp=args.shared_fsdp,
       dispatch=args.dispatch,
+      receive_capacity_factor=args.receive_capacity_factor,
       remat=args.remat,
       context_tokens=args.context_tokens,
       progress=not args.json,
