@@ -396,9 +396,7 @@ class AllToAll:
     )  # [chunks, C, S]
     sizes = jnp.sum(goes_to, axis=1, dtype=jnp.int32)  # [chunks, S]
     received = jnp.sum(gather_rows(sizes[None], self.axis), axis=0)  # [chunks, S]
-    capacity = capacity_rows(
-      self.capacity_factor, chunk_size, expert_ids.shape[1], self.axis_size
-    )
+    capacity = capacity_rows(self.capacity_factor, chunk_size, expert_ids.shape[1], self.axis_size)
     overflowed = jnp.any(received > capacity, axis=1)
     past = jnp.maximum(received[:, axis_rank(self.axis)] - capacity, 0)
     return (
