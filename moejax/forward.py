@@ -26,6 +26,7 @@ from moejax.chunking import ChunkStages, TokenLayout, chunk_scan
 from moejax.collectives import filled_like, gather_along, sum_over, vary_over
 from moejax.config import MoEConfig
 from moejax.dispatch import (
+  AllToAll,
   Dispatched,
   Exchange,
   crosses_devices,
@@ -500,7 +501,16 @@ def _finish_chunk(
   return jax.lax.cond(dispatched.overflow, in_sub_chunks, arrived)
 
 
-def _finish_arrived(weights, chunk, dispatched, grad_seeds, *, exchange, config, plan):
+def _finish_arrived(
+  weights: ChunkWeights,
+  chunk: RoutedRows,
+  dispatched: Dispatched,
+  grad_seeds: ExpertWeights | None,
+  *,
+  exchange: Exchange,
+  config: MoEConfig,
+  plan: ExpertPlan,
+) -> jax.Array:
   """`_finish_chunk` on what arrived: the local experts, the return exchange, the experts
   computed where the rows live."""
   experts, shared = weights
@@ -521,7 +531,15 @@ def _finish_arrived(weights, chunk, dispatched, grad_seeds, *, exchange, config,
   return out.astype(config.dtype)
 
 
-def _finish_in_sub_chunks(weights, chunk, grad_seeds, *, exchange, config, plan):
+def _finish_in_sub_chunks(
+  weights: ChunkWeights,
+  chunk: RoutedRows,
+  grad_seeds: ExpertWeights | None,
+  *,
+  exchange: AllToAll,
+  config: MoEConfig,
+  plan: ExpertPlan,
+) -> jax.Array:
   """`_finish_chunk` for a chunk that would overflow a device's receive capacity (nothing was
   sent): a loop of sub-chunks (`moejax.capacity.fallback_chunk`) whose worst case fits it,
   each sent and finished without a capacity. The loop's own backward pass recomputes each
