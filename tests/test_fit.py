@@ -164,7 +164,7 @@ def test_the_estimate_takes_a_tuning_files_rate(tmp_path, monkeypatch):
   estimate's rate are the entry's, and the report names the file."""
   monkeypatch.setenv("MOEJAX_CACHE_DIR", str(tmp_path))
   mesh = targets.target_mesh("h200", (1, 8))
-  config = planner._config(TINY, "infer", "released", 16, False, "auto", "auto")
+  config = planner._config(TINY, "infer", "released", 16, dispatch="auto", chunk_size="auto")
   call = plan_call(config, (8 * 256, config.hidden_size), mesh=mesh)
   local = call.exchange.local_experts
   winner = tuning.Candidate(path="tile_loop", status="passed", forward_ms=2.0, train_ms=6.0)
