@@ -39,17 +39,16 @@ def test_adapters_over_quantized_experts_train_through_overflowed_chunks(request
   ids = to_the_first_experts(config)
   mesh = mesh_of(2, 4)
 
-  def loss(lora, layer):
-    y = layer(params._replace(lora=lora))
-    return jnp.sum(jnp.where(mask[:, None], y, 0.0) ** 2), y
+  def loss(lora, layer):  # layer: params -> (y, its aux or None)
+    y, aux = layer(params._replace(lora=lora))
+    return jnp.sum(jnp.where(mask[:, None], y, 0.0) ** 2), (y, aux)
 
   ours = lambda p: moe_apply(
     p, poison(x, mask), config=config, mesh=mesh, token_mask=mask, expert_ids=ids
-  )[0]
-  theirs = lambda p: reference_moe(p, x, config, mask, expert_ids=ids)
-  (_, y), grads = jax.value_and_grad(loss, has_aux=True)(params.lora, ours)
-  (_, want), want_grads = jax.value_and_grad(loss, has_aux=True)(params.lora, theirs)
-  _, aux = moe_apply(params, x, config=config, mesh=mesh, token_mask=mask, expert_ids=ids)
+  )
+  theirs = lambda p: (reference_moe(p, x, config, mask, expert_ids=ids), None)
+  (_, (y, aux)), grads = jax.value_and_grad(loss, has_aux=True)(params.lora, ours)
+  (_, (want, _)), want_grads = jax.value_and_grad(loss, has_aux=True)(params.lora, theirs)
   assert int(np.sum(aux.overflowed_chunks)) > 0
   assert_close(y, want, what="y")
   for name, got, expected in zip(grads._fields, grads, want_grads, strict=True):
