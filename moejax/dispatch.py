@@ -275,6 +275,12 @@ class AllToAll:
   ragged: bool
   capacity_factor: float | None = None
 
+  def capacity(self, chunk_rows: int, top_k: int) -> int:
+    """N, the rows of this exchange's receive buffers for chunks of C = `chunk_rows` rows."""
+    if self.capacity_factor is None:
+      return self.axis_size * chunk_rows
+    return capacity_rows(self.capacity_factor, chunk_rows, top_k, self.axis_size)
+
   def without_capacity(self) -> AllToAll:
     """This exchange with worst-case buffers (what an overflowed chunk's sub-chunks run)."""
     return dataclasses.replace(self, capacity_factor=None)
@@ -299,7 +305,7 @@ class AllToAll:
     sizes = gather_rows(send_sizes[None], self.axis)  # [source, destination]
     landing = jnp.cumsum(sizes, axis=0) - sizes  # where each source starts at each destination
     sending = jnp.cumsum(sizes, axis=1) - sizes  # each source's send offset for each one
-    capacity = capacity_rows(self.capacity_factor, chunk_rows, top_k, devices)
+    capacity = self.capacity(chunk_rows, top_k)
     return _Placement(
       buffer_rows=capacity,
       land_at=landing[rank],
@@ -396,7 +402,7 @@ class AllToAll:
     )  # [chunks, C, S]
     sizes = jnp.sum(goes_to, axis=1, dtype=jnp.int32)  # [chunks, S]
     received = jnp.sum(gather_rows(sizes[None], self.axis), axis=0)  # [chunks, S]
-    capacity = capacity_rows(self.capacity_factor, chunk_size, expert_ids.shape[1], self.axis_size)
+    capacity = self.capacity(chunk_size, expert_ids.shape[1])
     overflowed = jnp.any(received > capacity, axis=1)
     past = jnp.maximum(received[:, axis_rank(self.axis)] - capacity, 0)
     return (

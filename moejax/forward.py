@@ -21,7 +21,7 @@ from jax.sharding import PartitionSpec as P
 
 from moejax import expert_placement, invariance, meshes, remat, routing, sharding
 from moejax.call_plan import plan_for
-from moejax.capacity import fallback_chunk, received_rows
+from moejax.capacity import fallback_chunk
 from moejax.chunking import ChunkStages, TokenLayout, chunk_scan
 from moejax.collectives import filled_like, gather_along, sum_over, vary_over
 from moejax.config import MoEConfig
@@ -545,7 +545,7 @@ def _finish_in_sub_chunks(
   each sent and finished without a capacity. The loop's own backward pass recomputes each
   sub-chunk, so neither pass holds more than a sub-chunk's buffers."""
   chunk_rows = chunk.rows.shape[0]
-  capacity = received_rows(config, chunk_rows, exchange.axis_size, "all_to_all")
+  capacity = exchange.capacity(chunk_rows, config.top_k)
   worst = exchange.without_capacity()
   stages = ChunkStages(
     prepare=lambda prepared: prepared,
