@@ -81,6 +81,10 @@ def test_the_rest_of_the_model_is_counted_by_its_formula():
   want = 2 * 129280 * d + layers * (attention + 2 * d) + 3 * (3 * d * 18432) + d
   assert planner.rest_of_model_parameters(planner.PRESETS["deepseek-v3"]) == want
   assert 14e9 < want < 16e9  # DeepSeek-V3's 671B less its MoE layers' ~656B
+  # Grouped-query attention: q and o over 4 heads of 64, k and v over 2; one dense FFN layer.
+  d, q, kv = 256, 256 * 4 * 64, 256 * 2 * 64
+  want = 2 * 1000 * d + 4 * (2 * q + 2 * kv + 2 * d) + 3 * d * 512 + d
+  assert planner.rest_of_model_parameters(TINY) == want
 
 
 @pytest.mark.parametrize(
@@ -116,17 +120,23 @@ def test_a_report_reads_the_compiled_program(job):
   # 3 MoE layers of 16 experts, [D, 2F] + [F, D] bf16, split over 8 devices.
   assert per_device["expert_weights"] == 3 * 16 * (256 * 256 + 128 * 256) * 2 // 8
   assert (per_device["adapters"] > 0) == (job == "lora")
+  # The rest of the model is compiled with it: its bf16 weights split over the 8 devices.
+  assert per_device["rest_of_model"] == report.rest_of_model_parameters * 2 // 8
   # Adam's moments: float32 mu and nu of float32 adapters; float32 mu and bf16 nu of bf16
   # weights; and its step count.
   weights = per_device["expert_weights"] + per_device["other_moe_weights"]
+  weights += per_device["rest_of_model"]
   moments = {"infer": 0, "lora": 2 * per_device["adapters"] + 4, "train": 3 * weights + 4}
   assert per_device["optimizer_state"] == moments[job]
   gradients = {"infer": 0, "lora": per_device["adapters"], "train": weights}
   assert per_device["gradients"] == gradients[job] <= per_device["temp"]
-  assert per_device["temp"] > 0
+  # The arguments: weights, adapters, optimizer state and each device's 256 token ids.
+  held = weights + per_device["adapters"] + per_device["optimizer_state"] + 256 * 4
+  assert per_device["arguments"] == held
+  # Training's temp holds at least every token's float32 logits over the vocabulary.
+  assert per_device["temp"] > (256 * 1000 * 4 if job != "infer" else 0)
   compiled = per_device["arguments"] + per_device["temp"] + per_device["outputs_not_aliased"]
-  rest = per_device["rest_of_model"] + per_device["kv_cache"]
-  assert per_device["total"] == compiled + rest
+  assert per_device["total"] == compiled + per_device["kv_cache"]
   assert report.fits and report.headroom_bytes == report.gpu_memory_bytes - per_device["total"]
   estimate = report.estimate
   assert estimate.stack_s == pytest.approx(3 * estimate.layer_s) and estimate.layer_s > 0

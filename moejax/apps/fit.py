@@ -1,13 +1,13 @@
-"""Will it fit, and how fast would it run? A real MoE model's MoE stack compiled for GPU nodes
-on a machine without them.
+"""Will it fit, and how fast would it run? A real MoE model compiled for GPU nodes on a machine
+without them.
 
-`fit` builds the model's MoE layers (their real number, scanned, real shapes) on a mesh of
+`fit` builds the model's MoE layers (their real number, scanned, real shapes) and a stand-in
+of the rest of it (attention, dense layers, embeddings: `moejax.apps.fit_model`) on a mesh of
 compile-only devices of the target (`moejax.targets`, JAX's CUDA plugin, no GPU), compiles the
 job as it runs (the forward for "infer"; loss, gradient and Adam update for "lora" and
-"train") and reports, per device, the compiler's memory figures against the GPU's memory.
-The rest of the model (attention, embeddings, dense layers) is outside moejax: its parameters
-are counted from config.json by a stated formula, their activations are not counted. The step
-time is an estimate (`StepEstimate`), every assumption in its report.
+"train") and reports, per device, the compiler's memory figures against the GPU's memory. The
+step time is an estimate of the MoE layers alone (`StepEstimate`), every assumption in its
+report.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from jax.sharding import PartitionSpec as P
 from kernels_pallas.formats import FORMATS
 from kernels_pallas.gpus import GPUS, Gpu
 from moejax import hf, targets
+from moejax.apps import fit_model
 from moejax.call_plan import CallPlan, plan_call
 from moejax.config import MoEConfig
 from moejax.forward import moe_apply
@@ -122,10 +123,10 @@ class StepEstimate:
 @dataclasses.dataclass(frozen=True)
 class FitReport:
   """What `fit` found: per-device bytes (`per_device_bytes`: expert_weights,
-  other_moe_weights, adapters, gradients, optimizer_state, arguments, temp,
-  outputs_not_aliased, rest_of_model, kv_cache, total; the first five parts of the
+  other_moe_weights, adapters, rest_of_model (its weights), gradients, optimizer_state,
+  arguments, temp, outputs_not_aliased, kv_cache, total; the first six parts of the
   compiler's figures, gradients within temp, the rest arguments; total = arguments + temp +
-  outputs_not_aliased + rest_of_model + kv_cache), the GPU's memory, whether it fits and with
+  outputs_not_aliased + kv_cache), the GPU's memory, whether it fits and with
   what headroom, the mesh, chunk and expert path the program used (its `moejax.plan_call`),
   the step estimate, the KV cache's `context_tokens` (0 for a job that trains), and
   `warnings`: settings that changed nothing (e.g. `expert_fsdp` with no data axis to split
@@ -239,14 +240,12 @@ def fit(
     )
     bar.update()
     program, arguments, parts = _program(
-      config, mesh, job, layers, tokens_per_device, REMAT_POLICIES[remat]
+      config, config_json, mesh, job, tokens_per_device, REMAT_POLICIES[remat]
     )
     lowered = jax.jit(program, donate_argnums=_donated(job)).lower(*arguments)
     bar.update()
     memory = lowered.compile().memory_analysis()
     bar.update()
-  rest = rest_of_model_parameters(config_json)
-  rest_bytes = rest * _REST_BYTES_PER_PARAMETER[job] // devices
   if job != "infer":
     context_tokens = 0
   elif context_tokens is None:
@@ -259,9 +258,8 @@ def fit(
     "arguments": int(memory.argument_size_in_bytes),
     "temp": int(memory.temp_size_in_bytes),
     "outputs_not_aliased": int(memory.output_size_in_bytes - memory.alias_size_in_bytes),
-    "rest_of_model": int(rest_bytes),
     "kv_cache": int(kv_cache),
-    "total": int(compiled + rest_bytes + kv_cache),
+    "total": int(compiled + kv_cache),
   }
   target = GPUS[gpu]
   # What the compiled program's layer decided: its chunk, exchange and expert path.
@@ -288,23 +286,38 @@ def fit(
     gpu_memory_bytes=target.memory_bytes,
     fits=per_device["total"] <= target.memory_bytes,
     headroom_bytes=target.memory_bytes - per_device["total"],
-    rest_of_model_parameters=rest,
+    rest_of_model_parameters=rest_of_model_parameters(config_json),
     estimate=estimate,
     shared_fsdp=shared_fsdp,
     context_tokens=context_tokens,
     warnings=_ineffective_settings(expert_fsdp, shared_fsdp, mesh_shape),
     notes=(
-      "MoE stack: compiled for the target by XLA (memory_analysis), its real layer count "
-      "scanned; the stand-in loss is the mean square of the stack's output; total = "
-      "arguments + temp + outputs_not_aliased + rest_of_model + kv_cache (expert weights, "
-      "adapters and "
+      *_whole_weights_note(config_json, devices),
+      "the model compiled for the target by XLA (memory_analysis): its MoE layers moejax's, "
+      "the rest (attention, dense FFN layers, norms, embeddings, output projection) a "
+      "stand-in at its config.json's shapes (moejax.apps.fit_model: weights split over every "
+      "device and gathered per use, cuDNN flash attention over each device's tokens as one "
+      "sequence, rotary embeddings and biases left out), each kind of layer scanned; the loss "
+      "is the cross-entropy of every token's logits (infer: each device's last token's); "
+      "total = arguments + temp + outputs_not_aliased + kv_cache (weights, adapters and "
       "optimizer state are parts of the arguments, gradients of temp)",
-      "rest of the model: parameters counted from config.json (embeddings, attention, dense "
-      f"FFN layers, norms), {_REST_BYTES_PER_PARAMETER[job]} bytes each for this job, split "
-      "evenly over every device; its activations are not counted",
       f"KV cache: {context_tokens} tokens of context per device in bf16, every layer "
       "(kv_cache_bytes; a job that trains holds none)",
     ),
+  )
+
+
+def _whole_weights_note(config_json: dict[str, Any], devices: int) -> tuple[str, ...]:
+  """A note naming the rest of the model's weights that the device count divides none of the
+  dimensions of (each device holds them whole), if any."""
+  rest = fit_model.shapes(config_json)
+  shapes = {**fit_model.layer_weights(rest, dense=True), **fit_model.model_weights(rest)}
+  whole = sorted(n for n, shape in shapes.items() if fit_model.split_dim(shape, devices) is None)
+  if not whole:
+    return ()
+  return (
+    f"rest of the model: no dimension of {', '.join(whole)} divides {devices} devices: "
+    "each device holds them whole",
   )
 
 
@@ -322,11 +335,6 @@ def _ineffective_settings(
   if shared_fsdp and mesh_shape["data"] * mesh_shape["expert"] == 1:
     warnings.append("shared_fsdp does nothing here: one device holds the whole mesh")
   return tuple(warnings)
-
-
-# Bytes per parameter of the rest of the model: bf16 weights; training adds bf16 gradients
-# and Adam's two float32 moments.
-_REST_BYTES_PER_PARAMETER = {"infer": 2, "lora": 2, "train": 12}
 
 
 def model_json(model: str | Path | dict[str, Any]) -> tuple[str, dict[str, Any]]:
@@ -395,14 +403,22 @@ def _bytes_per_device(tree) -> int:
   return int(bits) // 8
 
 
-def _program(config: MoEConfig, mesh, job: str, layers: int, tokens_per_device: int, policy):
-  """(the job's function, its abstract arguments, the per-device bytes of its parts)."""
-  stack = _stacked(config, mesh, layers)
-  devices = mesh.devices.size
-  x = jax.ShapeDtypeStruct(
-    (devices * tokens_per_device, config.hidden_size),
-    config.dtype,
-    sharding=NamedSharding(mesh, P(tuple(mesh.axis_names))),
+def _program(
+  config: MoEConfig,
+  config_json: dict[str, Any],
+  mesh,
+  job: str,
+  tokens_per_device: int,
+  policy,
+):
+  """(the job's function, its abstract arguments, the per-device bytes of its parts): the whole
+  model, its MoE layers moejax's and the rest `fit_model`'s stand-in."""
+  rest = fit_model.shapes(config_json)
+  stack = _stacked(config, mesh, rest.moe_layers)
+  weights = fit_model.abstract_weights(rest, mesh)
+  axes = tuple(mesh.axis_names)
+  ids = jax.ShapeDtypeStruct(
+    (mesh.devices.size * tokens_per_device,), jnp.int32, sharding=NamedSharding(mesh, P(axes))
   )
   field = lambda names: {n: getattr(stack, n) for n in names if getattr(stack, n) is not None}
   other = [n for n in MoEParams._fields if n not in EXPERT_PARAMS + ADAPTER_PARAMS]
@@ -410,50 +426,59 @@ def _program(config: MoEConfig, mesh, job: str, layers: int, tokens_per_device: 
     "expert_weights": _bytes_per_device(field(EXPERT_PARAMS)),
     "other_moe_weights": _bytes_per_device(field(other)),
     "adapters": _bytes_per_device(field(ADAPTER_PARAMS)),
+    "rest_of_model": _bytes_per_device(weights),
     "gradients": 0,
     "optimizer_state": 0,
   }
+  moe_ffn = lambda params, x: moe_apply(params, x, config=config, mesh=mesh)[0]
+  dense_layer, moe_layer = fit_model.decoder_layers(rest, mesh, moe_ffn, policy)
 
-  def forward(stack: MoEParams, x: jax.Array) -> jax.Array:
-    def layer(x, params):
-      return x + moe_apply(params, x, config=config, mesh=mesh)[0], None
-
-    if policy is not None:
-      layer = jax.checkpoint(layer, policy=policy)
-    return jax.lax.scan(layer, x, stack)[0]
+  def losses(weights, stack: MoEParams, ids: jax.Array) -> jax.Array:
+    x = fit_model.embed(rest, mesh, weights["model"], ids)
+    if weights["dense"] is not None:
+      x = jax.lax.scan(dense_layer, x, (weights["dense"], None))[0]
+    x = jax.lax.scan(moe_layer, x, (weights["moe"], stack))[0]
+    return fit_model.token_loss(rest, mesh, weights["model"], x, ids, last_only=job == "infer")
 
   if job == "infer":
-    return forward, (stack, x), parts
+    return losses, (weights, stack, ids), parts
   trains = lambda name: (name in ADAPTER_PARAMS) == (job == "lora")
-  trained = stack._replace(**{n: None for n in MoEParams._fields if not trains(n)})
-  frozen = stack._replace(**{n: None for n in MoEParams._fields if trains(n)})
+  moe_trained = stack._replace(**{n: None for n in MoEParams._fields if not trains(n)})
+  moe_frozen = stack._replace(**{n: None for n in MoEParams._fields if trains(n)})
+  trained = {"moe": moe_trained, "rest": weights if job == "train" else None}
+  frozen = {"moe": moe_frozen, "rest": None if job == "train" else weights}
   optimizer = optax.adam(1e-4, mu_dtype=jnp.float32)
   state = _like_params(jax.eval_shape(optimizer.init, trained), trained)
   parts["gradients"] = _bytes_per_device(trained)  # within temp, while the update runs
   parts["optimizer_state"] = _bytes_per_device(state)
 
-  def loss(trained: MoEParams, frozen: MoEParams, x: jax.Array) -> jax.Array:
-    params = MoEParams(*(t if t is not None else f for t, f in zip(trained, frozen, strict=True)))
-    return jnp.mean(jnp.square(forward(params, x).astype(jnp.float32)))
+  def loss(trained, frozen, ids: jax.Array) -> jax.Array:
+    pick = lambda t, f: t if t is not None else f
+    moe = MoEParams(*map(pick, trained["moe"], frozen["moe"]))
+    return jnp.mean(losses(pick(trained["rest"], frozen["rest"]), moe, ids))
 
-  def step(trained, state, frozen, x):
-    grads = jax.grad(loss)(trained, frozen, x)
+  def step(trained, state, frozen, ids):
+    grads = jax.grad(loss)(trained, frozen, ids)
     updates, state = optimizer.update(grads, state, trained)
     return optax.apply_updates(trained, updates), state
 
-  return step, (trained, state, frozen, x), parts
+  return step, (trained, state, frozen, ids), parts
 
 
 def _like_params(state, trained):
-  """Adam's state laid out as the parameters it tracks (its step count replicated)."""
-  by_shape = {}
-  for leaf in jax.tree.leaves(trained):
-    by_shape.setdefault(leaf.shape, leaf.sharding)
-  replicated = NamedSharding(next(iter(by_shape.values())).mesh, P())
-  place = lambda leaf: jax.ShapeDtypeStruct(
-    leaf.shape, leaf.dtype, sharding=by_shape.get(leaf.shape, replicated)
+  """Adam's state laid out as the parameters it tracks (each moment a tree like `trained`; its
+  step count replicated)."""
+  params = jax.tree.structure(trained)
+  like = lambda moment: jax.tree.map(
+    lambda m, p: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=p.sharding), moment, trained
   )
-  return jax.tree.map(place, state)
+  replicated = NamedSharding(jax.tree.leaves(trained)[0].sharding.mesh, P())
+  place = lambda sub: (
+    like(sub)
+    if jax.tree.structure(sub) == params
+    else jax.ShapeDtypeStruct(sub.shape, sub.dtype, sharding=replicated)
+  )
+  return jax.tree.map(place, state, is_leaf=lambda sub: jax.tree.structure(sub) == params)
 
 
 def _donated(job: str) -> tuple[int, ...]:
@@ -462,28 +487,12 @@ def _donated(job: str) -> tuple[int, ...]:
 
 
 def rest_of_model_parameters(config_json: dict[str, Any]) -> int:
-  """Parameters of the model outside its MoE layers, from config.json: embeddings (and an
+  """Parameters of the model outside its MoE layers' FFNs, from config.json: embeddings (and an
   untied output projection), each layer's attention (multi-head latent attention where
   `kv_lora_rank` is set, else grouped-query: q, k, v, o) and two norms, each dense layer's
-  gated FFN (3 D x intermediate_size), the final norm. Biases are not counted."""
-  config_json = hf.config_json(config_json)
-  read = lambda key, default=None: config_json.get(key, default)
-  d, heads = read("hidden_size"), read("num_attention_heads")
-  family = hf.family_of(config_json.get("model_type"))
-  layers = family.layers(config_json)
-  dense = layers - len(hf.moe_layers(config_json))
-  embeddings = read("vocab_size") * d * (1 if read("tie_word_embeddings", False) else 2)
-  if read("kv_lora_rank"):
-    q_rank, kv_rank = read("q_lora_rank"), read("kv_lora_rank")
-    nope, rope, v = read("qk_nope_head_dim"), read("qk_rope_head_dim"), read("v_head_dim")
-    q = d * q_rank + q_rank * heads * (nope + rope) if q_rank else d * heads * (nope + rope)
-    attention = q + d * (kv_rank + rope) + kv_rank * heads * (nope + v) + heads * v * d
-  else:
-    head_dim = read("head_dim") or d // heads
-    kv = read("num_key_value_heads", heads)
-    attention = 2 * d * heads * head_dim + 2 * d * kv * head_dim
-  ffn = 3 * d * read("intermediate_size", 0)
-  return int(embeddings + layers * (attention + 2 * d) + dense * ffn + d)
+  gated FFN (3 D x intermediate_size), the final norm: the stand-in `fit` compiles
+  (`moejax.apps.fit_model`). Biases and the latent norms are not counted."""
+  return fit_model.parameter_count(fit_model.shapes(config_json))
 
 
 def kv_cache_bytes(config_json: dict[str, Any], context_tokens: int) -> int:
