@@ -1,6 +1,7 @@
 """The table of docs/fit.md: `python -m moejax fit` for every preset on N 8xH200 nodes, for
 inference in the released format, LoRA r=16 over the released experts and full bf16
-training, 4096 tokens per device. Prints one markdown row per run, with its command.
+training (each layer rematerialized: `--remat full`), 4096 tokens per device. Prints one
+markdown row per run, with its command.
 
   python benchmarks/fit_table.py --nodes 1
 """
@@ -21,14 +22,22 @@ GIB = 2**30
 
 
 def row(model: str, job: str, quant: str, nodes: int) -> str:
+  remat = "none" if job == "infer" else "full"
   report = fit.fit(
-    model, "h200", nodes=nodes, job=job, expert_quant=None if quant == "none" else quant
+    model,
+    "h200",
+    nodes=nodes,
+    job=job,
+    expert_quant=None if quant == "none" else quant,
+    remat=remat,
   )
   jax.clear_caches()
   bytes_ = report.per_device_bytes
   command = (
     f"python -m moejax fit --model {model} --nodes {nodes} --job {job} --expert-quant {quant}"
   )
+  if remat != "none":
+    command += f" --remat {remat}"
   return (
     f"| {model} | {job} | {report.expert_quant or 'bf16'} | {'yes' if report.fits else 'no'} | "
     f"{bytes_['total'] / GIB:.1f} | {bytes_['expert_weights'] / GIB:.1f} | "

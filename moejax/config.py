@@ -15,6 +15,7 @@ from moejax.axis_groups import AxisGroup
 
 Activation = Literal["silu", "gelu", "gelu_tanh", "swiglu_oai"]
 Scoring = Literal["softmax", "sigmoid", "sparsemixer"]
+GroupScore = Literal["max", "top2_sum"]
 ExpertBackend = Literal["xla", "pallas", "auto"]
 Dispatch = Literal["all_gather", "all_to_all", "auto"]
 # The exchange schemes a call runs ("auto" resolved).
@@ -24,6 +25,7 @@ ExpertPath = Literal["tile_loop", "ragged_dot", "pallas"]
 
 _ACTIVATIONS = tuple(GATED)
 _SCORINGS = get_args(Scoring)
+_GROUP_SCORES = (*get_args(GroupScore), None)
 BACKENDS = get_args(ExpertBackend)
 DISPATCHES = get_args(Dispatch)
 
@@ -85,6 +87,9 @@ class MoEConfig:
     renormalize: rescale the K chosen weights of a token to sum to 1.
     num_expert_groups: G, groups of experts for grouped (DeepSeek) top-k; 1 = plain top-k.
     topk_groups: groups kept per token before the top-k; at most `num_expert_groups`.
+    group_score: how a group ranks: "max" (its best expert's selection score: DeepSeek-V2)
+      or "top2_sum" (its best two's sum: DeepSeek-V3, Mistral 4); None: "top2_sum" with the
+      routing bias, else "max".
     use_routing_bias: add the learned `routing_bias` [E + Z] to the scores for selection only
       (DeepSeek-V3's e_score_correction_bias); the bias never enters the weights.
     router_bias: the router has a bias `router_bias` [E + Z], added to its logits (GPT-OSS): it
@@ -193,6 +198,7 @@ class MoEConfig:
   renormalize: bool = False
   num_expert_groups: int = 1
   topk_groups: int = 1
+  group_score: GroupScore | None = None
   use_routing_bias: bool = False
   router_bias: bool = False
   routed_scaling_factor: float = 1.0
@@ -280,6 +286,7 @@ class MoEConfig:
     for name, allowed in (
       ("activation", _ACTIVATIONS),
       ("scoring", _SCORINGS),
+      ("group_score", _GROUP_SCORES),
       ("expert_backend", BACKENDS),
       ("dispatch", DISPATCHES),
     ):
@@ -299,8 +306,18 @@ class MoEConfig:
         f"top_k={self.top_k} exceeds the {kept * (self.num_experts // groups)} experts in "
         f"topk_groups={kept} groups of {self.num_experts // groups}"
       )
-    if self.use_routing_bias and groups > 1 and self.num_experts // groups < 2:
-      raise ValueError("a biased group score sums the top 2 experts of a group: groups need >= 2")
+    if self.sums_group_top2 and groups > 1 and self.num_experts // groups < 2:
+      raise ValueError(
+        "group_score 'top2_sum' (the default with the routing bias) sums a group's 2 best "
+        f"experts: groups of {self.num_experts // groups} need >= 2"
+      )
+
+  @property
+  def sums_group_top2(self) -> bool:
+    """Whether a group ranks by the sum of its best two experts (`group_score`)."""
+    if self.group_score is None:
+      return self.use_routing_bias
+    return self.group_score == "top2_sum"
 
   def _check_shared(self) -> None:
     if self.num_shared_experts < 0:

@@ -126,7 +126,7 @@ def _chosen_routing(
     group_scores = []
     for g in range(groups):
       members = jnp.sort(choice[:, g * size : (g + 1) * size], axis=-1)
-      group_scores.append(members[:, -2:].sum(-1) if routing_bias is not None else members[:, -1])
+      group_scores.append(members[:, -2:].sum(-1) if config.sums_group_top2 else members[:, -1])
     ranked_groups = jnp.argsort(-jnp.stack(group_scores, axis=-1), axis=-1)
     kept = ranked_groups[:, : config.topk_groups]  # [T, topk_groups]
     expert_group = jnp.arange(config.num_experts) // size  # [E]

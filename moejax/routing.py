@@ -131,7 +131,7 @@ def route(
     if routing_bias is not None:
       choice = scores + routing_bias.astype(jnp.float32)[None, :]
     if config.num_expert_groups > 1:
-      choice = _keep_best_groups(choice, config, biased=routing_bias is not None)
+      choice = _keep_best_groups(choice, config)
     _, expert_ids = jax.lax.top_k(choice, config.top_k)  # [T, K]
     weights = jnp.take_along_axis(scores, expert_ids, axis=-1)  # unbiased scores, [T, K]
   mask = token_mask[:, None]
@@ -191,23 +191,22 @@ def _sparsemixer(
   return jnp.stack([first, second], axis=-1), jnp.stack([first_weight, second_weight], axis=-1)
 
 
-def _keep_best_groups(choice: jax.Array, config: MoEConfig, *, biased: bool) -> jax.Array:
+def _keep_best_groups(choice: jax.Array, config: MoEConfig) -> jax.Array:
   """Masks to -inf the experts outside each token's `topk_groups` best groups.
 
-  A group scores as its best expert, or, with the routing bias, as the sum of its best two
-  (DeepSeek-V3's grouped top-k).
+  A group scores as its best expert, or as the sum of its best two (`config.group_score`:
+  DeepSeek-V3's grouped top-k, by default with the routing bias).
 
   Args:
     choice: [T, E] selection scores.
-    config: gives G = num_expert_groups and the kept count topk_groups.
-    biased: whether `choice` includes the routing bias.
+    config: gives G = num_expert_groups, the kept count topk_groups and the group score.
 
   Returns:
     [T, E] selection scores with the dropped groups' experts at -inf.
   """
   tokens, experts = choice.shape
   grouped = choice.reshape(tokens, config.num_expert_groups, -1)  # [T, G, E/G]
-  if biased:
+  if config.sums_group_top2:
     group_scores = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)  # [T, G]
   else:
     group_scores = jnp.max(grouped, axis=-1)  # [T, G]

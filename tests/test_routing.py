@@ -24,11 +24,14 @@ GROUPS = (
   dict(use_routing_bias=True),
   dict(num_expert_groups=4, topk_groups=2),
   dict(num_expert_groups=4, topk_groups=2, use_routing_bias=True),
+  # The group score chosen, not taken from the bias: Mistral 4's, and the other way round.
+  dict(num_expert_groups=4, topk_groups=2, group_score="top2_sum"),
+  dict(num_expert_groups=4, topk_groups=2, use_routing_bias=True, group_score="max"),
 )
 
 
 def in_fast_tier(scoring: str, renormalize: bool, scale: float, group: int) -> bool:
-  """Eight of the 32 combinations: each scoring with each group choice, renormalize and the
+  """Twelve of the 48 combinations: each scoring with each group choice, renormalize and the
   scaling factor each both ways with each scoring."""
   scaled = (group // 2 == 1) != (scoring == "sigmoid")
   return renormalize == (group % 2 == 1) and (scale == 2.5) == scaled

@@ -20,6 +20,12 @@ FAMILIES = {
   "qwen3_next": (dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
                       shared_expert_intermediate_size=12, intermediate_size=24,
                       mlp_only_layers=[0], **_TYPES), 1),
+  "mellum": (dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
+                  norm_topk_prob=True, intermediate_size=24, head_dim=8,
+                  mlp_layer_types=["sparse", "dense", "sparse"]), 0),
+  "flint": (dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
+                 shared_expert_intermediate_size=12, norm_topk_prob=True, intermediate_size=24,
+                 head_dim=8, mlp_only_layers=[0]), 1),
   "olmoe": (dict(num_experts=4, num_experts_per_tok=2, intermediate_size=24), 2),
   "deepseek_v2": (dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=24,
                        n_shared_experts=1, first_k_dense_replace=1, n_group=4, topk_group=2,
@@ -29,6 +35,34 @@ FAMILIES = {
                        n_shared_experts=1, first_k_dense_replace=1, n_group=4, topk_group=2,
                        routed_scaling_factor=2.5, norm_topk_prob=True, intermediate_size=24,
                        **MLA), 2),
+  "dots1": (dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=24,
+                 intermediate_size=24, n_shared_experts=2, first_k_dense_replace=1, n_group=4,
+                 topk_group=2, norm_topk_prob=True, routed_scaling_factor=1.5, head_dim=8,
+                 **_TYPES), 1),
+  "solar_open": (dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=24,
+                      n_shared_experts=1, n_group=2, topk_group=1, norm_topk_prob=True,
+                      routed_scaling_factor=1.5, head_dim=8), 0),
+  "glm4_moe_lite": (dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=24,
+                         intermediate_size=24, n_shared_experts=1, n_group=4, topk_group=2,
+                         norm_topk_prob=True, routed_scaling_factor=1.8,
+                         mlp_layer_types=["sparse", "dense", "sparse"], **MLA), 0),
+  "mimo_v2_flash": (dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=24,
+                         intermediate_size=24, n_group=4, topk_group=2, norm_topk_prob=True,
+                         routed_scaling_factor=1.5, head_dim=8, v_head_dim=8), 1),
+  "exaone_moe": (dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=24,
+                      intermediate_size=24, num_shared_experts=2, n_group=4, topk_group=2,
+                      norm_topk_prob=True, routed_scaling_factor=1.5, head_dim=8), 1),
+  "mistral4": (dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=24,
+                    intermediate_size=24, n_shared_experts=1, first_k_dense_replace=1,
+                    n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=1.5,
+                    **MLA), 1),
+  "minimax_m2": (dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=24,
+                      head_dim=8), 2),
+  "hy_v3": (dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
+                 intermediate_size=24, num_shared_experts=1, router_scaling_factor=1.5,
+                 head_dim=8, mlp_layer_types=["dense", "sparse", "sparse"]), 1),
+  "flex_olmo": (dict(num_experts=4, num_experts_per_tok=2, intermediate_size=24,
+                     pad_token_id=0), 2),
   "glm4_moe": (dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=24,
                     intermediate_size=24, n_shared_experts=1, first_k_dense_replace=1,
                     n_group=4, topk_group=2, norm_topk_prob=True, head_dim=8), 1),
@@ -60,6 +94,10 @@ FAMILIES = {
 }  # fmt: skip
 
 
+# Causal LMs that transformers' AutoModelForCausalLM does not map.
+_CAUSAL_LM = {"mistral4": "Mistral4ForCausalLM"}
+
+
 def hf_checkpoint(model_type: str, fields: dict, path, seed: int):
   """A tiny model with random weights (biases and buffers too), saved with save_pretrained."""
   import torch
@@ -73,7 +111,9 @@ def hf_checkpoint(model_type: str, fields: dict, path, seed: int):
       model_type, **ATTENTION, num_hidden_layers=layers, **fields
     )
   torch.manual_seed(seed)
-  model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+  causal_lm = getattr(transformers, _CAUSAL_LM.get(model_type, "AutoModelForCausalLM"))
+  model = causal_lm.from_config(config) if model_type not in _CAUSAL_LM else causal_lm(config)
+  model = model.float().eval()
   with torch.no_grad():
     for tensor in [*model.parameters(), *model.buffers()]:
       if tensor.is_floating_point():

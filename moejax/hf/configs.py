@@ -196,7 +196,8 @@ def moe_layers(config: dict[str, Any] | str | Path) -> tuple[int, ...]:
   """The decoder layers of a model that are MoE layers, by its family's rule (`Family.moe_layer`:
   DeepSeek's `first_k_dense_replace`, Qwen's `decoder_sparse_step` and `mlp_only_layers`,
   Llama 4's `moe_layers` / `interleave_moe_layer_step`, ERNIE's start, end and interval,
-  LFM2-MoE's `num_dense_layers`, Jamba's period and offset; every layer for the others), with
+  LFM2-MoE's `num_dense_layers`, Jamba's period and offset, `mlp_layer_types` where a family's
+  config lists each layer's kind; every layer for the others), with
   transformers' defaults for absent keys.
 
   Args:

@@ -79,6 +79,17 @@ def _after_dense(first_dense_default: int) -> LayerRule:
   return rule
 
 
+def _listed_or(default: LayerRule) -> LayerRule:
+  """`mlp_layer_types` ("sparse": an MoE layer) where config.json lists them (transformers
+  writes the list its config class derived), else `default`."""
+
+  def rule(hf: dict, layer: int, layers: int) -> bool:
+    listed = Read("mlp_layer_types", None)(hf)
+    return default(hf, layer, layers) if listed is None else listed[layer] == "sparse"
+
+  return rule
+
+
 def _qwen_sparse_step(hf: dict, layer: int, layers: int) -> bool:
   """Qwen's: every `decoder_sparse_step`-th layer, but those in `mlp_only_layers`."""
   dense = Read("mlp_only_layers", [])(hf)
@@ -229,7 +240,19 @@ FAMILIES: dict[str, Family] = {
   "qwen3_moe": Family(
     "model.layers.{layer}.mlp", "gate.weight", _QWEN, moe_layer=_qwen_sparse_step
   ),
+  "mellum": Family(  # Qwen3-MoE's block
+    "model.layers.{layer}.mlp", "gate.weight", _QWEN, moe_layer=_listed_or(_every_layer)
+  ),
+  "flint": Family(  # Qwen's layout, sigmoid scores, an ungated shared expert
+    "model.layers.{layer}.mlp", "gate.weight", dict(**_QWEN, scoring="sigmoid"),
+    shared="shared_expert", shared_sizes=Shared(1, Read("shared_expert_intermediate_size", 0)),
+    moe_layer=_qwen_sparse_step,  # transformers writes its default mlp_only_layers, [0, 1]
+  ),
   "olmoe": Family(
+    "model.layers.{layer}.mlp", "gate.weight",
+    {**_QWEN, "intermediate_size": Read("intermediate_size")},
+  ),
+  "flex_olmo": Family(  # OLMoE's block (its decoder normalizes after each block)
     "model.layers.{layer}.mlp", "gate.weight",
     {**_QWEN, "intermediate_size": Read("intermediate_size")},
   ),
@@ -241,6 +264,44 @@ FAMILIES: dict[str, Family] = {
   ),
   "deepseek_v3": _DEEPSEEK_V3,
   "glm4_moe": dataclasses.replace(_DEEPSEEK_V3, moe_layer=_after_dense(1)),
+  # DeepSeek-V3's MoE block under other decoders: every layer (Solar Open), the layers from
+  # `first_k_dense_replace` on (dots1's default 0), or `mlp_layer_types`.
+  "dots1": dataclasses.replace(_DEEPSEEK_V3, moe_layer=_after_dense(0)),
+  "solar_open": dataclasses.replace(_DEEPSEEK_V3, moe_layer=_every_layer),
+  "glm4_moe_lite": dataclasses.replace(_DEEPSEEK_V3, moe_layer=_listed_or(_after_dense(1))),
+  "mimo_v2_flash": dataclasses.replace(  # no shared experts
+    _DEEPSEEK_V3, shared=None, shared_sizes=None, moe_layer=_listed_or(_after_dense(1))
+  ),
+  "exaone_moe": dataclasses.replace(
+    _DEEPSEEK_V3,
+    options={**_DEEPSEEK_V3.options, "num_experts": Read("num_experts")},
+    shared_sizes=Shared(Read("num_shared_experts", 0), Read("moe_intermediate_size")),
+    selection_bias="e_score_correction_bias",  # saved on the block
+    moe_layer=_listed_or(_after_dense(1)),
+  ),
+  # DeepSeek-V3's block routed by softmax scores, groups ranked by their best two, no bias.
+  "mistral4": Family(
+    "model.layers.{layer}.mlp", "gate.weight",
+    dict(**_DEEPSEEK, scoring="softmax", num_expert_groups=Read("n_group", 1),
+         topk_groups=Read("topk_group", 1), group_score="top2_sum"),
+    shared="shared_experts", shared_sizes=_DEEPSEEK_SHARED, moe_layer=_after_dense(0),
+  ),
+  # Mixtral's block, routed as DeepSeek-V3 without groups: sigmoid scores, a selection-only
+  # bias, the chosen scores renormalized.
+  "minimax_m2": Family(
+    _BLOCK_SPARSE, "gate.weight", dict(**_MIXTRAL, scoring="sigmoid", use_routing_bias=True),
+    _W1_W3_W2, selection_bias="e_score_correction_bias", module=_MLP,
+  ),
+  # As MiniMax-M2, times `router_scaling_factor`, with shared experts.
+  "hy_v3": Family(  # saved under Hunyuan's names
+    "model.layers.{layer}.mlp", "router.gate.weight",
+    dict(**_sizes("num_experts", "num_experts_per_tok", "moe_intermediate_size"),
+         renormalize=True, scoring="sigmoid", use_routing_bias=True,
+         routed_scaling_factor=Read("router_scaling_factor", 1.0, float)),
+    shared="shared_mlp",
+    shared_sizes=Shared(Read("num_shared_experts", 0), Read("moe_intermediate_size")),
+    selection_bias="expert_bias", moe_layer=_listed_or(_every_layer),
+  ),
   "gpt_oss": Family(
     "model.layers.{layer}.mlp", "router.weight",
     dict(**_sizes("num_local_experts", "num_experts_per_tok", "intermediate_size"),
