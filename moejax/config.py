@@ -107,6 +107,8 @@ class MoEConfig:
     shared_intermediate_size: Fs, total hidden width of the shared experts.
     shared_expert_gate: scale the shared experts' output per token by
       `sigmoid(x @ shared_gate_kernel)`, a [D, 1] parameter (Qwen2-MoE, Qwen3-Next).
+    shared_scaling_factor: multiplies the shared experts' output (Cohere2-MoE averages the
+      routed and shared outputs: 0.5 here and in `routed_scaling_factor`).
     dtype: compute dtype of the expert matmuls (the router always runs in float32).
     param_dtype: storage dtype of the parameters.
     data_axis: the mesh axis, or tuple of axes (`moejax.axis_groups`), over which tokens are
@@ -207,6 +209,7 @@ class MoEConfig:
   num_zero_experts: int = 0
   num_shared_experts: int = 0
   shared_intermediate_size: int = 0
+  shared_scaling_factor: float = 1.0
   shared_expert_gate: bool = False
   dtype: jnp.dtype = jnp.float32
   param_dtype: jnp.dtype = jnp.float32
@@ -329,6 +332,8 @@ class MoEConfig:
       )
     if not self.num_shared_experts and self.shared_intermediate_size:
       raise ValueError("shared_intermediate_size is set but num_shared_experts is 0")
+    if not self.shared_scaling_factor > 0:
+      raise ValueError(f"shared_scaling_factor must be > 0, got {self.shared_scaling_factor}")
 
   def _check_family_options(self) -> None:
     if not self.swiglu_limit > 0:

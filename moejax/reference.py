@@ -232,6 +232,6 @@ def reference_moe(
     if p.shared_gate_kernel is not None:
       gate = jnp.matmul(tokens, p.shared_gate_kernel, precision=_HIGHEST)
       shared = shared / (1.0 + jnp.exp(-gate))
-    y = y + shared
+    y = y + shared * config.shared_scaling_factor
   y = jnp.where(mask[:, None], y, 0.0)
   return y.reshape(*x.shape[:-1], config.hidden_size)

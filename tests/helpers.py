@@ -26,7 +26,8 @@ SCHEMES = ("all_gather", "all_to_all")
 
 # A small layer every contract starts from.
 BASE = dict(num_experts=8, top_k=2, hidden_size=16, intermediate_size=24, chunk_size=4)
-# Grouped top-k with a selection bias, sigmoid scores and a shared expert: the richest routing.
+# Grouped top-k with a selection bias, sigmoid scores and a scaled shared expert: the richest
+# routing.
 RICH = dict(
   top_k=3,
   scoring="sigmoid",
@@ -36,6 +37,7 @@ RICH = dict(
   topk_groups=2,
   num_shared_experts=1,
   shared_intermediate_size=8,
+  shared_scaling_factor=0.5,
 )
 # Routing and model-family options, each a set of MoEConfig fields over BASE.
 OPTIONS = {

@@ -105,9 +105,9 @@ def _ernie_interval(hf: dict, layer: int, layers: int) -> bool:
   return (layer + 1) % Read("moe_layer_interval", 1)(hf) == 0 and start <= layer <= end
 
 
-def _after_dense_layers(hf: dict, layer: int, layers: int) -> bool:
-  """LFM2-MoE's: the layers from `num_dense_layers` on."""
-  return layer >= Read("num_dense_layers", 2)(hf)
+def _after_num_dense_layers(default: int) -> LayerRule:
+  """LFM2-MoE's and AFMoE's: the layers from `num_dense_layers` on."""
+  return lambda hf, layer, layers: layer >= Read("num_dense_layers", default)(hf)
 
 
 def _jamba_period(hf: dict, layer: int, layers: int) -> bool:
@@ -189,6 +189,25 @@ def _dbrx_renormalize(p) -> bool:
   return p is not None
 
 
+def _cohere2_moe_combination(hf: dict) -> dict:
+  """Cohere2-MoE's scores (`expert_selection_fn`: a softmax over the top-k logits, or sigmoid
+  renormalized as `norm_topk_prob` says) and its `shared_expert_combination_strategy` ("sum",
+  or "average": both outputs halved)."""
+  sigmoid = Read("expert_selection_fn", "softmax")(hf) == "sigmoid"
+  options = dict(
+    scoring="sigmoid" if sigmoid else "softmax",
+    renormalize=Read("norm_topk_prob", False, bool)(hf) if sigmoid else True,
+  )
+  strategy = Read("shared_expert_combination_strategy", "average")(hf)
+  if strategy not in ("sum", "average"):
+    raise ValueError(
+      f"config.json shared_expert_combination_strategy={strategy!r}; expected 'sum' or 'average'"
+    )
+  if strategy == "average" and Read("num_shared_experts", 0)(hf):
+    options.update(routed_scaling_factor=0.5, shared_scaling_factor=0.5)
+  return options
+
+
 def _limited_groups(hf: dict) -> dict:
   """DeepSeek-V2's grouped top-k, only with `topk_method="group_limited_greedy"`."""
   if hf.get("topk_method") != "group_limited_greedy":
@@ -267,6 +286,9 @@ FAMILIES: dict[str, Family] = {
   # DeepSeek-V3's MoE block under other decoders: every layer (Solar Open), the layers from
   # `first_k_dense_replace` on (dots1's default 0), or `mlp_layer_types`.
   "dots1": dataclasses.replace(_DEEPSEEK_V3, moe_layer=_after_dense(0)),
+  # DeepSeek-V3.2 and GLM-5: DeepSeek-V3's MoE beside sparse (indexed) attention.
+  "deepseek_v32": dataclasses.replace(_DEEPSEEK_V3, moe_layer=_listed_or(_after_dense(3))),
+  "glm_moe_dsa": dataclasses.replace(_DEEPSEEK_V3, moe_layer=_listed_or(_after_dense(3))),
   "solar_open": dataclasses.replace(_DEEPSEEK_V3, moe_layer=_every_layer),
   "glm4_moe_lite": dataclasses.replace(_DEEPSEEK_V3, moe_layer=_listed_or(_after_dense(1))),
   "mimo_v2_flash": dataclasses.replace(  # no shared experts
@@ -285,6 +307,22 @@ FAMILIES: dict[str, Family] = {
     dict(**_DEEPSEEK, scoring="softmax", num_expert_groups=Read("n_group", 1),
          topk_groups=Read("topk_group", 1), group_score="top2_sum"),
     shared="shared_experts", shared_sizes=_DEEPSEEK_SHARED, moe_layer=_after_dense(0),
+  ),
+  "afmoe": Family(  # sigmoid scores, a selection-only bias, renormalized, times route_scale
+    "model.layers.{layer}.mlp", "router.gate.weight",
+    dict(**_sizes("num_experts", "num_experts_per_tok", "moe_intermediate_size"),
+         scoring="sigmoid", use_routing_bias=True, renormalize=True,
+         routed_scaling_factor=Read("route_scale", 1.0, float)),
+    shared="shared_experts",
+    shared_sizes=Shared(Read("num_shared_experts", 0), Read("moe_intermediate_size")),
+    selection_bias="expert_bias", moe_layer=_after_num_dense_layers(1),
+  ),
+  "cohere2_moe": Family(
+    "model.layers.{layer}.mlp", "gate.weight",
+    _sizes("num_experts", "num_experts_per_tok", "intermediate_size"),
+    shared="shared_experts",
+    shared_sizes=Shared(Read("num_shared_experts", 0), Read("intermediate_size")),
+    derived=_cohere2_moe_combination, moe_layer=_listed_or(_every_layer),
   ),
   # Mixtral's block, routed as DeepSeek-V3 without groups: sigmoid scores, a selection-only
   # bias, the chosen scores renormalized.
@@ -346,7 +384,7 @@ FAMILIES: dict[str, Family] = {
          scoring="sigmoid", use_routing_bias=Read("use_expert_bias", True, bool),
          renormalize=Read("norm_topk_prob", True, bool), routed_scaling_factor=_SCALING),
     _W1_W3_W2,
-    selection_bias="expert_bias", moe_layer=_after_dense_layers,
+    selection_bias="expert_bias", moe_layer=_after_num_dense_layers(2),
   ),
   "dbrx": Family(
     "transformer.blocks.{layer}.ffn", "router.layer.weight",
