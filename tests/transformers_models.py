@@ -8,6 +8,13 @@ MLA = dict(kv_lora_rank=8, q_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4
 # is `moejax.hf.Family.loaded_block`'s.
 LAYERS = 3
 _TYPES = dict(layer_types=["full_attention"] * LAYERS)
+_QWEN3_5_MOE = dict(
+  num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
+  shared_expert_intermediate_size=12, head_dim=8,
+  layer_types=["linear_attention", "full_attention", "full_attention"],
+  linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=8,
+  linear_value_head_dim=8,
+)  # fmt: skip
 FAMILIES = {
   "mixtral": (dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=24), 2),
   "phimoe": (dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=24,
@@ -17,6 +24,8 @@ FAMILIES = {
                      intermediate_size=24, mlp_only_layers=[1]), 2),
   "qwen3_moe": (dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
                      norm_topk_prob=True, intermediate_size=24, decoder_sparse_step=2), 1),
+  "qwen3_vl_moe": (dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
+                        intermediate_size=24, head_dim=8, decoder_sparse_step=2), 1),
   "qwen3_next": (dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
                       shared_expert_intermediate_size=12, intermediate_size=24,
                       mlp_only_layers=[0], **_TYPES), 1),
@@ -26,6 +35,8 @@ FAMILIES = {
   "flint": (dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
                  shared_expert_intermediate_size=12, norm_topk_prob=True, intermediate_size=24,
                  head_dim=8, mlp_only_layers=[0]), 1),
+  "qwen3_5_moe_text": (_QWEN3_5_MOE, 1),
+  "qwen3_5_moe": (_QWEN3_5_MOE, 1),  # the vision-language model, as released
   "olmoe": (dict(num_experts=4, num_experts_per_tok=2, intermediate_size=24), 2),
   "deepseek_v2": (dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=24,
                        n_shared_experts=1, first_k_dense_replace=1, n_group=4, topk_group=2,
@@ -70,6 +81,10 @@ FAMILIES = {
   "cohere2_moe": (dict(num_experts=4, num_experts_per_tok=2, intermediate_size=24,
                        num_shared_experts=1, head_dim=8,
                        mlp_layer_types=["dense", "sparse", "sparse"]), 1),
+  "mistral_large4": (dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=24,
+                          intermediate_size=24, n_shared_experts=1, first_k_dense_replace=1,
+                          n_group=4, topk_group=2, routed_scaling_factor=1.5, index_topk=4,
+                          index_head_dim=8, index_n_heads=2, **MLA), 1),
   "minimax_m2": (dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=24,
                       head_dim=8), 2),
   "hy_v3": (dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
@@ -77,6 +92,10 @@ FAMILIES = {
                  head_dim=8, mlp_layer_types=["dense", "sparse", "sparse"]), 1),
   "flex_olmo": (dict(num_experts=4, num_experts_per_tok=2, intermediate_size=24,
                      pad_token_id=0), 2),
+  "glm4v_moe": (dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=24,
+                     intermediate_size=24, n_shared_experts=1, first_k_dense_replace=1,
+                     n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=1.5,
+                     head_dim=8), 1),
   "glm4_moe": (dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=24,
                     intermediate_size=24, n_shared_experts=1, first_k_dense_replace=1,
                     n_group=4, topk_group=2, norm_topk_prob=True, head_dim=8), 1),
@@ -110,6 +129,23 @@ FAMILIES = {
 
 # Causal LMs that transformers' AutoModelForCausalLM does not map.
 _CAUSAL_LM = {"mistral4": "Mistral4ForCausalLM"}
+# Vision-language models as released: their class, a tiny vision tower; the fields above are
+# their `text_config`'s.
+_VISION = dict(depth=1, hidden_size=16, num_heads=2, intermediate_size=16, out_hidden_size=16)
+_MULTIMODAL = {
+  "qwen3_vl_moe": (
+    "Qwen3VLMoeForConditionalGeneration",
+    dict(**_VISION, deepstack_visual_indexes=[0]),
+  ),
+  "glm4v_moe": ("Glm4vMoeForConditionalGeneration", _VISION),
+  "mistral_large4": (
+    "MistralLarge4ForConditionalGeneration",
+    dict(
+      hidden_size=16, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2, head_dim=8
+    ),
+  ),
+  "qwen3_5_moe": ("Qwen3_5MoeForConditionalGeneration", _VISION),
+}
 
 
 def hf_checkpoint(model_type: str, fields: dict, path, seed: int):
@@ -119,14 +155,21 @@ def hf_checkpoint(model_type: str, fields: dict, path, seed: int):
 
   if model_type == "dbrx":  # its own names for the attention sizes
     config = transformers.AutoConfig.for_model(model_type, vocab_size=32, **fields)
+  elif model_type in _MULTIMODAL:
+    text = dict(**ATTENTION, num_hidden_layers=LAYERS, **fields)
+    vision = _MULTIMODAL[model_type][1]
+    config = transformers.AutoConfig.for_model(model_type, text_config=text, vision_config=vision)
   else:
     layers = fields.pop("num_hidden_layers", LAYERS)
     config = transformers.AutoConfig.for_model(
       model_type, **ATTENTION, num_hidden_layers=layers, **fields
     )
   torch.manual_seed(seed)
-  causal_lm = getattr(transformers, _CAUSAL_LM.get(model_type, "AutoModelForCausalLM"))
-  model = causal_lm.from_config(config) if model_type not in _CAUSAL_LM else causal_lm(config)
+  if model_type in _MULTIMODAL or model_type in _CAUSAL_LM:
+    name = _MULTIMODAL[model_type][0] if model_type in _MULTIMODAL else _CAUSAL_LM[model_type]
+    model = getattr(transformers, name)(config)
+  else:
+    model = transformers.AutoModelForCausalLM.from_config(config)
   model = model.float().eval()
   with torch.no_grad():
     for tensor in [*model.parameters(), *model.buffers()]:

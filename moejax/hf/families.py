@@ -131,7 +131,8 @@ class Family:
     options: `MoEConfig` field -> a `Read` of config.json, or a fixed value (sizes first).
     experts: the layouts its experts may be stored in, tried in order (the last when none
       is found, so that its missing tensor is named).
-    shared: the shared experts' key prefix (gate_proj, up_proj, down_proj), or None.
+    shared: the shared experts' key prefix (their `shared_names`), or None.
+    shared_names: the shared experts' gate, up and down projections' names.
     shared_sizes: how config.json gives them (`Shared`), or None.
     router_bias: the router's bias key, or None.
     selection_bias: the selection-only bias key (DeepSeek's `e_score_correction_bias`).
@@ -150,6 +151,7 @@ class Family:
   options: dict[str, Read | Any]
   experts: tuple[Layout, ...] = _FUSED_OR_PER_EXPERT
   shared: str | None = None
+  shared_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
   shared_sizes: Shared | None = None
   router_bias: str | None = None
   selection_bias: str | None = None
@@ -238,6 +240,12 @@ _QWEN_WITH_SHARED = Family(
   shared_sizes=Shared(1, Read("shared_expert_intermediate_size", 0), gate=True),
   moe_layer=_qwen_sparse_step,
 )
+# Qwen3.5-MoE: Qwen3-Next's block in every layer, its chosen weights always renormalized; the
+# text model saved alone, or the released vision-language model (config in `text_config`,
+# `model.language_model.` keys).
+_QWEN3_5_MOE = dataclasses.replace(
+  _QWEN_WITH_SHARED, options={**_QWEN, "renormalize": True}, moe_layer=_every_layer
+)
 _BLOCK_SPARSE = "model.layers.{layer}.block_sparse_moe"
 _MLP = "model.layers.{layer}.mlp"  # transformers 5's name of Mixtral's block_sparse_moe
 
@@ -256,8 +264,14 @@ FAMILIES: dict[str, Family] = {
   ),
   "qwen2_moe": _QWEN_WITH_SHARED,
   "qwen3_next": _QWEN_WITH_SHARED,
+  "qwen3_5_moe_text": _QWEN3_5_MOE,
+  "qwen3_5_moe": dataclasses.replace(_QWEN3_5_MOE, block="model.language_model.layers.{layer}.mlp"),
   "qwen3_moe": Family(
     "model.layers.{layer}.mlp", "gate.weight", _QWEN, moe_layer=_qwen_sparse_step
+  ),
+  "qwen3_vl_moe": Family(  # Qwen3-MoE's block, renormalized, in a vision-language model
+    "model.language_model.layers.{layer}.mlp", "gate.weight", {**_QWEN, "renormalize": True},
+    moe_layer=_qwen_sparse_step,
   ),
   "mellum": Family(  # Qwen3-MoE's block
     "model.layers.{layer}.mlp", "gate.weight", _QWEN, moe_layer=_listed_or(_every_layer)
@@ -283,6 +297,9 @@ FAMILIES: dict[str, Family] = {
   ),
   "deepseek_v3": _DEEPSEEK_V3,
   "glm4_moe": dataclasses.replace(_DEEPSEEK_V3, moe_layer=_after_dense(1)),
+  "glm4v_moe": dataclasses.replace(  # GLM-4.5V / 4.6V: GLM-4-MoE's text model
+    _DEEPSEEK_V3, block="model.language_model.layers.{layer}.mlp", moe_layer=_after_dense(1)
+  ),
   # DeepSeek-V3's MoE block under other decoders: every layer (Solar Open), the layers from
   # `first_k_dense_replace` on (dots1's default 0), or `mlp_layer_types`.
   "dots1": dataclasses.replace(_DEEPSEEK_V3, moe_layer=_after_dense(0)),
@@ -323,6 +340,17 @@ FAMILIES: dict[str, Family] = {
     shared="shared_experts",
     shared_sizes=Shared(Read("num_shared_experts", 0), Read("intermediate_size")),
     derived=_cohere2_moe_combination, moe_layer=_listed_or(_every_layer),
+  ),
+  # Mistral 4's block, always renormalized, in a vision-language model saved in Mistral's own
+  # layout (the block's tensors on the decoder layer, experts' w1, w3, w2).
+  "mistral_large4": Family(
+    "layers.{layer}", "gate.weight",
+    dict(**{**_DEEPSEEK, "renormalize": True}, scoring="softmax",
+         num_expert_groups=Read("n_group", 1), topk_groups=Read("topk_group", 1),
+         group_score="top2_sum"),
+    _W1_W3_W2, shared="shared_experts", shared_names=("w1", "w3", "w2"),
+    shared_sizes=_DEEPSEEK_SHARED, moe_layer=_listed_or(_after_dense(1)),
+    module="model.language_model.layers.{layer}.mlp",
   ),
   # Mixtral's block, routed as DeepSeek-V3 without groups: sigmoid scores, a selection-only
   # bias, the chosen scores renormalized.
@@ -411,7 +439,7 @@ FAMILIES: dict[str, Family] = {
 }
 # fmt: on
 # Multimodal model types whose text model's config.json fields sit in `text_config`.
-NESTED_TEXT = ("kimi_k25",)
+NESTED_TEXT = ("kimi_k25", "qwen3_5_moe", "qwen3_vl_moe", "glm4v_moe", "mistral_large4")
 
 
 def family_of(model_type: str | None) -> Family:

@@ -215,9 +215,10 @@ def _read_layer(files: SafetensorsFiles, block: str, family: Family, config: MoE
   values.update(layout.read(files, key, config.expert_quant, e, d, f, config.quant_block))
   if config.has_shared_experts and family.shared:
     fs = config.shared_intermediate_size
+    shapes = ((fs, d), (fs, d), (d, fs))
     gate, up, down = (
       float_linear(files, key(f"{family.shared}.{name}.weight"), shape, config)
-      for name, shape in (("gate_proj", (fs, d)), ("up_proj", (fs, d)), ("down_proj", (d, fs)))
+      for name, shape in zip(family.shared_names, shapes, strict=True)
     )
     values["shared_w_gate_up"] = np.concatenate([gate.T, up.T], axis=1)
     values["shared_w_down"] = down.T
