@@ -8,6 +8,12 @@ MLA = dict(kv_lora_rank=8, q_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4
 # is `moejax.hf.Family.loaded_block`'s.
 LAYERS = 3
 _TYPES = dict(layer_types=["full_attention"] * LAYERS)
+_QWEN3_VL_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
+                     intermediate_size=24, head_dim=8, decoder_sparse_step=2)  # fmt: skip
+_GLM4V_MOE = dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=24,
+                  intermediate_size=24, n_shared_experts=1, first_k_dense_replace=1, n_group=4,
+                  topk_group=2, norm_topk_prob=True, routed_scaling_factor=1.5,
+                  head_dim=8)  # fmt: skip
 _QWEN3_5_MOE = dict(
   num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
   shared_expert_intermediate_size=12, head_dim=8,
@@ -24,8 +30,8 @@ FAMILIES = {
                      intermediate_size=24, mlp_only_layers=[1]), 2),
   "qwen3_moe": (dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
                      norm_topk_prob=True, intermediate_size=24, decoder_sparse_step=2), 1),
-  "qwen3_vl_moe": (dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
-                        intermediate_size=24, head_dim=8, decoder_sparse_step=2), 1),
+  "qwen3_vl_moe": (_QWEN3_VL_MOE, 1),
+  "qwen3_vl_moe_text": (_QWEN3_VL_MOE, 1),
   "qwen3_next": (dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
                       shared_expert_intermediate_size=12, intermediate_size=24,
                       mlp_only_layers=[0], **_TYPES), 1),
@@ -92,10 +98,8 @@ FAMILIES = {
                  head_dim=8, mlp_layer_types=["dense", "sparse", "sparse"]), 1),
   "flex_olmo": (dict(num_experts=4, num_experts_per_tok=2, intermediate_size=24,
                      pad_token_id=0), 2),
-  "glm4v_moe": (dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=24,
-                     intermediate_size=24, n_shared_experts=1, first_k_dense_replace=1,
-                     n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=1.5,
-                     head_dim=8), 1),
+  "glm4v_moe": (_GLM4V_MOE, 1),
+  "glm4v_moe_text": (_GLM4V_MOE, 1),
   "glm4_moe": (dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=24,
                     intermediate_size=24, n_shared_experts=1, first_k_dense_replace=1,
                     n_group=4, topk_group=2, norm_topk_prob=True, head_dim=8), 1),
@@ -129,6 +133,8 @@ FAMILIES = {
 
 # Causal LMs that transformers' AutoModelForCausalLM does not map.
 _CAUSAL_LM = {"mistral4": "Mistral4ForCausalLM"}
+# Text models of vision-language models, saved alone as the base models they are.
+_BASE_MODEL = ("qwen3_vl_moe_text", "glm4v_moe_text")
 # Vision-language models as released: their class, a tiny vision tower; the fields above are
 # their `text_config`'s.
 _VISION = dict(depth=1, hidden_size=16, num_heads=2, intermediate_size=16, out_hidden_size=16)
@@ -168,6 +174,8 @@ def hf_checkpoint(model_type: str, fields: dict, path, seed: int):
   if model_type in _MULTIMODAL or model_type in _CAUSAL_LM:
     name = _MULTIMODAL[model_type][0] if model_type in _MULTIMODAL else _CAUSAL_LM[model_type]
     model = getattr(transformers, name)(config)
+  elif model_type in _BASE_MODEL:
+    model = transformers.AutoModel.from_config(config)
   else:
     model = transformers.AutoModelForCausalLM.from_config(config)
   model = model.float().eval()

@@ -246,6 +246,10 @@ _QWEN_WITH_SHARED = Family(
 _QWEN3_5_MOE = dataclasses.replace(
   _QWEN_WITH_SHARED, options={**_QWEN, "renormalize": True}, moe_layer=_every_layer
 )
+_QWEN3_VL_MOE = Family(
+  "model.language_model.layers.{layer}.mlp", "gate.weight", {**_QWEN, "renormalize": True},
+  moe_layer=_qwen_sparse_step,
+)
 _BLOCK_SPARSE = "model.layers.{layer}.block_sparse_moe"
 _MLP = "model.layers.{layer}.mlp"  # transformers 5's name of Mixtral's block_sparse_moe
 
@@ -269,10 +273,10 @@ FAMILIES: dict[str, Family] = {
   "qwen3_moe": Family(
     "model.layers.{layer}.mlp", "gate.weight", _QWEN, moe_layer=_qwen_sparse_step
   ),
-  "qwen3_vl_moe": Family(  # Qwen3-MoE's block, renormalized, in a vision-language model
-    "model.language_model.layers.{layer}.mlp", "gate.weight", {**_QWEN, "renormalize": True},
-    moe_layer=_qwen_sparse_step,
-  ),
+  # Qwen3-VL-MoE: Qwen3-MoE's block, renormalized, in a vision-language model; its text model
+  # saved alone (a base model: no `model.` prefix).
+  "qwen3_vl_moe": _QWEN3_VL_MOE,
+  "qwen3_vl_moe_text": dataclasses.replace(_QWEN3_VL_MOE, block="layers.{layer}.mlp"),
   "mellum": Family(  # Qwen3-MoE's block
     "model.layers.{layer}.mlp", "gate.weight", _QWEN, moe_layer=_listed_or(_every_layer)
   ),
@@ -297,8 +301,12 @@ FAMILIES: dict[str, Family] = {
   ),
   "deepseek_v3": _DEEPSEEK_V3,
   "glm4_moe": dataclasses.replace(_DEEPSEEK_V3, moe_layer=_after_dense(1)),
-  "glm4v_moe": dataclasses.replace(  # GLM-4.5V / 4.6V: GLM-4-MoE's text model
+  # GLM-4.5V / 4.6V: GLM-4-MoE's text model, as released and saved alone.
+  "glm4v_moe": dataclasses.replace(
     _DEEPSEEK_V3, block="model.language_model.layers.{layer}.mlp", moe_layer=_after_dense(1)
+  ),
+  "glm4v_moe_text": dataclasses.replace(
+    _DEEPSEEK_V3, block="layers.{layer}.mlp", moe_layer=_after_dense(1)
   ),
   # DeepSeek-V3's MoE block under other decoders: every layer (Solar Open), the layers from
   # `first_k_dense_replace` on (dots1's default 0), or `mlp_layer_types`.
