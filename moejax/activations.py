@@ -23,6 +23,11 @@ def _swiglu_oai(gate: jax.Array, up: jax.Array, limit: float) -> jax.Array:
   return (up + 1.0) * gate * jax.nn.sigmoid(1.702 * gate)
 
 
+def _swiglu_clamped(gate: jax.Array, up: jax.Array, limit: float) -> jax.Array:
+  """DeepSeek-V4's clamped SwiGLU: silu(min(gate, limit)) * clip(up, -limit, limit)."""
+  return jax.nn.silu(jnp.minimum(gate, limit)) * jnp.clip(up, -limit, limit)
+
+
 # name -> (gate, up, limit) -> hidden.
 GATED: dict[str, Callable[[jax.Array, jax.Array, float], jax.Array]] = {
   "silu": lambda gate, up, limit: jax.nn.silu(gate) * up,
@@ -30,6 +35,7 @@ GATED: dict[str, Callable[[jax.Array, jax.Array, float], jax.Array]] = {
   "gelu": lambda gate, up, limit: activate(gate, "gelu") * up,
   "gelu_tanh": lambda gate, up, limit: jax.nn.gelu(gate, approximate=True) * up,
   "swiglu_oai": _swiglu_oai,
+  "swiglu_clamped": _swiglu_clamped,
 }
 
 
@@ -39,7 +45,7 @@ class GatedActivation:
 
   "silu", "gelu" (exact erf) and "gelu_tanh" compute `act(gate) * up`; "swiglu_oai"
   (GPT-OSS) computes `(u + 1) * g * sigmoid(1.702 * g)` with g = min(gate, limit) and
-  u = clip(up, -limit, limit).
+  u = clip(up, -limit, limit); "swiglu_clamped" (DeepSeek-V4) `silu(g) * u`.
 
   >>> GatedActivation("swiglu_oai", limit=7.0)(jnp.array([9.0]), jnp.array([-9.0])).tolist()
   [-41.999...]

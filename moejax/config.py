@@ -13,7 +13,7 @@ from moejax import axis_groups
 from moejax.activations import GATED, GatedActivation
 from moejax.axis_groups import AxisGroup
 
-Activation = Literal["silu", "gelu", "gelu_tanh", "swiglu_oai"]
+Activation = Literal["silu", "gelu", "gelu_tanh", "swiglu_oai", "swiglu_clamped"]
 Scoring = Literal["softmax", "sigmoid", "sparsemixer"]
 GroupScore = Literal["max", "top2_sum"]
 ExpertBackend = Literal["xla", "pallas", "auto"]
@@ -78,8 +78,11 @@ class MoEConfig:
       None for the platform's default (`moejax.chunk_budget.budget_bytes`).
     activation: "silu", "gelu" (exact erf) or "gelu_tanh" (tanh approximation): experts
       compute `act(gate) * up`; or "swiglu_oai" (GPT-OSS's clamped SwiGLU): with
-      g = min(gate, limit) and u = clip(up, -limit, limit), `(u + 1) * g * sigmoid(1.702 g)`.
-    swiglu_limit: the limit of "swiglu_oai".
+      g = min(gate, limit) and u = clip(up, -limit, limit), `(u + 1) * g * sigmoid(1.702 g)`;
+      or "swiglu_clamped" (DeepSeek-V4's, GLM-5-Next's, Hunyuan v4's): `silu(g) * u`.
+    swiglu_limit: the limit of "swiglu_oai" and "swiglu_clamped".
+    shared_activation: the shared experts' activation, one of `activation`'s; None: the
+      routed experts' (DeepSeek-V4 clamps its routed experts only: "silu" here).
     scoring: "softmax" or "sigmoid" of the router logits, or "sparsemixer" (PhiMoE's
       inference routing; needs top_k=2): each pick's weight is a softmax over the logits
       within a relative window of 2 * sparsemixer_eps of it, read at the pick.
@@ -195,6 +198,7 @@ class MoEConfig:
   chunk_memory_bytes: int | None = None
   activation: Activation = "silu"
   swiglu_limit: float = 7.0
+  shared_activation: Activation | None = None
   scoring: Scoring = "softmax"
   sparsemixer_eps: float = 0.01
   renormalize: bool = False
@@ -288,6 +292,7 @@ class MoEConfig:
   def _check_choices(self) -> None:
     for name, allowed in (
       ("activation", _ACTIVATIONS),
+      ("shared_activation", (*_ACTIVATIONS, None)),
       ("scoring", _SCORINGS),
       ("group_score", _GROUP_SCORES),
       ("expert_backend", BACKENDS),
@@ -419,6 +424,11 @@ class MoEConfig:
   def gated_activation(self) -> GatedActivation:
     """How the experts combine gate and up (`activation`, `swiglu_limit`)."""
     return GatedActivation(self.activation, self.swiglu_limit)
+
+  @property
+  def shared_gated_activation(self) -> GatedActivation:
+    """How the shared experts combine gate and up (`shared_activation`, else `activation`)."""
+    return GatedActivation(self.shared_activation or self.activation, self.swiglu_limit)
 
   @property
   def quant_block(self) -> tuple[int, int] | None:

@@ -322,7 +322,7 @@ def shared_mlp(x: jax.Array, shared: SharedWeights, *, config: MoEConfig) -> jax
     shared: the `SharedWeights`; with a `gate_kernel` ([D, 1], `config.shared_expert_gate`)
       the output is scaled per row by `sigmoid(x @ gate_kernel)`; with adapters each
       projection adds theirs.
-    config: the layer's config (its activation, `shared_scaling_factor`).
+    config: the layer's config (its shared experts' activation, `shared_scaling_factor`).
 
   Returns:
     [C, D] float32.
@@ -330,7 +330,7 @@ def shared_mlp(x: jax.Array, shared: SharedWeights, *, config: MoEConfig) -> jax
 
   def shared_rows(rows: jax.Array) -> jax.Array:
     out = gated_mlp(
-      rows, shared.w_gate_up, shared.w_down, config.gated_activation, lora=shared.lora
+      rows, shared.w_gate_up, shared.w_down, config.shared_gated_activation, lora=shared.lora
     )
     if config.shared_scaling_factor != 1.0:
       out = out * config.shared_scaling_factor

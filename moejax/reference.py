@@ -19,30 +19,34 @@ from moejax.params import PER_EXPERT_FIELDS, MoEParams
 _HIGHEST = jax.lax.Precision.HIGHEST
 
 
-def _hidden(gate: jax.Array, up: jax.Array, config: MoEConfig) -> jax.Array:
+def _hidden(gate: jax.Array, up: jax.Array, activation: str, limit: float) -> jax.Array:
   """The gated MLP's hidden layer, each activation written out."""
-  if config.activation == "swiglu_oai":
-    limit = config.swiglu_limit
+  if activation in ("swiglu_oai", "swiglu_clamped"):
     gate = jnp.minimum(gate, limit)
     up = jnp.clip(up, -limit, limit)
-    return (up + 1.0) * gate / (1.0 + jnp.exp(-1.702 * gate))
-  if config.activation == "silu":
+    if activation == "swiglu_oai":
+      return (up + 1.0) * gate / (1.0 + jnp.exp(-1.702 * gate))
+  if activation in ("silu", "swiglu_clamped"):
     act = gate / (1.0 + jnp.exp(-gate))
-  elif config.activation == "gelu":
+  elif activation == "gelu":
     act = 0.5 * gate * (1.0 + jax.scipy.special.erf(gate / jnp.sqrt(2.0)))
   else:  # gelu_tanh
     act = 0.5 * gate * (1.0 + jnp.tanh(jnp.sqrt(2.0 / jnp.pi) * (gate + 0.044715 * gate**3)))
   return act * up
 
 
-def _mlp(x, w_gate_up, w_down, config: MoEConfig, b_gate_up=None, b_down=None) -> jax.Array:
-  """[T, D] -> [T, D] gated MLP in float32 (biases optional)."""
+def _mlp(
+  x, w_gate_up, w_down, config: MoEConfig, b_gate_up=None, b_down=None, *, activation=None
+) -> jax.Array:
+  """[T, D] -> [T, D] gated MLP in float32 (biases optional), with `activation` (default
+  the routed experts' `config.activation`)."""
   half = w_gate_up.shape[-1] // 2
   gate = jnp.matmul(x, w_gate_up[:, :half], precision=_HIGHEST)
   up = jnp.matmul(x, w_gate_up[:, half:], precision=_HIGHEST)
   if b_gate_up is not None:
     gate, up = gate + b_gate_up[None, :half], up + b_gate_up[None, half:]
-  out = jnp.matmul(_hidden(gate, up, config), w_down, precision=_HIGHEST)
+  hidden = _hidden(gate, up, activation or config.activation, config.swiglu_limit)
+  out = jnp.matmul(hidden, w_down, precision=_HIGHEST)
   return out if b_down is None else out + b_down[None, :]
 
 
@@ -228,7 +232,8 @@ def reference_moe(
       out = expert_in
     y = y + scale(e) * out
   if config.has_shared_experts:
-    shared = _mlp(tokens, p.shared_w_gate_up, p.shared_w_down, config)
+    shared_activation = config.shared_activation or config.activation
+    shared = _mlp(tokens, p.shared_w_gate_up, p.shared_w_down, config, activation=shared_activation)
     if p.shared_gate_kernel is not None:
       gate = jnp.matmul(tokens, p.shared_gate_kernel, precision=_HIGHEST)
       shared = shared / (1.0 + jnp.exp(-gate))

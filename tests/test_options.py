@@ -69,9 +69,24 @@ def test_zero_experts_return_the_weighted_input(request):
   chex.assert_trees_all_equal(np.asarray(aux.dispatch_rows), np.zeros(8, np.int32))
 
 
-@pytest.mark.parametrize("option", ["gpt_oss", "gelu_tanh"])
+# Activations the kernels' epilogues lack, each against the reference on the XLA tile loop.
+EPILOGUE_LACKS = {
+  "gpt_oss": OPTIONS["gpt_oss"],
+  "gelu_tanh": OPTIONS["gelu_tanh"],
+  # The clamps bind; the shared expert unclamped, as DeepSeek-V4's.
+  "swiglu_clamped": dict(
+    activation="swiglu_clamped",
+    swiglu_limit=1.0,
+    num_shared_experts=1,
+    shared_intermediate_size=8,
+    shared_activation="silu",
+  ),
+}
+
+
+@pytest.mark.parametrize("option", EPILOGUE_LACKS)
 def test_pallas_backend_falls_back_to_xla_for_an_epilogue_it_lacks(option, request):
-  config = MoEConfig(**{**BASE, **OPTIONS[option]}, expert_backend="pallas")
+  config = MoEConfig(**{**BASE, **EPILOGUE_LACKS[option]}, expert_backend="pallas")
   params, x, _ = make_inputs(config, request.node.name)
   mask = rank_mask([3, 9, 0, 5, 1, 0, 9, 2], ROWS_PER_RANK)
   with pytest.warns(UserWarning, match="falls back to the XLA tile loop"):

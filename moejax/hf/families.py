@@ -246,6 +246,11 @@ _QWEN_WITH_SHARED = Family(
 _QWEN3_5_MOE = dataclasses.replace(
   _QWEN_WITH_SHARED, options={**_QWEN, "renormalize": True}, moe_layer=_every_layer
 )
+# DeepSeek-V4's routed experts: SwiGLU clamped at `swiglu_limit`; its shared experts plain.
+_CLAMPED_ROUTED = dict(
+  activation="swiglu_clamped", swiglu_limit=Read("swiglu_limit", 10.0, float),
+  shared_activation="silu",
+)
 _QWEN3_VL_MOE = Family(
   "model.language_model.layers.{layer}.mlp", "gate.weight", {**_QWEN, "renormalize": True},
   moe_layer=_qwen_sparse_step,
@@ -318,6 +323,18 @@ FAMILIES: dict[str, Family] = {
   "glm4_moe_lite": dataclasses.replace(_DEEPSEEK_V3, moe_layer=_listed_or(_after_dense(1))),
   "mimo_v2_flash": dataclasses.replace(  # no shared experts
     _DEEPSEEK_V3, shared=None, shared_sizes=None, moe_layer=_listed_or(_after_dense(1))
+  ),
+  # DeepSeek-V3's MoE with DeepSeek-V4's clamped SwiGLU in the routed experts only.
+  "hy_v4": dataclasses.replace(
+    _DEEPSEEK_V3,
+    options={**_DEEPSEEK_V3.options, **_CLAMPED_ROUTED},
+    shared_names=("linear_gate", "up_proj", "down_proj"),  # as Hunyuan saves them
+    moe_layer=_listed_or(_after_dense(1)),
+  ),
+  "beam": dataclasses.replace(  # no shared experts
+    _DEEPSEEK_V3,
+    options={**_DEEPSEEK_V3.options, "num_experts": Read("num_experts")},
+    shared=None, shared_sizes=None, moe_layer=_listed_or(_after_dense(3)),
   ),
   "exaone_moe": dataclasses.replace(
     _DEEPSEEK_V3,
