@@ -246,6 +246,16 @@ _QWEN_WITH_SHARED = Family(
 _QWEN3_5_MOE = dataclasses.replace(
   _QWEN_WITH_SHARED, options={**_QWEN, "renormalize": True}, moe_layer=_every_layer
 )
+# DeepSeek-V3's routing under Kimi-Linear's and Bailing's config.json names.
+_DEEPSEEK_V3_RENAMED = Family(
+  "model.layers.{layer}.mlp", "gate.weight",
+  dict(**_sizes("num_experts", "num_experts_per_token", "moe_intermediate_size"),
+       renormalize=Read("moe_renormalize", False, bool), routed_scaling_factor=_SCALING,
+       scoring="sigmoid", use_routing_bias=True, num_expert_groups=Read("num_expert_group", 1),
+       topk_groups=Read("topk_group", 1)),
+  shared="shared_experts",
+  shared_sizes=Shared(Read("num_shared_experts", 0), Read("moe_intermediate_size")),
+)
 # DeepSeek-V4's routed experts: SwiGLU clamped at `swiglu_limit`; its shared experts plain.
 _CLAMPED_ROUTED = dict(
   activation="swiglu_clamped", swiglu_limit=Read("swiglu_limit", 10.0, float),
@@ -330,6 +340,14 @@ FAMILIES: dict[str, Family] = {
     options={**_DEEPSEEK_V3.options, **_CLAMPED_ROUTED},
     shared_names=("linear_gate", "up_proj", "down_proj"),  # as Hunyuan saves them
     moe_layer=_listed_or(_after_dense(1)),
+  ),
+  # DeepSeek-V3's MoE beside linear attention, saved under Kimi's and Bailing's names.
+  "kimi_linear": dataclasses.replace(
+    _DEEPSEEK_V3_RENAMED, block=_BLOCK_SPARSE, module=_MLP, experts=_W1_W3_W2,
+    selection_bias="gate.e_score_correction_bias", moe_layer=_listed_or(_after_dense(1)),
+  ),
+  "bailing_hybrid": dataclasses.replace(
+    _DEEPSEEK_V3_RENAMED, selection_bias="gate.expert_bias", moe_layer=_listed_or(_after_dense(2))
   ),
   "beam": dataclasses.replace(  # no shared experts
     _DEEPSEEK_V3,
