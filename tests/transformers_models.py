@@ -90,6 +90,8 @@ FAMILIES = {
                           norm_topk_prob=True, routed_scaling_factor=1.5,
                           first_k_dense_replace=1, head_dim=8, pad_token_id=0, eos_token_id=1,
                           layer_group_size=2, **MLA), 1),
+  "aria_text": (dict(moe_num_experts=4, moe_topk=2, intermediate_size=24,
+                     moe_num_shared_experts=2, head_dim=8), 1),
   "beam": (dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=24,
                 intermediate_size=24, n_group=4, topk_group=2, norm_topk_prob=True,
                 routed_scaling_factor=1.5, head_dim=8,

@@ -349,6 +349,15 @@ FAMILIES: dict[str, Family] = {
   "bailing_hybrid": dataclasses.replace(
     _DEEPSEEK_V3_RENAMED, selection_bias="gate.expert_bias", moe_layer=_listed_or(_after_dense(2))
   ),
+  # Aria's text model: softmax over the top-k logits, experts stored input-major.
+  "aria_text": Family(
+    "model.layers.{layer}.mlp", "router.weight",
+    dict(**_sizes("moe_num_experts", "moe_topk", "intermediate_size"), renormalize=True),
+    (Fused("experts.fc1.weight", "experts.fc2.weight", input_major=True,
+           marked_transposed=True),),
+    shared="shared_experts",
+    shared_sizes=Shared(Read("moe_num_shared_experts", 2), Read("intermediate_size")),
+  ),
   "beam": dataclasses.replace(  # no shared experts
     _DEEPSEEK_V3,
     options={**_DEEPSEEK_V3.options, "num_experts": Read("num_experts")},
