@@ -295,6 +295,10 @@ FAMILIES: dict[str, Family] = {
   "mellum": Family(  # Qwen3-MoE's block
     "model.layers.{layer}.mlp", "gate.weight", _QWEN, moe_layer=_listed_or(_every_layer)
   ),
+  "lara_mini": Family(  # Qwen's layout, softmax scores, an ungated shared expert, every layer
+    "model.layers.{layer}.mlp", "gate.weight", _QWEN, shared="shared_expert",
+    shared_sizes=Shared(1, Read("shared_expert_intermediate_size", 0)),
+  ),
   "flint": Family(  # Qwen's layout, sigmoid scores, an ungated shared expert
     "model.layers.{layer}.mlp", "gate.weight", dict(**_QWEN, scoring="sigmoid"),
     shared="shared_expert", shared_sizes=Shared(1, Read("shared_expert_intermediate_size", 0)),
