@@ -87,6 +87,8 @@ class MoEConfig:
       inference routing; needs top_k=2): each pick's weight is a softmax over the logits
       within a relative window of 2 * sparsemixer_eps of it, read at the pick.
     sparsemixer_eps: PhiMoE's `router_jitter_noise`.
+    router_logit_softcap: c > 0 caps the router logits to `c * tanh(logits / c)` before
+      scoring and the router's statistics (Laguna); 0 leaves them as they are.
     renormalize: rescale the K chosen weights of a token to sum to 1.
     num_expert_groups: G, groups of experts for grouped (DeepSeek) top-k; 1 = plain top-k.
     topk_groups: groups kept per token before the top-k; at most `num_expert_groups`.
@@ -201,6 +203,7 @@ class MoEConfig:
   shared_activation: Activation | None = None
   scoring: Scoring = "softmax"
   sparsemixer_eps: float = 0.01
+  router_logit_softcap: float = 0.0
   renormalize: bool = False
   num_expert_groups: int = 1
   topk_groups: int = 1
@@ -286,6 +289,8 @@ class MoEConfig:
       raise ValueError(f"num_redundant_experts must be an int >= 0, got {redundant!r}")
     if not isinstance(self.top_k, int) or not 1 <= self.top_k <= self.num_experts:
       raise ValueError(f"top_k={self.top_k} must be in [1, num_experts={self.num_experts}]")
+    if not self.router_logit_softcap >= 0:
+      raise ValueError(f"router_logit_softcap must be >= 0, got {self.router_logit_softcap}")
     if not self.routed_scaling_factor > 0:
       raise ValueError(f"routed_scaling_factor must be > 0, got {self.routed_scaling_factor}")
 

@@ -367,6 +367,7 @@ def local_forward(
     router_logits = routing.router_logits(
       x, router_kernel, params.router_bias, block_rows=invariance.block_rows(config)
     )
+  router_logits = routing.soft_capped(router_logits, config.router_logit_softcap)
   router_logits = _zero_padding(router_logits, token_mask)  # the logits' only masking
   router_logits = remat.named(router_logits, remat.ROUTER_LOGITS)
   route = routing.route(

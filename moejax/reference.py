@@ -212,6 +212,9 @@ def reference_moe(
       logits = logits + p.router_bias[None, :]
   else:
     logits = f32(router_logits).reshape(tokens.shape[0], -1)
+  if config.router_logit_softcap:
+    cap = config.router_logit_softcap
+    logits = cap * jnp.tanh(logits / cap)
   logits = jnp.where(mask[:, None], logits, 0.0)
   given = (
     None if expert_ids is None else jnp.asarray(expert_ids, jnp.int32).reshape(-1, config.top_k)

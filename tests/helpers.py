@@ -26,11 +26,12 @@ SCHEMES = ("all_gather", "all_to_all")
 
 # A small layer every contract starts from.
 BASE = dict(num_experts=8, top_k=2, hidden_size=16, intermediate_size=24, chunk_size=4)
-# Grouped top-k with a selection bias, sigmoid scores and a scaled shared expert: the richest
-# routing.
+# Grouped top-k with a selection bias, sigmoid scores of soft-capped logits and a scaled
+# shared expert: the richest routing.
 RICH = dict(
   top_k=3,
   scoring="sigmoid",
+  router_logit_softcap=2.0,
   renormalize=True,
   use_routing_bias=True,
   num_expert_groups=4,

@@ -43,6 +43,7 @@ BASE = dict(num_experts=8, top_k=2, hidden_size=16, intermediate_size=32)
     (dict(routed_scaling_factor=0.0), "routed_scaling_factor"),
     (dict(shared_scaling_factor=-1.0), "shared_scaling_factor must be > 0"),
     (dict(shared_activation="relu"), "shared_activation must be one of"),
+    (dict(router_logit_softcap=-1.0), "router_logit_softcap must be >= 0"),
     (dict(dtype=jnp.int32), "dtype"),
     (dict(param_dtype=jnp.int8), "param_dtype"),
     (dict(data_axis="x", expert_axis="x"), "mesh axis 'x' is in both"),

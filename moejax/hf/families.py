@@ -295,6 +295,17 @@ FAMILIES: dict[str, Family] = {
   "mellum": Family(  # Qwen3-MoE's block
     "model.layers.{layer}.mlp", "gate.weight", _QWEN, moe_layer=_listed_or(_every_layer)
   ),
+  # Laguna: soft-capped logits, sigmoid scores, a selection-only bias, always renormalized,
+  # scaled, an ungated shared expert.
+  "laguna": Family(
+    "model.layers.{layer}.mlp", "gate.weight",
+    dict(**_sizes("num_experts", "num_experts_per_tok", "moe_intermediate_size"),
+         scoring="sigmoid", use_routing_bias=True, renormalize=True,
+         routed_scaling_factor=Read("moe_routed_scaling_factor", 1.0, float),
+         router_logit_softcap=Read("moe_router_logit_softcapping", 0.0, float)),
+    shared="shared_expert", shared_sizes=Shared(1, Read("shared_expert_intermediate_size", 0)),
+    selection_bias="experts.e_score_correction_bias", moe_layer=_listed_or(_after_dense(1)),
+  ),
   "lara_mini": Family(  # Qwen's layout, softmax scores, an ungated shared expert, every layer
     "model.layers.{layer}.mlp", "gate.weight", _QWEN, shared="shared_expert",
     shared_sizes=Shared(1, Read("shared_expert_intermediate_size", 0)),
