@@ -338,12 +338,12 @@ FAMILIES: dict[str, Family] = {
   "glm4v_moe_text": dataclasses.replace(
     _DEEPSEEK_V3, block="layers.{layer}.mlp", moe_layer=_after_dense(1)
   ),
-  # DeepSeek-V3's MoE block under other decoders: every layer (Solar Open), the layers from
-  # `first_k_dense_replace` on (dots1's default 0), or `mlp_layer_types`.
-  "dots1": dataclasses.replace(_DEEPSEEK_V3, moe_layer=_after_dense(0)),
   # DeepSeek-V3.2 and GLM-5: DeepSeek-V3's MoE beside sparse (indexed) attention.
   "deepseek_v32": dataclasses.replace(_DEEPSEEK_V3, moe_layer=_listed_or(_after_dense(3))),
   "glm_moe_dsa": dataclasses.replace(_DEEPSEEK_V3, moe_layer=_listed_or(_after_dense(3))),
+  # DeepSeek-V3's MoE block under other decoders: every layer (Solar Open), the layers from
+  # `first_k_dense_replace` on (dots1's default 0), or `mlp_layer_types`.
+  "dots1": dataclasses.replace(_DEEPSEEK_V3, moe_layer=_after_dense(0)),
   "solar_open": dataclasses.replace(_DEEPSEEK_V3, moe_layer=_every_layer),
   "glm4_moe_lite": dataclasses.replace(_DEEPSEEK_V3, moe_layer=_listed_or(_after_dense(1))),
   "mimo_v2_flash": dataclasses.replace(  # no shared experts
