@@ -14,8 +14,10 @@ from moejax.activations import GATED, GatedActivation
 from moejax.axis_groups import AxisGroup
 
 Activation = Literal["silu", "gelu", "gelu_tanh", "swiglu_oai", "swiglu_clamped"]
-Scoring = Literal["softmax", "sigmoid", "sparsemixer"]
+Scoring = Literal["softmax", "sigmoid", "sqrtsoftplus", "sparsemixer"]
 GroupScore = Literal["max", "top2_sum"]
+BiasTarget = Literal["scores", "logits"]
+DroppedGroups = Literal["excluded", "zeroed"]
 ExpertBackend = Literal["xla", "pallas", "auto"]
 Dispatch = Literal["all_gather", "all_to_all", "auto"]
 # The exchange schemes a call runs ("auto" resolved).
@@ -26,6 +28,8 @@ ExpertPath = Literal["tile_loop", "ragged_dot", "pallas"]
 _ACTIVATIONS = tuple(GATED)
 _SCORINGS = get_args(Scoring)
 _GROUP_SCORES = (*get_args(GroupScore), None)
+_BIAS_TARGETS = get_args(BiasTarget)
+_DROPPED_GROUPS = get_args(DroppedGroups)
 BACKENDS = get_args(ExpertBackend)
 DISPATCHES = get_args(Dispatch)
 
@@ -83,9 +87,10 @@ class MoEConfig:
     swiglu_limit: the limit of "swiglu_oai" and "swiglu_clamped".
     shared_activation: the shared experts' activation, one of `activation`'s; None: the
       routed experts' (DeepSeek-V4 clamps its routed experts only: "silu" here).
-    scoring: "softmax" or "sigmoid" of the router logits, or "sparsemixer" (PhiMoE's
-      inference routing; needs top_k=2): each pick's weight is a softmax over the logits
-      within a relative window of 2 * sparsemixer_eps of it, read at the pick.
+    scoring: "softmax", "sigmoid" or "sqrtsoftplus" (`sqrt(softplus(logits))`: DeepSeek-V4)
+      of the router logits, or "sparsemixer" (PhiMoE's inference routing; needs top_k=2):
+      each pick's weight is a softmax over the logits within a relative window of
+      2 * sparsemixer_eps of it, read at the pick.
     sparsemixer_eps: PhiMoE's `router_jitter_noise`.
     router_logit_softcap: c > 0 caps the router logits to `c * tanh(logits / c)` before
       scoring and the router's statistics (Laguna); 0 leaves them as they are.
@@ -95,8 +100,15 @@ class MoEConfig:
     group_score: how a group ranks: "max" (its best expert's selection score: DeepSeek-V2)
       or "top2_sum" (its best two's sum: DeepSeek-V3, Mistral 4); None: "top2_sum" with the
       routing bias, else "max".
+    dropped_groups: what top-k sees of the experts outside a token's kept groups:
+      "excluded" (never chosen: DeepSeek) or "zeroed" (their selection scores set to 0, so
+      they can still beat kept experts whose biased score is negative: A.X-K2; ties among
+      them go to the lowest id, where torch's top-k picks any).
     use_routing_bias: add the learned `routing_bias` [E + Z] to the scores for selection only
       (DeepSeek-V3's e_score_correction_bias); the bias never enters the weights.
+    routing_bias_on: what the routing bias is added to for the selection: "scores" (the
+      default) or the raw "logits" (Kolibri-1: top-k of logits + bias, weights the chosen
+      experts' scores). Needs `use_routing_bias` for "logits".
     router_bias: the router has a bias `router_bias` [E + Z], added to its logits (GPT-OSS): it
       changes both the selection and the weights.
     routed_scaling_factor: multiplies the final routing weights.
@@ -208,7 +220,9 @@ class MoEConfig:
   num_expert_groups: int = 1
   topk_groups: int = 1
   group_score: GroupScore | None = None
+  dropped_groups: DroppedGroups = "excluded"
   use_routing_bias: bool = False
+  routing_bias_on: BiasTarget = "scores"
   router_bias: bool = False
   routed_scaling_factor: float = 1.0
   expert_bias: bool = False
@@ -300,6 +314,8 @@ class MoEConfig:
       ("shared_activation", (*_ACTIVATIONS, None)),
       ("scoring", _SCORINGS),
       ("group_score", _GROUP_SCORES),
+      ("dropped_groups", _DROPPED_GROUPS),
+      ("routing_bias_on", _BIAS_TARGETS),
       ("expert_backend", BACKENDS),
       ("dispatch", DISPATCHES),
     ):
@@ -348,6 +364,8 @@ class MoEConfig:
   def _check_family_options(self) -> None:
     if not self.swiglu_limit > 0:
       raise ValueError(f"swiglu_limit must be > 0, got {self.swiglu_limit}")
+    if self.routing_bias_on == "logits" and not self.use_routing_bias:
+      raise ValueError("routing_bias_on='logits' needs use_routing_bias=True (the bias it places)")
     if self.scoring == "sparsemixer":
       if self.top_k != 2:
         raise ValueError(f"scoring='sparsemixer' needs top_k=2, got top_k={self.top_k}")

@@ -108,10 +108,12 @@ def reference_routing(
 
 
 def _scores(logits: jax.Array, config: MoEConfig) -> jax.Array:
-  """Softmax or sigmoid scores, written out."""
+  """Softmax, sigmoid or sqrt(softplus) scores, written out."""
   if config.scoring == "softmax":
     scores = jnp.exp(logits - logits.max(-1, keepdims=True))
     return scores / scores.sum(-1, keepdims=True)
+  if config.scoring == "sqrtsoftplus":
+    return jnp.sqrt(jnp.logaddexp(0.0, logits))
   return 1.0 / (1.0 + jnp.exp(-logits))
 
 
@@ -123,7 +125,8 @@ def _chosen_routing(
     ids, weights = _sparsemixer_routing(logits, config.sparsemixer_eps, None)
     return ids, weights * config.routed_scaling_factor
   scores = _scores(logits, config)
-  choice = scores if routing_bias is None else scores + routing_bias[None, :]
+  choice = logits if config.routing_bias_on == "logits" else scores
+  choice = choice if routing_bias is None else choice + routing_bias[None, :]
   groups = config.num_expert_groups
   if groups > 1:
     size = config.num_experts // groups
@@ -135,7 +138,7 @@ def _chosen_routing(
     kept = ranked_groups[:, : config.topk_groups]  # [T, topk_groups]
     expert_group = jnp.arange(config.num_experts) // size  # [E]
     in_kept = (expert_group[None, :, None] == kept[:, None, :]).any(-1)  # [T, E]
-    choice = jnp.where(in_kept, choice, -jnp.inf)
+    choice = jnp.where(in_kept, choice, 0.0 if config.dropped_groups == "zeroed" else -jnp.inf)
   ids = jnp.argsort(-choice, axis=-1, stable=True)[:, : config.top_k]
   weights = jnp.take_along_axis(scores, ids, axis=-1)
   if config.renormalize:

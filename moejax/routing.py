@@ -28,7 +28,7 @@ class Routing(NamedTuple):
     expert_ids: [T, K] int32 chosen experts, in [0, E + Z) (ids from E are zero-computation
       experts); padding tokens hold E + Z, an id no expert owns.
     weights: [T, K] float32 combine weights; 0 for padding tokens.
-    scores: [T, E + Z] float32 softmax or sigmoid of the logits (softmax for sparsemixer);
+    scores: [T, E + Z] float32 scores of the logits (`config.scoring`; softmax for sparsemixer);
       0 for padding tokens.
     invalid: [T, K] bool, given ids (routing replay) of valid tokens that route nowhere;
       all False when the router chose.
@@ -125,16 +125,14 @@ def route(
     scores = jax.nn.softmax(logits, axis=-1)
     expert_ids, weights = _sparsemixer(logits, config.sparsemixer_eps, given_ids)
   elif given_ids is not None:
-    scores = jax.nn.softmax(logits, axis=-1) if config.scoring == "softmax" else None
-    scores = jax.nn.sigmoid(logits) if scores is None else scores
+    scores = _scores(logits, config)
     expert_ids = given_ids
     weights = jnp.take_along_axis(scores, expert_ids, axis=-1)
   else:
-    scores = jax.nn.softmax(logits, axis=-1) if config.scoring == "softmax" else None
-    scores = jax.nn.sigmoid(logits) if scores is None else scores
-    choice = scores
+    scores = _scores(logits, config)
+    choice = logits if config.routing_bias_on == "logits" else scores
     if routing_bias is not None:
-      choice = scores + routing_bias.astype(jnp.float32)[None, :]
+      choice = choice + routing_bias.astype(jnp.float32)[None, :]
     if config.num_expert_groups > 1:
       choice = _keep_best_groups(choice, config)
     _, expert_ids = jax.lax.top_k(choice, config.top_k)  # [T, K]
@@ -155,6 +153,16 @@ def route(
     scores=jnp.where(mask, scores, 0.0),
     invalid=invalid,
   )
+
+
+def _scores(logits: jax.Array, config: MoEConfig) -> jax.Array:
+  """[T, E + Z] float32 scores of the logits: `config.scoring`'s softmax, sigmoid or
+  sqrt(softplus)."""
+  if config.scoring == "softmax":
+    return jax.nn.softmax(logits, axis=-1)
+  if config.scoring == "sqrtsoftplus":
+    return jnp.sqrt(jax.nn.softplus(logits))
+  return jax.nn.sigmoid(logits)
 
 
 def _valid_choices(given_ids: jax.Array, num_outputs: int) -> jax.Array:
@@ -197,7 +205,8 @@ def _sparsemixer(
 
 
 def _keep_best_groups(choice: jax.Array, config: MoEConfig) -> jax.Array:
-  """Masks to -inf the experts outside each token's `topk_groups` best groups.
+  """Masks the experts outside each token's `topk_groups` best groups: to -inf, or to 0 with
+  `config.dropped_groups="zeroed"`.
 
   A group scores as its best expert, or as the sum of its best two (`config.group_score`:
   DeepSeek-V3's grouped top-k, by default with the routing bias).
@@ -207,7 +216,7 @@ def _keep_best_groups(choice: jax.Array, config: MoEConfig) -> jax.Array:
     config: gives G = num_expert_groups, the kept count topk_groups and the group score.
 
   Returns:
-    [T, E] selection scores with the dropped groups' experts at -inf.
+    [T, E] selection scores with the dropped groups' experts masked.
   """
   tokens, experts = choice.shape
   grouped = choice.reshape(tokens, config.num_expert_groups, -1)  # [T, G, E/G]
@@ -218,7 +227,8 @@ def _keep_best_groups(choice: jax.Array, config: MoEConfig) -> jax.Array:
   _, kept = jax.lax.top_k(group_scores, config.topk_groups)  # [T, topk_groups]
   group_kept = jnp.zeros(group_scores.shape, bool).at[jnp.arange(tokens)[:, None], kept].set(True)
   expert_kept = jnp.repeat(group_kept, experts // config.num_expert_groups, axis=-1)  # [T, E]
-  return jnp.where(expert_kept, choice, -jnp.inf)
+  dropped = 0.0 if config.dropped_groups == "zeroed" else -jnp.inf
+  return jnp.where(expert_kept, choice, dropped)
 
 
 def router_stats(logits: jax.Array, routing: Routing, token_mask: jax.Array) -> RouterStats:

@@ -37,6 +37,8 @@ BASE = dict(num_experts=8, top_k=2, hidden_size=16, intermediate_size=32)
     (dict(num_expert_groups=8, topk_groups=2, use_routing_bias=True), "groups of 1 need >= 2"),
     (dict(num_expert_groups=8, topk_groups=2, group_score="top2_sum"), "groups of 1 need >= 2"),
     (dict(group_score="sum"), "group_score must be one of"),
+    (dict(dropped_groups="masked"), "dropped_groups must be one of"),
+    (dict(routing_bias_on="logits"), "routing_bias_on='logits' needs use_routing_bias=True"),
     (dict(num_shared_experts=1), "shared_intermediate_size"),
     (dict(shared_intermediate_size=8), "num_shared_experts"),
     (dict(num_shared_experts=-1), "num_shared_experts"),

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from moejax import hf, moe_apply
+from moejax.hf.families import beside
 from tests.helpers import random_adapters, seed_of, tolerance
 from tests.transformers_models import FAMILIES, hf_checkpoint
 
@@ -28,16 +29,19 @@ pytestmark = [
   pytest.mark.filterwarnings("ignore:The following (rank|alpha)_pattern keys:RuntimeWarning"),
 ]
 TOKENS = 24
-# model_type -> the block's expert parameters PEFT targets, and its shared experts' module
+EXPERTS = ("experts.gate_up_proj", "experts.down_proj")
+GATE_UP_DOWN = ("gate_proj", "up_proj", "down_proj")
+# model_type -> the block's expert parameters PEFT targets, and its shared experts' modules
+# (relative to the block; "../" climbs out of it)
 FUSED = {
-  "qwen2_moe": (("experts.gate_up_proj", "experts.down_proj"), "shared_expert"),
-  "gpt_oss": (("experts.gate_up_proj", "experts.down_proj"), None),  # [E, in, out], marked
-  "llama4_text": (("experts.gate_up_proj", "experts.down_proj"), "shared_expert"),  # unmarked
-  "granitemoe": (("experts.gate_up_proj", "experts.down_proj"), None),  # stored input_linear
+  "qwen2_moe": (EXPERTS, tuple(f"shared_expert.{name}" for name in GATE_UP_DOWN)),
+  "gpt_oss": (EXPERTS, ()),  # [E, in, out], marked
+  "llama4_text": (EXPERTS, tuple(f"shared_expert.{name}" for name in GATE_UP_DOWN)),  # unmarked
+  "granitemoe": (EXPERTS, ()),  # stored input_linear
+  # a shared MLP beside the block, its gate and up one linear layer
+  "granitemoeshared": (EXPERTS, ("../shared_mlp.input_linear", "../shared_mlp.output_linear")),
   # stored per expert at block_sparse_moe, loaded fused at mlp
-  **dict.fromkeys(
-    ["mixtral", "phimoe", "minimax"], (("experts.gate_up_proj", "experts.down_proj"), None)
-  ),
+  **dict.fromkeys(["mixtral", "phimoe", "minimax"], (EXPERTS, ())),
 }
 
 
@@ -53,9 +57,16 @@ def block_of(model, block: str):
 
 
 def block_output(model, block: str, x: np.ndarray) -> np.ndarray:
+  """The block's output for tokens x [T, D], plus the shared MLP's beside it, if any."""
+  modules = [block]
+  if f"{block.rsplit('.', 1)[0]}.shared_mlp" in dict(model.named_modules()):
+    modules.append(f"{block.rsplit('.', 1)[0]}.shared_mlp")
+  out = 0.0
   with torch.no_grad():
-    out = block_of(model, block)(torch.from_numpy(x[None]))
-  return (out[0] if isinstance(out, tuple) else out).numpy().reshape(x.shape)
+    for module in modules:
+      y = block_of(model, module)(torch.from_numpy(x[None]))
+      out = out + (y[0] if isinstance(y, tuple) else y).numpy().reshape(x.shape)
+  return out
 
 
 def moejax_output(model_dir, layer, config, adapters, x) -> np.ndarray:
@@ -71,9 +82,7 @@ def test_fused_adapters_both_ways(model_type, tmp_path, request):
   parameters, shared = FUSED[model_type]
   targets = dict(
     target_parameters=[f"{block}.{name}" for name in parameters],
-    target_modules=[f"{block}.{shared}.{n}" for n in ("gate_proj", "up_proj", "down_proj")]
-    if shared
-    else [],
+    target_modules=[beside(block, name) for name in shared],
   )
   # down's own alpha (`alpha_pattern`): moejax folds the ratio of the scales into its B
   lora_config = peft.LoraConfig(r=3, lora_alpha=5.0, alpha_pattern={"down_proj": 2.0}, **targets)
@@ -91,7 +100,7 @@ def test_fused_adapters_both_ways(model_type, tmp_path, request):
 
   adapters = hf.load_lora(tmp_path / "peft", layer, config, model_type=model_type)
   # The shared experts' gate and up adapters (rank 3 each) fuse into one of rank 6.
-  assert adapters.config.lora_rank == (6 if shared else 3)
+  assert adapters.config.lora_rank == (6 if len(shared) == 3 else 3)
   assert adapters.config.lora_scale == pytest.approx(5 / 3)
   ours = moejax_output(tmp_path / "model", layer, config, adapters, x)
   chex.assert_trees_all_close(ours, theirs, **tolerance(comparison="torch"))

@@ -11,7 +11,7 @@ import pytest
 from moejax import hf, moe_apply
 from moejax.stacking import layer_of
 from tests.helpers import mesh_of, seed_of, tolerance
-from tests.transformers_models import FAMILIES, LAYERS, hf_checkpoint
+from tests.transformers_models import BESIDE_BLOCK, FAMILIES, LAYERS, OUTPUT_NORM, hf_checkpoint
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -37,22 +37,54 @@ def test_every_moe_layer_loads_and_matches_transformers(model_type, tmp_path, re
   rng = np.random.default_rng(seed)
   x = rng.standard_normal((24, 16)).astype(np.float32)
   mask = rng.random(24) < 0.75
+  token_ids = rng.integers(0, 32, 24)
+  hash_routes = hf.load_hash_routes(tmp_path)  # layers routed by token id: DeepSeek-V4's
   for position, layer in enumerate(layers):
     params = layer_of(stack, position)
-    y, _ = moe_apply(params, jnp.asarray(x), config=config, token_mask=jnp.asarray(mask))
-    want = np.where(mask[:, None], block_output(blocks[layer], x), 0.0)
+    given = hash_routes[layer][token_ids] if layer in hash_routes else None
+    y, _ = moe_apply(
+      params, jnp.asarray(x), config=config, token_mask=jnp.asarray(mask), expert_ids=given
+    )
+    ids = token_ids if layer in hash_routes else None
+    want = np.where(mask[:, None], moe_output(model, model_type, layer, x, ids), 0.0)
+    y = decoder_norm(blocks[layer], model_type, y)
     chex.assert_trees_all_close(y, want, **tolerance(comparison="torch"))
   y, _ = moe_apply(
     params, jnp.asarray(x), config=config, mesh=mesh_of(2, 4), token_mask=jnp.asarray(mask)
   )
+  y = decoder_norm(blocks[layer], model_type, y)
   chex.assert_trees_all_close(y, want, **tolerance(comparison="torch"))  # the last layer's
+  if model_type == "deepseek_v4":
+    assert list(hash_routes) == [0]
 
 
-def block_output(block, x: np.ndarray) -> np.ndarray:
-  """A transformers MoE block's output for tokens x [T, D]."""
+def decoder_norm(block, model_type: str, y) -> np.ndarray:
+  """moejax's output y [T, D] through the norm the family's block applies to its output
+  (`OUTPUT_NORM`; the decoder layer's in the checkpoint), if any."""
+  if model_type not in OUTPUT_NORM:
+    return np.asarray(y)
   with torch.no_grad():
-    out = block(torch.from_numpy(x[None]))
+    return getattr(block, OUTPUT_NORM[model_type])(torch.from_numpy(np.array(y))).numpy()
+
+
+def block_output(block, x: np.ndarray, token_ids: np.ndarray | None = None) -> np.ndarray:
+  """A transformers MoE block's output for tokens x [T, D] (routed by `token_ids` [T] in a
+  hash-routed block)."""
+  ids = {} if token_ids is None else {"input_ids": torch.from_numpy(token_ids[None])}
+  with torch.no_grad():
+    out = block(torch.from_numpy(x[None]), **ids)
   return (out[0] if isinstance(out, tuple) else out).numpy().reshape(x.shape)
+
+
+def moe_output(model, model_type: str, layer: int, x: np.ndarray, token_ids) -> np.ndarray:
+  """Decoder layer `layer`'s MoE output for tokens x [T, D]: its block's, plus the shared MLP
+  beside the block where the family has one (`BESIDE_BLOCK`)."""
+  block = hf.family_of(model_type).loaded_block(layer)
+  out = block_output(model.get_submodule(block), x, token_ids)
+  if model_type in BESIDE_BLOCK:
+    beside = model.get_submodule(f"{block.rsplit('.', 1)[0]}.{BESIDE_BLOCK[model_type]}")
+    out = out + block_output(beside, x)
+  return out
 
 
 class MoejaxBlock(torch.nn.Module):

@@ -27,11 +27,15 @@ GROUPS = (
   # The group score chosen, not taken from the bias: Mistral 4's, and the other way round.
   dict(num_expert_groups=4, topk_groups=2, group_score="top2_sum"),
   dict(num_expert_groups=4, topk_groups=2, use_routing_bias=True, group_score="max"),
+  # Kolibri-1's bias on the logits; A.X-K2's dropped groups at 0, reachable by top-k where
+  # biased scores are negative.
+  dict(use_routing_bias=True, routing_bias_on="logits"),
+  dict(num_expert_groups=4, topk_groups=2, use_routing_bias=True, dropped_groups="zeroed"),
 )
 
 
 def in_fast_tier(scoring: str, renormalize: bool, scale: float, group: int) -> bool:
-  """Twelve of the 48 combinations: each scoring with each group choice, renormalize and the
+  """A quarter of the combinations: each scoring with each group choice, renormalize and the
   scaling factor each both ways with each scoring."""
   scaled = (group // 2 == 1) != (scoring == "sigmoid")
   return renormalize == (group % 2 == 1) and (scale == 2.5) == scaled
@@ -43,7 +47,7 @@ OPTIONS = [
     marks=() if in_fast_tier(scoring, renorm, scale, group) else pytest.mark.slow,
   )
   for scoring, renorm, scale, group in itertools.product(
-    ("softmax", "sigmoid"), (False, True), (1.0, 2.5), range(len(GROUPS))
+    ("softmax", "sigmoid", "sqrtsoftplus"), (False, True), (1.0, 2.5), range(len(GROUPS))
   )
 ]
 
@@ -56,6 +60,8 @@ def test_route_matches_reference(options, request):
   k1, k2, k3 = jax.random.split(jax.random.key(seed_of(request.node.name)), 3)
   logits = jax.random.normal(k1, (64, 16)) * 2.0
   bias = jax.random.normal(k2, (16,)) if config.use_routing_bias else None
+  if config.dropped_groups == "zeroed":
+    bias = bias - 2.0  # kept experts below 0: the dropped ones' 0 wins some choices
   mask = jax.random.bernoulli(k3, 0.7, (64,))
   got = route(logits, mask, config, bias)
   ids, weights = reference_routing(logits, config, bias)

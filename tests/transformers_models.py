@@ -101,6 +101,19 @@ FAMILIES = {
                           layer_group_size=2, **MLA), 1),
   "aria_text": (dict(moe_num_experts=4, moe_topk=2, intermediate_size=24,
                      moe_num_shared_experts=2, head_dim=8), 1),
+  "axk1": (dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=24,
+                intermediate_size=24, n_shared_experts=1, n_group=4, topk_group=2,
+                norm_topk_prob=True, routed_scaling_factor=1.5,
+                mlp_layer_types=["dense", "sparse", "sparse"], **MLA), 1),
+  "axk2": (dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=24,
+                intermediate_size=24, n_shared_experts=1, n_group=4, topk_group=2,
+                norm_topk_prob=True, routed_scaling_factor=1.5, index_topk=4, index_head_dim=8,
+                index_n_heads=2, mlp_layer_types=["dense", "sparse", "sparse"], **MLA), 1),
+  "deepseek_v4": (dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=24,
+                       routed_scaling_factor=1.5, swiglu_limit=1.0, head_dim=8, pad_token_id=0,
+                       mlp_layer_types=["hash_moe", "moe", "moe"]), 1),
+  "kolibri1": (dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
+                    shared_expert_intermediate_size=12, head_dim=8), 1),
   "beam": (dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=24,
                 intermediate_size=24, n_group=4, topk_group=2, norm_topk_prob=True,
                 routed_scaling_factor=1.5, head_dim=8,
@@ -146,6 +159,14 @@ FAMILIES = {
   "minimax": (dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=24,
                    head_dim=8, **_TYPES), 2),
   "granitemoe": (dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=24), 2),
+  "granitemoeshared": (dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=24,
+                            shared_intermediate_size=12), 2),
+  "granitemoe_swa": (dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=24,
+                          shared_intermediate_size=12), 2),
+  "granitemoehybrid": (dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=24,
+                            shared_intermediate_size=12, mamba_n_heads=2, mamba_d_head=16,
+                            mamba_d_state=8, mamba_n_groups=1,
+                            layer_types=["mamba", "attention", "mamba"]), 2),
   "jamba": (dict(num_experts=4, num_experts_per_tok=2, intermediate_size=24,
                  expert_layer_period=2, expert_layer_offset=1, attn_layer_period=1,
                  attn_layer_offset=0), 1),
@@ -161,6 +182,14 @@ FAMILIES = {
                 ffn_hidden_size=24)), 2),
 }  # fmt: skip
 
+# The norm a family's block applies to its output, which moejax leaves to the decoder layer
+# (where the checkpoint stores it): the comparison applies it to moejax's output.
+OUTPUT_NORM = {"axk1": "post_mlp_layernorm"}
+# The shared MLP a family's decoder layer runs beside its block, which moejax's layer holds:
+# the comparison adds it to the block's output.
+BESIDE_BLOCK = dict.fromkeys(
+  ("granitemoeshared", "granitemoe_swa", "granitemoehybrid"), "shared_mlp"
+)
 
 # Causal LMs that transformers' AutoModelForCausalLM does not map.
 _CAUSAL_LM = {"mistral4": "Mistral4ForCausalLM"}
@@ -214,5 +243,10 @@ def hf_checkpoint(model_type: str, fields: dict, path, seed: int):
     for tensor in [*model.parameters(), *model.buffers()]:
       if tensor.is_floating_point():
         tensor.normal_(0.0, 0.4)
+    for name, table in model.named_buffers():
+      if name.endswith("tid2eid"):  # token id -> K distinct experts (DeepSeek-V4's hash routes)
+        experts = model.config.get_text_config().n_routed_experts
+        rows = [torch.randperm(experts)[: table.shape[1]] for _ in range(table.shape[0])]
+        table.copy_(torch.stack(rows))
   model.save_pretrained(path)
   return model

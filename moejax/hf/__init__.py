@@ -6,18 +6,18 @@ every MoE layer -> a stack, and PEFT adapters both ways. NumPy reads the files (
 - `layouts`: how a family stores its experts (`PerExpert`, `Fused`, `Flat`), float or
   quantized, and the readers of each format's tensors (`nvfp4` holds NVFP4's).
 - `configs`: `config_from_hf`, `config_json`, `moe_layers`.
-- `loading`: `load_layer`, `load_stack`.
+- `loading`: `load_layer`, `load_stack`, `load_hash_routes`.
 - `peft`: `load_lora`, `save_lora` (PEFT adapter folders).
 - `safetensors_files`: `SafetensorsFiles`, the files of a checkpoint folder.
 
 >>> len(FAMILIES), sorted(FAMILIES)[:3]
-(50, ['afmoe', 'aria_text', 'bailing_hybrid'])
+(57, ['afmoe', 'aria_text', 'axk1'])
 """
 
 from moejax.hf.configs import config_from_hf, config_json, moe_layers
 from moejax.hf.families import FAMILIES, NESTED_TEXT, Family, Read, Shared, family_of
 from moejax.hf.layouts import Flat, Fused, PerExpert, halves, unpack_int4, unpack_mxfp4
-from moejax.hf.loading import load_layer, load_stack
+from moejax.hf.loading import load_hash_routes, load_layer, load_stack
 from moejax.hf.peft import LoadedAdapters, load_lora, save_lora
 
 __all__ = [
@@ -34,6 +34,7 @@ __all__ = [
   "config_json",
   "family_of",
   "halves",
+  "load_hash_routes",
   "load_layer",
   "load_lora",
   "load_stack",

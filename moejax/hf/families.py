@@ -110,6 +110,11 @@ def _after_num_dense_layers(default: int) -> LayerRule:
   return lambda hf, layer, layers: layer >= Read("num_dense_layers", default)(hf)
 
 
+def _with_experts(hf: dict, layer: int, layers: int) -> bool:
+  """Granite hybrid's: every layer, unless `num_local_experts` is 0 (then none)."""
+  return bool(Read("num_local_experts", 8)(hf))
+
+
 def _jamba_period(hf: dict, layer: int, layers: int) -> bool:
   """Jamba's: layer % `expert_layer_period` == `expert_layer_offset`."""
   return layer % Read("expert_layer_period", 2)(hf) == Read("expert_layer_offset", 1)(hf)
@@ -131,12 +136,18 @@ class Family:
     options: `MoEConfig` field -> a `Read` of config.json, or a fixed value (sizes first).
     experts: the layouts its experts may be stored in, tried in order (the last when none
       is found, so that its missing tensor is named).
-    shared: the shared experts' key prefix (their `shared_names`), or None.
-    shared_names: the shared experts' gate, up and down projections' names.
+    shared: the shared experts' key prefix (their `shared_names`), or None; a leading "../"
+      climbs out of the block (Granite's shared MLP is beside it).
+    shared_names: the shared experts' gate, up and down projections' names, or two: a fused
+      gate-up projection [2Fs, D] (gate rows first) and the down one (Granite's).
     shared_sizes: how config.json gives them (`Shared`), or None.
     router_bias: the router's bias key, or None.
-    selection_bias: the selection-only bias key (DeepSeek's `e_score_correction_bias`).
+    selection_bias: the selection-only bias key (DeepSeek's `e_score_correction_bias`);
+      a leading "../" climbs out of the block (Kolibri-1's is beside it).
     shared_gate: the shared experts' [1, D] gate weight key, or None.
+    hash_routes: the [V, K] token id -> expert ids table of the layers that route by token
+      id (DeepSeek-V4's first layers: `gate.tid2eid`), or None; such a layer has no
+      selection bias (it is read as 0: the given ids choose, never the bias).
     derived: config.json -> further options no single key gives, or None.
     layers: the number of decoder layers.
     moe_layer: which decoder layers are MoE layers (`LayerRule`; the others are dense).
@@ -151,15 +162,21 @@ class Family:
   options: dict[str, Read | Any]
   experts: tuple[Layout, ...] = _FUSED_OR_PER_EXPERT
   shared: str | None = None
-  shared_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+  shared_names: tuple[str, ...] = ("gate_proj", "up_proj", "down_proj")
   shared_sizes: Shared | None = None
   router_bias: str | None = None
   selection_bias: str | None = None
   shared_gate: str | None = None
+  hash_routes: str | None = None
   derived: Callable[[dict], dict] | None = None
   layers: Read = Read(("num_hidden_layers", "n_layers"))
   moe_layer: LayerRule = _every_layer
   module: str | None = None
+
+  @property
+  def shared_fused(self) -> bool:
+    """Whether the shared experts' gate and up projections are stored as one."""
+    return len(self.shared_names) == 2
 
   def loaded_block(self, layer: int) -> str:
     """The block's module path in transformers' loaded model (`module`, else `block`)."""
@@ -170,6 +187,14 @@ class Family:
     options = {name: v(hf) if isinstance(v, Read) else v for name, v in self.options.items()}
     options.update(self.shared_sizes.options(hf) if self.shared_sizes else {})
     return {**options, **(self.derived(hf) if self.derived else {})}
+
+
+def beside(block: str, name: str) -> str:
+  """A key from its name relative to a block's; each leading "../" climbs one level out of it
+  (Kolibri-1's selection bias, Granite's shared MLP)."""
+  while name.startswith("../"):
+    block, name = block.rsplit(".", 1)[0], name[3:]
+  return f"{block}.{name}"
 
 
 def _sizes(experts: str | tuple[str, ...], top_k: str, width: str) -> dict:
@@ -267,6 +292,14 @@ _QWEN3_VL_MOE = Family(
 )
 _BLOCK_SPARSE = "model.layers.{layer}.block_sparse_moe"
 _MLP = "model.layers.{layer}.mlp"  # transformers 5's name of Mixtral's block_sparse_moe
+_GRANITE = Family(  # Mixtral's config fields and routing
+  _BLOCK_SPARSE, "router.layer.weight", _MIXTRAL,
+  (Fused("input_linear.weight", "output_linear.weight"),),
+)
+_GRANITE_SHARED = dict(
+  shared="../shared_mlp", shared_names=("input_linear", "output_linear"),
+  shared_sizes=Shared(1, Read("shared_intermediate_size", 0)),
+)
 
 FAMILIES: dict[str, Family] = {
   "mixtral": Family(_BLOCK_SPARSE, "gate.weight", _MIXTRAL, _W1_W3_W2, module=_MLP),
@@ -277,10 +310,12 @@ FAMILIES: dict[str, Family] = {
          scoring="sparsemixer", sparsemixer_eps=Read("router_jitter_noise", 0.01)),
     _W1_W3_W2, module=_MLP,
   ),
-  "granitemoe": Family(  # Mixtral's config fields and routing
-    _BLOCK_SPARSE, "router.layer.weight", _MIXTRAL,
-    (Fused("input_linear.weight", "output_linear.weight"),),
-  ),
+  "granitemoe": _GRANITE,
+  # Granite's block and a shared MLP beside it in the decoder layer (fused gate-up, ungated);
+  # the hybrid's layers are MoE where it has experts, SWA's experts stored as transformers'.
+  "granitemoeshared": dataclasses.replace(_GRANITE, **_GRANITE_SHARED),
+  "granitemoehybrid": dataclasses.replace(_GRANITE, **_GRANITE_SHARED, moe_layer=_with_experts),
+  "granitemoe_swa": Family(_BLOCK_SPARSE, "router.weight", _MIXTRAL, **_GRANITE_SHARED),
   "qwen2_moe": _QWEN_WITH_SHARED,
   "qwen3_next": _QWEN_WITH_SHARED,
   "qwen3_5_moe_text": _QWEN3_5_MOE,
@@ -349,6 +384,15 @@ FAMILIES: dict[str, Family] = {
   "mimo_v2_flash": dataclasses.replace(  # no shared experts
     _DEEPSEEK_V3, shared=None, shared_sizes=None, moe_layer=_listed_or(_after_dense(1))
   ),
+  # A.X-K1: DeepSeek-V3's MoE; the RMS norm on its output is the decoder layer's
+  # (`post_mlp_layernorm`, stored beside the block), the model's to apply after the layer.
+  "axk1": dataclasses.replace(_DEEPSEEK_V3, moe_layer=_listed_or(_after_dense(1))),
+  # A.X-K2: DeepSeek-V3's MoE, the dropped groups' experts scored 0 for the top-k.
+  "axk2": dataclasses.replace(
+    _DEEPSEEK_V3,
+    options={**_DEEPSEEK_V3.options, "dropped_groups": "zeroed"},
+    moe_layer=_listed_or(_after_dense(1)),
+  ),
   # DeepSeek-V3's MoE with DeepSeek-V4's clamped SwiGLU in the routed experts only.
   "hy_v4": dataclasses.replace(
     _DEEPSEEK_V3,
@@ -372,6 +416,26 @@ FAMILIES: dict[str, Family] = {
            marked_transposed=True),),
     shared="shared_experts",
     shared_sizes=Shared(Read("moe_num_shared_experts", 2), Read("intermediate_size")),
+  ),
+  # DeepSeek-V4: sqrt(softplus) scores (`scoring_func`), a selection-only bias, always
+  # renormalized, scaled, SwiGLU clamped in every expert, one shared expert; its first layers
+  # route by token id (`hf.load_hash_routes`). Saved in DeepSeek's own names.
+  "deepseek_v4": Family(
+    "model.layers.{layer}.ffn", "gate.weight",
+    dict(**_sizes("n_routed_experts", "num_experts_per_tok", "moe_intermediate_size"),
+         scoring=Read("scoring_func", "sqrtsoftplus"), use_routing_bias=True, renormalize=True,
+         routed_scaling_factor=Read("routed_scaling_factor", 1.5, float),
+         activation="swiglu_clamped", swiglu_limit=Read("swiglu_limit", 10.0, float)),
+    _W1_W3_W2, shared="shared_experts", shared_names=("w1", "w3", "w2"),
+    shared_sizes=Shared(1, Read("moe_intermediate_size")), selection_bias="gate.bias",
+    hash_routes="gate.tid2eid", module="model.layers.{layer}.mlp",
+  ),
+  # Kolibri-1: sigmoid scores, top-k of the logits plus a selection-only bias, a shared expert.
+  "kolibri1": Family(
+    "model.layers.{layer}.mlp", "gate.weight",
+    dict(**_QWEN, scoring="sigmoid", use_routing_bias=True, routing_bias_on="logits"),
+    shared="shared_experts", shared_sizes=Shared(1, Read("shared_expert_intermediate_size", 0)),
+    selection_bias="../moe.router.expert_bias",  # as released, beside the block
   ),
   "beam": dataclasses.replace(  # no shared experts
     _DEEPSEEK_V3,

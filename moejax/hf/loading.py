@@ -1,5 +1,6 @@
 """Reading a checkpoint's MoE layers: one layer -> `MoEParams` (`load_layer`), every MoE
-layer -> one stack [L, ...] (`load_stack`), onto a mesh as they load."""
+layer -> one stack [L, ...] (`load_stack`), onto a mesh as they load; the token id routing
+tables of hash-routed layers (`load_hash_routes`)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from jax.sharding import Mesh
 from kernels_pallas.quantized import is_block_scaled
 from moejax.config import MoEConfig
 from moejax.hf.configs import config_from_hf, moe_layers, text_model
-from moejax.hf.families import Family, family_of
+from moejax.hf.families import Family, beside, family_of
 from moejax.hf.layouts import float_linear
 from moejax.hf.safetensors_files import SafetensorsFiles
 from moejax.meshes import named_sharding
@@ -159,6 +160,36 @@ def load_stack(
   return stack
 
 
+def load_hash_routes(path: str | Path) -> dict[int, np.ndarray]:
+  """The token id -> expert ids tables of the MoE layers that route by token id
+  (DeepSeek-V4's first layers: `Family.hash_routes`).
+
+  Such a layer's router scores the experts, but which K experts a token reaches is its
+  table's row: route with `moe_apply(..., expert_ids=table[input_ids])` (routing replay; the
+  weights are the chosen experts' scores, renormalized and scaled). Its selection bias is
+  absent and loads as 0.
+
+  Args:
+    path: the checkpoint folder.
+
+  Returns:
+    {decoder layer: [V, K] int32 expert ids, V the vocabulary}; empty for a model without
+    hash-routed layers.
+  """
+  path = Path(path)
+  hf = text_model(json.loads((path / "config.json").read_text()))
+  family = family_of(hf.get("model_type"))
+  if family.hash_routes is None:
+    return {}
+  tables = {}
+  with SafetensorsFiles(path) as files:
+    for layer in moe_layers(hf):
+      key = f"{family.block.format(layer=layer)}.{family.hash_routes}"
+      if key in files:
+        tables[layer] = np.asarray(files.get_raw(key), np.int32)
+  return tables
+
+
 def _empty_stack(params: MoEParams, layers: int) -> MoEParams:
   """Room for `layers` layers like `params`: a leading layer axis on no mesh axis."""
 
@@ -200,11 +231,14 @@ def _read_layer(files: SafetensorsFiles, block: str, family: Family, config: MoE
   """The layer's parameters as float32 NumPy arrays (or `BlockScaled`) in moejax's layout."""
   d, f, e = config.hidden_size, config.intermediate_size, config.num_experts
   outputs = config.num_router_outputs
-  key = lambda name: f"{block}.{name}"
+  key = lambda name: beside(block, name)
   values = {"router_kernel": files.get(key(family.router), (outputs, d)).T}
   if family.router_bias and config.router_bias:
     values["router_bias"] = files.get(key(family.router_bias), (outputs,))
-  if family.selection_bias and config.use_routing_bias:
+  hashed = family.hash_routes is not None and key(family.hash_routes) in files
+  if family.selection_bias and config.use_routing_bias and hashed:
+    values["routing_bias"] = np.zeros(outputs, np.float32)  # given ids choose, never the bias
+  elif family.selection_bias and config.use_routing_bias:
     bias = files.get(key(family.selection_bias))  # ERNIE stores it as [1, E]
     if bias.size != outputs:
       raise ValueError(
@@ -215,12 +249,12 @@ def _read_layer(files: SafetensorsFiles, block: str, family: Family, config: MoE
   values.update(layout.read(files, key, config.expert_quant, e, d, f, config.quant_block))
   if config.has_shared_experts and family.shared:
     fs = config.shared_intermediate_size
-    shapes = ((fs, d), (fs, d), (d, fs))
-    gate, up, down = (
+    shapes = ((2 * fs, d), (d, fs)) if family.shared_fused else ((fs, d), (fs, d), (d, fs))
+    *gate_up, down = (
       float_linear(files, key(f"{family.shared}.{name}.weight"), shape, config)
       for name, shape in zip(family.shared_names, shapes, strict=True)
     )
-    values["shared_w_gate_up"] = np.concatenate([gate.T, up.T], axis=1)
+    values["shared_w_gate_up"] = np.concatenate([w.T for w in gate_up], axis=1)
     values["shared_w_down"] = down.T
   if config.shared_expert_gate and family.shared_gate:
     values["shared_gate_kernel"] = files.get(key(family.shared_gate), (1, d)).T

@@ -39,7 +39,7 @@ from jax.sharding import Mesh
 
 from moejax import files
 from moejax.config import MoEConfig
-from moejax.hf.families import family_of
+from moejax.hf.families import beside, family_of
 from moejax.hf.layouts import Fused, PerExpert, halves
 from moejax.hf.safetensors_files import SafetensorsFiles
 from moejax.lora import ExpertLoRA, SharedLoRA, check_adapters, expert_lora_shapes
@@ -200,17 +200,25 @@ def _fused_pairs(files, adapter_config, block: str, layout, config) -> tuple[_Pa
   return pairs.get("gate_up", zeros(d, 2 * f)), pairs.get("down", zeros(f, d))
 
 
+def _shared_projections(family) -> tuple[str, ...]:
+  """The loaded model's names of the shared experts' linear layers: gate, up and down, or a
+  fused gate-up and down (Granite's, named as stored)."""
+  return family.shared_names if family.shared_fused else _PROJECTIONS
+
+
 def _shared_pairs(files, adapter_config, family, block: str, config) -> tuple[_Pair, _Pair]:
   d, fs = config.hidden_size, config.shared_intermediate_size
-  module = lambda name: f"{block}.{family.shared}.{name}"
-  if f"{PREFIX}{module('gate_proj')}.lora_A.weight" not in files:
+  names = _shared_projections(family)
+  module = lambda name: beside(block, f"{family.shared}.{name}")
+  if f"{PREFIX}{module(names[0])}.lora_A.weight" not in files:
     zeros = lambda d_in, d_out: _Pair(np.zeros((d_in, 1)), np.zeros((1, d_out)), 1.0)
     return zeros(d, 2 * fs), zeros(fs, d)
-  gate, up, down = (
+  sizes = ((d, 2 * fs), (fs, d)) if family.shared_fused else ((d, fs), (d, fs), (fs, d))
+  *gate_up, down = (
     _linear_pair(files, adapter_config, module(name), d_in, d_out)
-    for name, d_in, d_out in (("gate_proj", d, fs), ("up_proj", d, fs), ("down_proj", fs, d))
+    for name, (d_in, d_out) in zip(names, sizes, strict=True)
   )
-  return _fused_gate_up(gate, up), down
+  return (gate_up[0] if family.shared_fused else _fused_gate_up(*gate_up)), down
 
 
 def _at_rank(pair: _Pair, rank: int, scale: float) -> tuple[np.ndarray, np.ndarray]:
@@ -363,7 +371,7 @@ def save_lora(
     if params.shared_lora is not None and family.shared:
       shared = SharedLoRA(*(np.asarray(a, np.float32) for a in params.shared_lora))
       modules += _write_linear_gate_up_down(
-        tensors, f"{block}.{family.shared}", shared, _PROJECTIONS
+        tensors, beside(block, family.shared), shared, _shared_projections(family)
       )
   if layout == "per_expert":  # as transformers 4's adapters name them, the form PEFT converts
     modules = sorted({module.rsplit(".", 1)[-1] for module in modules})
@@ -432,13 +440,18 @@ def _interleaved(gate_up: np.ndarray) -> np.ndarray:
 
 def _write_linear_gate_up_down(tensors: dict, prefix: str, adapters, names) -> list[str]:
   """gate, up and down linear layers' adapters at the fused rank (gate's and up's with the
-  fused A: their products are exactly the fused adapter's); returns the modules."""
+  fused A: their products are exactly the fused adapter's), or, with two names, the fused
+  gate-up layer's and down's; returns the modules."""
   f = adapters.gate_up_b.shape[-1] // 2
-  parts = (
-    (adapters.gate_up_a, adapters.gate_up_b[..., :f]),
-    (adapters.gate_up_a, adapters.gate_up_b[..., f:]),
-    (adapters.down_a, adapters.down_b),
+  gate_up = (
+    ((adapters.gate_up_a, adapters.gate_up_b),)
+    if len(names) == 2
+    else (
+      (adapters.gate_up_a, adapters.gate_up_b[..., :f]),
+      (adapters.gate_up_a, adapters.gate_up_b[..., f:]),
+    )
   )
+  parts = (*gate_up, (adapters.down_a, adapters.down_b))
   modules = [f"{prefix}.{name}" for name in names]
   for module, (a, b) in zip(modules, parts, strict=True):
     _put(tensors, module, a.T, b.T)
