@@ -126,6 +126,8 @@ class MoEConfig:
       `sigmoid(x @ shared_gate_kernel)`, a [D, 1] parameter (Qwen2-MoE, Qwen3-Next).
     shared_scaling_factor: multiplies the shared experts' output (Cohere2-MoE averages the
       routed and shared outputs: 0.5 here and in `routed_scaling_factor`).
+    output_bias: the layer adds a learned bias `output_bias` [D] to every real token's output,
+      after the routed and shared experts (JetMoE); padding tokens' outputs stay 0.
     dtype: compute dtype of the expert matmuls (the router always runs in float32).
     param_dtype: storage dtype of the parameters.
     data_axis: the mesh axis, or tuple of axes (`moejax.axis_groups`), over which tokens are
@@ -232,6 +234,7 @@ class MoEConfig:
   shared_intermediate_size: int = 0
   shared_scaling_factor: float = 1.0
   shared_expert_gate: bool = False
+  output_bias: bool = False
   dtype: jnp.dtype = jnp.float32
   param_dtype: jnp.dtype = jnp.float32
   data_axis: AxisGroup = "data"

@@ -400,6 +400,8 @@ def local_forward(
   rows_sent = exchange.rows_sent(expert_ids, chunks_run, chunk_size).astype(jnp.int32)
   overflowed = exchange.overflows(expert_ids, token_mask, chunk_size)
   counts = DeviceCounts(chunks_run[None], rows_sent[None], *(a[None] for a in overflowed))
+  if params.output_bias is not None:
+    y = y + params.output_bias.astype(y.dtype)[None, :]
   return (
     _zero_padding(y, token_mask),
     (route.expert_ids, route.weights),

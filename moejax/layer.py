@@ -116,9 +116,9 @@ class MoELayer(nnx.Module):
   Parameters (the checkpoint format, `moejax.MoEParams`): `router_kernel` [D, E + Z],
   `w_gate_up` [E, D, 2F], `w_down` [E, F, D], and as the config asks `routing_bias` and
   `router_bias` [E + Z], `b_gate_up` [E, 2F], `b_down` [E, D], `shared_w_gate_up` [D, 2Fs],
-  `shared_w_down` [Fs, D], `shared_gate_kernel` [D, 1]. Each carries `out_sharding` metadata
-  (E over the expert axis); with a mesh they are created sharded on it. Biases start at
-  `bias_init`, matrices at `kernel_init`.
+  `shared_w_down` [Fs, D], `shared_gate_kernel` [D, 1], `output_bias` [D]. Each carries
+  `out_sharding` metadata (E over the expert axis); with a mesh they are created sharded on
+  it. Biases start at `bias_init`, matrices at `kernel_init`.
 
   Under `nnx.capture(..., nnx.Intermediate)` each call sows its aux outputs (`moejax.MoEAux`):
   `expert_counts` [E + Z], `load_balancing_loss` [], `router_z_loss` [], `expert_ids` and
@@ -154,7 +154,7 @@ class MoELayer(nnx.Module):
     rngs: `nnx.Rngs` with a `params` stream.
     kernel_init: initializer of the router, expert and shared-expert matrices.
     bias_init: initializer of the biases (`routing_bias`, `router_bias`, `b_gate_up`,
-      `b_down`).
+      `b_down`, `output_bias`).
 
   >>> config = MoEConfig(num_experts=4, top_k=2, hidden_size=8, intermediate_size=16)
   >>> layer = MoELayer(config, rngs=nnx.Rngs(0))

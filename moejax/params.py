@@ -36,6 +36,7 @@ class MoEParams(NamedTuple):
     b_gate_up: [E, 2F] expert biases, or None unless `config.expert_bias`.
     b_down: [E, D], or None unless `config.expert_bias`.
     shared_gate_kernel: [D, 1], or None unless `config.shared_expert_gate`.
+    output_bias: [D] added to each real token's output, or None unless `config.output_bias`.
     lora: the routed experts' `moejax.lora.ExpertLoRA` adapters, or None unless
       `config.lora_rank`.
     shared_lora: the shared experts' `moejax.lora.SharedLoRA`, or None unless
@@ -55,6 +56,7 @@ class MoEParams(NamedTuple):
   b_gate_up: jax.Array | None = None
   b_down: jax.Array | None = None
   shared_gate_kernel: jax.Array | None = None
+  output_bias: jax.Array | None = None
   lora: ExpertLoRA | None = None
   shared_lora: SharedLoRA | None = None
 
@@ -68,7 +70,7 @@ EXPERT_PARAMS = ("w_gate_up", "w_down", "b_gate_up", "b_down")
 # expert parameters and the routed experts' adapters, laid out alike on a mesh.
 PER_EXPERT_FIELDS = (*EXPERT_PARAMS, "lora")
 # Parameters that start at zero in a new layer (the others are matrices, fan-in initialised).
-BIAS_PARAMS = ("routing_bias", "router_bias", "b_gate_up", "b_down")
+BIAS_PARAMS = ("routing_bias", "router_bias", "b_gate_up", "b_down", "output_bias")
 
 
 # Expert matrices that `config.expert_quant` stores as `BlockScaled`.
@@ -218,6 +220,8 @@ def param_shapes(config: MoEConfig) -> dict[str, tuple[int, ...]]:
     shapes["b_down"] = (e, d)
   if config.shared_expert_gate:
     shapes["shared_gate_kernel"] = (d, 1)
+  if config.output_bias:
+    shapes["output_bias"] = (d,)
   return shapes
 
 

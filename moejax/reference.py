@@ -244,5 +244,7 @@ def reference_moe(
       gate = jnp.matmul(tokens, p.shared_gate_kernel, precision=_HIGHEST)
       shared = shared / (1.0 + jnp.exp(-gate))
     y = y + shared * config.shared_scaling_factor
+  if p.output_bias is not None:
+    y = y + p.output_bias[None, :]
   y = jnp.where(mask[:, None], y, 0.0)
   return y.reshape(*x.shape[:-1], config.hidden_size)

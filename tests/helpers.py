@@ -39,6 +39,7 @@ RICH = dict(
   num_shared_experts=1,
   shared_intermediate_size=8,
   shared_scaling_factor=0.5,
+  output_bias=True,
 )
 # Routing and model-family options, each a set of MoEConfig fields over BASE.
 OPTIONS = {

@@ -31,7 +31,7 @@ def test_every_moe_layer_loads_and_matches_transformers(model_type, tmp_path, re
   # The loaded model's name of each block (PEFT's adapters name it so).
   blocks = [model.get_submodule(family.loaded_block(i)) for i in range(LAYERS)]
   layers = hf.moe_layers(tmp_path)
-  assert layers == tuple(i for i, block in enumerate(blocks) if hasattr(block, "experts"))
+  assert layers == tuple(i for i, block in enumerate(blocks) if is_moe_block(block))
   config = hf.config_from_hf(tmp_path, chunk_size=5)
   stack = hf.load_stack(tmp_path, config, progress=False)
   rng = np.random.default_rng(seed)
@@ -56,6 +56,11 @@ def test_every_moe_layer_loads_and_matches_transformers(model_type, tmp_path, re
   chex.assert_trees_all_close(y, want, **tolerance(comparison="torch"))  # the last layer's
   if model_type == "deepseek_v4":
     assert list(hash_routes) == [0]
+
+
+def is_moe_block(block) -> bool:
+  """Whether a decoder layer's FFN module is an MoE block: experts, or JetMoE's router."""
+  return hasattr(block, "experts") or hasattr(block, "router")
 
 
 def decoder_norm(block, model_type: str, y) -> np.ndarray:

@@ -167,6 +167,8 @@ FAMILIES = {
                             shared_intermediate_size=12, mamba_n_heads=2, mamba_d_head=16,
                             mamba_d_state=8, mamba_n_groups=1,
                             layer_types=["mamba", "attention", "mamba"]), 2),
+  "jetmoe": (dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=24,
+                  kv_channels=8), 2),
   "jamba": (dict(num_experts=4, num_experts_per_tok=2, intermediate_size=24,
                  expert_layer_period=2, expert_layer_offset=1, attn_layer_period=1,
                  attn_layer_offset=0), 1),

@@ -22,7 +22,7 @@ _ACTIVATIONS = {
 
 
 def _activation(hf: dict) -> str:
-  name = Read(("hidden_act", "ffn_config.ffn_act_fn.name"), "silu")(hf)
+  name = Read(("hidden_act", "ffn_config.ffn_act_fn.name", "activation_function"), "silu")(hf)
   if name not in _ACTIVATIONS:
     raise NotImplementedError(f"hidden_act={name!r}: moejax has {sorted(_ACTIVATIONS)}")
   return _ACTIVATIONS[name]

@@ -145,6 +145,7 @@ class Family:
     selection_bias: the selection-only bias key (DeepSeek's `e_score_correction_bias`);
       a leading "../" climbs out of the block (Kolibri-1's is beside it).
     shared_gate: the shared experts' [1, D] gate weight key, or None.
+    output_bias: the block's output bias [D] key (JetMoE's `bias`), or None.
     hash_routes: the [V, K] token id -> expert ids table of the layers that route by token
       id (DeepSeek-V4's first layers: `gate.tid2eid`), or None; such a layer has no
       selection bias (it is read as 0: the given ids choose, never the bias).
@@ -167,6 +168,7 @@ class Family:
   router_bias: str | None = None
   selection_bias: str | None = None
   shared_gate: str | None = None
+  output_bias: str | None = None
   hash_routes: str | None = None
   derived: Callable[[dict], dict] | None = None
   layers: Read = Read(("num_hidden_layers", "n_layers"))
@@ -311,6 +313,10 @@ FAMILIES: dict[str, Family] = {
     _W1_W3_W2, module=_MLP,
   ),
   "granitemoe": _GRANITE,
+  "jetmoe": dataclasses.replace(  # Granite's block, with a bias on its output
+    _GRANITE, block="model.layers.{layer}.mlp", options={**_MIXTRAL, "output_bias": True},
+    output_bias="bias",
+  ),
   # Granite's block and a shared MLP beside it in the decoder layer (fused gate-up, ungated);
   # the hybrid's layers are MoE where it has experts, SWA's experts stored as transformers'.
   "granitemoeshared": dataclasses.replace(_GRANITE, **_GRANITE_SHARED),

@@ -256,6 +256,8 @@ def _read_layer(files: SafetensorsFiles, block: str, family: Family, config: MoE
     )
     values["shared_w_gate_up"] = np.concatenate([w.T for w in gate_up], axis=1)
     values["shared_w_down"] = down.T
+  if config.output_bias and family.output_bias:
+    values["output_bias"] = files.get(key(family.output_bias), (d,))
   if config.shared_expert_gate and family.shared_gate:
     values["shared_gate_kernel"] = files.get(key(family.shared_gate), (1, d)).T
   return values
