@@ -42,20 +42,37 @@ def test_every_moe_layer_loads_and_matches_transformers(model_type, tmp_path, re
   for position, layer in enumerate(layers):
     params = layer_of(stack, position)
     given = hash_routes[layer][token_ids] if layer in hash_routes else None
+    inputs, logits = layer_inputs(blocks[layer], model_type, x)
     y, _ = moe_apply(
-      params, jnp.asarray(x), config=config, token_mask=jnp.asarray(mask), expert_ids=given
-    )
+      params, inputs, config=config, token_mask=jnp.asarray(mask), expert_ids=given,
+      router_logits=logits,
+    )  # fmt: skip
     ids = token_ids if layer in hash_routes else None
     want = np.where(mask[:, None], moe_output(model, model_type, layer, x, ids), 0.0)
     y = decoder_norm(blocks[layer], model_type, y)
     chex.assert_trees_all_close(y, want, **tolerance(comparison="torch"))
   y, _ = moe_apply(
-    params, jnp.asarray(x), config=config, mesh=mesh_of(2, 4), token_mask=jnp.asarray(mask)
-  )
+    params, inputs, config=config, mesh=mesh_of(2, 4), token_mask=jnp.asarray(mask),
+    router_logits=logits,
+  )  # fmt: skip
   y = decoder_norm(blocks[layer], model_type, y)
   chex.assert_trees_all_close(y, want, **tolerance(comparison="torch"))  # the last layer's
   if model_type == "deepseek_v4":
     assert list(hash_routes) == [0]
+
+
+def layer_inputs(block, model_type: str, x: np.ndarray):
+  """moejax's layer's inputs for the block's input x [T, D]: (its x, router logits or None).
+  Gemma 4's experts read x through their own norm, its router through another."""
+  if not model_type.startswith("gemma4"):
+    return jnp.asarray(x), None
+  router = block.router
+  with torch.no_grad():
+    tokens = torch.from_numpy(x)
+    normed = router.norm(tokens) * router.scale * router.scalar_root_size
+    logits = router.proj(normed)
+    inputs = block.pre_feedforward_layernorm_2(tokens)
+  return jnp.asarray(inputs.numpy()), jnp.asarray(logits.numpy())
 
 
 def is_moe_block(block) -> bool:
@@ -85,6 +102,12 @@ def moe_output(model, model_type: str, layer: int, x: np.ndarray, token_ids) -> 
   """Decoder layer `layer`'s MoE output for tokens x [T, D]: its block's, plus the shared MLP
   beside the block where the family has one (`BESIDE_BLOCK`)."""
   block = hf.family_of(model_type).loaded_block(layer)
+  if model_type.startswith("gemma4"):  # the router and experts of the decoder layer
+    decoder = model.get_submodule(block)
+    with torch.no_grad():
+      _, weights, ids = decoder.router(torch.from_numpy(x))
+      inputs = decoder.pre_feedforward_layernorm_2(torch.from_numpy(x))
+      return decoder.experts(inputs, ids, weights).numpy()
   out = block_output(model.get_submodule(block), x, token_ids)
   if model_type in BESIDE_BLOCK:
     beside = model.get_submodule(f"{block.rsplit('.', 1)[0]}.{BESIDE_BLOCK[model_type]}")

@@ -21,6 +21,12 @@ _QWEN3_5_MOE = dict(
   linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=8,
   linear_value_head_dim=8,
 )  # fmt: skip
+_GEMMA4 = dict(
+  num_experts=4, top_k_experts=2, moe_intermediate_size=24, intermediate_size=24,
+  enable_moe_block=True, head_dim=8, global_head_dim=8, num_kv_shared_layers=0,
+  hidden_size_per_layer_input=0,
+  layer_types=["sliding_attention", "full_attention", "full_attention"],
+)  # fmt: skip
 FAMILIES = {
   "mixtral": (dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=24), 2),
   "phimoe": (dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=24,
@@ -169,6 +175,8 @@ FAMILIES = {
                             layer_types=["mamba", "attention", "mamba"]), 2),
   "jetmoe": (dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=24,
                   kv_channels=8), 2),
+  "gemma4_text": (_GEMMA4, 1),
+  "gemma4": (_GEMMA4, 1),  # the multimodal model, as released
   "jamba": (dict(num_experts=4, num_experts_per_tok=2, intermediate_size=24,
                  expert_layer_period=2, expert_layer_offset=1, attn_layer_period=1,
                  attn_layer_offset=0), 1),
@@ -200,6 +208,10 @@ _BASE_MODEL = ("qwen3_vl_moe_text", "glm4v_moe_text")
 # Vision-language models as released: their class, a tiny vision tower; the fields above are
 # their `text_config`'s.
 _VISION = dict(depth=1, hidden_size=16, num_heads=2, intermediate_size=16, out_hidden_size=16)
+_GEMMA4_VISION = dict(
+  hidden_size=16, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
+  num_key_value_heads=2, head_dim=8,
+)  # fmt: skip
 _MULTIMODAL = {
   "qwen3_vl_moe": (
     "Qwen3VLMoeForConditionalGeneration",
@@ -213,6 +225,7 @@ _MULTIMODAL = {
     ),
   ),
   "qwen3_5_moe": ("Qwen3_5MoeForConditionalGeneration", _VISION),
+  "gemma4": ("Gemma4ForConditionalGeneration", _GEMMA4_VISION),
 }
 
 

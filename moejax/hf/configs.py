@@ -22,7 +22,8 @@ _ACTIVATIONS = {
 
 
 def _activation(hf: dict) -> str:
-  name = Read(("hidden_act", "ffn_config.ffn_act_fn.name", "activation_function"), "silu")(hf)
+  keys = ("hidden_act", "hidden_activation", "ffn_config.ffn_act_fn.name", "activation_function")
+  name = Read(keys, "silu")(hf)
   if name not in _ACTIVATIONS:
     raise NotImplementedError(f"hidden_act={name!r}: moejax has {sorted(_ACTIVATIONS)}")
   return _ACTIVATIONS[name]

@@ -115,6 +115,11 @@ def _with_experts(hf: dict, layer: int, layers: int) -> bool:
   return bool(Read("num_local_experts", 8)(hf))
 
 
+def _moe_enabled(hf: dict, layer: int, layers: int) -> bool:
+  """Gemma 4's: every layer where `enable_moe_block` is on."""
+  return bool(Read("enable_moe_block", False)(hf))
+
+
 def _jamba_period(hf: dict, layer: int, layers: int) -> bool:
   """Jamba's: layer % `expert_layer_period` == `expert_layer_offset`."""
   return layer % Read("expert_layer_period", 2)(hf) == Read("expert_layer_offset", 1)(hf)
@@ -146,6 +151,8 @@ class Family:
       a leading "../" climbs out of the block (Kolibri-1's is beside it).
     shared_gate: the shared experts' [1, D] gate weight key, or None.
     output_bias: the block's output bias [D] key (JetMoE's `bias`), or None.
+    expert_scale: each expert's output scale [E] key (Gemma 4's `router.per_expert_scale`),
+      folded into its down projection as it loads, or None.
     hash_routes: the [V, K] token id -> expert ids table of the layers that route by token
       id (DeepSeek-V4's first layers: `gate.tid2eid`), or None; such a layer has no
       selection bias (it is read as 0: the given ids choose, never the bias).
@@ -169,6 +176,7 @@ class Family:
   selection_bias: str | None = None
   shared_gate: str | None = None
   output_bias: str | None = None
+  expert_scale: str | None = None
   hash_routes: str | None = None
   derived: Callable[[dict], dict] | None = None
   layers: Read = Read(("num_hidden_layers", "n_layers"))
@@ -297,6 +305,11 @@ _MLP = "model.layers.{layer}.mlp"  # transformers 5's name of Mixtral's block_sp
 _GRANITE = Family(  # Mixtral's config fields and routing
   _BLOCK_SPARSE, "router.layer.weight", _MIXTRAL,
   (Fused("input_linear.weight", "output_linear.weight"),),
+)
+_GEMMA4 = Family(
+  "model.layers.{layer}", "router.proj.weight",
+  dict(**_sizes("num_experts", "top_k_experts", "moe_intermediate_size"), renormalize=True),
+  (Fused(),), expert_scale="router.per_expert_scale", moe_layer=_moe_enabled,
 )
 _GRANITE_SHARED = dict(
   shared="../shared_mlp", shared_names=("input_linear", "output_linear"),
@@ -522,6 +535,11 @@ FAMILIES: dict[str, Family] = {
     shared="shared_expert", shared_sizes=Shared(1, Read("intermediate_size")),
     moe_layer=_llama4_interleave,
   ),
+  # Gemma 4: the decoder layer holds its router and experts (beside its dense MLP); softmax
+  # scores, renormalized, each expert's output scaled. Its router reads the layer's input
+  # through its own norm: pass that input's logits (`router_logits=`).
+  "gemma4_text": _GEMMA4,
+  "gemma4": dataclasses.replace(_GEMMA4, block="model.language_model.layers.{layer}"),
   "jamba": Family(
     "model.layers.{layer}.feed_forward", "router.weight",
     _sizes("num_experts", "num_experts_per_tok", "intermediate_size"),
@@ -576,7 +594,7 @@ FAMILIES: dict[str, Family] = {
 }
 # fmt: on
 # Multimodal model types whose text model's config.json fields sit in `text_config`.
-NESTED_TEXT = ("kimi_k25", "qwen3_5_moe", "qwen3_vl_moe", "glm4v_moe", "mistral_large4")
+NESTED_TEXT = ("kimi_k25", "qwen3_5_moe", "qwen3_vl_moe", "glm4v_moe", "mistral_large4", "gemma4")
 
 
 def family_of(model_type: str | None) -> Family:

@@ -215,6 +215,16 @@ def _set_layer(stack: jax.Array, layer: jax.Array, position: jax.Array) -> jax.A
   return stack.at[position].set(layer)
 
 
+def _scaled_down(w_down, scale: np.ndarray) -> np.ndarray:
+  """[E, F, D] down projections with each expert's output scale [E] folded in."""
+  if is_block_scaled(w_down):
+    raise NotImplementedError(
+      "per-expert output scales (Gemma 4's per_expert_scale) fold into float down projections "
+      "only: this checkpoint's experts are quantized"
+    )
+  return w_down * scale[:, None, None]
+
+
 def _check_powers_of_two(values: dict, block: str) -> None:
   """Raises ValueError unless every quantized weight's scales are powers of two (an fp8
   checkpoint with `scale_fmt: "ue8m0"`)."""
@@ -247,6 +257,8 @@ def _read_layer(files: SafetensorsFiles, block: str, family: Family, config: MoE
     values["routing_bias"] = bias.reshape(outputs)
   layout = next((lay for lay in family.experts if lay.present(files, key)), family.experts[-1])
   values.update(layout.read(files, key, config.expert_quant, e, d, f, config.quant_block))
+  if family.expert_scale:
+    values["w_down"] = _scaled_down(values["w_down"], files.get(key(family.expert_scale), (e,)))
   if config.has_shared_experts and family.shared:
     fs = config.shared_intermediate_size
     shapes = ((2 * fs, d), (d, fs)) if family.shared_fused else ((fs, d), (fs, d), (d, fs))
