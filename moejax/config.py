@@ -86,7 +86,7 @@ class MoEConfig:
       or "swiglu_clamped" (DeepSeek-V4's, GLM-5-Next's, Hunyuan v4's): `silu(g) * u`.
     swiglu_limit: the limit of "swiglu_oai" and "swiglu_clamped".
     shared_activation: the shared experts' activation, one of `activation`'s; None: the
-      routed experts' (DeepSeek-V4 clamps its routed experts only: "silu" here).
+      routed experts' (Hunyuan v4 clamps its routed experts only: "silu" here).
     scoring: "softmax", "sigmoid" or "sqrtsoftplus" (`sqrt(softplus(logits))`: DeepSeek-V4)
       of the router logits, or "sparsemixer" (PhiMoE's inference routing; needs top_k=2):
       each pick's weight is a softmax over the logits within a relative window of

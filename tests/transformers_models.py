@@ -27,6 +27,13 @@ _GEMMA4 = dict(
   hidden_size_per_layer_input=0,
   layer_types=["sliding_attention", "full_attention", "full_attention"],
 )  # fmt: skip
+_QWEN4_EXP = dict(
+  **_QWEN3_5_MOE, indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=8, indexer_budget=8,
+  indexer_compress_ratio=4, ngram_vocab_size_base=64, split_ngram_parts=1, heads_per_ngram=1,
+)  # fmt: skip
+_OCR = dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=24,
+            intermediate_size=24, n_shared_experts=1,
+            mlp_layer_types=["dense", "sparse", "sparse"])  # fmt: skip
 FAMILIES = {
   "mixtral": (dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=24), 2),
   "phimoe": (dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=24,
@@ -58,11 +65,15 @@ FAMILIES = {
                  head_dim=8, mlp_only_layers=[0]), 1),
   "qwen3_5_moe_text": (_QWEN3_5_MOE, 1),
   "qwen3_5_moe": (_QWEN3_5_MOE, 1),  # the vision-language model, as released
+  "qwen4_exp_text": (_QWEN4_EXP, 1),
+  "qwen4_exp": (_QWEN4_EXP, 1),
   "olmoe": (dict(num_experts=4, num_experts_per_tok=2, intermediate_size=24), 2),
   "deepseek_v2": (dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=24,
                        n_shared_experts=1, first_k_dense_replace=1, n_group=4, topk_group=2,
                        topk_method="group_limited_greedy", routed_scaling_factor=1.5,
                        intermediate_size=24, **MLA), 1),
+  "deepseek_ocr2": (_OCR, 1),
+  "unlimited_ocr": (_OCR, 1),
   "deepseek_v3": (dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=24,
                        n_shared_experts=1, first_k_dense_replace=1, n_group=4, topk_group=2,
                        routed_scaling_factor=2.5, norm_topk_prob=True, intermediate_size=24,
@@ -94,6 +105,13 @@ FAMILIES = {
                  norm_topk_prob=True, routed_scaling_factor=1.5, swiglu_limit=1.0,
                  index_topk=4, index_head_dim=8, index_n_heads=2, hc_mult=2, pad_token_id=0,
                  **MLA), 1),
+  "hy_v4_vl": (dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=24,
+                    intermediate_size=24, n_shared_experts=1, n_group=4, topk_group=2,
+                    norm_topk_prob=True, routed_scaling_factor=1.5, swiglu_limit=1.0,
+                    index_topk=4, index_head_dim=8, index_n_heads=2, hc_mult=2, pad_token_id=0,
+                    **{**MLA, "qk_rope_head_dim": 6}, head_dim=8,
+                    rope_parameters=dict(rope_type="default", rope_theta=1e4,
+                                         mrope_section=[1, 1, 1])), 1),
   "kimi_linear": (dict(num_local_experts=8, num_experts_per_tok=2, moe_intermediate_size=24,
                        intermediate_size=24, n_shared_experts=1, n_group=4, topk_group=2,
                        norm_topk_prob=True, routed_scaling_factor=1.5, linear_head_dim=8,
@@ -212,6 +230,11 @@ _GEMMA4_VISION = dict(
   hidden_size=16, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
   num_key_value_heads=2, head_dim=8,
 )  # fmt: skip
+# DeepSeek-OCR-2's and Unlimited-OCR's SAM encoders
+_SAM = dict(hidden_size=16, output_channels=16, num_hidden_layers=2, num_attention_heads=2,
+            image_size=64, patch_size=16, window_size=2, global_attn_indexes=[1])  # fmt: skip
+_OCR_ENCODER = dict(hidden_size=16, intermediate_size=16, num_hidden_layers=1,
+                    num_attention_heads=2)  # fmt: skip
 _MULTIMODAL = {
   "qwen3_vl_moe": (
     "Qwen3VLMoeForConditionalGeneration",
@@ -225,6 +248,28 @@ _MULTIMODAL = {
     ),
   ),
   "qwen3_5_moe": ("Qwen3_5MoeForConditionalGeneration", _VISION),
+  "qwen4_exp": ("Qwen4ExpForConditionalGeneration", _VISION),
+  "deepseek_ocr2": (
+    "DeepseekOcr2ForConditionalGeneration",
+    dict(
+      sam_config=dict(**_SAM, downsample_channels=[16, 16]),
+      encoder_config=dict(**_OCR_ENCODER, vocab_size=32, num_key_value_heads=2),
+    ),
+  ),
+  "unlimited_ocr": (
+    "UnlimitedOcrForConditionalGeneration",
+    dict(sam_config=_SAM, encoder_config=_OCR_ENCODER),
+  ),
+  "hy_v4_vl": (
+    "HYV4VLForConditionalGeneration",
+    dict(
+      hidden_size=16,
+      intermediate_size=16,
+      num_hidden_layers=1,
+      num_attention_heads=2,
+      out_hidden_size=16,
+    ),
+  ),
   "gemma4": ("Gemma4ForConditionalGeneration", _GEMMA4_VISION),
 }
 

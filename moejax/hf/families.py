@@ -262,6 +262,12 @@ _QWEN = dict(**_sizes(("num_experts", "num_local_experts"), "num_experts_per_tok
 _DEEPSEEK = dict(**_sizes("n_routed_experts", "num_experts_per_tok", "moe_intermediate_size"),
                  renormalize=_NORM_TOPK, routed_scaling_factor=_SCALING)
 _DEEPSEEK_SHARED = Shared(Read("n_shared_experts", 0), Read("moe_intermediate_size"))
+_DEEPSEEK_V2 = Family(
+  "model.layers.{layer}.mlp", "gate.weight",
+  dict(**_DEEPSEEK, scoring="softmax", use_routing_bias=False),
+  shared="shared_experts", shared_sizes=_DEEPSEEK_SHARED, derived=_limited_groups,
+  moe_layer=_after_dense(0),
+)
 _DEEPSEEK_V3 = Family(
   "model.layers.{layer}.mlp", "gate.weight",
   dict(**_DEEPSEEK, scoring="sigmoid", use_routing_bias=True,
@@ -291,10 +297,17 @@ _DEEPSEEK_V3_RENAMED = Family(
   shared="shared_experts",
   shared_sizes=Shared(Read("num_shared_experts", 0), Read("moe_intermediate_size")),
 )
-# DeepSeek-V4's routed experts: SwiGLU clamped at `swiglu_limit`; its shared experts plain.
+# Hunyuan v4's experts: DeepSeek-V4's SwiGLU, clamped at `swiglu_limit`, in the routed experts only.
 _CLAMPED_ROUTED = dict(
   activation="swiglu_clamped", swiglu_limit=Read("swiglu_limit", 10.0, float),
   shared_activation="silu",
+)
+# Hunyuan v4: DeepSeek-V3's MoE with those experts.
+_HY_V4 = dataclasses.replace(
+  _DEEPSEEK_V3,
+  options={**_DEEPSEEK_V3.options, **_CLAMPED_ROUTED},
+  shared_names=("linear_gate", "up_proj", "down_proj"),  # as Hunyuan saves them
+  moe_layer=_listed_or(_after_dense(1)),
 )
 _QWEN3_VL_MOE = Family(
   "model.language_model.layers.{layer}.mlp", "gate.weight", {**_QWEN, "renormalize": True},
@@ -339,6 +352,9 @@ FAMILIES: dict[str, Family] = {
   "qwen3_next": _QWEN_WITH_SHARED,
   "qwen3_5_moe_text": _QWEN3_5_MOE,
   "qwen3_5_moe": dataclasses.replace(_QWEN3_5_MOE, block="model.language_model.layers.{layer}.mlp"),
+  # Qwen4-Exp: Qwen3.5-MoE's block beside hyper-connections and indexed attention.
+  "qwen4_exp_text": _QWEN3_5_MOE,
+  "qwen4_exp": dataclasses.replace(_QWEN3_5_MOE, block="model.language_model.layers.{layer}.mlp"),
   "qwen3_moe": Family(
     "model.layers.{layer}.mlp", "gate.weight", _QWEN, moe_layer=_qwen_sparse_step
   ),
@@ -377,11 +393,15 @@ FAMILIES: dict[str, Family] = {
     "model.layers.{layer}.mlp", "gate.weight",
     {**_QWEN, "intermediate_size": Read("intermediate_size")},
   ),
-  "deepseek_v2": Family(
-    "model.layers.{layer}.mlp", "gate.weight",
-    dict(**_DEEPSEEK, scoring="softmax", use_routing_bias=False),
-    shared="shared_experts", shared_sizes=_DEEPSEEK_SHARED, derived=_limited_groups,
-    moe_layer=_after_dense(0),
+  "deepseek_v2": _DEEPSEEK_V2,
+  # DeepSeek-OCR-2 and Unlimited-OCR: DeepSeek-V2's MoE in a vision-language model, the text
+  # model saved under its own keys, loaded by transformers under `model.language_model`.
+  **dict.fromkeys(
+    ("deepseek_ocr2", "unlimited_ocr"),
+    dataclasses.replace(
+      _DEEPSEEK_V2, moe_layer=_listed_or(_after_dense(0)),
+      module="model.language_model.layers.{layer}.mlp",
+    ),
   ),
   "deepseek_v3": _DEEPSEEK_V3,
   "glm4_moe": dataclasses.replace(_DEEPSEEK_V3, moe_layer=_after_dense(1)),
@@ -412,13 +432,10 @@ FAMILIES: dict[str, Family] = {
     options={**_DEEPSEEK_V3.options, "dropped_groups": "zeroed"},
     moe_layer=_listed_or(_after_dense(1)),
   ),
-  # DeepSeek-V3's MoE with DeepSeek-V4's clamped SwiGLU in the routed experts only.
-  "hy_v4": dataclasses.replace(
-    _DEEPSEEK_V3,
-    options={**_DEEPSEEK_V3.options, **_CLAMPED_ROUTED},
-    shared_names=("linear_gate", "up_proj", "down_proj"),  # as Hunyuan saves them
-    moe_layer=_listed_or(_after_dense(1)),
-  ),
+  "hy_v4": _HY_V4,
+  # Its vision-language model: the text model saved under Hunyuan v4's keys, loaded by
+  # transformers under `model.language_model`.
+  "hy_v4_vl": dataclasses.replace(_HY_V4, module="model.language_model.layers.{layer}.mlp"),
   # DeepSeek-V3's MoE beside linear attention, saved under Kimi's and Bailing's names.
   "kimi_linear": dataclasses.replace(
     _DEEPSEEK_V3_RENAMED, block=_BLOCK_SPARSE, module=_MLP, experts=_W1_W3_W2,
@@ -594,7 +611,18 @@ FAMILIES: dict[str, Family] = {
 }
 # fmt: on
 # Multimodal model types whose text model's config.json fields sit in `text_config`.
-NESTED_TEXT = ("kimi_k25", "qwen3_5_moe", "qwen3_vl_moe", "glm4v_moe", "mistral_large4", "gemma4")
+NESTED_TEXT = (
+  "kimi_k25",
+  "qwen3_5_moe",
+  "qwen3_vl_moe",
+  "glm4v_moe",
+  "mistral_large4",
+  "gemma4",
+  "qwen4_exp",
+  "hy_v4_vl",
+  "deepseek_ocr2",
+  "unlimited_ocr",
+)
 
 
 def family_of(model_type: str | None) -> Family:
