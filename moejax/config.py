@@ -82,9 +82,10 @@ class MoEConfig:
       None for the platform's default (`moejax.chunk_budget.budget_bytes`).
     activation: "silu", "gelu" (exact erf) or "gelu_tanh" (tanh approximation): experts
       compute `act(gate) * up`; or "swiglu_oai" (GPT-OSS's clamped SwiGLU): with
-      g = min(gate, limit) and u = clip(up, -limit, limit), `(u + 1) * g * sigmoid(1.702 g)`;
+      g = min(gate, limit) and u = clip(up, -limit, limit), `(u + 1) * g * sigmoid(alpha g)`;
       or "swiglu_clamped" (DeepSeek-V4's, GLM-5-Next's, Hunyuan v4's): `silu(g) * u`.
     swiglu_limit: the limit of "swiglu_oai" and "swiglu_clamped".
+    swiglu_alpha: the alpha of "swiglu_oai" (GPT-OSS's 1.702; MiniMax-M3 reads its own).
     shared_activation: the shared experts' activation, one of `activation`'s; None: the
       routed experts' (Hunyuan v4 clamps its routed experts only: "silu" here).
     scoring: "softmax", "sigmoid" or "sqrtsoftplus" (`sqrt(softplus(logits))`: DeepSeek-V4)
@@ -214,6 +215,7 @@ class MoEConfig:
   chunk_memory_bytes: int | None = None
   activation: Activation = "silu"
   swiglu_limit: float = 7.0
+  swiglu_alpha: float = 1.702
   shared_activation: Activation | None = None
   scoring: Scoring = "softmax"
   sparsemixer_eps: float = 0.01
@@ -449,12 +451,14 @@ class MoEConfig:
   @property
   def gated_activation(self) -> GatedActivation:
     """How the experts combine gate and up (`activation`, `swiglu_limit`)."""
-    return GatedActivation(self.activation, self.swiglu_limit)
+    return GatedActivation(self.activation, self.swiglu_limit, self.swiglu_alpha)
 
   @property
   def shared_gated_activation(self) -> GatedActivation:
     """How the shared experts combine gate and up (`shared_activation`, else `activation`)."""
-    return GatedActivation(self.shared_activation or self.activation, self.swiglu_limit)
+    return GatedActivation(
+      self.shared_activation or self.activation, self.swiglu_limit, self.swiglu_alpha
+    )
 
   @property
   def quant_block(self) -> tuple[int, int] | None:

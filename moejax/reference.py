@@ -19,13 +19,14 @@ from moejax.params import PER_EXPERT_FIELDS, MoEParams
 _HIGHEST = jax.lax.Precision.HIGHEST
 
 
-def _hidden(gate: jax.Array, up: jax.Array, activation: str, limit: float) -> jax.Array:
+def _hidden(gate: jax.Array, up: jax.Array, activation: str, config: MoEConfig) -> jax.Array:
   """The gated MLP's hidden layer, each activation written out."""
   if activation in ("swiglu_oai", "swiglu_clamped"):
+    limit = config.swiglu_limit
     gate = jnp.minimum(gate, limit)
     up = jnp.clip(up, -limit, limit)
     if activation == "swiglu_oai":
-      return (up + 1.0) * gate / (1.0 + jnp.exp(-1.702 * gate))
+      return (up + 1.0) * gate / (1.0 + jnp.exp(-config.swiglu_alpha * gate))
   if activation in ("silu", "swiglu_clamped"):
     act = gate / (1.0 + jnp.exp(-gate))
   elif activation == "gelu":
@@ -45,7 +46,7 @@ def _mlp(
   up = jnp.matmul(x, w_gate_up[:, half:], precision=_HIGHEST)
   if b_gate_up is not None:
     gate, up = gate + b_gate_up[None, :half], up + b_gate_up[None, half:]
-  hidden = _hidden(gate, up, activation or config.activation, config.swiglu_limit)
+  hidden = _hidden(gate, up, activation or config.activation, config)
   out = jnp.matmul(hidden, w_down, precision=_HIGHEST)
   return out if b_down is None else out + b_down[None, :]
 

@@ -52,6 +52,7 @@ OPTIONS = {
   "gpt_oss": dict(
     activation="swiglu_oai",
     swiglu_limit=1.0,  # small enough that the clamps bind on these inputs
+    swiglu_alpha=1.3,  # not GPT-OSS's: MiniMax-M3 reads its own
     expert_bias=True,
     router_bias=True,
     renormalize=True,

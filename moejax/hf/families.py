@@ -436,6 +436,14 @@ FAMILIES: dict[str, Family] = {
   # Its vision-language model: the text model saved under Hunyuan v4's keys, loaded by
   # transformers under `model.language_model`.
   "hy_v4_vl": dataclasses.replace(_HY_V4, module="model.language_model.layers.{layer}.mlp"),
+  # GLM-5-Next: DeepSeek-V3's MoE, DeepSeek-V4's clamped SwiGLU in every expert, in a
+  # vision-language model (config in `text_config`, `model.language_model.` keys).
+  "glm5_next": dataclasses.replace(
+    _DEEPSEEK_V3, block="model.language_model.layers.{layer}.mlp",
+    options={**_DEEPSEEK_V3.options, "activation": "swiglu_clamped",
+             "swiglu_limit": Read("swiglu_limit", 10.0, float)},
+    moe_layer=_listed_or(_after_dense(1)),
+  ),
   # DeepSeek-V3's MoE beside linear attention, saved under Kimi's and Bailing's names.
   "kimi_linear": dataclasses.replace(
     _DEEPSEEK_V3_RENAMED, block=_BLOCK_SPARSE, module=_MLP, experts=_W1_W3_W2,
@@ -535,6 +543,18 @@ FAMILIES: dict[str, Family] = {
     shared_sizes=Shared(Read("num_shared_experts", 0), Read("moe_intermediate_size")),
     selection_bias="expert_bias", moe_layer=_listed_or(_every_layer),
   ),
+  # MiniMax-M3: MiniMax-M2's routing, scaled, GPT-OSS's SwiGLU with its own alpha in every
+  # expert, a shared expert; saved as its vision-language model's language model.
+  "minimax_m3_vl": Family(
+    "language_model.model.layers.{layer}.block_sparse_moe", "gate.weight",
+    dict(**_MIXTRAL, scoring="sigmoid", use_routing_bias=True, routed_scaling_factor=_SCALING,
+         activation="swiglu_oai", swiglu_limit=Read("swiglu_limit", 7.0, float),
+         swiglu_alpha=Read("swiglu_alpha", 1.702, float)),
+    _W1_W3_W2, shared="shared_experts",
+    shared_sizes=Shared(1, Read("shared_intermediate_size", 0)),
+    selection_bias="e_score_correction_bias", moe_layer=_listed_or(_every_layer),
+    module="model.language_model.layers.{layer}.mlp",
+  ),
   "gpt_oss": Family(
     "model.layers.{layer}.mlp", "router.weight",
     dict(**_sizes("num_local_experts", "num_experts_per_tok", "intermediate_size"),
@@ -622,6 +642,8 @@ NESTED_TEXT = (
   "hy_v4_vl",
   "deepseek_ocr2",
   "unlimited_ocr",
+  "minimax_m3_vl",
+  "glm5_next",
 )
 
 
