@@ -162,3 +162,18 @@ def test_adapter_errors_name_the_tensor(tmp_path):
     hf.save_lora(tmp_path / "oss", {0: params}, config, model_type="gpt_oss", layout="per_expert")
   with pytest.raises(ValueError, match=r"params\.lora must be a moejax\.lora\.ExpertLoRA"):
     hf.save_lora(tmp_path / "none", {0: params._replace(lora=None)}, config, model_type="qwen3_moe")
+
+
+def test_multimodal_text_fields_nested_or_at_the_top_level():
+  """A multimodal model's text fields in `text_config` (as transformers writes them) or at the
+  top level (as Dots3-Note publishes them) read the same."""
+  fields = dict(
+    hidden_size=16, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=24,
+    n_shared_experts=2, shared_experts_intermediate_size=12, n_group=4, topk_group=2,
+    num_hidden_layers=3, mlp_layer_types=["dense", "sparse", "sparse"],
+  )  # fmt: skip
+  nested = {"model_type": "dots3_note", "text_config": fields}
+  top_level = {"model_type": "dots3_note", **fields}
+  assert hf.config_from_hf(nested) == hf.config_from_hf(top_level)
+  assert hf.config_from_hf(top_level).shared_intermediate_size == 24
+  assert hf.moe_layers(nested) == hf.moe_layers(top_level) == (1, 2)

@@ -34,6 +34,13 @@ _QWEN4_EXP = dict(
 _OCR = dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=24,
             intermediate_size=24, n_shared_experts=1,
             mlp_layer_types=["dense", "sparse", "sparse"])  # fmt: skip
+_DOTS3_NOTE = dict(
+  n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=24, intermediate_size=24,
+  n_shared_experts=2, shared_experts_intermediate_size=12, n_group=4, topk_group=2,
+  routed_scaling_factor=1.5, **MLA, head_dim=8, index_topk=4, index_head_dim=8,
+  index_n_heads=2, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+  mlp_layer_types=["dense", "sparse", "sparse"],
+)  # fmt: skip
 FAMILIES = {
   "mixtral": (dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=24), 2),
   "phimoe": (dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=24,
@@ -119,6 +126,8 @@ FAMILIES = {
                      index_topk=4, index_kpool=2, index_head_dim=8, index_n_heads=2,
                      linear_head_dim=8, linear_num_heads=2, hc_mult=2, pad_token_id=0,
                      mlp_layer_types=["dense", "sparse", "sparse"]), 1),
+  "dots3_note_text": (_DOTS3_NOTE, 1),
+  "dots3_note": (_DOTS3_NOTE, 1),
   "kimi_linear": (dict(num_local_experts=8, num_experts_per_tok=2, moe_intermediate_size=24,
                        intermediate_size=24, n_shared_experts=1, n_group=4, topk_group=2,
                        norm_topk_prob=True, routed_scaling_factor=1.5, linear_head_dim=8,
@@ -247,6 +256,20 @@ _SAM = dict(hidden_size=16, output_channels=16, num_hidden_layers=2, num_attenti
             image_size=64, patch_size=16, window_size=2, global_attn_indexes=[1])  # fmt: skip
 _OCR_ENCODER = dict(hidden_size=16, intermediate_size=16, num_hidden_layers=1,
                     num_attention_heads=2)  # fmt: skip
+# Dots3-Note's vision tower (an MoE of its own, not read) and audio tower
+_DOTS3_NOTE_VISION = dict(
+  hidden_size=16, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
+  moe_intermediate_size=16, num_local_experts=2, num_experts_per_tok=1, adapter_in_dim=16,
+  adapter_out_dim=16, mlp_layer_types=["dense"],
+)  # fmt: skip
+# Multimodal models' towers besides the vision tower
+_OTHER_TOWERS = {
+  "dots3_note": dict(
+    audio_config=dict(hidden_size=16, intermediate_size=16, num_hidden_layers=1,
+                      num_attention_heads=2, downsample_hidden_size=16, adapter_input_size=16,
+                      adapter_out_dim=16, feature_size=16),
+  ),
+}  # fmt: skip
 _MULTIMODAL = {
   "qwen3_vl_moe": (
     "Qwen3VLMoeForConditionalGeneration",
@@ -261,6 +284,7 @@ _MULTIMODAL = {
   ),
   "qwen3_5_moe": ("Qwen3_5MoeForConditionalGeneration", _VISION),
   "qwen4_exp": ("Qwen4ExpForConditionalGeneration", _VISION),
+  "dots3_note": ("Dots3NoteForConditionalGeneration", _DOTS3_NOTE_VISION),
   "glm5_next": (
     "Glm5NextForConditionalGeneration",
     dict(
@@ -311,7 +335,9 @@ def hf_checkpoint(model_type: str, fields: dict, path, seed: int):
   elif model_type in _MULTIMODAL:
     text = dict(**ATTENTION, num_hidden_layers=LAYERS, **fields)
     vision = _MULTIMODAL[model_type][1]
-    config = transformers.AutoConfig.for_model(model_type, text_config=text, vision_config=vision)
+    config = transformers.AutoConfig.for_model(
+      model_type, text_config=text, vision_config=vision, **_OTHER_TOWERS.get(model_type, {})
+    )
   else:
     layers = fields.pop("num_hidden_layers", LAYERS)
     config = transformers.AutoConfig.for_model(

@@ -275,6 +275,11 @@ _DEEPSEEK_V3 = Family(
   shared="shared_experts", shared_sizes=_DEEPSEEK_SHARED,
   selection_bias="gate.e_score_correction_bias", moe_layer=_after_dense(3),
 )
+_DOTS3_NOTE = dataclasses.replace(
+  _DEEPSEEK_V3,
+  shared_sizes=Shared(Read("n_shared_experts", 0), Read("shared_experts_intermediate_size")),
+  moe_layer=_listed_or(_after_dense(1)),
+)
 _QWEN_WITH_SHARED = Family(
   "model.layers.{layer}.mlp", "gate.weight", _QWEN,
   shared="shared_expert", shared_gate="shared_expert_gate.weight",
@@ -444,6 +449,11 @@ FAMILIES: dict[str, Family] = {
              "swiglu_limit": Read("swiglu_limit", 10.0, float)},
     moe_layer=_listed_or(_after_dense(1)),
   ),
+  # Dots3-Note: DeepSeek-V3's MoE, its shared experts' width its own key; the text model saved
+  # alone, or its multimodal model (its text model's keys as the text model's; config.json's
+  # text fields in `text_config` as transformers writes it, at the top level as published).
+  "dots3_note_text": _DOTS3_NOTE,
+  "dots3_note": dataclasses.replace(_DOTS3_NOTE, module="model.language_model.layers.{layer}.mlp"),
   # DeepSeek-V3's MoE beside linear attention, saved under Kimi's and Bailing's names.
   "kimi_linear": dataclasses.replace(
     _DEEPSEEK_V3_RENAMED, block=_BLOCK_SPARSE, module=_MLP, experts=_W1_W3_W2,
@@ -644,6 +654,7 @@ NESTED_TEXT = (
   "unlimited_ocr",
   "minimax_m3_vl",
   "glm5_next",
+  "dots3_note",
 )
 
 
