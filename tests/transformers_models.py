@@ -74,6 +74,8 @@ FAMILIES = {
   "qwen3_5_moe": (_QWEN3_5_MOE, 1),  # the vision-language model, as released
   "qwen4_exp_text": (_QWEN4_EXP, 1),
   "qwen4_exp": (_QWEN4_EXP, 1),
+  "qwen3_omni_moe": (dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
+                          intermediate_size=24, head_dim=8, decoder_sparse_step=2), 1),
   "olmoe": (dict(num_experts=4, num_experts_per_tok=2, intermediate_size=24), 2),
   "deepseek_v2": (dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=24,
                        n_shared_experts=1, first_k_dense_replace=1, n_group=4, topk_group=2,
@@ -264,6 +266,10 @@ _DOTS3_NOTE_VISION = dict(
 )  # fmt: skip
 # Multimodal models' towers besides the vision tower
 _OTHER_TOWERS = {
+  "qwen3_omni_moe": dict(
+    audio_config=dict(d_model=16, encoder_layers=1, encoder_attention_heads=2,
+                      encoder_ffn_dim=16, output_dim=16, downsample_hidden_size=16),
+  ),
   "dots3_note": dict(
     audio_config=dict(hidden_size=16, intermediate_size=16, num_hidden_layers=1,
                       num_attention_heads=2, downsample_hidden_size=16, adapter_input_size=16,
@@ -322,6 +328,10 @@ _MULTIMODAL = {
     ),
   ),
   "gemma4": ("Gemma4ForConditionalGeneration", _GEMMA4_VISION),
+  "qwen3_omni_moe": (
+    "Qwen3OmniMoeForConditionalGeneration",
+    dict(**_VISION, deepstack_visual_indexes=[0]),
+  ),
 }
 
 
@@ -334,10 +344,11 @@ def hf_checkpoint(model_type: str, fields: dict, path, seed: int):
     config = transformers.AutoConfig.for_model(model_type, vocab_size=32, **fields)
   elif model_type in _MULTIMODAL:
     text = dict(**ATTENTION, num_hidden_layers=LAYERS, **fields)
-    vision = _MULTIMODAL[model_type][1]
-    config = transformers.AutoConfig.for_model(
-      model_type, text_config=text, vision_config=vision, **_OTHER_TOWERS.get(model_type, {})
-    )
+    towers = dict(text_config=text, vision_config=_MULTIMODAL[model_type][1])
+    towers.update(_OTHER_TOWERS.get(model_type, {}))
+    if model_type == "qwen3_omni_moe":  # its thinker holds them; no talker (no audio output)
+      towers = dict(thinker_config=towers, enable_audio_output=False)
+    config = transformers.AutoConfig.for_model(model_type, **towers)
   else:
     layers = fields.pop("num_hidden_layers", LAYERS)
     config = transformers.AutoConfig.for_model(

@@ -108,13 +108,14 @@ def _config_dict(config) -> dict:
 
 
 def text_model(hf: dict) -> dict:
-  """config.json's fields of the text model: a `NESTED_TEXT` model's `text_config` (with the
+  """config.json's fields of the text model: a `NESTED_TEXT` model's nested ones (with the
   outer `quantization_config` where the text model has none, and the outer model_type, which
   names its family; its own fields where it has none, as Dots3-Note publishes), else `hf`
   itself."""
-  if hf.get("model_type") not in NESTED_TEXT or not hf.get("text_config"):
+  nested = Read(NESTED_TEXT.get(hf.get("model_type"), "text_config"), None)(hf)
+  if hf.get("model_type") not in NESTED_TEXT or not nested:
     return hf
-  text = dict(hf["text_config"])
+  text = dict(nested)
   text.setdefault("quantization_config", hf.get("quantization_config"))
   return {**text, "model_type": hf["model_type"]}
 

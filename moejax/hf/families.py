@@ -367,6 +367,11 @@ FAMILIES: dict[str, Family] = {
   # saved alone (a base model: no `model.` prefix).
   "qwen3_vl_moe": _QWEN3_VL_MOE,
   "qwen3_vl_moe_text": dataclasses.replace(_QWEN3_VL_MOE, block="layers.{layer}.mlp"),
+  # Qwen3-Omni-MoE: its thinker's text model, Qwen3-MoE's block (its talker is not read).
+  "qwen3_omni_moe": Family(
+    "thinker.model.layers.{layer}.mlp", "gate.weight", _QWEN, moe_layer=_qwen_sparse_step,
+    module="thinker.model.language_model.layers.{layer}.mlp",
+  ),
   "mellum": Family(  # Qwen3-MoE's block
     "model.layers.{layer}.mlp", "gate.weight", _QWEN, moe_layer=_listed_or(_every_layer)
   ),
@@ -640,8 +645,9 @@ FAMILIES: dict[str, Family] = {
   ),
 }
 # fmt: on
-# Multimodal model types whose text model's config.json fields sit in `text_config`.
-NESTED_TEXT = (
+# Multimodal model types whose text model's config.json fields are nested: the key holding
+# them (dotted), `text_config` or Qwen3-Omni's thinker's.
+_TEXT_CONFIG = (
   "kimi_k25",
   "qwen3_5_moe",
   "qwen3_vl_moe",
@@ -656,6 +662,10 @@ NESTED_TEXT = (
   "glm5_next",
   "dots3_note",
 )
+NESTED_TEXT = {
+  **dict.fromkeys(_TEXT_CONFIG, "text_config"),
+  "qwen3_omni_moe": "thinker_config.text_config",
+}
 
 
 def family_of(model_type: str | None) -> Family:
