@@ -15,27 +15,39 @@ import jax.numpy as jnp
 from kernels_pallas.activations import activate
 
 
-def _swiglu_oai(gate: jax.Array, up: jax.Array, limit: float, alpha: float) -> jax.Array:
+def _swiglu_oai(gate: jax.Array, up: jax.Array, act: GatedActivation) -> jax.Array:
   """GPT-OSS's clamped SwiGLU: (u + 1) * g * sigmoid(alpha g), g = min(gate, limit) and
   u = clip(up, -limit, limit)."""
-  gate = jnp.minimum(gate, limit)
-  up = jnp.clip(up, -limit, limit)
-  return (up + 1.0) * gate * jax.nn.sigmoid(alpha * gate)
+  gate = jnp.minimum(gate, act.limit)
+  up = jnp.clip(up, -act.limit, act.limit)
+  return (up + 1.0) * gate * jax.nn.sigmoid(act.alpha * gate)
 
 
-def _swiglu_clamped(gate: jax.Array, up: jax.Array, limit: float, alpha: float) -> jax.Array:
+def _swiglu_clamped(gate: jax.Array, up: jax.Array, act: GatedActivation) -> jax.Array:
   """DeepSeek-V4's clamped SwiGLU: silu(min(gate, limit)) * clip(up, -limit, limit)."""
-  return jax.nn.silu(jnp.minimum(gate, limit)) * jnp.clip(up, -limit, limit)
+  return jax.nn.silu(jnp.minimum(gate, act.limit)) * jnp.clip(up, -act.limit, act.limit)
 
 
-# name -> (gate, up, limit, alpha) -> hidden.
-GATED: dict[str, Callable[[jax.Array, jax.Array, float, float], jax.Array]] = {
-  "silu": lambda gate, up, limit, alpha: jax.nn.silu(gate) * up,
+def _softcapped(x: jax.Array, cap: float) -> jax.Array:
+  return cap * jnp.tanh(x / cap)
+
+
+def _swiglu_softcapped(gate: jax.Array, up: jax.Array, act: GatedActivation) -> jax.Array:
+  """Inkling 2's SwiGLU: the sigmoid of the raw gate, the linear gate factor and up each
+  soft-capped (c * tanh(x / c))."""
+  gate_factor = _softcapped(gate, act.gate_softcap)
+  return gate_factor * jax.nn.sigmoid(gate) * _softcapped(up, act.up_softcap)
+
+
+# name -> (gate, up, the activation's parameters) -> hidden.
+GATED: dict[str, Callable[[jax.Array, jax.Array, GatedActivation], jax.Array]] = {
+  "silu": lambda gate, up, act: jax.nn.silu(gate) * up,
   # exact: erf, differentiable under shard_map on every JAX
-  "gelu": lambda gate, up, limit, alpha: activate(gate, "gelu") * up,
-  "gelu_tanh": lambda gate, up, limit, alpha: jax.nn.gelu(gate, approximate=True) * up,
+  "gelu": lambda gate, up, act: activate(gate, "gelu") * up,
+  "gelu_tanh": lambda gate, up, act: jax.nn.gelu(gate, approximate=True) * up,
   "swiglu_oai": _swiglu_oai,
   "swiglu_clamped": _swiglu_clamped,
+  "swiglu_softcapped": _swiglu_softcapped,
 }
 
 
@@ -45,7 +57,9 @@ class GatedActivation:
 
   "silu", "gelu" (exact erf) and "gelu_tanh" compute `act(gate) * up`; "swiglu_oai"
   (GPT-OSS) computes `(u + 1) * g * sigmoid(alpha * g)` with g = min(gate, limit) and
-  u = clip(up, -limit, limit); "swiglu_clamped" (DeepSeek-V4) `silu(g) * u`.
+  u = clip(up, -limit, limit); "swiglu_clamped" (DeepSeek-V4) `silu(g) * u`;
+  "swiglu_softcapped" (Inkling 2) `cap(gate, gate_softcap) * sigmoid(gate) * cap(up,
+  up_softcap)` with cap(x, c) = c * tanh(x / c).
 
   >>> GatedActivation("swiglu_oai", limit=7.0)(jnp.array([9.0]), jnp.array([-9.0])).tolist()
   [-41.999...]
@@ -54,6 +68,8 @@ class GatedActivation:
   name: str
   limit: float = 7.0
   alpha: float = 1.702
+  gate_softcap: float = 4.0
+  up_softcap: float = 25.0
 
   def __call__(self, gate: jax.Array, up: jax.Array) -> jax.Array:
-    return GATED[self.name](gate, up, self.limit, self.alpha)
+    return GATED[self.name](gate, up, self)

@@ -13,7 +13,9 @@ from moejax import axis_groups
 from moejax.activations import GATED, GatedActivation
 from moejax.axis_groups import AxisGroup
 
-Activation = Literal["silu", "gelu", "gelu_tanh", "swiglu_oai", "swiglu_clamped"]
+Activation = Literal[
+  "silu", "gelu", "gelu_tanh", "swiglu_oai", "swiglu_clamped", "swiglu_softcapped"
+]
 Scoring = Literal["softmax", "sigmoid", "sqrtsoftplus", "sparsemixer"]
 GroupScore = Literal["max", "top2_sum"]
 BiasTarget = Literal["scores", "logits"]
@@ -83,9 +85,12 @@ class MoEConfig:
     activation: "silu", "gelu" (exact erf) or "gelu_tanh" (tanh approximation): experts
       compute `act(gate) * up`; or "swiglu_oai" (GPT-OSS's clamped SwiGLU): with
       g = min(gate, limit) and u = clip(up, -limit, limit), `(u + 1) * g * sigmoid(alpha g)`;
-      or "swiglu_clamped" (DeepSeek-V4's, GLM-5-Next's, Hunyuan v4's): `silu(g) * u`.
+      or "swiglu_clamped" (DeepSeek-V4's, GLM-5-Next's, Hunyuan v4's): `silu(g) * u`; or
+      "swiglu_softcapped" (Inkling 2's): `cap(gate, gate_softcap) * sigmoid(gate) *
+      cap(up, up_softcap)`, cap(x, c) = c * tanh(x / c).
     swiglu_limit: the limit of "swiglu_oai" and "swiglu_clamped".
     swiglu_alpha: the alpha of "swiglu_oai" (GPT-OSS's 1.702; MiniMax-M3 reads its own).
+    gate_softcap, up_softcap: the caps of "swiglu_softcapped".
     shared_activation: the shared experts' activation, one of `activation`'s; None: the
       routed experts' (Hunyuan v4 clamps its routed experts only: "silu" here).
     scoring: "softmax", "sigmoid" or "sqrtsoftplus" (`sqrt(softplus(logits))`: DeepSeek-V4)
@@ -216,6 +221,8 @@ class MoEConfig:
   activation: Activation = "silu"
   swiglu_limit: float = 7.0
   swiglu_alpha: float = 1.702
+  gate_softcap: float = 4.0
+  up_softcap: float = 25.0
   shared_activation: Activation | None = None
   scoring: Scoring = "softmax"
   sparsemixer_eps: float = 0.01
@@ -367,8 +374,9 @@ class MoEConfig:
       raise ValueError(f"shared_scaling_factor must be > 0, got {self.shared_scaling_factor}")
 
   def _check_family_options(self) -> None:
-    if not self.swiglu_limit > 0:
-      raise ValueError(f"swiglu_limit must be > 0, got {self.swiglu_limit}")
+    for name in ("swiglu_limit", "gate_softcap", "up_softcap"):
+      if not getattr(self, name) > 0:
+        raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
     if self.routing_bias_on == "logits" and not self.use_routing_bias:
       raise ValueError("routing_bias_on='logits' needs use_routing_bias=True (the bias it places)")
     if self.scoring == "sparsemixer":
@@ -451,13 +459,16 @@ class MoEConfig:
   @property
   def gated_activation(self) -> GatedActivation:
     """How the experts combine gate and up (`activation`, `swiglu_limit`)."""
-    return GatedActivation(self.activation, self.swiglu_limit, self.swiglu_alpha)
+    return self._activation(self.activation)
 
   @property
   def shared_gated_activation(self) -> GatedActivation:
     """How the shared experts combine gate and up (`shared_activation`, else `activation`)."""
+    return self._activation(self.shared_activation or self.activation)
+
+  def _activation(self, name: str) -> GatedActivation:
     return GatedActivation(
-      self.shared_activation or self.activation, self.swiglu_limit, self.swiglu_alpha
+      name, self.swiglu_limit, self.swiglu_alpha, self.gate_softcap, self.up_softcap
     )
 
   @property

@@ -27,6 +27,10 @@ def _hidden(gate: jax.Array, up: jax.Array, activation: str, config: MoEConfig) 
     up = jnp.clip(up, -limit, limit)
     if activation == "swiglu_oai":
       return (up + 1.0) * gate / (1.0 + jnp.exp(-config.swiglu_alpha * gate))
+  if activation == "swiglu_softcapped":
+    cap = lambda x, c: c * jnp.tanh(x / c)
+    up = cap(up, config.up_softcap)
+    return cap(gate, config.gate_softcap) / (1.0 + jnp.exp(-gate)) * up
   if activation in ("silu", "swiglu_clamped"):
     act = gate / (1.0 + jnp.exp(-gate))
   elif activation == "gelu":

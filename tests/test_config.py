@@ -45,6 +45,7 @@ BASE = dict(num_experts=8, top_k=2, hidden_size=16, intermediate_size=32)
     (dict(routed_scaling_factor=0.0), "routed_scaling_factor"),
     (dict(shared_scaling_factor=-1.0), "shared_scaling_factor must be > 0"),
     (dict(shared_activation="relu"), "shared_activation must be one of"),
+    (dict(up_softcap=0.0), "up_softcap must be > 0"),
     (dict(router_logit_softcap=-1.0), "router_logit_softcap must be >= 0"),
     (dict(dtype=jnp.int32), "dtype"),
     (dict(param_dtype=jnp.int8), "param_dtype"),

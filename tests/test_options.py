@@ -73,7 +73,7 @@ def test_zero_experts_return_the_weighted_input(request):
 EPILOGUE_LACKS = {
   "gpt_oss": OPTIONS["gpt_oss"],
   "gelu_tanh": OPTIONS["gelu_tanh"],
-  # The clamps bind; the shared expert unclamped, as DeepSeek-V4's.
+  # The clamps bind; the shared expert unclamped, as Hunyuan v4's.
   "swiglu_clamped": dict(
     activation="swiglu_clamped",
     swiglu_limit=1.0,
@@ -81,6 +81,7 @@ EPILOGUE_LACKS = {
     shared_intermediate_size=8,
     shared_activation="silu",
   ),
+  "swiglu_softcapped": dict(activation="swiglu_softcapped", gate_softcap=0.5, up_softcap=0.8),
 }
 
 

@@ -41,6 +41,12 @@ _DOTS3_NOTE = dict(
   index_n_heads=2, pad_token_id=0, bos_token_id=1, eos_token_id=2,
   mlp_layer_types=["dense", "sparse", "sparse"],
 )  # fmt: skip
+_INKLING2 = dict(
+  n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=24, head_dim=8,
+  mlp_gate_softcap=1.0, mlp_up_softcap=2.0, route_scale=1.5, unpadded_vocab_size=32,
+  swa_num_attention_heads=2, swa_num_key_value_heads=2, swa_head_dim=8, d_rel=4,
+  sliding_window_size=8, rel_extent=8, n_layers_per_attn_res_block=1,
+)  # fmt: skip
 FAMILIES = {
   "mixtral": (dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=24), 2),
   "phimoe": (dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=24,
@@ -194,6 +200,10 @@ FAMILIES = {
   "glm4_moe": (dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=24,
                     intermediate_size=24, n_shared_experts=1, first_k_dense_replace=1,
                     n_group=4, topk_group=2, norm_topk_prob=True, head_dim=8), 1),
+  "inkling2_text": (_INKLING2, 1),
+  "inkling2": (_INKLING2, 1),
+  "inkling2_loop_text": (dict(**_INKLING2, loop_layer_index_start=1, loop_layer_index_end=2), 1),
+  "inkling2_loop": (dict(**_INKLING2, loop_layer_index_start=1, loop_layer_index_end=2), 1),
   "gpt_oss": (dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=24,
                    swiglu_limit=1.0, head_dim=8, **_TYPES), 2),
   "llama4_text": (dict(num_local_experts=4, num_experts_per_tok=1, intermediate_size=24,
@@ -276,6 +286,10 @@ _OTHER_TOWERS = {
                       adapter_out_dim=16, feature_size=16),
   ),
 }  # fmt: skip
+_INKLING2_VISION = dict(
+  hidden_size=16, num_hidden_layers=1, num_attention_heads=2, posemb_grid_size=2,
+  projection_hidden_dim=16, text_hidden_size=16,
+)  # fmt: skip
 _MULTIMODAL = {
   "qwen3_vl_moe": (
     "Qwen3VLMoeForConditionalGeneration",
@@ -328,6 +342,10 @@ _MULTIMODAL = {
     ),
   ),
   "gemma4": ("Gemma4ForConditionalGeneration", _GEMMA4_VISION),
+  **{
+    model_type: (f"{name}ForConditionalGeneration", _INKLING2_VISION)
+    for model_type, name in (("inkling2", "Inkling2"), ("inkling2_loop", "Inkling2Loop"))
+  },
   "qwen3_omni_moe": (
     "Qwen3OmniMoeForConditionalGeneration",
     dict(**_VISION, deepstack_visual_indexes=[0]),

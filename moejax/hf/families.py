@@ -329,6 +329,16 @@ _GEMMA4 = Family(
   dict(**_sizes("num_experts", "top_k_experts", "moe_intermediate_size"), renormalize=True),
   (Fused(),), expert_scale="router.per_expert_scale", moe_layer=_moe_enabled,
 )
+_INKLING2 = Family(
+  "model.llm.layers.{layer}.mlp", "gate.weight",
+  dict(**_sizes("n_routed_experts", "num_experts_per_tok", "moe_intermediate_size"),
+       scoring=Read("scoring_func", "sigmoid"), use_routing_bias=True, renormalize=True,
+       routed_scaling_factor=Read("route_scale", 8.0, float), activation="swiglu_softcapped",
+       gate_softcap=Read("mlp_gate_softcap", 4.0, float),
+       up_softcap=Read("mlp_up_softcap", 25.0, float)),
+  (Fused("experts.w13_weight", "experts.w2_weight", interleaved=True),),
+  selection_bias="gate.bias", module="model.layers.{layer}.mlp",
+)
 _GRANITE_SHARED = dict(
   shared="../shared_mlp", shared_names=("input_linear", "output_linear"),
   shared_sizes=Shared(1, Read("shared_intermediate_size", 0)),
@@ -570,6 +580,15 @@ FAMILIES: dict[str, Family] = {
     selection_bias="e_score_correction_bias", moe_layer=_listed_or(_every_layer),
     module="model.language_model.layers.{layer}.mlp",
   ),
+  # Inkling 2: DeepSeek-V4's router (`scoring_func` scores, a selection-only bias, always
+  # renormalized, times `route_scale`), a soft-capped SwiGLU, no shared experts; saved in its
+  # own names (`model.llm.`, fused `w13`/`w2`) as a text model or its multimodal model.
+  # Inkling 2 Loop runs some of its layers more than once: their MoE layers are Inkling 2's.
+  **dict.fromkeys(("inkling2_text", "inkling2_loop_text"), _INKLING2),
+  **dict.fromkeys(
+    ("inkling2", "inkling2_loop"),
+    dataclasses.replace(_INKLING2, module="model.language_model.layers.{layer}.mlp"),
+  ),
   "gpt_oss": Family(
     "model.layers.{layer}.mlp", "router.weight",
     dict(**_sizes("num_local_experts", "num_experts_per_tok", "intermediate_size"),
@@ -661,6 +680,8 @@ _TEXT_CONFIG = (
   "minimax_m3_vl",
   "glm5_next",
   "dots3_note",
+  "inkling2",
+  "inkling2_loop",
 )
 NESTED_TEXT = {
   **dict.fromkeys(_TEXT_CONFIG, "text_config"),
