@@ -45,6 +45,8 @@ GATED: dict[str, Callable[[jax.Array, jax.Array, GatedActivation], jax.Array]] =
   # exact: erf, differentiable under shard_map on every JAX
   "gelu": lambda gate, up, act: activate(gate, "gelu") * up,
   "gelu_tanh": lambda gate, up, act: jax.nn.gelu(gate, approximate=True) * up,
+  # relu(u) * u = relu(u)**2: squared-ReLU experts (Nemotron-H) with gate = up
+  "relu": lambda gate, up, act: jax.nn.relu(gate) * up,
   "swiglu_oai": _swiglu_oai,
   "swiglu_clamped": _swiglu_clamped,
   "swiglu_softcapped": _swiglu_softcapped,
@@ -55,7 +57,7 @@ GATED: dict[str, Callable[[jax.Array, jax.Array, GatedActivation], jax.Array]] =
 class GatedActivation:
   """How a gated MLP combines its gate and up projections into the hidden layer.
 
-  "silu", "gelu" (exact erf) and "gelu_tanh" compute `act(gate) * up`; "swiglu_oai"
+  "silu", "gelu" (exact erf), "gelu_tanh" and "relu" compute `act(gate) * up`; "swiglu_oai"
   (GPT-OSS) computes `(u + 1) * g * sigmoid(alpha * g)` with g = min(gate, limit) and
   u = clip(up, -limit, limit); "swiglu_clamped" (DeepSeek-V4) `silu(g) * u`;
   "swiglu_softcapped" (Inkling 2) `cap(gate, gate_softcap) * sigmoid(gate) * cap(up,

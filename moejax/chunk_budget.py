@@ -82,7 +82,7 @@ def tile_padding_bytes(config: MoEConfig, received: int, axis_size: int) -> int:
   local expert, whose float32 outputs and cotangents are held like the rows'."""
   tile_rows = tile_rows_for(config, received * config.top_k)
   local_experts = config.num_physical_experts // axis_size
-  return local_experts * tile_rows * config.hidden_size * 2 * F32
+  return local_experts * tile_rows * config.expert_width * 2 * F32
 
 
 def ragged_dot_bytes(config: MoEConfig, received: int, axis_size: int, path: ExpertPath) -> int:
@@ -96,7 +96,7 @@ def ragged_dot_bytes(config: MoEConfig, received: int, axis_size: int, path: Exp
   if path != "ragged_dot":
     return 0
   local_experts = config.num_physical_experts // axis_size
-  per_pair = (5 * config.hidden_size + 10 * config.intermediate_size) * local_experts
+  per_pair = (5 * config.expert_width + 10 * config.intermediate_size) * local_experts
   return received * config.top_k * per_pair * np.dtype(config.dtype).itemsize
 
 
@@ -115,7 +115,7 @@ def chunk_bytes_by_term(
   all_to_all's receive capacity: `moejax.capacity`), the tile padding, and ragged_dot's dense
   expansion on a GPU (0 on the other paths)."""
   row = RowShape(
-    config.hidden_size,
+    config.expert_width,  # the rows sent: the tokens, or their latent projections
     config.top_k,
     np.dtype(config.dtype).itemsize,
     axis_size,
@@ -140,7 +140,9 @@ def outside_chunks(config: MoEConfig, rows: int, local_experts: int) -> int:
   the rows' gradient), routing, and its experts' weights with their float32 gradient."""
   d, f = config.hidden_size, config.intermediate_size
   token_rows = rows * (3 * d * F32 + 4 * config.top_k * F32 + 64)
-  weights = local_experts * 3 * d * f * (np.dtype(config.param_dtype).itemsize + 2 * F32)
+  weights = (
+    local_experts * 3 * config.expert_width * f * (np.dtype(config.param_dtype).itemsize + 2 * F32)
+  )
   return token_rows + weights + (1 << 20)
 
 

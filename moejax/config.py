@@ -14,7 +14,7 @@ from moejax.activations import GATED, GatedActivation
 from moejax.axis_groups import AxisGroup
 
 Activation = Literal[
-  "silu", "gelu", "gelu_tanh", "swiglu_oai", "swiglu_clamped", "swiglu_softcapped"
+  "silu", "gelu", "gelu_tanh", "relu", "swiglu_oai", "swiglu_clamped", "swiglu_softcapped"
 ]
 Scoring = Literal["softmax", "sigmoid", "sqrtsoftplus", "sparsemixer"]
 GroupScore = Literal["max", "top2_sum"]
@@ -82,9 +82,10 @@ class MoEConfig:
       sends at most C rows to each expert-axis device.
     chunk_memory_bytes: the budget of one chunk's buffers and temporaries for "auto", or
       None for the platform's default (`moejax.chunk_budget.budget_bytes`).
-    activation: "silu", "gelu" (exact erf) or "gelu_tanh" (tanh approximation): experts
-      compute `act(gate) * up`; or "swiglu_oai" (GPT-OSS's clamped SwiGLU): with
-      g = min(gate, limit) and u = clip(up, -limit, limit), `(u + 1) * g * sigmoid(alpha g)`;
+    activation: "silu", "gelu" (exact erf), "gelu_tanh" (tanh approximation) or "relu":
+      experts compute `act(gate) * up` (squared-ReLU experts are "relu" with gate = up);
+      or "swiglu_oai" (GPT-OSS's clamped SwiGLU): with g = min(gate, limit) and
+      u = clip(up, -limit, limit), `(u + 1) * g * sigmoid(alpha g)`;
       or "swiglu_clamped" (DeepSeek-V4's, GLM-5-Next's, Hunyuan v4's): `silu(g) * u`; or
       "swiglu_softcapped" (Inkling 2's): `cap(gate, gate_softcap) * sigmoid(gate) *
       cap(up, up_softcap)`, cap(x, c) = c * tanh(x / c).
@@ -134,6 +135,11 @@ class MoEConfig:
       routed and shared outputs: 0.5 here and in `routed_scaling_factor`).
     output_bias: the layer adds a learned bias `output_bias` [D] to every real token's output,
       after the routed and shared experts (JetMoE); padding tokens' outputs stay 0.
+    latent_size: L > 0 runs the routed experts in a latent width (Nemotron-H's latent MoE):
+      each token's row is projected to L by `latent_in` [D, L] before it is sent, the experts
+      are [E, L, 2F] and [E, F, L], and what returns is projected back by `latent_out`
+      [L, D] where the token lives; the router and the shared experts see the token itself.
+      0: the experts work in D.
     dtype: compute dtype of the expert matmuls (the router always runs in float32).
     param_dtype: storage dtype of the parameters.
     data_axis: the mesh axis, or tuple of axes (`moejax.axis_groups`), over which tokens are
@@ -244,6 +250,7 @@ class MoEConfig:
   shared_scaling_factor: float = 1.0
   shared_expert_gate: bool = False
   output_bias: bool = False
+  latent_size: int = 0
   dtype: jnp.dtype = jnp.float32
   param_dtype: jnp.dtype = jnp.float32
   data_axis: AxisGroup = "data"
@@ -395,6 +402,13 @@ class MoEConfig:
       raise ValueError(f"num_zero_experts must be an int >= 0, got {self.num_zero_experts!r}")
     if self.num_zero_experts and self.num_expert_groups > 1:
       raise ValueError("num_zero_experts with num_expert_groups > 1 is not supported")
+    if self.latent_size < 0:
+      raise ValueError(f"latent_size must be >= 0, got {self.latent_size}")
+    if self.latent_size and (self.num_zero_experts or self.apply_router_weight_on_input):
+      raise ValueError(
+        "latent_size works with routed experts that compute: neither num_zero_experts nor "
+        "apply_router_weight_on_input"
+      )
     if self.shared_expert_gate and not self.has_shared_experts:
       raise ValueError("shared_expert_gate needs shared experts (num_shared_experts >= 1)")
 
@@ -490,6 +504,11 @@ class MoEConfig:
   def num_physical_experts(self) -> int:
     """P = E + R: the expert slots holding weights (E without redundant experts)."""
     return self.num_experts + self.num_redundant_experts
+
+  @property
+  def expert_width(self) -> int:
+    """The routed experts' input and output width: `latent_size`, else D."""
+    return self.latent_size or self.hidden_size
 
   @property
   def has_shared_experts(self) -> bool:

@@ -314,6 +314,21 @@ def zero_experts(
   return zero_weight * rows.astype(jnp.float32)
 
 
+def latent_projection(rows: jax.Array, matrix: jax.Array, *, config: MoEConfig) -> jax.Array:
+  """Rows [C, A] times a latent projection [A, B] (`latent_in` or `latent_out`), in fixed
+  blocks of rows with `config.batch_invariant`.
+
+  Returns:
+    [C, B] in the compute dtype.
+  """
+
+  def project(block: jax.Array) -> jax.Array:
+    out = jnp.dot(block.astype(config.dtype), matrix, preferred_element_type=jnp.float32)
+    return out.astype(config.dtype)
+
+  return invariance.in_row_blocks(project, rows, invariance.block_rows(config))
+
+
 def shared_mlp(x: jax.Array, shared: SharedWeights, *, config: MoEConfig) -> jax.Array:
   """The shared experts (fused into one MLP of width Fs) on every row.
 

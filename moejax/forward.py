@@ -31,14 +31,14 @@ from moejax.dispatch import (
   Exchange,
   crosses_devices,
 )
-from moejax.experts import routed_mlp, shared_mlp, with_seeds, zero_experts
+from moejax.experts import latent_projection, routed_mlp, shared_mlp, with_seeds, zero_experts
 from moejax.inputs import check_inputs
 from moejax.params import (
   PER_EXPERT_FIELDS,
   SHARED_PARAMS,
   ExpertWeights,
   MoEParams,
-  SharedWeights,
+  TokenSideWeights,
   compute_weights,
 )
 from moejax.plan import ExpertPlan
@@ -264,14 +264,23 @@ class RoutedRows(NamedTuple):
   """The chunk loop's inputs, row by row ([L, ...]; a chunk's [C, ...]).
 
   Attributes:
-    rows: [L, D] tokens in the compute dtype (padding rows 0).
+    rows: [L, W] the rows sent to the experts in the compute dtype (padding rows 0): the
+      tokens, or with `config.latent_size` their latent projections (W = L).
     expert_ids: [L, K] int32 physical ids of each row's choices.
     weights: [L, K] float32 routing weights.
+    latent_tokens: [L, D] the tokens themselves where `rows` are their latent projections
+      (for the shared experts), else None.
   """
 
   rows: jax.Array
   expert_ids: jax.Array
   weights: jax.Array
+  latent_tokens: jax.Array | None = None
+
+  @property
+  def tokens(self) -> jax.Array:
+    """[L, D] the tokens in the compute dtype."""
+    return self.rows if self.latent_tokens is None else self.latent_tokens
 
 
 class DeviceCounts(NamedTuple):
@@ -386,7 +395,13 @@ def local_forward(
     send=functools.partial(_send_chunk, exchange=exchange),
     finish=functools.partial(_finish_chunk, exchange=exchange, config=config, plan=plan),
   )
-  routed_rows = RoutedRows(x.astype(config.dtype), expert_ids, route.weights)
+  tokens = x.astype(config.dtype)
+  if params.latent_in is None:
+    routed_rows = RoutedRows(tokens, expert_ids, route.weights)
+  else:  # the rows sent are the latent projections; the tokens stay for the shared experts
+    latent_in = params.latent_in.astype(config.dtype)
+    rows = latent_projection(tokens, latent_in, config=config)
+    routed_rows = RoutedRows(rows, expert_ids, route.weights, tokens)
   y, chunks_run = chunk_scan(
     stages,
     params,
@@ -411,7 +426,7 @@ def local_forward(
   )
 
 
-ChunkWeights = tuple[ExpertWeights, SharedWeights | None]  # (seeded, rest): `ChunkStages`
+ChunkWeights = tuple[ExpertWeights, TokenSideWeights]  # (seeded, rest): `ChunkStages`
 
 
 def _prepare_weights(
@@ -431,12 +446,13 @@ def _prepare_weights(
     params = _gathered(params, PER_EXPERT_FIELDS, data_axes, dim=1)
   if config.shared_fsdp:
     params = _gathered(params, SHARED_PARAMS, all_axes, dim=0)
-  experts, shared = compute_weights(params, config)
+  experts, side = compute_weights(params, config)
   if not config.expert_fsdp:
     experts = vary_over(experts, data_axes)
-  if shared is not None and config.shared_fsdp:  # only the adapters are still the same
-    return experts, shared._replace(lora=vary_over(shared.lora, all_axes))
-  return experts, vary_over(shared, all_axes)
+  if side.shared is not None and config.shared_fsdp:  # only the adapters are still the same
+    shared = side.shared._replace(lora=vary_over(side.shared.lora, all_axes))
+    return experts, TokenSideWeights(shared, vary_over(side.latent_out, all_axes))
+  return experts, vary_over(side, all_axes)
 
 
 def _gathered(
@@ -474,8 +490,7 @@ def _finish_chunk(
   """Stage 2 of a chunk: local experts on what arrived, the return exchange, shared experts.
 
   Args:
-    weights: (this device's `ExpertWeights`, the `SharedWeights` or None), in the compute
-      dtype.
+    weights: (this device's `ExpertWeights`, the `TokenSideWeights`), in the compute dtype.
     chunk: as `_send_chunk`'s.
     dispatched: what this device received for the chunk.
     grad_seeds: the expert weights' gradient seeds (`ChunkStages`), or None.
@@ -516,7 +531,7 @@ def _finish_arrived(
 ) -> jax.Array:
   """`_finish_chunk` on what arrived: the local experts, the return exchange, the experts
   computed where the rows live."""
-  experts, shared = weights
+  experts, side = weights
   expert_out = routed_mlp(
     dispatched.rows,
     dispatched.local_ids,
@@ -526,11 +541,14 @@ def _finish_arrived(
     plan=plan,
     grad_seeds=grad_seeds,
   )
-  out = exchange.combine(expert_out.astype(config.dtype), dispatched).astype(jnp.float32)
+  out = exchange.combine(expert_out.astype(config.dtype), dispatched)
+  if side.latent_out is not None:  # back from the latent width, where the token lives
+    out = latent_projection(out, side.latent_out, config=config)
+  out = out.astype(jnp.float32)
   if config.num_zero_experts:
     out = out + zero_experts(chunk.rows, chunk.expert_ids, chunk.weights, config=config)
-  if shared is not None:
-    out = out + shared_mlp(chunk.rows, shared, config=config)
+  if side.shared is not None:
+    out = out + shared_mlp(chunk.tokens, side.shared, config=config)
   return out.astype(config.dtype)
 
 
@@ -555,12 +573,12 @@ def _finish_in_sub_chunks(
     send=functools.partial(_send_chunk, exchange=worst),
     finish=functools.partial(_finish_chunk, exchange=worst, config=config, plan=plan),
   )
-  experts, shared = weights
+  experts, side = weights
   if grad_seeds is not None:  # this loop sums its own gradients: the seed is added to them
     experts = with_seeds(experts, grad_seeds)
   out, _ = chunk_scan(
     stages,
-    (experts, shared),
+    (experts, side),
     chunk,
     filled_like(chunk.weights[:, 0], (chunk_rows,), True, bool),  # padding routes nowhere
     chunk_size=fallback_chunk(chunk_rows, capacity, exchange.axis_size),

@@ -67,7 +67,7 @@ def expert_lora_shapes(config: MoEConfig) -> ExpertLoRA | None:
     return None
   p, d, f, r = (
     config.num_physical_experts,
-    config.hidden_size,
+    config.expert_width,
     config.intermediate_size,
     config.lora_rank,
   )

@@ -25,7 +25,8 @@ class MoEParams(NamedTuple):
 
   Attributes:
     router_kernel: [D, E + Z] (Z = `num_zero_experts`, usually 0).
-    w_gate_up: [E, D, 2F]; gate = `[..., :F]`, up = `[..., F:]`. With redundant experts
+    w_gate_up: [E, D, 2F] (L for D with `config.latent_size`, in every expert parameter);
+      gate = `[..., :F]`, up = `[..., F:]`. With redundant experts
       (`config.num_redundant_experts` R > 0) this and every expert parameter holds the
       P = E + R physical slots, [P, ...] (`moejax.eplb.place`).
     w_down: [E, F, D].
@@ -37,6 +38,9 @@ class MoEParams(NamedTuple):
     b_down: [E, D], or None unless `config.expert_bias`.
     shared_gate_kernel: [D, 1], or None unless `config.shared_expert_gate`.
     output_bias: [D] added to each real token's output, or None unless `config.output_bias`.
+    latent_in: [D, L] the projection of a token's row into the experts' latent width, or None
+      unless `config.latent_size`.
+    latent_out: [L, D] the projection of what returns back to D, or None likewise.
     lora: the routed experts' `moejax.lora.ExpertLoRA` adapters, or None unless
       `config.lora_rank`.
     shared_lora: the shared experts' `moejax.lora.SharedLoRA`, or None unless
@@ -57,6 +61,8 @@ class MoEParams(NamedTuple):
   b_down: jax.Array | None = None
   shared_gate_kernel: jax.Array | None = None
   output_bias: jax.Array | None = None
+  latent_in: jax.Array | None = None
+  latent_out: jax.Array | None = None
   lora: ExpertLoRA | None = None
   shared_lora: SharedLoRA | None = None
 
@@ -152,10 +158,21 @@ class SharedWeights(NamedTuple):
   lora: SharedLoRA | None = None
 
 
-def compute_weights(
-  params: MoEParams, config: MoEConfig
-) -> tuple[ExpertWeights, SharedWeights | None]:
-  """The expert and shared-expert weights as the chunk loop computes with them.
+class TokenSideWeights(NamedTuple):
+  """The weights a chunk uses where its tokens live, in the compute dtype.
+
+  Attributes:
+    shared: the `SharedWeights`, or None without shared experts.
+    latent_out: [L, D] with `config.latent_size`, else None.
+  """
+
+  shared: SharedWeights | None = None
+  latent_out: jax.Array | None = None
+
+
+def compute_weights(params: MoEParams, config: MoEConfig) -> tuple[ExpertWeights, TokenSideWeights]:
+  """The routed experts' weights and those used where the tokens live, as the chunk loop
+  computes with them.
 
   The one place that decides a weight's compute form: a float weight is cast to
   `config.dtype`; a `BlockScaled` one keeps its format as a unit (the expert path expands it
@@ -171,10 +188,11 @@ def compute_weights(
   experts = ExpertWeights(
     *(compute_form(getattr(params, name)) for name in EXPERT_PARAMS), adapters(params.lora)
   )
-  if not config.has_shared_experts:
-    return experts, None
-  shared = (compute_form(getattr(params, name)) for name in SHARED_PARAMS)
-  return experts, SharedWeights(*shared, adapters(params.shared_lora))
+  shared = None
+  if config.has_shared_experts:
+    matrices = (compute_form(getattr(params, name)) for name in SHARED_PARAMS)
+    shared = SharedWeights(*matrices, adapters(params.shared_lora))
+  return experts, TokenSideWeights(shared, compute_form(params.latent_out))
 
 
 def expert_arrays(params: MoEParams) -> list[tuple[str, str | None, jax.Array]]:
@@ -205,8 +223,9 @@ def param_shapes(config: MoEConfig) -> dict[str, tuple[int, ...]]:
   """Shape of every parameter the config needs, keyed by `MoEParams` field name (expert
   parameters [P, ...], P = E + R physical experts)."""
   d, e, f = config.hidden_size, config.num_physical_experts, config.intermediate_size
+  w = config.expert_width
   outputs = config.num_router_outputs
-  shapes = {"router_kernel": (d, outputs), "w_gate_up": (e, d, 2 * f), "w_down": (e, f, d)}
+  shapes = {"router_kernel": (d, outputs), "w_gate_up": (e, w, 2 * f), "w_down": (e, f, w)}
   if config.use_routing_bias:
     shapes["routing_bias"] = (outputs,)
   if config.has_shared_experts:
@@ -217,11 +236,14 @@ def param_shapes(config: MoEConfig) -> dict[str, tuple[int, ...]]:
     shapes["router_bias"] = (outputs,)
   if config.expert_bias:
     shapes["b_gate_up"] = (e, 2 * f)
-    shapes["b_down"] = (e, d)
+    shapes["b_down"] = (e, w)
   if config.shared_expert_gate:
     shapes["shared_gate_kernel"] = (d, 1)
   if config.output_bias:
     shapes["output_bias"] = (d,)
+  if config.latent_size:
+    shapes["latent_in"] = (d, w)
+    shapes["latent_out"] = (w, d)
   return shapes
 
 

@@ -33,6 +33,8 @@ def _hidden(gate: jax.Array, up: jax.Array, activation: str, config: MoEConfig) 
     return cap(gate, config.gate_softcap) / (1.0 + jnp.exp(-gate)) * up
   if activation in ("silu", "swiglu_clamped"):
     act = gate / (1.0 + jnp.exp(-gate))
+  elif activation == "relu":
+    act = jnp.maximum(gate, 0.0)
   elif activation == "gelu":
     act = 0.5 * gate * (1.0 + jax.scipy.special.erf(gate / jnp.sqrt(2.0)))
   else:  # gelu_tanh
@@ -234,7 +236,9 @@ def reference_moe(
   else:
     expert_in = tokens
     scale = lambda e: jnp.sum(jnp.where(ids == e, weights, 0.0), axis=-1, keepdims=True)
-  y = jnp.zeros_like(tokens)
+  if p.latent_in is not None:  # the experts work in the latent width
+    expert_in = jnp.matmul(expert_in, p.latent_in, precision=_HIGHEST)
+  y = jnp.zeros_like(expert_in)
   for e in range(config.num_router_outputs):
     if e < config.num_experts:
       biases = (None, None) if p.b_gate_up is None else (p.b_gate_up[e], p.b_down[e])
@@ -242,6 +246,8 @@ def reference_moe(
     else:  # a zero-computation expert returns its input
       out = expert_in
     y = y + scale(e) * out
+  if p.latent_out is not None:
+    y = jnp.matmul(y, p.latent_out, precision=_HIGHEST)
   if config.has_shared_experts:
     shared_activation = config.shared_activation or config.activation
     shared = _mlp(tokens, p.shared_w_gate_up, p.shared_w_down, config, activation=shared_activation)

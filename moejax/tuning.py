@@ -216,7 +216,7 @@ def case_of(config: MoEConfig, local_experts: int) -> dict[str, Any]:
     "expert_quant": config.expert_quant,
     "expert_bias": config.expert_bias,
     "lora_rank": config.lora_rank,
-    "hidden_size": config.hidden_size,
+    "hidden_size": config.expert_width,  # the experts' rows: L with a latent width
     "intermediate_size": config.intermediate_size,
     "local_experts": local_experts,
     "top_k": config.top_k,

@@ -61,6 +61,16 @@ OPTIONS = {
   "phimoe": dict(scoring="sparsemixer", sparsemixer_eps=0.2),
   "qwen2_moe": dict(num_shared_experts=1, shared_intermediate_size=12, shared_expert_gate=True),
   "longcat": dict(num_zero_experts=3, use_routing_bias=True, top_k=3, routed_scaling_factor=1.5),
+  # latent experts (8 of D = 16), squared-ReLU as "relu" with gate = up, a shared expert
+  "nemotron_h": dict(
+    latent_size=8,
+    activation="relu",
+    scoring="sigmoid",
+    use_routing_bias=True,
+    renormalize=True,
+    num_shared_experts=1,
+    shared_intermediate_size=8,
+  ),
 }
 
 

@@ -203,7 +203,14 @@ class TestAllGather(LayerContract):
 
 class TestAllToAll(LayerContract):
   scheme = "all_to_all"
-  options = (*BOTH_SCHEMES, "sigmoid-renorm-scaled", "gelu-top1", "gelu_tanh", "phimoe")
+  options = (
+    *BOTH_SCHEMES,
+    "sigmoid-renorm-scaled",
+    "gelu-top1",
+    "gelu_tanh",
+    "phimoe",
+    "nemotron_h",
+  )
   fast_options = options[len(BOTH_SCHEMES) :]
 
 

@@ -539,7 +539,7 @@ def _efficiency(call: CallPlan, config: MoEConfig, gpu: Gpu) -> tuple[str, float
   tuned = call.tuned
   if tuned is not None and tuned.candidate.forward_ms:
     devices = config.num_physical_experts // tuned.entry.case["local_experts"]
-    flops = 6 * tuned.entry.rows / devices * config.hidden_size * config.intermediate_size
+    flops = 6 * tuned.entry.rows / devices * config.expert_width * config.intermediate_size
     rate = flops / (tuned.candidate.forward_ms * 1e-3)
     source = f"{tuned.candidate.name}'s forward at {tuned.entry.rows} rows in {tuned.source}"
     return source, rate / gpu.peak_bf16_flops
@@ -572,11 +572,12 @@ def estimate_step(
   counted), for the chunk, scheme and expert path of the layer's `call` plan: an estimate,
   not a measurement."""
   d, f, k = config.hidden_size, config.intermediate_size, config.top_k
+  w = config.expert_width  # what the routed experts and the exchange see: D, or a latent width
   ep = mesh_shape["expert"]
   chunk, scheme = call.layout.chunk, call.scheme
   source, efficiency = _efficiency(call, config, gpu)
   passes = {"infer": 1, "lora": 2, "train": 3}[job]  # forward; + input gradient; + weight gradient
-  per_token = 2 * k * 3 * d * f + 2 * 3 * d * config.shared_intermediate_size
+  per_token = 2 * k * 3 * w * f + 2 * 3 * d * config.shared_intermediate_size
   flops = passes * tokens_per_device * per_token
   compute = flops / (gpu.peak_bf16_flops * efficiency)
   weights = _expert_bytes_per_device(config, ep)
@@ -590,7 +591,7 @@ def estimate_step(
     * 2
     * tokens_per_device
     * copies
-    * d
+    * w
     * jnp.dtype(config.dtype).itemsize
     / bandwidth
     for name, copies in copies_by_scheme.items()

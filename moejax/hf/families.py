@@ -120,6 +120,24 @@ def _moe_enabled(hf: dict, layer: int, layers: int) -> bool:
   return bool(Read("enable_moe_block", False)(hf))
 
 
+_NEMOTRON_H_KINDS = Read(("layers_block_type", "hybrid_override_pattern"))
+
+
+def _nemotron_h_moe(hf: dict, layer: int, layers: int) -> bool:
+  """Nemotron-H's: the layers whose kind is "moe" (`layers_block_type`, or "E" in the older
+  `hybrid_override_pattern`)."""
+  return _NEMOTRON_H_KINDS(hf)[layer] in ("moe", "E")
+
+
+def _squared_relu(hf: dict) -> dict:
+  """Nemotron-H's experts are squared-ReLU MLPs without a gate: loaded as "relu" experts whose
+  gate is their up projection (relu(u) * u = relu(u)**2); another `mlp_hidden_act` is not."""
+  act = Read("mlp_hidden_act", "relu2")(hf)
+  if act != "relu2":
+    raise NotImplementedError(f"Nemotron-H mlp_hidden_act={act!r}: moejax reads 'relu2'")
+  return dict(activation="relu")
+
+
 def _jamba_period(hf: dict, layer: int, layers: int) -> bool:
   """Jamba's: layer % `expert_layer_period` == `expert_layer_offset`."""
   return layer % Read("expert_layer_period", 2)(hf) == Read("expert_layer_offset", 1)(hf)
@@ -151,6 +169,8 @@ class Family:
       a leading "../" climbs out of the block (Kolibri-1's is beside it).
     shared_gate: the shared experts' [1, D] gate weight key, or None.
     output_bias: the block's output bias [D] key (JetMoE's `bias`), or None.
+    latent: the latent projections' weight keys, [L, D] into the experts' width and [D, L]
+      out of it (Nemotron-H's `fc1_latent_proj`, `fc2_latent_proj`), or None.
     expert_scale: each expert's output scale [E] key (Gemma 4's `router.per_expert_scale`),
       folded into its down projection as it loads, or None.
     hash_routes: the [V, K] token id -> expert ids table of the layers that route by token
@@ -177,6 +197,7 @@ class Family:
   shared_gate: str | None = None
   output_bias: str | None = None
   expert_scale: str | None = None
+  latent: tuple[str, str] | None = None
   hash_routes: str | None = None
   derived: Callable[[dict], dict] | None = None
   layers: Read = Read(("num_hidden_layers", "n_layers"))
@@ -588,6 +609,21 @@ FAMILIES: dict[str, Family] = {
   **dict.fromkeys(
     ("inkling2", "inkling2_loop"),
     dataclasses.replace(_INKLING2, module="model.language_model.layers.{layer}.mlp"),
+  ),
+  # Nemotron-H: DeepSeek-V3's routing, squared-ReLU experts in a latent width (if
+  # `moe_latent_size`) and a shared expert, saved under `backbone.`.
+  "nemotron_h": Family(
+    "backbone.layers.{layer}.mixer", "gate.weight",
+    dict(**{**_DEEPSEEK, "renormalize": Read("norm_topk_prob", True, bool)}, scoring="sigmoid",
+         use_routing_bias=True, num_expert_groups=Read("n_group", 1),
+         topk_groups=Read("topk_group", 1), latent_size=Read("moe_latent_size", 0)),
+    (PerExpert("up_proj", "up_proj", "down_proj"),), shared="shared_experts",
+    shared_names=("up_proj", "up_proj", "down_proj"),
+    shared_sizes=Shared(1, Read("moe_shared_expert_intermediate_size", 0)),
+    selection_bias="gate.e_score_correction_bias",
+    latent=("fc1_latent_proj.weight", "fc2_latent_proj.weight"), derived=_squared_relu,
+    layers=Read(("layers_block_type", "hybrid_override_pattern"), convert=len),
+    moe_layer=_nemotron_h_moe, module="model.layers.{layer}.mixer",
   ),
   "gpt_oss": Family(
     "model.layers.{layer}.mlp", "router.weight",

@@ -240,6 +240,7 @@ def _check_powers_of_two(values: dict, block: str) -> None:
 def _read_layer(files: SafetensorsFiles, block: str, family: Family, config: MoEConfig) -> dict:
   """The layer's parameters as float32 NumPy arrays (or `BlockScaled`) in moejax's layout."""
   d, f, e = config.hidden_size, config.intermediate_size, config.num_experts
+  w = config.expert_width  # the experts' rows: D, or a latent width
   outputs = config.num_router_outputs
   key = lambda name: beside(block, name)
   values = {"router_kernel": files.get(key(family.router), (outputs, d)).T}
@@ -256,7 +257,7 @@ def _read_layer(files: SafetensorsFiles, block: str, family: Family, config: MoE
       )
     values["routing_bias"] = bias.reshape(outputs)
   layout = next((lay for lay in family.experts if lay.present(files, key)), family.experts[-1])
-  values.update(layout.read(files, key, config.expert_quant, e, d, f, config.quant_block))
+  values.update(layout.read(files, key, config.expert_quant, e, w, f, config.quant_block))
   if family.expert_scale:
     values["w_down"] = _scaled_down(values["w_down"], files.get(key(family.expert_scale), (e,)))
   if config.has_shared_experts and family.shared:
@@ -268,6 +269,10 @@ def _read_layer(files: SafetensorsFiles, block: str, family: Family, config: MoE
     )
     values["shared_w_gate_up"] = np.concatenate([w.T for w in gate_up], axis=1)
     values["shared_w_down"] = down.T
+  if config.latent_size and family.latent:
+    into, out_of = family.latent
+    values["latent_in"] = files.get(key(into), (w, d)).T
+    values["latent_out"] = files.get(key(out_of), (d, w)).T
   if config.output_bias and family.output_bias:
     values["output_bias"] = files.get(key(family.output_bias), (d,))
   if config.shared_expert_gate and family.shared_gate:
