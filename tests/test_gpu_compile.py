@@ -180,12 +180,21 @@ def test_the_xla_paths_compile_on_two_nodes(scheme):
 # Each quantized format's fields, in its own block (`QuantFormat.block_for`).
 QUANTIZED = {name: dict(expert_quant=name) for name in FORMATS}
 EXPERT_MESH = ((1, 8), ("data", "expert"))
+FAMILY_OPTIONS = dict(
+  latent_size=256, activation="swiglu_softcapped", scoring="sqrtsoftplus", use_routing_bias=True,
+  routing_bias_on="logits", num_expert_groups=4, topk_groups=2, dropped_groups="zeroed",
+  output_bias=True, num_shared_experts=1, shared_intermediate_size=512,
+  shared_activation="swiglu_clamped",
+)  # fmt: skip
 # (config fields, (mesh shape, mesh axis names)) of each path and option on 8 H200s.
 PATHS = {
   "tile-loop": (dict(num_experts=128), EXPERT_MESH),  # 16 local experts
   "lora-ragged-dot": (dict(lora_rank=8), EXPERT_MESH),
   "lora-pallas": (dict(lora_rank=8, expert_backend="pallas"), EXPERT_MESH),
   "axis-group": (dict(expert_axis=("expert", "tensor")), ((2, 2, 2), ("data", "expert", "tensor"))),
+  # The families' options at once: a latent width, their routing, activations and output bias.
+  "family-options": (FAMILY_OPTIONS, EXPERT_MESH),
+  "latent-pallas": (dict(latent_size=256, expert_backend="pallas"), EXPERT_MESH),
   **{f"tile-loop-{name}": (fields, EXPERT_MESH) for name, fields in QUANTIZED.items()},
   **{
     f"pallas-{name}": (fields | dict(expert_backend="pallas"), EXPERT_MESH)
