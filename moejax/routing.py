@@ -157,11 +157,12 @@ def route(
 
 def _scores(logits: jax.Array, config: MoEConfig) -> jax.Array:
   """[T, E + Z] float32 scores of the logits: `config.scoring`'s softmax, sigmoid or
-  sqrt(softplus)."""
+  sqrt(softplus) (softplus held at float32's smallest normal number, where it underflows
+  below a logit of about -87: sqrt's derivative there would be infinite, its gradient NaN)."""
   if config.scoring == "softmax":
     return jax.nn.softmax(logits, axis=-1)
   if config.scoring == "sqrtsoftplus":
-    return jnp.sqrt(jax.nn.softplus(logits))
+    return jnp.sqrt(jnp.maximum(jax.nn.softplus(logits), jnp.finfo(jnp.float32).tiny))
   return jax.nn.sigmoid(logits)
 
 
