@@ -158,8 +158,8 @@ def test_sqrt_softplus_scores_have_finite_gradients_where_softplus_underflows():
     num_experts=4, top_k=2, hidden_size=8, intermediate_size=8, scoring="sqrtsoftplus"
   )
   logits = jnp.array([[-200.0, 0.5, 2.0, -1.0]])
-  weights = lambda z: route(z, jnp.ones(1, bool), config, None).scores.sum()
-  gradient = jax.grad(weights)(logits)
+  score_sum = lambda z: route(z, jnp.ones(1, bool), config, None).scores.sum()
+  gradient = jax.grad(score_sum)(logits)
   assert np.all(np.isfinite(np.asarray(gradient))), gradient
   chex.assert_trees_all_close(
     gradient[0, 2], jax.nn.sigmoid(2.0) / (2 * jnp.sqrt(jax.nn.softplus(2.0))), rtol=1e-6
