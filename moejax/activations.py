@@ -28,15 +28,17 @@ def _swiglu_clamped(gate: jax.Array, up: jax.Array, act: GatedActivation) -> jax
   return jax.nn.silu(jnp.minimum(gate, act.limit)) * jnp.clip(up, -act.limit, act.limit)
 
 
-def _softcapped(x: jax.Array, cap: float) -> jax.Array:
-  return cap * jnp.tanh(x / cap)
+def soft_capped(x: jax.Array, cap: float) -> jax.Array:
+  """`cap * tanh(x / cap)`, elementwise; `x` itself if cap is 0 (Laguna's router logits,
+  Inkling 2's gate and up)."""
+  return x if not cap else cap * jnp.tanh(x / cap)
 
 
 def _swiglu_softcapped(gate: jax.Array, up: jax.Array, act: GatedActivation) -> jax.Array:
   """Inkling 2's SwiGLU: the sigmoid of the raw gate, the linear gate factor and up each
   soft-capped (c * tanh(x / c))."""
-  gate_factor = _softcapped(gate, act.gate_softcap)
-  return gate_factor * jax.nn.sigmoid(gate) * _softcapped(up, act.up_softcap)
+  gate_factor = soft_capped(gate, act.gate_softcap)
+  return gate_factor * jax.nn.sigmoid(gate) * soft_capped(up, act.up_softcap)
 
 
 # name -> (gate, up, the activation's parameters) -> hidden.

@@ -20,6 +20,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from moejax import expert_placement, invariance, meshes, remat, routing, sharding
+from moejax.activations import soft_capped
 from moejax.call_plan import plan_for
 from moejax.capacity import fallback_chunk
 from moejax.chunking import ChunkStages, TokenLayout, chunk_scan
@@ -376,7 +377,7 @@ def local_forward(
     router_logits = routing.router_logits(
       x, router_kernel, params.router_bias, block_rows=invariance.block_rows(config)
     )
-  router_logits = routing.soft_capped(router_logits, config.router_logit_softcap)
+  router_logits = soft_capped(router_logits, config.router_logit_softcap)
   router_logits = _zero_padding(router_logits, token_mask)  # the logits' only masking
   router_logits = remat.named(router_logits, remat.ROUTER_LOGITS)
   route = routing.route(

@@ -85,11 +85,6 @@ def router_logits(
   return in_row_blocks(logits_of, x, block_rows)
 
 
-def soft_capped(logits: jax.Array, cap: float) -> jax.Array:
-  """`cap * tanh(logits / cap)` (`MoEConfig.router_logit_softcap`); the logits if cap is 0."""
-  return logits if not cap else cap * jnp.tanh(logits / cap)
-
-
 def route(
   logits: jax.Array,
   token_mask: jax.Array,
