@@ -18,6 +18,8 @@ Shape letters, one meaning each, in names, docstrings and shape comments through
 
 import importlib
 
+__version__ = "0.1.0"  # pyproject.toml reads it from here
+
 from kernels_pallas.quantized import BlockScaled
 from moejax import targets
 from moejax.call_plan import CallPlan, plan_call

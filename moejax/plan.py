@@ -9,8 +9,12 @@ on an H200 (docs/performance.md, "GPU"):
   it runs near the dense-matmul rate, where `jax.lax.ragged_dot` is an order of magnitude
   slower; it is also the only path with expert biases and GPT-OSS's activation.
 - "ragged_dot" (`experts.grouped_matmul_mlp` on XLA): XLA's GPU lowering expands it densely over the
-  groups, so it wins only with few local experts (El <= 8 on the H200: 2.2x the tile loop's
-  forward at El=8, 0.26x its forward+backward at El=32), and never on a decode-size call.
+  groups (it reads every local expert), so it wins only on small calls: on the H200 (bf16,
+  2026-12-04) 3.7-6.5x the tile loop's speed at 2-512 (row, choice) assignments over 32
+  local experts, 0.22-0.35x its forward+backward at 16,384 over 16 and 8, 0.09x at 32,768
+  over 32. It takes calls of at most `RAGGED_DOT_MAX_ROWS` assignments over at most
+  `RAGGED_DOT_MAX_LOCAL_EXPERTS` local experts; the crossover between 512 and 16,384 rows,
+  and more local experts, are unmeasured.
 - "pallas" (`experts.grouped_matmul_mlp` on a kernel): the fused `kernels_pallas.moe_mlp`; the
   registry picks the kernel (`kernels_pallas.backends.select_kernel`).
 
@@ -43,8 +47,10 @@ from kernels_pallas.backends import (
 from moejax import tokamax_experts, tuning
 from moejax.config import ExpertPath, MoEConfig
 
-# Most local experts for which XLA's ragged_dot beats the tile loop on a GPU (H200, bf16).
-RAGGED_DOT_MAX_LOCAL_EXPERTS = 8
+# The calls on which XLA's ragged_dot beat the tile loop on a GPU (H200, bf16, 2026-12-04):
+# at most this many (row, choice) assignments, over at most this many local experts.
+RAGGED_DOT_MAX_ROWS = 512
+RAGGED_DOT_MAX_LOCAL_EXPERTS = 32
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -79,17 +85,6 @@ def expert_case(config: MoEConfig) -> Case:
   return Case(
     config.dtype, config.activation, rhs_format=config.expert_quant, biases=config.expert_bias
   )
-
-
-def decode_sized(num_rows: int, local_experts: int) -> bool:
-  """Whether a call has no more (row, choice) assignments than local experts.
-
-  Then some experts surely have no rows, and the weights a call must read are those of the
-  experts it uses (at most `num_rows` of El). The tile loop and the kernels read only those;
-  XLA's ragged_dot on a GPU is rewritten into a dense dot that reads every expert
-  (openxla/xla#46002), up to El / num_rows times the bytes. docs/performance.md, "Decode".
-  """
-  return num_rows <= local_experts
 
 
 def plan_experts(config: MoEConfig, num_rows: int, local_experts: int) -> ExpertPlan:
@@ -207,15 +202,16 @@ def _xla_choice(config: MoEConfig, case: Case, num_rows: int, local_experts: int
       f"the tile loop: {local_experts} local experts, more than the "
       f"{RAGGED_DOT_MAX_LOCAL_EXPERTS} up to which ragged_dot measured faster on a GPU"
     )
-  elif decode_sized(num_rows, local_experts):
+  elif num_rows > RAGGED_DOT_MAX_ROWS:
     reason = (
-      f"the tile loop: a decode-size call ({num_rows} rows for {local_experts} local experts) "
-      "reads only the experts it uses"
+      f"the tile loop: {num_rows} rows, more than the {RAGGED_DOT_MAX_ROWS} up to which "
+      "ragged_dot measured faster on a GPU"
     )
   else:
     reason = (
-      f"ragged_dot: {local_experts} local experts on a GPU, at most "
-      f"{RAGGED_DOT_MAX_LOCAL_EXPERTS} (measured faster than the tile loop on an H200)"
+      f"ragged_dot: {num_rows} rows over {local_experts} local experts on a GPU, at most "
+      f"{RAGGED_DOT_MAX_ROWS} over {RAGGED_DOT_MAX_LOCAL_EXPERTS} (measured faster than the "
+      "tile loop on an H200)"
     )
     return ExpertChoice(ExpertPlan(path="ragged_dot", backend=REFERENCE), None, reason)
   return ExpertChoice(ExpertPlan(path="tile_loop"), None, reason)

@@ -173,10 +173,12 @@ def user_file(device_kind: str) -> Path:
 
 
 def versions_now() -> dict[str, str | None]:
-  """The versions a measurement holds for: moejax, JAX, jaxlib, and on a GPU its CUDA and
-  driver (JAX's platform version string), else None."""
+  """The versions a measurement holds for: moejax (the code that runs, installed or not), JAX,
+  jaxlib, and on a GPU its CUDA and driver (JAX's platform version string), else None."""
+  import moejax  # this module is imported by moejax's own __init__
+
   return {
-    "moejax": _installed("moejax"),
+    "moejax": moejax.__version__,
     "jax": jax.__version__,
     "jaxlib": _installed("jaxlib"),
     "cuda_and_driver": _gpu_platform_version() if platform.platform() == "gpu" else None,

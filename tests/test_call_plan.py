@@ -49,14 +49,17 @@ def test_each_decision_names_its_evidence():
   assert (scheme.scheme, scheme.scheme_reason) == ("all_to_all", "config.dispatch='all_to_all'")
   xla = dataclasses.replace(CONFIG, expert_backend="xla", chunk_size="auto")
   with platform.targeting(HOPPER):  # a GPU's decisions, planned on this CPU
-    gpu = plan_call(xla, (256, 16))
-    decode = plan_call(xla, (2, 16))
+    gpu = plan_call(xla, (256, 16))  # 512 (row, choice) assignments: ragged_dot's largest
+    large = plan_call(xla, (257, 16))
+    many_experts = plan_call(dataclasses.replace(xla, num_experts=33, top_k=1), (2, 16))
     fp8 = dataclasses.replace(xla, expert_quant="fp8_block")  # its block cut to F = 24
     quantized = plan_call(fp8, (256, 16))
   assert gpu.target.platform == "gpu" and gpu.expert.path == "ragged_dot" and gpu.tile_rows is None
-  assert gpu.expert_reason.startswith("ragged_dot: 8 local experts on a GPU, at most 8")
-  assert decode.expert.path == "tile_loop" and decode.tile_rows >= 8
-  assert "decode-size call (4 rows for 8 local experts)" in decode.expert_reason
+  assert gpu.expert_reason.startswith("ragged_dot: 512 rows over 8 local experts on a GPU")
+  assert large.expert.path == "tile_loop" and large.tile_rows >= 8
+  assert "514 rows, more than the 512" in large.expert_reason
+  assert many_experts.expert.path == "tile_loop"
+  assert "33 local experts, more than the 32" in many_experts.expert_reason
   assert quantized.expert.path == "tile_loop"
   assert quantized.expert_reason.startswith("the tile loop: ragged_dot cannot run")
   interpreted = plan_call(dataclasses.replace(CONFIG, expert_backend="pallas"), (64, 16))

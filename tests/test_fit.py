@@ -90,9 +90,9 @@ def test_the_rest_of_the_model_is_counted_by_its_formula():
 @pytest.mark.parametrize(
   "arguments, path",
   [
-    (dict(), "ragged_dot"),  # 2 local experts on a GPU, 2048 rows per chunk
-    (dict(expert_quant="fp8_block"), "tile_loop"),  # ragged_dot takes no quantized experts
-    (dict(expert_parallel=1, tokens_per_device=1), "tile_loop"),  # decode-size: 2 rows, El 16
+    (dict(), "tile_loop"),  # 2 local experts on a GPU, 2048 rows per chunk: ragged_dot's too many
+    (dict(expert_quant="fp8_block", tokens_per_device=1), "tile_loop"),  # ragged_dot: no fp8
+    (dict(expert_parallel=1, tokens_per_device=1), "ragged_dot"),  # decode-size: 2 rows, El 16
   ],
   ids=["float", "quantized", "decode"],
 )
@@ -101,8 +101,8 @@ def test_the_rest_of_the_model_is_counted_by_its_formula():
 @GPU_COMPILE_TIER[1]
 def test_the_estimate_takes_the_layers_expert_path(arguments, path):
   """The estimate's rate is the path the layer's call plan takes (`moejax.plan_call`, what
-  `moe_apply` runs), not a rule of its own: quantized and decode-size calls take the tile
-  loop where 2 local experts alone would say ragged_dot."""
+  `moe_apply` runs), not a rule of its own: the rows of the call and the quantized format
+  decide, not the local experts alone."""
   report = planner.fit(TINY, "h200", **{"tokens_per_device": 256, **arguments})
   assert report.expert_path == path
   assert f"the layer's path: {path}" in " ".join(report.estimate.assumptions)

@@ -132,9 +132,10 @@ def test_decisions_follow_the_call_devices(gpu, pallas_kernel):
   device = targets.compile_only_devices(gpu)[0]
   config = MoEConfig(**LAYER, **BF16)
   with platform.running_on(device):
-    assert plan_experts(config, num_rows=4096, local_experts=4) == ExpertPlan(
+    assert plan_experts(config, num_rows=512, local_experts=4) == ExpertPlan(
       path="ragged_dot", backend="xla"
     )
+    assert plan_experts(config, num_rows=4096, local_experts=4) == ExpertPlan(path="tile_loop")
     pallas = MoEConfig(**LAYER, dtype=jnp.bfloat16, expert_backend="pallas")
     assert plan_experts(pallas, num_rows=4096, local_experts=4) == ExpertPlan(
       path="pallas", backend=pallas_kernel
@@ -237,11 +238,11 @@ def test_fsdp_gathers_outside_the_chunk_loop_on_the_gpu():
 
 
 def test_a_decode_size_call_reads_only_the_experts_it_uses_on_the_gpu():
-  """One token per device over 16 local experts (8 tokens x 2 choices reach each device): the
-  GPU program reads an expert's weights only two branches deep, in the branch that runs for
-  a chunk with tokens and, inside it, the one that runs for a tile with rows (XLA:GPU keeps
-  the tile loop's conditionals; ragged_dot would read all 16 experts, in no branch)."""
-  config = MoEConfig(**LAYER | dict(num_experts=128, top_k=2), **BF16)
+  """One token per device over 64 local experts (8 tokens x 2 choices reach each device; more
+  experts than ragged_dot takes): the GPU program reads an expert's weights only two branches
+  deep, in the branch that runs for a chunk with tokens and, inside it, the one that runs for
+  a tile with rows (XLA:GPU keeps the tile loop's conditionals; ragged_dot reads all)."""
+  config = MoEConfig(**LAYER | dict(num_experts=512, top_k=2), **BF16)
   mesh = targets.target_mesh("h200", (1, 8))
   text = compile_layer(config, mesh, gradient=False, tokens_per_device=1).as_text()
   one_expert = ("bf16[1,1024,1024]", "bf16[1,512,1024]")  # [1, D, 2F] and [1, F, D]
@@ -254,7 +255,7 @@ def test_a_decode_size_call_reads_only_the_experts_it_uses_on_the_gpu():
   assert len(reads) >= 2 and all(depths[read] >= 2 for read in reads), (reads, depths)
 
 
-@pytest.mark.parametrize("num_experts, path", [(32, "ragged_dot"), (64, "tile_loop")])
+@pytest.mark.parametrize("num_experts, path", [(32, "ragged_dot"), (256, "tile_loop")])
 def test_the_chunk_budget_bounds_the_gpu_gradient(num_experts, path):
   """On a (2, 4) H200 mesh at 16,384 tokens per device and a 64 MiB budget, for both XLA
   paths: the chunk "auto" picks adds at most its `chunk_bytes` to the gradient's compiled

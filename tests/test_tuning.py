@@ -211,3 +211,20 @@ def test_the_shipped_table_is_read_after_the_users_file(cache, tmp_path, monkeyp
   write_entry(tuning.user_file("cpu"), candidates=(tile_loop,), winner="tile_loop")
   call = moejax.plan_call(CONFIG, (TOKENS, 16))
   assert call.expert.path == "tile_loop" and str(tuning.user_file("cpu")) in call.expert_reason
+
+
+@pytest.mark.parametrize(
+  "path", sorted(tuning.SHIPPED_DIR.glob("tuning-*.json")), ids=lambda p: p.name
+)
+def test_a_shipped_table_names_its_fastest_checked_candidates(path):
+  """Each shipped table (recorded GPU runs only) reads, is named for its device kind, and each
+  entry's winner is the fastest of the candidates that passed the check, within its bounds."""
+  table = tuning.TuningFile.from_json(path.read_text(), str(path))
+  assert path.name == tuning.file_name(table.device_kind) and table.entries
+  for entry in table.entries:
+    bound = moejax.testing.RELATIVE_BOUNDS[jnp.dtype(entry.case["dtype"])]
+    passed = [c for c in entry.candidates if c.status == "passed"]
+    assert all(c.error <= bound and c.grad_error <= 2 * bound for c in passed), entry
+    time_of = (lambda c: c.train_ms) if entry.objective == "train" else (lambda c: c.forward_ms)
+    assert entry.winner == min(passed, key=time_of).name, entry
+    assert entry.versions["moejax"] == moejax.__version__, entry.versions

@@ -80,17 +80,3 @@ def test_the_walk_sees_a_read_outside_a_cond():
   reads = weight_reads(jaxpr, {jaxpr.invars[0]})
   chex.assert_equal(sorted({in_cond for _, in_cond in reads}), [False, True])
   assert np.any([not in_cond for _, in_cond in reads])
-
-
-def test_decode_sized_calls_never_take_ragged_dot():
-  """On a GPU ragged_dot reads every local expert: a call with no more (row, choice) rows
-  than local experts takes the tile loop, whose reads follow the used experts."""
-  from kernels_pallas import platform
-  from moejax import plan
-
-  config = MoEConfig(num_experts=8, top_k=2, hidden_size=16, intermediate_size=24)
-  path = lambda num_rows: plan.plan_experts(config, num_rows, local_experts=8).path
-  with platform.targeting(platform.Target(platform="gpu", compute_capability="9.0")):
-    assert path(8) == "tile_loop"
-    assert path(2) == "tile_loop"
-    assert path(9) == "ragged_dot"
