@@ -18,8 +18,6 @@ Shape letters, one meaning each, in names, docstrings and shape comments through
 
 import importlib
 
-__version__ = "0.1.0"  # pyproject.toml reads it from here
-
 from kernels_pallas.quantized import BlockScaled
 from moejax import targets
 from moejax.call_plan import CallPlan, plan_call
@@ -30,6 +28,7 @@ from moejax.params import MoEParams, param_shapes
 from moejax.reference import reference_moe
 from moejax.remat import CHECKPOINT_NAMES
 from moejax.tuner import tune
+from moejax.version import __version__
 
 __all__ = [
   "CHECKPOINT_NAMES",
@@ -39,6 +38,7 @@ __all__ = [
   "MoEConfig",
   "MoELayer",
   "MoEParams",
+  "__version__",
   "chunk_layout",
   "collect_aux",
   "moe_apply",

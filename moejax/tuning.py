@@ -38,6 +38,7 @@ import jax.extend.backend
 
 from kernels_pallas import platform
 from moejax.config import ExpertPath, MoEConfig
+from moejax.version import __version__
 
 FORMAT = 1
 SHIPPED_DIR = Path(__file__).parent / "tuned"
@@ -175,10 +176,8 @@ def user_file(device_kind: str) -> Path:
 def versions_now() -> dict[str, str | None]:
   """The versions a measurement holds for: moejax (the code that runs, installed or not), JAX,
   jaxlib, and on a GPU its CUDA and driver (JAX's platform version string), else None."""
-  import moejax  # this module is imported by moejax's own __init__
-
   return {
-    "moejax": moejax.__version__,
+    "moejax": __version__,
     "jax": jax.__version__,
     "jaxlib": _installed("jaxlib"),
     "cuda_and_driver": _gpu_platform_version() if platform.platform() == "gpu" else None,
