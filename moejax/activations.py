@@ -28,6 +28,12 @@ def _swiglu_clamped(gate: jax.Array, up: jax.Array, act: GatedActivation) -> jax
   return jax.nn.silu(jnp.minimum(gate, act.limit)) * jnp.clip(up, -act.limit, act.limit)
 
 
+def _swiglu_clamped_after(gate: jax.Array, up: jax.Array, act: GatedActivation) -> jax.Array:
+  """Step-3.5's and Step-3.7's clamped SwiGLU: min(silu(gate), limit) * clip(up, -limit,
+  limit), the gate clamped after its activation."""
+  return jnp.minimum(jax.nn.silu(gate), act.limit) * jnp.clip(up, -act.limit, act.limit)
+
+
 def soft_capped(x: jax.Array, cap: float) -> jax.Array:
   """`cap * tanh(x / cap)`, elementwise; `x` itself if cap is 0 (Laguna's router logits,
   Inkling 2's gate and up)."""
@@ -51,6 +57,7 @@ GATED: dict[str, Callable[[jax.Array, jax.Array, GatedActivation], jax.Array]] =
   "relu": lambda gate, up, act: jax.nn.relu(gate) * up,
   "swiglu_oai": _swiglu_oai,
   "swiglu_clamped": _swiglu_clamped,
+  "swiglu_clamped_after": _swiglu_clamped_after,
   "swiglu_softcapped": _swiglu_softcapped,
 }
 
@@ -62,6 +69,7 @@ class GatedActivation:
   "silu", "gelu" (exact erf), "gelu_tanh" and "relu" compute `act(gate) * up`; "swiglu_oai"
   (GPT-OSS) computes `(u + 1) * g * sigmoid(alpha * g)` with g = min(gate, limit) and
   u = clip(up, -limit, limit); "swiglu_clamped" (DeepSeek-V4) `silu(g) * u`;
+  "swiglu_clamped_after" (Step-3.7) `min(silu(gate), limit) * u`;
   "swiglu_softcapped" (Inkling 2) `cap(gate, gate_softcap) * sigmoid(gate) * cap(up,
   up_softcap)` with cap(x, c) = c * tanh(x / c).
 

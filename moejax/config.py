@@ -14,7 +14,14 @@ from moejax.activations import GATED, GatedActivation
 from moejax.axis_groups import AxisGroup
 
 Activation = Literal[
-  "silu", "gelu", "gelu_tanh", "relu", "swiglu_oai", "swiglu_clamped", "swiglu_softcapped"
+  "silu",
+  "gelu",
+  "gelu_tanh",
+  "relu",
+  "swiglu_oai",
+  "swiglu_clamped",
+  "swiglu_clamped_after",
+  "swiglu_softcapped",
 ]
 Scoring = Literal["softmax", "sigmoid", "sqrtsoftplus", "sparsemixer"]
 GroupScore = Literal["max", "top2_sum"]
@@ -87,13 +94,16 @@ class MoEConfig:
       or "swiglu_oai" (GPT-OSS's clamped SwiGLU): with g = min(gate, limit) and
       u = clip(up, -limit, limit), `(u + 1) * g * sigmoid(alpha g)`;
       or "swiglu_clamped" (DeepSeek-V4's, GLM-5-Next's, Hunyuan v4's): `silu(g) * u`; or
+      "swiglu_clamped_after" (Step-3.5's and 3.7's): `min(silu(gate), limit) * u`; or
       "swiglu_softcapped" (Inkling 2's): `cap(gate, gate_softcap) * sigmoid(gate) *
       cap(up, up_softcap)`, cap(x, c) = c * tanh(x / c).
-    swiglu_limit: the limit of "swiglu_oai" and "swiglu_clamped".
+    swiglu_limit: the limit of "swiglu_oai", "swiglu_clamped" and "swiglu_clamped_after".
     swiglu_alpha: the alpha of "swiglu_oai" (GPT-OSS's 1.702; MiniMax-M3 reads its own).
     gate_softcap, up_softcap: the caps of "swiglu_softcapped".
     shared_activation: the shared experts' activation, one of `activation`'s; None: the
       routed experts' (Hunyuan v4 clamps its routed experts only: "silu" here).
+    shared_swiglu_limit: the shared experts' limit, or None: `swiglu_limit` (Step-3.7 clamps
+      its shared expert at a limit of its own).
     scoring: "softmax", "sigmoid" or "sqrtsoftplus" (`sqrt(softplus(logits))`: DeepSeek-V4)
       of the router logits, or "sparsemixer" (PhiMoE's inference routing; needs top_k=2):
       each pick's weight is a softmax over the logits within a relative window of
@@ -230,6 +240,7 @@ class MoEConfig:
   gate_softcap: float = 4.0
   up_softcap: float = 25.0
   shared_activation: Activation | None = None
+  shared_swiglu_limit: float | None = None
   scoring: Scoring = "softmax"
   sparsemixer_eps: float = 0.01
   router_logit_softcap: float = 0.0
@@ -384,6 +395,8 @@ class MoEConfig:
     for name in ("swiglu_limit", "gate_softcap", "up_softcap"):
       if not getattr(self, name) > 0:
         raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+    if self.shared_swiglu_limit is not None and not self.shared_swiglu_limit > 0:
+      raise ValueError(f"shared_swiglu_limit must be > 0 or None, got {self.shared_swiglu_limit}")
     if self.routing_bias_on == "logits" and not self.use_routing_bias:
       raise ValueError("routing_bias_on='logits' needs use_routing_bias=True (the bias it places)")
     if self.scoring == "sparsemixer":
@@ -477,13 +490,18 @@ class MoEConfig:
 
   @property
   def shared_gated_activation(self) -> GatedActivation:
-    """How the shared experts combine gate and up (`shared_activation`, else `activation`)."""
-    return self._activation(self.shared_activation or self.activation)
+    """How the shared experts combine gate and up (`shared_activation`, else `activation`;
+    `shared_swiglu_limit`, else `swiglu_limit`)."""
+    return self._activation(self.shared_activation or self.activation, self.shared_limit)
 
-  def _activation(self, name: str) -> GatedActivation:
-    return GatedActivation(
-      name, self.swiglu_limit, self.swiglu_alpha, self.gate_softcap, self.up_softcap
-    )
+  @property
+  def shared_limit(self) -> float:
+    """The shared experts' clamp limit: `shared_swiglu_limit`, else `swiglu_limit`."""
+    return self.swiglu_limit if self.shared_swiglu_limit is None else self.shared_swiglu_limit
+
+  def _activation(self, name: str, limit: float | None = None) -> GatedActivation:
+    limit = self.swiglu_limit if limit is None else limit
+    return GatedActivation(name, limit, self.swiglu_alpha, self.gate_softcap, self.up_softcap)
 
   @property
   def quant_block(self) -> tuple[int, int] | None:

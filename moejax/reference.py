@@ -19,10 +19,13 @@ from moejax.params import PER_EXPERT_FIELDS, MoEParams
 _HIGHEST = jax.lax.Precision.HIGHEST
 
 
-def _hidden(gate: jax.Array, up: jax.Array, activation: str, config: MoEConfig) -> jax.Array:
-  """The gated MLP's hidden layer, each activation written out."""
+def _hidden(
+  gate: jax.Array, up: jax.Array, activation: str, config: MoEConfig, limit: float
+) -> jax.Array:
+  """The gated MLP's hidden layer, each activation written out (`limit`: the clamps')."""
+  if activation == "swiglu_clamped_after":
+    return jnp.minimum(gate / (1.0 + jnp.exp(-gate)), limit) * jnp.clip(up, -limit, limit)
   if activation in ("swiglu_oai", "swiglu_clamped"):
-    limit = config.swiglu_limit
     gate = jnp.minimum(gate, limit)
     up = jnp.clip(up, -limit, limit)
     if activation == "swiglu_oai":
@@ -43,16 +46,25 @@ def _hidden(gate: jax.Array, up: jax.Array, activation: str, config: MoEConfig) 
 
 
 def _mlp(
-  x, w_gate_up, w_down, config: MoEConfig, b_gate_up=None, b_down=None, *, activation=None
+  x,
+  w_gate_up,
+  w_down,
+  config: MoEConfig,
+  b_gate_up=None,
+  b_down=None,
+  *,
+  activation=None,
+  limit=None,
 ) -> jax.Array:
-  """[T, D] -> [T, D] gated MLP in float32 (biases optional), with `activation` (default
-  the routed experts' `config.activation`)."""
+  """[T, D] -> [T, D] gated MLP in float32 (biases optional), with `activation` and its
+  clamp `limit` (default the routed experts': `config.activation`, `config.swiglu_limit`)."""
   half = w_gate_up.shape[-1] // 2
   gate = jnp.matmul(x, w_gate_up[:, :half], precision=_HIGHEST)
   up = jnp.matmul(x, w_gate_up[:, half:], precision=_HIGHEST)
   if b_gate_up is not None:
     gate, up = gate + b_gate_up[None, :half], up + b_gate_up[None, half:]
-  hidden = _hidden(gate, up, activation or config.activation, config)
+  limit = config.swiglu_limit if limit is None else limit
+  hidden = _hidden(gate, up, activation or config.activation, config, limit)
   out = jnp.matmul(hidden, w_down, precision=_HIGHEST)
   return out if b_down is None else out + b_down[None, :]
 
@@ -249,8 +261,14 @@ def reference_moe(
   if p.latent_out is not None:
     y = jnp.matmul(y, p.latent_out, precision=_HIGHEST)
   if config.has_shared_experts:
-    shared_activation = config.shared_activation or config.activation
-    shared = _mlp(tokens, p.shared_w_gate_up, p.shared_w_down, config, activation=shared_activation)
+    shared = _mlp(
+      tokens,
+      p.shared_w_gate_up,
+      p.shared_w_down,
+      config,
+      activation=config.shared_activation or config.activation,
+      limit=config.shared_swiglu_limit,
+    )
     if p.shared_gate_kernel is not None:
       gate = jnp.matmul(tokens, p.shared_gate_kernel, precision=_HIGHEST)
       shared = shared / (1.0 + jnp.exp(-gate))

@@ -46,6 +46,7 @@ BASE = dict(num_experts=8, top_k=2, hidden_size=16, intermediate_size=32)
     (dict(shared_scaling_factor=-1.0), "shared_scaling_factor must be > 0"),
     (dict(shared_activation="relu2"), "shared_activation must be one of"),
     (dict(up_softcap=0.0), "up_softcap must be > 0"),
+    (dict(shared_swiglu_limit=0.0), "shared_swiglu_limit must be > 0 or None"),
     (dict(latent_size=-8), "latent_size must be >= 0"),
     (dict(latent_size=8, num_zero_experts=2), "neither num_zero_experts"),
     (dict(router_logit_softcap=-1.0), "router_logit_softcap must be >= 0"),

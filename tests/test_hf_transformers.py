@@ -3,6 +3,9 @@ checkpoint that `save_pretrained` wrote locally: the loader reads the real on-di
 finds the MoE layers, the outputs agree at 1e-4 in float32, and whole models with moejax's
 blocks give transformers' logits. Needs the `.[hf]` extra (transformers and a CPU torch)."""
 
+import json
+import shutil
+
 import chex
 import jax.numpy as jnp
 import numpy as np
@@ -22,8 +25,11 @@ pytestmark = pytest.mark.slow  # transformers' models
 @pytest.mark.parametrize("model_type", FAMILIES)
 def test_every_moe_layer_loads_and_matches_transformers(model_type, tmp_path, request):
   """`hf.moe_layers` names the layers transformers built as MoE (the others dense),
-  `hf.load_stack` loads them all, and each one's output is transformers' block's, the last
-  one's on the 2x4 mesh as well (stacks loaded onto meshes: tests/test_mesh_kinds.py)."""
+  `hf.load_stack` loads them all (one config for all where the family's layers agree; each
+  layer's own where they differ, `load_stack` then refusing them), and each one's output is
+  transformers' block's, the last one's on the 2x4 mesh as well (stacks loaded onto meshes:
+  tests/test_mesh_kinds.py). A block with parts (ERNIE-4.5-VL's text and vision experts) is
+  one MoE layer per part, each run on its own tokens, the outputs added."""
   seed = seed_of(request.node.name)
   fields, _ = FAMILIES[model_type]
   model = hf_checkpoint(model_type, dict(fields), tmp_path, seed % 2**31)
@@ -32,33 +38,54 @@ def test_every_moe_layer_loads_and_matches_transformers(model_type, tmp_path, re
   blocks = [model.get_submodule(family.loaded_block(i)) for i in range(LAYERS)]
   layers = hf.moe_layers(tmp_path)
   assert layers == tuple(i for i, block in enumerate(blocks) if is_moe_block(block))
-  config = hf.config_from_hf(tmp_path, chunk_size=5)
-  stack = hf.load_stack(tmp_path, config, progress=False)
+  parts = list(family.parts or [None])
+  if family.parts:
+    with pytest.raises(ValueError, match=r"pass part= one of \['text', 'vision'\]"):
+      hf.config_from_hf(tmp_path)
+  loaded = {part: loaded_layers(tmp_path, layers, part) for part in parts}
   rng = np.random.default_rng(seed)
   x = rng.standard_normal((24, 16)).astype(np.float32)
   mask = rng.random(24) < 0.75
   token_ids = rng.integers(0, 32, 24)
+  token_types = rng.integers(0, len(parts), 24)  # the part each token goes to
   hash_routes = hf.load_hash_routes(tmp_path)  # layers routed by token id: DeepSeek-V4's
-  for position, layer in enumerate(layers):
-    params = layer_of(stack, position)
+
+  def moejax_output(position: int, layer: int, mesh=None) -> np.ndarray:
     given = hash_routes[layer][token_ids] if layer in hash_routes else None
     inputs, logits = layer_inputs(blocks[layer], model_type, x)
-    y, _ = moe_apply(
-      params, inputs, config=config, token_mask=jnp.asarray(mask), expert_ids=given,
-      router_logits=logits,
-    )  # fmt: skip
+    y = 0.0
+    for index, part in enumerate(parts):
+      configs, params_of = loaded[part]
+      part_mask = jnp.asarray(mask & (token_types == index))
+      y = y + moe_apply(
+        params_of(position), inputs, config=configs[position], mesh=mesh, token_mask=part_mask,
+        expert_ids=given, router_logits=logits,
+      )[0]  # fmt: skip
+    return decoder_norm(blocks[layer], model_type, y)
+
+  for position, layer in enumerate(layers):
     ids = token_ids if layer in hash_routes else None
-    want = np.where(mask[:, None], moe_output(model, model_type, layer, x, ids), 0.0)
-    y = decoder_norm(blocks[layer], model_type, y)
-    chex.assert_trees_all_close(y, want, **tolerance(comparison="torch"))
-  y, _ = moe_apply(
-    params, inputs, config=config, mesh=mesh_of(2, 4), token_mask=jnp.asarray(mask),
-    router_logits=logits,
-  )  # fmt: skip
-  y = decoder_norm(blocks[layer], model_type, y)
+    types = token_types if family.parts else None
+    want = np.where(mask[:, None], moe_output(model, model_type, layer, x, ids, types), 0.0)
+    chex.assert_trees_all_close(
+      moejax_output(position, layer), want, **tolerance(comparison="torch")
+    )
+  y = moejax_output(position, layer, mesh_of(2, 4))
   chex.assert_trees_all_close(y, want, **tolerance(comparison="torch"))  # the last layer's
   if model_type == "deepseek_v4":
     assert list(hash_routes) == [0]
+
+
+def loaded_layers(path, layers, part):
+  """(each layer's config, position -> its params) of `part`'s MoE layers: one stack where
+  the layers' configs agree, else each layer by itself (`load_stack` refusing them)."""
+  configs = [hf.config_from_hf(path, layer=layer, part=part, chunk_size=5) for layer in layers]
+  if len(set(configs)) == 1:
+    stack = hf.load_stack(path, configs[0], progress=False, part=part)
+    return configs, lambda position: layer_of(stack, position)
+  with pytest.raises(ValueError, match="different configs"):  # Step-3.7's per-layer clamps
+    hf.load_stack(path, progress=False, part=part)
+  return configs, lambda position: hf.load_layer(path, layers[position], configs[position])
 
 
 def layer_inputs(block, model_type: str, x: np.ndarray):
@@ -76,8 +103,9 @@ def layer_inputs(block, model_type: str, x: np.ndarray):
 
 
 def is_moe_block(block) -> bool:
-  """Whether a decoder layer's FFN module is an MoE block: experts, or JetMoE's router."""
-  return hasattr(block, "experts") or hasattr(block, "router")
+  """Whether a decoder layer's FFN module is an MoE block: experts, JetMoE's router, or
+  ERNIE-4.5-VL's text and vision blocks."""
+  return any(hasattr(block, name) for name in ("experts", "router", "text_moe"))
 
 
 def decoder_norm(block, model_type: str, y) -> np.ndarray:
@@ -89,16 +117,20 @@ def decoder_norm(block, model_type: str, y) -> np.ndarray:
     return getattr(block, OUTPUT_NORM[model_type])(torch.from_numpy(np.array(y))).numpy()
 
 
-def block_output(block, x: np.ndarray, token_ids: np.ndarray | None = None) -> np.ndarray:
+def block_output(block, x: np.ndarray, token_ids=None, token_types=None) -> np.ndarray:
   """A transformers MoE block's output for tokens x [T, D] (routed by `token_ids` [T] in a
-  hash-routed block)."""
+  hash-routed block; split by `token_types` [T] in a block with parts)."""
   ids = {} if token_ids is None else {"input_ids": torch.from_numpy(token_ids[None])}
+  if token_types is not None:  # ERNIE-4.5-VL's: 0 text, 1 vision
+    ids["moe_mm_token_type_ids"] = torch.from_numpy(token_types[None])
   with torch.no_grad():
     out = block(torch.from_numpy(x[None]), **ids)
   return (out[0] if isinstance(out, tuple) else out).numpy().reshape(x.shape)
 
 
-def moe_output(model, model_type: str, layer: int, x: np.ndarray, token_ids) -> np.ndarray:
+def moe_output(
+  model, model_type: str, layer: int, x: np.ndarray, token_ids, token_types=None
+) -> np.ndarray:
   """Decoder layer `layer`'s MoE output for tokens x [T, D]: its block's, plus the shared MLP
   beside the block where the family has one (`BESIDE_BLOCK`)."""
   block = hf.family_of(model_type).loaded_block(layer)
@@ -108,7 +140,7 @@ def moe_output(model, model_type: str, layer: int, x: np.ndarray, token_ids) -> 
       _, weights, ids = decoder.router(torch.from_numpy(x))
       inputs = decoder.pre_feedforward_layernorm_2(torch.from_numpy(x))
       return decoder.experts(inputs, ids, weights).numpy()
-  out = block_output(model.get_submodule(block), x, token_ids)
+  out = block_output(model.get_submodule(block), x, token_ids, token_types)
   if model_type in BESIDE_BLOCK:
     beside = model.get_submodule(f"{block.rsplit('.', 1)[0]}.{BESIDE_BLOCK[model_type]}")
     out = out + block_output(beside, x)
@@ -152,3 +184,26 @@ def test_a_model_with_moejax_blocks_gives_transformers_logits(model_type, tmp_pa
     logits = model(tokens).logits.numpy()
   assert [block.calls for block in stand_ins] == [1] * len(layers)
   chex.assert_trees_all_close(logits, want, **tolerance(comparison="torch"))
+
+
+def test_a_step3p5_text_checkpoint_reads_as_step3p7s_text_model(tmp_path, request):
+  """Step-3.5's text-only config.json (flat, in its legacy names: `moe_num_experts`,
+  `moe_top_k`, `moe_layers_enum`) over Step-3.7's tensors: the same MoE layers, configs and
+  weights as the vision-language model's nested text model."""
+  fields, layer = FAMILIES["step3p7"]
+  hf_checkpoint("step3p7", dict(fields), tmp_path / "vl", seed_of(request.node.name) % 2**31)
+  shutil.copytree(tmp_path / "vl", tmp_path / "text")
+  text = json.loads((tmp_path / "vl" / "config.json").read_text())["text_config"]
+  renames = {"n_routed_experts": "moe_num_experts", "num_experts_per_tok": "moe_top_k"}
+  text = {renames.get(name, name): value for name, value in text.items()}
+  del text["mlp_layer_types"]
+  text.update(model_type="step3p5", moe_layers_enum="1,2")
+  (tmp_path / "text" / "config.json").write_text(json.dumps(text))
+  assert hf.moe_layers(tmp_path / "text") == hf.moe_layers(tmp_path / "vl") == (1, 2)
+  config = hf.config_from_hf(tmp_path / "vl", layer=layer)
+  assert hf.config_from_hf(tmp_path / "text", layer=layer) == config
+  with pytest.raises(ValueError, match=r"layer 0 is not an MoE layer .* MoE layers are 1-2"):
+    hf.config_from_hf(tmp_path / "text", layer=0)
+  chex.assert_trees_all_equal(
+    hf.load_layer(tmp_path / "text", layer), hf.load_layer(tmp_path / "vl", layer)
+  )

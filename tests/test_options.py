@@ -82,6 +82,15 @@ EPILOGUE_LACKS = {
     shared_activation="silu",
   ),
   "swiglu_softcapped": dict(activation="swiglu_softcapped", gate_softcap=0.5, up_softcap=0.8),
+  # Step-3.7's: the clamps bind, the shared expert's at a limit of its own.
+  "swiglu_clamped_after": dict(
+    activation="swiglu_clamped_after",
+    swiglu_limit=0.5,
+    num_shared_experts=1,
+    shared_intermediate_size=8,
+    shared_activation="swiglu_clamped_after",
+    shared_swiglu_limit=0.8,
+  ),
 }
 
 

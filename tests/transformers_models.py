@@ -209,6 +209,16 @@ FAMILIES = {
                       topk_group=2, routed_scaling_factor=1.5, intermediate_size=24,
                       layers_block_type=["mamba", "moe", "moe"], mamba_num_heads=2,
                       mamba_head_dim=16, ssm_state_size=8, n_groups=1), 1),
+  # text experts 24 wide, vision experts 20; head_dim 8's rotary sections
+  "ernie4_5_vl_moe": (dict(moe_num_experts=4, moe_k=2, moe_intermediate_size=[24, 20],
+                           intermediate_size=24, moe_num_shared_experts=1,
+                           rope_parameters=dict(rope_type="default", rope_theta=1e4,
+                                                mrope_section=[1, 1, 2])), 1),
+  # layer 1 clamps (routed and shared at limits of their own that bind), layer 2 does not
+  "step3p7": (dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
+                   intermediate_size=24, share_expert_dim=12, head_dim=8,
+                   moe_router_scaling_factor=1.5, mlp_layer_types=["dense", "sparse", "sparse"],
+                   swiglu_limits=[0, 0.5, 0], swiglu_limits_shared=[0, 0.7, 0]), 1),
   "gpt_oss": (dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=24,
                    swiglu_limit=1.0, head_dim=8, **_TYPES), 2),
   "llama4_text": (dict(num_local_experts=4, num_experts_per_tok=1, intermediate_size=24,
@@ -351,6 +361,14 @@ _MULTIMODAL = {
     model_type: (f"{name}ForConditionalGeneration", _INKLING2_VISION)
     for model_type, name in (("inkling2", "Inkling2"), ("inkling2_loop", "Inkling2Loop"))
   },
+  "ernie4_5_vl_moe": (
+    "Ernie4_5_VLMoeForConditionalGeneration",
+    dict(depth=1, hidden_size=16, num_heads=2, intermediate_size=16),
+  ),
+  "step3p7": (
+    "Step3p7ForConditionalGeneration",
+    dict(hidden_size=16, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2),
+  ),
   "qwen3_omni_moe": (
     "Qwen3OmniMoeForConditionalGeneration",
     dict(**_VISION, deepstack_visual_indexes=[0]),

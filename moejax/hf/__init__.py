@@ -3,20 +3,21 @@ every MoE layer -> a stack, and PEFT adapters both ways. NumPy reads the files (
 
 - `families`: `FAMILIES`, one `Family` row per `model_type` (where the MoE block's tensors
   are, which config.json keys give its options, which decoder layers are MoE layers).
-- `layouts`: how a family stores its experts (`PerExpert`, `Fused`, `Flat`), float or
+- `layouts`: how a family stores its experts (`PerExpert`, `Fused`, `Flat`, `Stacked`), float or
   quantized, and the readers of each format's tensors (`nvfp4` holds NVFP4's).
-- `configs`: `config_from_hf`, `config_json`, `moe_layers`.
+- `configs`: `config_from_hf`, `one_config` (of layers that may differ), `config_json`,
+  `moe_layers`.
 - `loading`: `load_layer`, `load_stack`, `load_hash_routes`.
 - `peft`: `load_lora`, `save_lora` (PEFT adapter folders).
 - `safetensors_files`: `SafetensorsFiles`, the files of a checkpoint folder.
 
 >>> len(FAMILIES), sorted(FAMILIES)[:3]
-(75, ['afmoe', 'aria_text', 'axk1'])
+(78, ['afmoe', 'aria_text', 'axk1'])
 """
 
-from moejax.hf.configs import config_from_hf, config_json, moe_layers
+from moejax.hf.configs import config_from_hf, config_json, moe_layers, one_config
 from moejax.hf.families import FAMILIES, NESTED_TEXT, Family, Read, Shared, family_of
-from moejax.hf.layouts import Flat, Fused, PerExpert, halves, unpack_int4, unpack_mxfp4
+from moejax.hf.layouts import Flat, Fused, PerExpert, Stacked, halves, unpack_int4, unpack_mxfp4
 from moejax.hf.loading import load_hash_routes, load_layer, load_stack
 from moejax.hf.peft import LoadedAdapters, load_lora, save_lora
 
@@ -30,6 +31,7 @@ __all__ = [
   "PerExpert",
   "Read",
   "Shared",
+  "Stacked",
   "config_from_hf",
   "config_json",
   "family_of",
@@ -39,6 +41,7 @@ __all__ = [
   "load_lora",
   "load_stack",
   "moe_layers",
+  "one_config",
   "save_lora",
   "unpack_int4",
   "unpack_mxfp4",

@@ -4,13 +4,14 @@ and which of its decoder layers are MoE layers."""
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from kernels_pallas.formats import FORMATS
 from moejax.config import MoEConfig
 from moejax.hf import nvfp4
-from moejax.hf.families import NESTED_TEXT, Read, family_of
+from moejax.hf.families import NESTED_TEXT, Family, Read, family_of
 
 _ACTIVATIONS = {
   "silu": "silu",
@@ -29,13 +30,24 @@ def _activation(hf: dict) -> str:
   return _ACTIVATIONS[name]
 
 
-def config_from_hf(config: dict[str, Any] | str | Path, **overrides: Any) -> MoEConfig:
+def config_from_hf(
+  config: dict[str, Any] | str | Path,
+  *,
+  layer: int | None = None,
+  part: str | None = None,
+  **overrides: Any,
+) -> MoEConfig:
   """The `MoEConfig` of a model's MoE layers, from its `config.json`.
 
   Args:
     config: the parsed config.json (a dict), a transformers config (`model.config`: its
       `to_dict()`), or the path of a checkpoint folder or of its config.json; `model_type`
       picks the family (see `FAMILIES`).
+    layer: the config of this MoE layer (decoder layer index); None: the one config of every
+      MoE layer. Needed where a family's layers differ (Step-3.7's per-layer clamps:
+      `Family.layer_options`); elsewhere every layer has the same config.
+    part: the MoE layer of a block that holds one per token type (ERNIE-4.5-VL's "text" and
+      "vision": `Family.parts`); None for the others.
     **overrides: further `MoEConfig` fields (chunk_size, dtype, dispatch, ...).
 
   A checkpoint's `quantization_config` sets `expert_quant`: `quant_method` "fp8" with a
@@ -51,21 +63,63 @@ def config_from_hf(config: dict[str, Any] | str | Path, **overrides: Any) -> MoE
   otherwise).
 
   Raises:
-    ValueError: for an unsupported model_type (the message lists the supported ones).
+    ValueError: for an unsupported model_type (the message lists the supported ones); `layer`
+      is not an MoE layer; `layer` is None and the MoE layers' configs differ (the message
+      names two that do); `part` is not one of the family's parts (named).
     NotImplementedError: for quantization methods and activations moejax lacks.
     TypeError: `config` is none of the above.
   """
   config = config_json(config)
+  family = family_of(config.get("model_type")).part(part)
+  if layer is not None:
+    check_moe_layer(config, family, layer)
+  elif family.layer_options is not None and moe_layers(config):
+    return one_config(config, moe_layers(config), part=part, **overrides)
   options = {
     "hidden_size": Read(("hidden_size", "d_model"))(config),
     "activation": _activation(config),
-    **family_of(config.get("model_type")).config_options(
-      config
-    ),  # a family's own activation (GPT-OSS) wins
+    # a family's own activation (GPT-OSS) wins, and a layer's own options (Step-3.7's clamps)
+    **family.config_options(config),
+    **(family.layer_options(config, layer) if family.layer_options else {}),
     **_quantization(config.get("quantization_config")),
     **({} if "param_dtype" in overrides else _param_dtype(config)),
   }
   return MoEConfig(**{**options, **overrides})
+
+
+def one_config(
+  config: dict[str, Any] | str | Path,
+  layers: Sequence[int],
+  *,
+  part: str | None = None,
+  **overrides: Any,
+) -> MoEConfig:
+  """The config every one of `layers` (MoE layers; of `part`) has, as `config_from_hf(config,
+  layer=)` gives each: what one stack of them, or one `MoELayer` for all, is built with.
+
+  Raises:
+    ValueError: `layers` is empty, or two of the layers' configs differ (the message names
+      them and the fields).
+  """
+  hf = config_json(config)
+  if not layers:
+    raise ValueError("layers is empty: name the MoE layers whose config to read")
+  (first, chosen), *others = (
+    (layer, config_from_hf(hf, layer=layer, part=part, **overrides)) for layer in layers
+  )
+  for layer, other in others:
+    if other != chosen:
+      fields = [
+        name
+        for name in MoEConfig.__dataclass_fields__
+        if getattr(other, name) != getattr(chosen, name)
+      ]
+      raise ValueError(
+        f"the MoE layers {first} and {layer} of this {hf.get('model_type')} checkpoint have "
+        f"different configs ({', '.join(fields)}): pass layer= for one layer's config, and "
+        "stack the layers that agree (load_stack's layers=)"
+      )
+  return chosen
 
 
 _CHECKPOINT_DTYPES = ("bfloat16", "float16", "float32")
@@ -213,3 +267,32 @@ def moe_layers(config: dict[str, Any] | str | Path) -> tuple[int, ...]:
   family = family_of(hf.get("model_type"))
   layers = family.layers(hf)
   return tuple(layer for layer in range(layers) if family.moe_layer(hf, layer, layers))
+
+
+def check_moe_layer(hf: dict, family: Family, layer: int) -> None:
+  """Raises ValueError unless decoder layer `layer` is one of the model's MoE layers (where
+  config.json gives its depth; without it the tensors' names decide)."""
+  try:
+    depth = family.layers(hf)
+  except KeyError:
+    return
+  if 0 <= layer < depth and family.moe_layer(hf, layer, depth):
+    return
+  moe = [index for index in range(depth) if family.moe_layer(hf, index, depth)]
+  listed = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in _runs(moe))
+  what = "a dense layer" if 0 <= layer < depth else f"outside the model's {depth} layers"
+  raise ValueError(
+    f"layer {layer} is not an MoE layer of this {hf.get('model_type')} checkpoint ({what}); "
+    f"its MoE layers are {listed or 'none'} (moejax.hf.moe_layers)"
+  )
+
+
+def _runs(indices: Sequence[int]) -> list[tuple[int, int]]:
+  """Sorted indices as (first, last) runs of consecutive ones: [1, 2, 3, 5] -> [(1, 3), (5, 5)]."""
+  runs: list[tuple[int, int]] = []
+  for index in indices:
+    if runs and runs[-1][1] == index - 1:
+      runs[-1] = (runs[-1][0], index)
+    else:
+      runs.append((index, index))
+  return runs

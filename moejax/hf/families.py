@@ -8,7 +8,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from moejax.hf.layouts import Flat, Fused, Layout, PerExpert
+from moejax.hf.layouts import Flat, Fused, Layout, PerExpert, Stacked
 
 _REQUIRED = object()
 
@@ -123,6 +123,62 @@ def _moe_enabled(hf: dict, layer: int, layers: int) -> bool:
 _NEMOTRON_H_KINDS = Read(("layers_block_type", "hybrid_override_pattern"))
 
 
+def _step_moe_layers(hf: dict, layer: int, layers: int) -> bool:
+  """Step-3.5's: the layers `moe_layers_enum` lists ("3,4,..." or a list), else those from
+  layer 3 on."""
+  listed = Read("moe_layers_enum", None)(hf)
+  if listed is None:
+    return layer >= 3
+  items = listed.split(",") if isinstance(listed, str) else listed
+  return layer in {int(item) for item in items if str(item).strip()}
+
+
+def _step_clamps(hf: dict, layer: int) -> dict:
+  """Step-3.5's and Step-3.7's per-layer clamps: the routed experts' at `swiglu_limits[layer]`,
+  the shared expert's at `swiglu_limits_shared[layer]`, each after the gate's activation; 0,
+  null or no list: none (Step-3.7-Flash clamps layers 43 and 44 at 7)."""
+
+  def limit(key: str) -> float | None:
+    limits = Read(key, None)(hf)
+    return float(limits[layer]) if limits and limits[layer] else None
+
+  options = {}
+  for activation, limit_field, key in (
+    ("activation", "swiglu_limit", "swiglu_limits"),
+    ("shared_activation", "shared_swiglu_limit", "swiglu_limits_shared"),
+  ):
+    bound = limit(key)
+    options[activation] = "silu" if bound is None else "swiglu_clamped_after"
+    options.update({} if bound is None else {limit_field: bound})
+  return options
+
+
+def _no_mlp_bias(hf: dict) -> dict:
+  """Step's experts have no biases; its shared expert's (`mlp_bias`) are not read."""
+  if Read("mlp_bias", False)(hf):
+    raise NotImplementedError("mlp_bias=True: the shared expert's biases are not read")
+  return {}
+
+
+def _ernie_vl_part(block: int) -> Family:
+  """ERNIE-4.5-VL-MoE's MoE layer of one token type (0 text, 1 vision): ERNIE-4.5's routing
+  over its own experts (the `block`-th E of the stored ones, `moe_intermediate_size[block]`
+  wide), its router weight (`gate.weight`, `gate.weight_1`, stored [D, E]) and its row of
+  the selection bias; the block's shared experts (as wide as a text expert) in both."""
+  width = Read("moe_intermediate_size", [1536, 512], lambda sizes: sizes[block])
+  return Family(
+    "model.layers.{layer}.mlp", ("gate.weight", "gate.weight_1")[block],
+    dict(num_experts=Read("moe_num_experts", 64), top_k=Read("moe_k", 6),
+         intermediate_size=width, renormalize=True, use_routing_bias=True),
+    (PerExpert(expert_block=block),), shared="shared_experts",
+    shared_sizes=Shared(Read("moe_num_shared_experts", 2),
+                        Read("moe_intermediate_size", [1536, 512], lambda sizes: sizes[0])),
+    selection_bias="moe_statics.e_score_correction_bias", selection_bias_row=block,
+    router_input_major=True, moe_layer=_listed_or(_after_dense(1)),
+    module="model.language_model.layers.{layer}.mlp",
+  )  # fmt: skip
+
+
 def _nemotron_h_moe(hf: dict, layer: int, layers: int) -> bool:
   """Nemotron-H's: the layers whose kind is "moe" (`layers_block_type`, or "E" in the older
   `hybrid_override_pattern`)."""
@@ -167,6 +223,9 @@ class Family:
     router_bias: the router's bias key, or None.
     selection_bias: the selection-only bias key (DeepSeek's `e_score_correction_bias`);
       a leading "../" climbs out of the block (Kolibri-1's is beside it).
+    selection_bias_row: the row of a [parts, E] selection bias that is this part's
+      (ERNIE-4.5-VL's), or None: the bias is [E] (or [1, E]).
+    router_input_major: the router's weight is stored [D, E] (ERNIE-4.5-VL's), not [E, D].
     shared_gate: the shared experts' [1, D] gate weight key, or None.
     output_bias: the block's output bias [D] key (JetMoE's `bias`), or None.
     latent: the latent projections' weight keys, [L, D] into the experts' width and [D, L]
@@ -177,12 +236,17 @@ class Family:
       id (DeepSeek-V4's first layers: `gate.tid2eid`), or None; such a layer has no
       selection bias (it is read as 0: the given ids choose, never the bias).
     derived: config.json -> further options no single key gives, or None.
+    layer_options: (config.json, decoder layer) -> the options that differ by layer
+      (Step-3.7's per-layer clamps), or None: every MoE layer has the same config.
     layers: the number of decoder layers.
     moe_layer: which decoder layers are MoE layers (`LayerRule`; the others are dense).
     module: the block's module path in transformers' loaded model, with `{layer}`, where
       transformers renames the checkpoint's `block` as it loads (Mixtral's
       `block_sparse_moe` is its `mlp`); None where they agree. PEFT names adapters after
       the loaded modules.
+    parts: where each of the block's tokens goes to one of several MoE layers (ERNIE-4.5-VL's
+      text and vision experts, chosen by token type): part name -> that MoE layer's
+      `Family` (this row's layer rule holds for all); None: one MoE layer per block.
   """
 
   block: str
@@ -194,15 +258,33 @@ class Family:
   shared_sizes: Shared | None = None
   router_bias: str | None = None
   selection_bias: str | None = None
+  selection_bias_row: int | None = None
+  router_input_major: bool = False
   shared_gate: str | None = None
   output_bias: str | None = None
   expert_scale: str | None = None
   latent: tuple[str, str] | None = None
   hash_routes: str | None = None
   derived: Callable[[dict], dict] | None = None
+  layer_options: Callable[[dict, int], dict] | None = None
   layers: Read = Read(("num_hidden_layers", "n_layers"))
   moe_layer: LayerRule = _every_layer
   module: str | None = None
+  parts: dict[str, Family] | None = None
+
+  def part(self, name: str | None) -> Family:
+    """The `Family` of the MoE layer `name` of a block with `parts` (None: the block's own,
+    where it has none); ValueError naming the parts otherwise."""
+    if self.parts is None and name is None:
+      return self
+    if self.parts is None:
+      raise ValueError(f"part={name!r}: this family's MoE blocks have no parts")
+    if name not in self.parts:
+      raise ValueError(
+        f"part={name!r}: this family's MoE blocks hold one MoE layer per token type, pass "
+        f"part= one of {sorted(self.parts)}"
+      )
+    return self.parts[name]
 
   @property
   def shared_fused(self) -> bool:
@@ -228,7 +310,7 @@ def beside(block: str, name: str) -> str:
   return f"{block}.{name}"
 
 
-def _sizes(experts: str | tuple[str, ...], top_k: str, width: str) -> dict:
+def _sizes(experts: str | tuple[str, ...], top_k: str | tuple[str, ...], width: str) -> dict:
   """The options of E, K and F, read from these keys."""
   return dict(num_experts=Read(experts), top_k=Read(top_k), intermediate_size=Read(width))
 
@@ -625,6 +707,26 @@ FAMILIES: dict[str, Family] = {
     layers=Read(("layers_block_type", "hybrid_override_pattern"), convert=len),
     moe_layer=_nemotron_h_moe, module="model.layers.{layer}.mixer",
   ),
+  # ERNIE-4.5-VL-MoE: text and vision experts in one block, chosen by token type: two MoE
+  # layers ("text", "vision"), each with the block's shared experts.
+  "ernie4_5_vl_moe": dataclasses.replace(
+    _ernie_vl_part(0), parts={"text": _ernie_vl_part(0), "vision": _ernie_vl_part(1)}
+  ),
+  # Step-3.5 (text) and Step-3.7 (its vision-language model, the same keys): sigmoid scores
+  # with a selection-only bias, renormalized and scaled; each projection of all experts one
+  # tensor; a shared expert beside the block; SwiGLU clamped per layer, after the gate's
+  # activation, at limits of the routed and the shared experts' own.
+  **dict.fromkeys(("step3p5", "step3p7"), Family(
+    "model.layers.{layer}.moe", "gate.weight",
+    dict(**_sizes(("n_routed_experts", "moe_num_experts"), ("num_experts_per_tok", "moe_top_k"),
+                  "moe_intermediate_size"),
+         scoring="sigmoid", use_routing_bias=True, renormalize=True,
+         routed_scaling_factor=Read("moe_router_scaling_factor", 1.0, float)),
+    (Stacked(),), shared="../share_expert",
+    shared_sizes=Shared(1, Read(("share_expert_dim", "share_expert_dims"))),
+    selection_bias="router_bias", derived=_no_mlp_bias, layer_options=_step_clamps,
+    moe_layer=_listed_or(_step_moe_layers), module="model.language_model.layers.{layer}.mlp",
+  )),
   "gpt_oss": Family(
     "model.layers.{layer}.mlp", "router.weight",
     dict(**_sizes("num_local_experts", "num_experts_per_tok", "intermediate_size"),
@@ -718,6 +820,8 @@ _TEXT_CONFIG = (
   "dots3_note",
   "inkling2",
   "inkling2_loop",
+  "step3p7",
+  "ernie4_5_vl_moe",
 )
 NESTED_TEXT = {
   **dict.fromkeys(_TEXT_CONFIG, "text_config"),

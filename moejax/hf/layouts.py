@@ -105,11 +105,18 @@ def _read_int4(files: SafetensorsFiles, weight: str, shape: tuple[int, int], gro
 
 @dataclasses.dataclass(frozen=True)
 class PerExpert(Layout):
-  """One linear layer per expert and projection, `experts.{e}.{name}.weight` [out, in]."""
+  """One linear layer per expert and projection, `experts.{e}.{name}.weight` [out, in];
+  `expert_block` b: the layer's E experts are those numbered from b * E (ERNIE-4.5-VL's
+  vision experts, 1, follow its text experts, 0)."""
 
   gate: str = "gate_proj"
   up: str = "up_proj"
   down: str = "down_proj"
+  expert_block: int = 0
+
+  def _numbers(self, e: int) -> range:
+    """The stored numbers of the layer's e experts."""
+    return range(self.expert_block * e, (self.expert_block + 1) * e)
 
   def _layer(self, e: int, name: str) -> str:
     return f"experts.{e}.{name}"
@@ -126,8 +133,8 @@ class PerExpert(Layout):
       [weight(i, self.gate, (f, d)), weight(i, self.up, (f, d))], 1
     )
     return {
-      "w_gate_up": np.stack([gate_up(i) for i in range(e)]),
-      "w_down": np.stack([weight(i, self.down, (d, f)) for i in range(e)]),
+      "w_gate_up": np.stack([gate_up(i) for i in self._numbers(e)]),
+      "w_down": np.stack([weight(i, self.down, (d, f)) for i in self._numbers(e)]),
     }
 
   def fp8_block(self, files, key, e, d, f, block) -> dict:
@@ -156,7 +163,9 @@ class PerExpert(Layout):
   def _quantized(self, read, key, e: int, d: int, f: int) -> dict:
     """`w_gate_up` and `w_down` of `BlockScaled` matrices `read(layer, [out, in])` gives,
     one per expert and projection ([in, out]; gate and up side by side)."""
-    matrices = lambda name, shape: [read(key(self._layer(i, name)), shape) for i in range(e)]
+    matrices = lambda name, shape: [
+      read(key(self._layer(i, name)), shape) for i in self._numbers(e)
+    ]
     gate_up = [
       _on_host(np.concatenate, g, u, axis=-1)
       for g, u in zip(matrices(self.gate, (f, d)), matrices(self.up, (f, d)), strict=True)
@@ -251,6 +260,25 @@ class Flat(Layout):
     gate, up, down = (files.get(key(name), (e * f, d)) for name in (self.gate, self.up, self.down))
     gate_up = np.concatenate([gate.reshape(e, f, d), up.reshape(e, f, d)], axis=1)
     return {"w_gate_up": gate_up.transpose(0, 2, 1), "w_down": down.reshape(e, f, d)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Stacked(Layout):
+  """Step-3.5's and Step-3.7's: each projection of all experts as one tensor, `gate` and `up`
+  [E, F, D], `down` [E, D, F] (transformers' [E, out, in])."""
+
+  gate: str = "gate_proj.weight"
+  up: str = "up_proj.weight"
+  down: str = "down_proj.weight"
+
+  def present(self, files, key) -> bool:
+    return key(self.gate) in files
+
+  def floats(self, files, key, e, d, f) -> dict:
+    gate, up = (files.get(key(name), (e, f, d)) for name in (self.gate, self.up))
+    down = files.get(key(self.down), (e, d, f))
+    gate_up = np.concatenate([gate, up], axis=1)
+    return {"w_gate_up": gate_up.transpose(0, 2, 1), "w_down": down.transpose(0, 2, 1)}
 
 
 def float_linear(files: SafetensorsFiles, weight: str, shape, config: MoEConfig) -> np.ndarray:

@@ -16,7 +16,7 @@ from jax.sharding import Mesh
 
 from kernels_pallas.quantized import is_block_scaled
 from moejax.config import MoEConfig
-from moejax.hf.configs import config_from_hf, moe_layers, text_model
+from moejax.hf.configs import check_moe_layer, config_from_hf, moe_layers, one_config, text_model
 from moejax.hf.families import Family, beside, family_of
 from moejax.hf.layouts import float_linear
 from moejax.hf.safetensors_files import SafetensorsFiles
@@ -33,6 +33,7 @@ def load_layer(
   *,
   mesh: Mesh | None = None,
   dequantize: bool = False,
+  part: str | None = None,
 ) -> MoEParams:
   """One MoE layer's weights from a local Hugging Face checkpoint folder.
 
@@ -47,6 +48,9 @@ def load_layer(
     dequantize: with a quantized checkpoint (`config.expert_quant`), return float expert
       weights (for the config with `expert_quant=None`) instead of `BlockScaled` ones in the
       checkpoint's format. Quantized shared experts are always dequantized.
+    part: the MoE layer of a block that holds one per token type (ERNIE-4.5-VL's "text" and
+      "vision", each with the block's shared experts: run each on its tokens, `token_mask`,
+      and add the outputs); None for the others.
 
   Returns:
     `MoEParams` in the config's `param_dtype` (quantized experts kept as stored), without
@@ -60,9 +64,9 @@ def load_layer(
   """
   path = Path(path)
   hf = text_model(json.loads((path / "config.json").read_text()))
-  family = family_of(hf.get("model_type"))
-  _check_moe_layer(hf, family, layer)
-  config = config_from_hf(hf) if config is None else config
+  family = family_of(hf.get("model_type")).part(part)
+  check_moe_layer(hf, family, layer)
+  config = config_from_hf(hf, layer=layer, part=part) if config is None else config
   block = family.block.format(layer=layer)
   quantization = hf.get("quantization_config") or {}
   with SafetensorsFiles(path, quantization.get("weight_block_size")) as files:
@@ -90,35 +94,6 @@ def load_layer(
   return map_params(place, LayerSpecs.from_config(config).params(params), params)
 
 
-def _check_moe_layer(hf: dict, family: Family, layer: int) -> None:
-  """Raises ValueError unless decoder layer `layer` is one of the model's MoE layers (where
-  config.json gives its depth; without it the tensors' names decide)."""
-  try:
-    depth = family.layers(hf)
-  except KeyError:
-    return
-  if 0 <= layer < depth and family.moe_layer(hf, layer, depth):
-    return
-  moe = [index for index in range(depth) if family.moe_layer(hf, index, depth)]
-  listed = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in _runs(moe))
-  what = "a dense layer" if 0 <= layer < depth else f"outside the model's {depth} layers"
-  raise ValueError(
-    f"layer {layer} is not an MoE layer of this {hf.get('model_type')} checkpoint ({what}); "
-    f"its MoE layers are {listed or 'none'} (moejax.hf.moe_layers)"
-  )
-
-
-def _runs(indices: Sequence[int]) -> list[tuple[int, int]]:
-  """Sorted indices as (first, last) runs of consecutive ones: [1, 2, 3, 5] -> [(1, 3), (5, 5)]."""
-  runs: list[tuple[int, int]] = []
-  for index in indices:
-    if runs and runs[-1][1] == index - 1:
-      runs[-1] = (runs[-1][0], index)
-    else:
-      runs.append((index, index))
-  return runs
-
-
 def load_stack(
   path: str | Path,
   config: MoEConfig | None = None,
@@ -127,13 +102,16 @@ def load_stack(
   mesh: Mesh | None = None,
   dequantize: bool = False,
   progress: bool = True,
+  part: str | None = None,
 ) -> MoEParams:
   """Every MoE layer of a checkpoint, stacked for a scanned stack of layers: `load_layer` for
   each of `moe_layers(path)`, in order, each parameter with a leading layer axis [L, ...].
 
   Args:
-    path, config, dequantize: as for `load_layer` (quantized experts stay quantized unless
+    path, dequantize, part: as for `load_layer` (quantized experts stay quantized unless
       `dequantize`).
+    config: the layers' `MoEConfig`; None reads the one they share (`one_config`: an error
+      names two layers whose configs differ, as Step-3.7's clamped layers do from the others).
     layers: the decoder layers to stack, in this order (e.g. one pipeline stage's); None:
       `moe_layers(path)`.
     mesh: place the stack on this mesh as it loads, each layer's slice written into a stack
@@ -151,10 +129,10 @@ def load_stack(
   from tqdm import tqdm  # imported here: `moejax.hf` needs it for this progress bar only
 
   layers = moe_layers(path) if layers is None else tuple(layers)
-  config = config_from_hf(path) if config is None else config
+  config = one_config(path, layers, part=part) if config is None else config
   stack = None
   for position, layer in enumerate(tqdm(layers, desc="MoE layers", disable=not progress)):
-    params = load_layer(path, layer, config, mesh=mesh, dequantize=dequantize)
+    params = load_layer(path, layer, config, mesh=mesh, dequantize=dequantize, part=part)
     stack = _empty_stack(params, len(layers)) if stack is None else stack
     stack = jax.tree.map(functools.partial(_put_layer, position=position), stack, params)
   return stack
@@ -243,7 +221,10 @@ def _read_layer(files: SafetensorsFiles, block: str, family: Family, config: MoE
   w = config.expert_width  # the experts' rows: D, or a latent width
   outputs = config.num_router_outputs
   key = lambda name: beside(block, name)
-  values = {"router_kernel": files.get(key(family.router), (outputs, d)).T}
+  if family.router_input_major:
+    values = {"router_kernel": files.get(key(family.router), (d, outputs))}
+  else:
+    values = {"router_kernel": files.get(key(family.router), (outputs, d)).T}
   if family.router_bias and config.router_bias:
     values["router_bias"] = files.get(key(family.router_bias), (outputs,))
   hashed = family.hash_routes is not None and key(family.hash_routes) in files
@@ -251,6 +232,8 @@ def _read_layer(files: SafetensorsFiles, block: str, family: Family, config: MoE
     values["routing_bias"] = np.zeros(outputs, np.float32)  # given ids choose, never the bias
   elif family.selection_bias and config.use_routing_bias:
     bias = files.get(key(family.selection_bias))  # ERNIE stores it as [1, E]
+    if family.selection_bias_row is not None:  # ERNIE-4.5-VL's, [parts, E]
+      bias = bias[family.selection_bias_row]
     if bias.size != outputs:
       raise ValueError(
         f"{key(family.selection_bias)} has shape {bias.shape}, expected {(outputs,)}"

@@ -258,7 +258,7 @@ def load_lora(
       options.
   """
   path = Path(path)
-  family = family_of(model_type)
+  family = family_of(model_type).part(None)  # PEFT's names of a block with parts: not read
   adapter_config = _read_config(path)
   with SafetensorsFiles(path, stem="adapter_model") as files:
     fused, per_expert = _layouts(family, model_type)
@@ -348,7 +348,7 @@ def save_lora(
   """
   if layout not in LAYOUTS:
     raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-  family = family_of(model_type)
+  family = family_of(model_type).part(None)
   fused, per_expert = _layouts(family, model_type)
   chosen = fused if layout == "fused" else per_expert
   if chosen is None:
