@@ -70,24 +70,20 @@ def test_zero_experts_return_the_weighted_input(request):
 
 
 # Activations the kernels' epilogues lack, each against the reference on the XLA tile loop.
+ONE_SHARED = dict(num_shared_experts=1, shared_intermediate_size=8)
 EPILOGUE_LACKS = {
   "gpt_oss": OPTIONS["gpt_oss"],
   "gelu_tanh": OPTIONS["gelu_tanh"],
   # The clamps bind; the shared expert unclamped, as Hunyuan v4's.
   "swiglu_clamped": dict(
-    activation="swiglu_clamped",
-    swiglu_limit=1.0,
-    num_shared_experts=1,
-    shared_intermediate_size=8,
-    shared_activation="silu",
+    activation="swiglu_clamped", swiglu_limit=1.0, **ONE_SHARED, shared_activation="silu"
   ),
   "swiglu_softcapped": dict(activation="swiglu_softcapped", gate_softcap=0.5, up_softcap=0.8),
   # Step-3.7's: the clamps bind, the shared expert's at a limit of its own.
   "swiglu_clamped_after": dict(
     activation="swiglu_clamped_after",
     swiglu_limit=0.5,
-    num_shared_experts=1,
-    shared_intermediate_size=8,
+    **ONE_SHARED,
     shared_activation="swiglu_clamped_after",
     shared_swiglu_limit=0.8,
   ),
