@@ -260,3 +260,21 @@ def test_find_prints_a_command_whose_own_report_fits(tmp_path, capsys):
   assert out.splitlines()[1].split()[-2] == "yes"  # the first plan tried fits
   main(shlex.split(command)[3:])  # `fit ...`: exits 1 unless it fits
   assert "fits: " in capsys.readouterr().out
+
+
+def test_a_family_with_per_layer_clamps_plans_with_its_first_moe_layers_config():
+  """Step-3.7's layers differ only in their clamps: fit plans with its first MoE layer's
+  config; a block with one MoE layer per token type (ERNIE-4.5-VL) is refused by name."""
+  step = dict(
+    model_type="step3p5", hidden_size=64, n_routed_experts=8, num_experts_per_tok=2,
+    moe_intermediate_size=32, share_expert_dim=32, num_hidden_layers=4,
+    moe_layers_enum="1,2,3", swiglu_limits=[0, 7.0, 0, 0],
+  )  # fmt: skip
+  config = planner._config(step, "infer", "released", 16)
+  assert (config.activation, config.swiglu_limit, config.num_experts) == (
+    "swiglu_clamped_after",
+    7.0,
+    8,
+  )
+  with pytest.raises(NotImplementedError, match=r"\['text', 'vision'\]"):
+    planner._config(dict(model_type="ernie4_5_vl_moe", hidden_size=64), "infer", "released", 16)

@@ -353,9 +353,19 @@ def model_json(model: str | Path | dict[str, Any]) -> tuple[str, dict[str, Any]]
 
 def _config(config_json, job, expert_quant, lora_rank, **settings):
   """The MoEConfig of the job: bf16, the experts in the chosen format, `settings` (dispatch,
-  receive_capacity_factor, chunk_size, expert_fsdp, shared_fsdp) as given."""
+  receive_capacity_factor, chunk_size, expert_fsdp, shared_fsdp) as given. A family whose
+  layers differ only in their activations' clamps (Step-3.7) is planned with its first MoE
+  layer's config: the clamps change no shape."""
+  family = hf.family_of(config_json.get("model_type"))
+  if family.parts:
+    raise NotImplementedError(
+      f"{config_json.get('model_type')}: fit plans one MoE layer per block; these blocks hold "
+      f"one per token type ({sorted(family.parts)})"
+    )
+  layers = hf.moe_layers(config_json)
   config = hf.config_from_hf(
     config_json,
+    layer=layers[0] if family.layer_options and layers else None,
     dtype=jnp.bfloat16,
     param_dtype=jnp.bfloat16,
     lora_rank=lora_rank if job == "lora" else 0,
