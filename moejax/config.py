@@ -141,6 +141,12 @@ class MoEConfig:
     shared_intermediate_size: Fs, total hidden width of the shared experts.
     shared_expert_gate: scale the shared experts' output per token by
       `sigmoid(x @ shared_gate_kernel)`, a [D, 1] parameter (Qwen2-MoE, Qwen3-Next).
+    shared_expert_scores: the router scores each shared expert too (Inkling): its
+      `shared_router_kernel` [D, S] gives S logits per token, whose scores join the chosen
+      experts' in the renormalization, and each shared expert's hidden layer is scaled by its
+      own renormalized score, times `routed_scaling_factor` like the routed weights. Needs
+      `renormalize` and an elementwise scoring ("sigmoid", "sqrtsoftplus"); the S experts
+      are `shared_intermediate_size / num_shared_experts` wide each.
     shared_scaling_factor: multiplies the shared experts' output (Cohere2-MoE averages the
       routed and shared outputs: 0.5 here and in `routed_scaling_factor`).
     output_bias: the layer adds a learned bias `output_bias` [D] to every real token's output,
@@ -260,6 +266,7 @@ class MoEConfig:
   shared_intermediate_size: int = 0
   shared_scaling_factor: float = 1.0
   shared_expert_gate: bool = False
+  shared_expert_scores: bool = False
   output_bias: bool = False
   latent_size: int = 0
   dtype: jnp.dtype = jnp.float32
@@ -424,6 +431,22 @@ class MoEConfig:
       )
     if self.shared_expert_gate and not self.has_shared_experts:
       raise ValueError("shared_expert_gate needs shared experts (num_shared_experts >= 1)")
+    if self.shared_expert_scores:
+      self._check_shared_expert_scores()
+
+  def _check_shared_expert_scores(self) -> None:
+    if not self.has_shared_experts or self.shared_intermediate_size % self.num_shared_experts:
+      raise ValueError(
+        "shared_expert_scores needs shared experts whose shared_intermediate_size divides by "
+        f"num_shared_experts, got {self.shared_intermediate_size} and {self.num_shared_experts}"
+      )
+    if not self.renormalize or self.scoring not in ("sigmoid", "sqrtsoftplus"):
+      raise ValueError(
+        "shared_expert_scores renormalizes each score on its own: it needs renormalize=True "
+        f"and scoring 'sigmoid' or 'sqrtsoftplus', got {self.renormalize}, {self.scoring!r}"
+      )
+    if self.shared_expert_gate:
+      raise ValueError("shared_expert_scores and shared_expert_gate both weigh the shared experts")
 
   def _check_quant(self) -> None:
     if self.expert_quant is None:

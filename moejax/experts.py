@@ -329,7 +329,13 @@ def latent_projection(rows: jax.Array, matrix: jax.Array, *, config: MoEConfig) 
   return invariance.in_row_blocks(project, rows, invariance.block_rows(config))
 
 
-def shared_mlp(x: jax.Array, shared: SharedWeights, *, config: MoEConfig) -> jax.Array:
+def shared_mlp(
+  x: jax.Array,
+  shared: SharedWeights,
+  weights: jax.Array | None = None,
+  *,
+  config: MoEConfig,
+) -> jax.Array:
   """The shared experts (fused into one MLP of width Fs) on every row.
 
   Args:
@@ -337,15 +343,28 @@ def shared_mlp(x: jax.Array, shared: SharedWeights, *, config: MoEConfig) -> jax
     shared: the `SharedWeights`; with a `gate_kernel` ([D, 1], `config.shared_expert_gate`)
       the output is scaled per row by `sigmoid(x @ gate_kernel)`; with adapters each
       projection adds theirs.
+    weights: [C, S] float32 each row's weight of each of the S shared experts
+      (`config.shared_expert_scores`): expert s's hidden layer, columns [s Fs/S, (s+1) Fs/S),
+      is scaled by it; or None.
     config: the layer's config (its shared experts' activation, `shared_scaling_factor`).
 
   Returns:
     [C, D] float32.
   """
 
-  def shared_rows(rows: jax.Array) -> jax.Array:
+  def shared_rows(rows_and_weights: tuple[jax.Array, jax.Array | None]) -> jax.Array:
+    rows, row_weights = rows_and_weights
+    hidden_scale = None
+    if row_weights is not None:  # each shared expert's hidden columns by its weight
+      width = shared.w_down.shape[0] // row_weights.shape[-1]
+      hidden_scale = jnp.repeat(row_weights, width, axis=-1)
     out = gated_mlp(
-      rows, shared.w_gate_up, shared.w_down, config.shared_gated_activation, lora=shared.lora
+      rows,
+      shared.w_gate_up,
+      shared.w_down,
+      config.shared_gated_activation,
+      lora=shared.lora,
+      hidden_scale=hidden_scale,
     )
     if config.shared_scaling_factor != 1.0:
       out = out * config.shared_scaling_factor
@@ -358,4 +377,4 @@ def shared_mlp(x: jax.Array, shared: SharedWeights, *, config: MoEConfig) -> jax
     )
     return out * jax.nn.sigmoid(gate)
 
-  return invariance.in_row_blocks(shared_rows, x, invariance.block_rows(config))
+  return invariance.in_row_blocks(shared_rows, (x, weights), invariance.block_rows(config))

@@ -271,12 +271,15 @@ class RoutedRows(NamedTuple):
     weights: [L, K] float32 routing weights.
     latent_tokens: [L, D] the tokens themselves where `rows` are their latent projections
       (for the shared experts), else None.
+    shared_weights: [L, S] float32 the shared experts' weights (`config.shared_expert_scores`),
+      else None.
   """
 
   rows: jax.Array
   expert_ids: jax.Array
   weights: jax.Array
   latent_tokens: jax.Array | None = None
+  shared_weights: jax.Array | None = None
 
   @property
   def tokens(self) -> jax.Array:
@@ -380,8 +383,18 @@ def local_forward(
   router_logits = soft_capped(router_logits, config.router_logit_softcap)
   router_logits = _zero_padding(router_logits, token_mask)  # the logits' only masking
   router_logits = remat.named(router_logits, remat.ROUTER_LOGITS)
+  shared_logits = None
+  if params.shared_router_kernel is not None:  # the router's columns of the shared experts
+    shared_logits = routing.router_logits(
+      x, params.shared_router_kernel, block_rows=invariance.block_rows(config)
+    )
   route = routing.route(
-    router_logits, token_mask, config, params.routing_bias, given_ids=tokens.expert_ids
+    router_logits,
+    token_mask,
+    config,
+    params.routing_bias,
+    given_ids=tokens.expert_ids,
+    shared_logits=shared_logits,
   )
   stats = jax.tree.map(
     lambda a: sum_over(a, all_axes), routing.router_stats(router_logits, route, token_mask)
@@ -403,6 +416,7 @@ def local_forward(
     latent_in = params.latent_in.astype(config.dtype)
     rows = latent_projection(tokens, latent_in, config=config)
     routed_rows = RoutedRows(rows, expert_ids, route.weights, tokens)
+  routed_rows = routed_rows._replace(shared_weights=route.shared_weights)
   y, chunks_run = chunk_scan(
     stages,
     params,
@@ -549,7 +563,7 @@ def _finish_arrived(
   if config.num_zero_experts:
     out = out + zero_experts(chunk.rows, chunk.expert_ids, chunk.weights, config=config)
   if side.shared is not None:
-    out = out + shared_mlp(chunk.tokens, side.shared, config=config)
+    out = out + shared_mlp(chunk.tokens, side.shared, chunk.shared_weights, config=config)
   return out.astype(config.dtype)
 
 

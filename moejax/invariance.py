@@ -11,6 +11,7 @@ rows whatever the call's size. docs/design.md, "Batch invariance" says what this
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -28,17 +29,22 @@ def block_rows(config: MoEConfig) -> int | None:
   return BLOCK_ROWS if config.batch_invariant else None
 
 
-def in_row_blocks(fn: Callable[[jax.Array], jax.Array], x: jax.Array, rows: int | None):
-  """`fn` ([B, ...] rows -> [B, ...]) on `x` [N, ...], in fixed blocks of B = `rows` rows
-  (zero-padded, one loop step per block), or on all of `x` at once when `rows` is None.
+def in_row_blocks(fn: Callable[[Any], jax.Array], x: Any, rows: int | None) -> jax.Array:
+  """`fn` ([B, ...] rows -> [B, ...]) on `x` [N, ...] (or a pytree of such arrays, one N),
+  in fixed blocks of B = `rows` rows (zero-padded, one loop step per block), or on all of
+  `x` at once when `rows` is None.
 
   In blocks, every row is computed by the same program whatever N is, so its result is
   bit-identical for every N.
   """
   if rows is None:
     return fn(x)
-  num_rows = x.shape[0]
+  num_rows = jax.tree.leaves(x)[0].shape[0]
   blocks = -(-num_rows // rows)
-  padded = jnp.pad(x, [(0, blocks * rows - num_rows)] + [(0, 0)] * (x.ndim - 1))
-  out = jax.lax.map(fn, padded.reshape(blocks, rows, *x.shape[1:]))
+
+  def in_blocks(a: jax.Array) -> jax.Array:  # [N, ...] -> [blocks, B, ...], zero-padded
+    padded = jnp.pad(a, [(0, blocks * rows - num_rows)] + [(0, 0)] * (a.ndim - 1))
+    return padded.reshape(blocks, rows, *a.shape[1:])
+
+  out = jax.lax.map(fn, jax.tree.map(in_blocks, x))
   return out.reshape(blocks * rows, *out.shape[2:])[:num_rows]

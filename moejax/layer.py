@@ -116,7 +116,8 @@ class MoELayer(nnx.Module):
   Parameters (the checkpoint format, `moejax.MoEParams`): `router_kernel` [D, E + Z],
   `w_gate_up` [E, D, 2F], `w_down` [E, F, D], and as the config asks `routing_bias` and
   `router_bias` [E + Z], `b_gate_up` [E, 2F], `b_down` [E, D], `shared_w_gate_up` [D, 2Fs],
-  `shared_w_down` [Fs, D], `shared_gate_kernel` [D, 1], `output_bias` [D]. Each carries
+  `shared_w_down` [Fs, D], `shared_gate_kernel` [D, 1], `output_bias` [D],
+  `shared_router_kernel` [D, S]. Each carries
   `out_sharding` metadata (E over the expert axis); with a mesh they are created sharded on
   it. Biases start at `bias_init`, matrices at `kernel_init`.
 

@@ -45,6 +45,8 @@ class MoEParams(NamedTuple):
       `config.lora_rank`.
     shared_lora: the shared experts' `moejax.lora.SharedLoRA`, or None unless
       `config.lora_rank` and shared experts.
+    shared_router_kernel: [D, S] the router's columns of the S shared experts, or None unless
+      `config.shared_expert_scores`.
 
   With `config.expert_quant`, `w_gate_up` and `w_down` are `BlockScaled` (values of the
   shapes above, their scales per block): constants for autodiff, never trained.
@@ -65,6 +67,7 @@ class MoEParams(NamedTuple):
   latent_out: jax.Array | None = None
   lora: ExpertLoRA | None = None
   shared_lora: SharedLoRA | None = None
+  shared_router_kernel: jax.Array | None = None
 
 
 # The adapter fields of `MoEParams` (pytrees of arrays, checked by `moejax.lora`).
@@ -244,6 +247,8 @@ def param_shapes(config: MoEConfig) -> dict[str, tuple[int, ...]]:
   if config.latent_size:
     shapes["latent_in"] = (d, w)
     shapes["latent_out"] = (w, d)
+  if config.shared_expert_scores:
+    shapes["shared_router_kernel"] = (d, config.num_shared_experts)
   return shapes
 
 

@@ -165,6 +165,41 @@ def _chosen_routing(
   return ids, weights * config.routed_scaling_factor
 
 
+def _with_shared_scores(tokens, logits, ids, p: MoEParams, config: MoEConfig):
+  """`config.shared_expert_scores`: (the routed weights [T, K], the shared experts' [T, S]),
+  each score over the chosen experts' and the shared experts' scores summed, scaled."""
+  scores = _scores(logits, config)
+  outputs = scores.shape[-1]
+  chosen = jnp.take_along_axis(scores, jnp.minimum(ids, outputs - 1), axis=-1)
+  chosen = jnp.where(ids < outputs, chosen, 0.0)  # ids routed nowhere
+  shared = _scores(jnp.matmul(tokens, p.shared_router_kernel, precision=_HIGHEST), config)
+  total = chosen.sum(-1, keepdims=True) + shared.sum(-1, keepdims=True)
+  scale = config.routed_scaling_factor / total
+  return chosen * scale, shared * scale
+
+
+def _scored_shared_experts(tokens, p: MoEParams, config: MoEConfig, weights) -> jax.Array:
+  """The S shared experts one by one, each output times its weight [T, S], summed."""
+  fs = p.shared_w_down.shape[0]
+  width = fs // config.num_shared_experts
+  out = jnp.zeros_like(tokens)
+  for s in range(config.num_shared_experts):
+    columns = slice(s * width, (s + 1) * width)
+    w_gate_up = jnp.concatenate(
+      [p.shared_w_gate_up[:, columns], p.shared_w_gate_up[:, fs:][:, columns]], axis=-1
+    )
+    expert = _mlp(
+      tokens,
+      w_gate_up,
+      p.shared_w_down[columns],
+      config,
+      activation=config.shared_activation or config.activation,
+      limit=config.shared_swiglu_limit,
+    )
+    out = out + weights[:, s : s + 1] * expert
+  return out
+
+
 def _logical(params: MoEParams, placement: Placement) -> MoEParams:
   """`params` with each per-expert field [P, ...] cut to its experts' first replicas [E, ...]."""
   first = jnp.asarray(placement.logical_to_physical)[:, 0]  # [E]
@@ -242,6 +277,9 @@ def reference_moe(
     None if expert_ids is None else jnp.asarray(expert_ids, jnp.int32).reshape(-1, config.top_k)
   )
   ids, weights = reference_routing(logits, config, p.routing_bias, given)
+  shared_weights = None
+  if config.shared_expert_scores:
+    weights, shared_weights = _with_shared_scores(tokens, logits, ids, p, config)
   if config.apply_router_weight_on_input:  # K = 1: expert(w * x), unweighted output
     expert_in = weights * tokens
     scale = lambda e: (ids == e).astype(jnp.float32)  # [T, 1]
@@ -260,7 +298,9 @@ def reference_moe(
     y = y + scale(e) * out
   if p.latent_out is not None:
     y = jnp.matmul(y, p.latent_out, precision=_HIGHEST)
-  if config.has_shared_experts:
+  if shared_weights is not None:  # each shared expert by its own weight
+    y = y + _scored_shared_experts(tokens, p, config, shared_weights) * config.shared_scaling_factor
+  elif config.has_shared_experts:
     shared = _mlp(
       tokens,
       p.shared_w_gate_up,

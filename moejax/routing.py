@@ -32,12 +32,16 @@ class Routing(NamedTuple):
       0 for padding tokens.
     invalid: [T, K] bool, given ids (routing replay) of valid tokens that route nowhere;
       all False when the router chose.
+    shared_weights: [T, S] float32 each shared expert's weight (`config.shared_expert_scores`:
+      its score, renormalized with the chosen experts' and scaled as they are; 0 for padding
+      tokens), else None.
   """
 
   expert_ids: jax.Array
   weights: jax.Array
   scores: jax.Array
   invalid: jax.Array
+  shared_weights: jax.Array | None = None
 
 
 class RouterStats(NamedTuple):
@@ -91,6 +95,7 @@ def route(
   config: MoEConfig,
   routing_bias: jax.Array | None,
   given_ids: jax.Array | None = None,
+  shared_logits: jax.Array | None = None,
 ) -> Routing:
   """Chooses K experts per token, as vLLM's `FusedMoE` select_experts does, or takes the given
   ones (routing replay).
@@ -107,6 +112,8 @@ def route(
       scores at those ids (for sparsemixer its weight rule around each given pick),
       renormalized and scaled as the config says. Invalid ids (see the module docstring)
       get weight 0 and route nowhere.
+    shared_logits: [T, S] the shared experts' logits (`config.shared_expert_scores`), or
+      None: their scores join the renormalization and weigh them.
 
   Returns:
     The `Routing` of the T tokens. Padding tokens route to no expert with weight 0.
@@ -138,15 +145,21 @@ def route(
     weights = jnp.where(valid, weights, 0.0)
     expert_ids = jnp.where(valid, expert_ids, padding_id(config))
     invalid = mask & ~valid
+  shared = None if shared_logits is None else _scores(shared_logits.astype(jnp.float32), config)
   if config.renormalize:
     total = jnp.sum(weights, axis=-1, keepdims=True)
-    weights = weights / jnp.where(total > 0, total, 1.0)  # 0 only when no choice is valid
-  weights = weights * config.routed_scaling_factor
+    if shared is not None:
+      total = total + jnp.sum(shared, axis=-1, keepdims=True)
+    total = jnp.where(total > 0, total, 1.0)  # 0 only when no choice is valid
+    weights = weights / total
+    shared = None if shared is None else shared / total
+  scaled = lambda w: jnp.where(mask, w * config.routed_scaling_factor, 0.0)
   return Routing(
     expert_ids=jnp.where(mask, expert_ids, padding_id(config)).astype(jnp.int32),
-    weights=jnp.where(mask, weights, 0.0),
+    weights=scaled(weights),
     scores=jnp.where(mask, scores, 0.0),
     invalid=invalid,
+    shared_weights=None if shared is None else scaled(shared),
   )
 
 

@@ -37,6 +37,7 @@ def gated_mlp(
   b_gate_up: jax.Array | None = None,
   b_down: jax.Array | None = None,
   lora: ExpertLoRA | SharedLoRA | None = None,
+  hidden_scale: jax.Array | None = None,
 ) -> jax.Array:
   """`combine(x @ W_gate + b_gate, x @ W_up + b_up) @ W_down + b_down`, accumulated in float32.
 
@@ -49,6 +50,8 @@ def gated_mlp(
     b_down: [D] bias, or None.
     lora: one expert's adapters (A [in, r], B [r, out] with the scale folded in), or None:
       each projection then adds `(rows @ A) @ B`.
+    hidden_scale: [M, F] float32 factors of the hidden layer before the down projection, or
+      None.
 
   Returns:
     [M, D] float32.
@@ -56,7 +59,10 @@ def gated_mlp(
   gate_up = _projection(x, w_gate_up, _gate_up_pair(lora))  # [M, 2F]
   if b_gate_up is not None:
     gate_up = gate_up + b_gate_up.astype(jnp.float32)[None, :]
-  hidden = activation(*jnp.split(gate_up, 2, axis=-1)).astype(x.dtype)  # [M, F]
+  hidden = activation(*jnp.split(gate_up, 2, axis=-1))  # [M, F]
+  if hidden_scale is not None:
+    hidden = hidden * hidden_scale
+  hidden = hidden.astype(x.dtype)
   out = _projection(hidden, w_down, _down_pair(lora))
   return out if b_down is None else out + b_down.astype(jnp.float32)[None, :]
 

@@ -71,6 +71,16 @@ OPTIONS = {
     num_shared_experts=1,
     shared_intermediate_size=8,
   ),
+  # Inkling's: two shared experts scored by the router, renormalized with the chosen ones
+  "inkling": dict(
+    scoring="sigmoid",
+    use_routing_bias=True,
+    renormalize=True,
+    routed_scaling_factor=1.5,
+    num_shared_experts=2,
+    shared_intermediate_size=16,
+    shared_expert_scores=True,
+  ),
 }
 
 

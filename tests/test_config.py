@@ -47,6 +47,25 @@ BASE = dict(num_experts=8, top_k=2, hidden_size=16, intermediate_size=32)
     (dict(shared_activation="relu2"), "shared_activation must be one of"),
     (dict(up_softcap=0.0), "up_softcap must be > 0"),
     (dict(shared_swiglu_limit=0.0), "shared_swiglu_limit must be > 0 or None"),
+    (
+      dict(shared_expert_scores=True, num_shared_experts=3, shared_intermediate_size=10),
+      "shared_intermediate_size divides by num_shared_experts",
+    ),
+    (
+      dict(shared_expert_scores=True, num_shared_experts=2, shared_intermediate_size=8),
+      "needs renormalize=True and scoring 'sigmoid' or 'sqrtsoftplus'",
+    ),
+    (
+      dict(
+        shared_expert_scores=True,
+        num_shared_experts=2,
+        shared_intermediate_size=8,
+        renormalize=True,
+        scoring="sigmoid",
+        shared_expert_gate=True,
+      ),
+      "both weigh the shared experts",
+    ),
     (dict(latent_size=-8), "latent_size must be >= 0"),
     (dict(latent_size=8, num_zero_experts=2), "neither num_zero_experts"),
     (dict(router_logit_softcap=-1.0), "router_logit_softcap must be >= 0"),

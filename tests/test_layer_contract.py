@@ -197,7 +197,7 @@ BOTH_SCHEMES = ("gpt_oss", "longcat", "all-experts")
 
 class TestAllGather(LayerContract):
   scheme = "all_gather"
-  options = (*BOTH_SCHEMES, "softmax", "grouped", "llama4", "qwen2_moe")
+  options = (*BOTH_SCHEMES, "softmax", "grouped", "llama4", "qwen2_moe", "inkling")
   fast_options = options
 
 

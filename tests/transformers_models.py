@@ -41,6 +41,12 @@ _DOTS3_NOTE = dict(
   index_n_heads=2, pad_token_id=0, bos_token_id=1, eos_token_id=2,
   mlp_layer_types=["dense", "sparse", "sparse"],
 )  # fmt: skip
+_INKLING = dict(
+  n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=24, n_shared_experts=2,
+  head_dim=8, route_scale=1.5, swa_num_attention_heads=2, swa_num_key_value_heads=2,
+  swa_head_dim=8, d_rel=4, sliding_window_size=8, rel_extent=8, intermediate_size=24,
+  mlp_layer_types=["dense", "sparse", "sparse"],
+)  # fmt: skip
 _INKLING2 = dict(
   n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=24, head_dim=8,
   mlp_gate_softcap=1.0, mlp_up_softcap=2.0, route_scale=1.5, unpadded_vocab_size=32,
@@ -200,6 +206,8 @@ FAMILIES = {
   "glm4_moe": (dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=24,
                     intermediate_size=24, n_shared_experts=1, first_k_dense_replace=1,
                     n_group=4, topk_group=2, norm_topk_prob=True, head_dim=8), 1),
+  "inkling_text": (_INKLING, 1),
+  "inkling_mm_model": (_INKLING, 1),
   "inkling2_text": (_INKLING2, 1),
   "inkling2": (_INKLING2, 1),
   "inkling2_loop_text": (dict(**_INKLING2, loop_layer_index_start=1, loop_layer_index_end=2), 1),
@@ -295,6 +303,9 @@ _OTHER_TOWERS = {
     audio_config=dict(d_model=16, encoder_layers=1, encoder_attention_heads=2,
                       encoder_ffn_dim=16, output_dim=16, downsample_hidden_size=16),
   ),
+  "inkling_mm_model": dict(
+    audio_config=dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2),
+  ),
   "dots3_note": dict(
     audio_config=dict(hidden_size=16, intermediate_size=16, num_hidden_layers=1,
                       num_attention_heads=2, downsample_hidden_size=16, adapter_input_size=16,
@@ -364,6 +375,10 @@ _MULTIMODAL = {
   "ernie4_5_vl_moe": (
     "Ernie4_5_VLMoeForConditionalGeneration",
     dict(depth=1, hidden_size=16, num_heads=2, intermediate_size=16),
+  ),
+  "inkling_mm_model": (
+    "InklingForConditionalGeneration",
+    dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2),
   ),
   "step3p7": (
     "Step3p7ForConditionalGeneration",

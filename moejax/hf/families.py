@@ -220,6 +220,8 @@ class Family:
     shared_names: the shared experts' gate, up and down projections' names, or two: a fused
       gate-up projection [2Fs, D] (gate rows first) and the down one (Granite's).
     shared_sizes: how config.json gives them (`Shared`), or None.
+    shared_stack: the shared experts stored as an expert stack ([S, ...] tensors, Inkling's),
+      read with this layout, or None: linear layers (`shared`, `shared_names`).
     router_bias: the router's bias key, or None.
     selection_bias: the selection-only bias key (DeepSeek's `e_score_correction_bias`);
       a leading "../" climbs out of the block (Kolibri-1's is beside it).
@@ -232,6 +234,8 @@ class Family:
       out of it (Nemotron-H's `fc1_latent_proj`, `fc2_latent_proj`), or None.
     expert_scale: each expert's output scale [E] key (Gemma 4's `router.per_expert_scale`),
       folded into its down projection as it loads, or None.
+    output_scale: a [1] scale of every expert's weight, routed and shared (Inkling's
+      `gate.global_scale`), folded into their down projections as it loads, or None.
     hash_routes: the [V, K] token id -> expert ids table of the layers that route by token
       id (DeepSeek-V4's first layers: `gate.tid2eid`), or None; such a layer has no
       selection bias (it is read as 0: the given ids choose, never the bias).
@@ -256,6 +260,7 @@ class Family:
   shared: str | None = None
   shared_names: tuple[str, ...] = ("gate_proj", "up_proj", "down_proj")
   shared_sizes: Shared | None = None
+  shared_stack: Layout | None = None
   router_bias: str | None = None
   selection_bias: str | None = None
   selection_bias_row: int | None = None
@@ -263,6 +268,7 @@ class Family:
   shared_gate: str | None = None
   output_bias: str | None = None
   expert_scale: str | None = None
+  output_scale: str | None = None
   latent: tuple[str, str] | None = None
   hash_routes: str | None = None
   derived: Callable[[dict], dict] | None = None
@@ -442,6 +448,12 @@ _INKLING2 = Family(
   (Fused("experts.w13_weight", "experts.w2_weight", interleaved=True),),
   selection_bias="gate.bias", module="model.layers.{layer}.mlp",
 )
+_INKLING = dict(
+  **_sizes("n_routed_experts", "num_experts_per_tok", "moe_intermediate_size"),
+  scoring="sigmoid", use_routing_bias=True, renormalize=True,
+  routed_scaling_factor=Read("route_scale", 8.0, float), shared_expert_scores=True,
+)
+_INKLING_SHARED = Shared(Read("n_shared_experts", 2), Read("moe_intermediate_size", 3072))
 _GRANITE_SHARED = dict(
   shared="../shared_mlp", shared_names=("input_linear", "output_linear"),
   shared_sizes=Shared(1, Read("shared_intermediate_size", 0)),
@@ -712,6 +724,27 @@ FAMILIES: dict[str, Family] = {
   "ernie4_5_vl_moe": dataclasses.replace(
     _ernie_vl_part(0), parts={"text": _ernie_vl_part(0), "vision": _ernie_vl_part(1)}
   ),
+  # Inkling: sigmoid scores with a selection-only bias, times `route_scale`; the router also
+  # scores its shared experts, renormalized with the chosen ones (`shared_expert_scores`);
+  # both stored as stacks; `global_scale` folded into every down projection. Saved as a
+  # text model (transformers' names) or as its multimodal model (its own, under `model.llm.`).
+  "inkling_text": Family(
+    "model.layers.{layer}.mlp", "gate.weight", _INKLING,
+    (Fused(),), shared_sizes=_INKLING_SHARED,
+    shared_stack=Stacked("shared_experts.gate_proj", "shared_experts.up_proj",
+                         "shared_experts.down_proj"),
+    selection_bias="gate.e_score_correction_bias", output_scale="gate.global_scale",
+    moe_layer=_listed_or(_every_layer),
+  ),
+  "inkling_mm_model": Family(
+    "model.llm.layers.{layer}.mlp", "gate.weight", _INKLING,
+    (Fused("experts.w13_weight", "experts.w2_weight", interleaved=True),),
+    shared_sizes=_INKLING_SHARED,
+    shared_stack=Fused("shared_experts.shared_w13_weight", "shared_experts.shared_w2_weight",
+                       interleaved=True),
+    selection_bias="gate.bias", output_scale="gate.global_scale",
+    moe_layer=_listed_or(_every_layer), module="model.language_model.layers.{layer}.mlp",
+  ),
   # Step-3.5 (text) and Step-3.7 (its vision-language model, the same keys): sigmoid scores
   # with a selection-only bias, renormalized and scaled; each projection of all experts one
   # tensor; a shared expert beside the block; SwiGLU clamped per layer, after the gate's
@@ -822,6 +855,7 @@ _TEXT_CONFIG = (
   "inkling2_loop",
   "step3p7",
   "ernie4_5_vl_moe",
+  "inkling_mm_model",
 )
 NESTED_TEXT = {
   **dict.fromkeys(_TEXT_CONFIG, "text_config"),

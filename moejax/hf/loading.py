@@ -193,12 +193,42 @@ def _set_layer(stack: jax.Array, layer: jax.Array, position: jax.Array) -> jax.A
   return stack.at[position].set(layer)
 
 
+def _router(files: SafetensorsFiles, weight: str, family: Family, config: MoEConfig) -> dict:
+  """The router's kernel [D, E + Z] from its stored weight ([E + Z, D], or [D, E + Z] with
+  `router_input_major`); with `config.shared_expert_scores` the weight holds the S shared
+  experts' rows last, which are `shared_router_kernel` [D, S]."""
+  d, outputs = config.hidden_size, config.num_router_outputs
+  rows = outputs + (config.num_shared_experts if config.shared_expert_scores else 0)
+  if family.router_input_major:
+    kernel = files.get(weight, (d, rows))
+  else:
+    kernel = files.get(weight, (rows, d)).T
+  if not config.shared_expert_scores:
+    return {"router_kernel": kernel}
+  return {"router_kernel": kernel[:, :outputs], "shared_router_kernel": kernel[:, outputs:]}
+
+
+def _shared_stack(files: SafetensorsFiles, key, layout, config: MoEConfig) -> dict:
+  """Shared experts stored as a stack of S experts ([S, D, 2w] and [S, w, D] as `layout`
+  reads them, w = Fs / S) as moejax's one fused MLP: gate columns of expert s at [s w,
+  (s+1) w), up columns after all gates, down rows likewise."""
+  s, d = config.num_shared_experts, config.hidden_size
+  width = config.shared_intermediate_size // s
+  stack = layout.floats(files, key, s, d, width)
+  fused = lambda half: half.transpose(1, 0, 2).reshape(d, s * width)  # [S, D, w] -> [D, S w]
+  gate, up = stack["w_gate_up"][..., :width], stack["w_gate_up"][..., width:]
+  return {
+    "shared_w_gate_up": np.concatenate([fused(gate), fused(up)], axis=1),
+    "shared_w_down": stack["w_down"].reshape(s * width, d),
+  }
+
+
 def _scaled_down(w_down, scale: np.ndarray) -> np.ndarray:
   """[E, F, D] down projections with each expert's output scale [E] folded in."""
   if is_block_scaled(w_down):
     raise NotImplementedError(
-      "per-expert output scales (Gemma 4's per_expert_scale) fold into float down projections "
-      "only: this checkpoint's experts are quantized"
+      "output scales (Gemma 4's per_expert_scale, Inkling's global_scale) fold into float "
+      "down projections only: this checkpoint's experts are quantized"
     )
   return w_down * scale[:, None, None]
 
@@ -221,10 +251,7 @@ def _read_layer(files: SafetensorsFiles, block: str, family: Family, config: MoE
   w = config.expert_width  # the experts' rows: D, or a latent width
   outputs = config.num_router_outputs
   key = lambda name: beside(block, name)
-  if family.router_input_major:
-    values = {"router_kernel": files.get(key(family.router), (d, outputs))}
-  else:
-    values = {"router_kernel": files.get(key(family.router), (outputs, d)).T}
+  values = _router(files, key(family.router), family, config)
   if family.router_bias and config.router_bias:
     values["router_bias"] = files.get(key(family.router_bias), (outputs,))
   hashed = family.hash_routes is not None and key(family.hash_routes) in files
@@ -243,7 +270,9 @@ def _read_layer(files: SafetensorsFiles, block: str, family: Family, config: MoE
   values.update(layout.read(files, key, config.expert_quant, e, w, f, config.quant_block))
   if family.expert_scale:
     values["w_down"] = _scaled_down(values["w_down"], files.get(key(family.expert_scale), (e,)))
-  if config.has_shared_experts and family.shared:
+  if config.has_shared_experts and family.shared_stack:
+    values.update(_shared_stack(files, key, family.shared_stack, config))
+  elif config.has_shared_experts and family.shared:
     fs = config.shared_intermediate_size
     shapes = ((2 * fs, d), (d, fs)) if family.shared_fused else ((fs, d), (fs, d), (d, fs))
     *gate_up, down = (
@@ -252,6 +281,11 @@ def _read_layer(files: SafetensorsFiles, block: str, family: Family, config: MoE
     )
     values["shared_w_gate_up"] = np.concatenate([w.T for w in gate_up], axis=1)
     values["shared_w_down"] = down.T
+  if family.output_scale:  # every expert's weight, routed and shared, by one scale
+    scale = files.get(key(family.output_scale), (1,))
+    values["w_down"] = _scaled_down(values["w_down"], np.broadcast_to(scale, (e,)))
+    if "shared_w_down" in values:
+      values["shared_w_down"] = values["shared_w_down"] * scale
   if config.latent_size and family.latent:
     into, out_of = family.latent
     values["latent_in"] = files.get(key(into), (w, d)).T
