@@ -14,7 +14,8 @@ stop the others), each writing `DIR/<part>.json` as it goes:
   xla_paths  the layer's two XLA expert paths (sort + ragged_dot, the tile loop) by number of
              local experts: the measurement behind `moejax.plan.plan_experts`
   decode     every expert path (ragged_dot, tile loop, the device's kernel) at T = 1, 8, 64,
-             256 rows, El = 32, against the bytes floor: the measurement `decode_sized` awaits
+             256 rows, El = 32, against the bytes floor: what `moejax.plan`'s XLA rule for
+             small calls follows
   quant      gmm and moe_mlp on each quantized format a kernel takes against bf16, at 128,
              512 and 4096 tokens on DeepSeek-V3's expert shard (`gpu_kernels.run_quant`)
   chunks     the layer's forward on DeepSeek-V3's expert shard (one device, bf16) with
@@ -296,7 +297,7 @@ def _expert_operands(experts: int, tokens: int, d: int, f: int, top_k: int = 2):
 def part_decode(out: Path, smoke: bool, record: Recorder) -> None:
   """Every expert path at decode sizes (T = 1, 8, 64, 256 rows on one device, El = 32):
   time against the bytes floor, the used experts' weights read once. The measurement
-  `moejax.plan.decode_sized` is to be checked against."""
+  `moejax.plan`'s XLA rule for small calls (`RAGGED_DOT_MAX_ROWS`) follows."""
   experts, d, f = (8, 64, 32) if smoke else (32, 2048, 1024)
   for tokens in (1, 8) if smoke else (1, 8, 64, 256):
     operands = _expert_operands(experts, tokens, d, f)
