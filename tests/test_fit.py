@@ -13,7 +13,7 @@ import pytest
 from kernels_pallas import platform
 from kernels_pallas.gpus import GPUS
 from moejax import fit as planner
-from moejax import plan_call, targets, tuning
+from moejax import hf, plan_call, targets, tuning
 from moejax.apps import fit_cli, fit_search
 from moejax.apps.cli import main
 from tests.gpu_tier import GPU_COMPILE_TIER, no_persistent_compilation_cache  # noqa: F401
@@ -264,7 +264,8 @@ def test_find_prints_a_command_whose_own_report_fits(tmp_path, capsys):
 
 def test_a_family_with_per_layer_clamps_plans_with_its_first_moe_layers_config():
   """Step-3.7's layers differ only in their clamps: fit plans with its first MoE layer's
-  config; a block with one MoE layer per token type (ERNIE-4.5-VL) is refused by name."""
+  config (a list of clamps without a layer's entry is an error naming it); a block with one
+  MoE layer per token type (ERNIE-4.5-VL) is refused by name."""
   step = dict(
     model_type="step3p5", hidden_size=64, n_routed_experts=8, num_experts_per_tok=2,
     moe_intermediate_size=32, share_expert_dim=32, num_hidden_layers=4,
@@ -276,5 +277,7 @@ def test_a_family_with_per_layer_clamps_plans_with_its_first_moe_layers_config()
     7.0,
     8,
   )
+  with pytest.raises(ValueError, match="swiglu_limits has 2 entries, none for layer 3"):
+    hf.config_from_hf({**step, "swiglu_limits": [0, 7.0]}, layer=3)
   with pytest.raises(NotImplementedError, match=r"\['text', 'vision'\]"):
     planner._config(dict(model_type="ernie4_5_vl_moe", hidden_size=64), "infer", "released", 16)

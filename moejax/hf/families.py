@@ -140,6 +140,8 @@ def _step_clamps(hf: dict, layer: int) -> dict:
 
   def limit(key: str) -> float | None:
     limits = Read(key, None)(hf)
+    if limits and layer >= len(limits):
+      raise ValueError(f"config.json's {key} has {len(limits)} entries, none for layer {layer}")
     return float(limits[layer]) if limits and limits[layer] else None
 
   options = {}
