@@ -515,12 +515,7 @@ class MoEConfig:
   def shared_gated_activation(self) -> GatedActivation:
     """How the shared experts combine gate and up (`shared_activation`, else `activation`;
     `shared_swiglu_limit`, else `swiglu_limit`)."""
-    return self._activation(self.shared_activation or self.activation, self.shared_limit)
-
-  @property
-  def shared_limit(self) -> float:
-    """The shared experts' clamp limit: `shared_swiglu_limit`, else `swiglu_limit`."""
-    return self.swiglu_limit if self.shared_swiglu_limit is None else self.shared_swiglu_limit
+    return self._activation(self.shared_activation or self.activation, self.shared_swiglu_limit)
 
   def _activation(self, name: str, limit: float | None = None) -> GatedActivation:
     limit = self.swiglu_limit if limit is None else limit

@@ -259,9 +259,11 @@ def test_a_decode_size_call_reads_only_the_experts_it_uses_on_the_gpu():
 @pytest.mark.parametrize("num_experts, path", [(32, "ragged_dot"), (256, "tile_loop")])
 def test_the_chunk_budget_bounds_the_gpu_gradient(num_experts, path):
   """On a (2, 4) H200 mesh at 16,384 tokens per device and a 64 MiB budget, for both XLA
-  paths: the chunk "auto" picks adds at most its `chunk_bytes` to the gradient's compiled
-  temp (against chunks of 8 rows), and the whole temp is at most the budget plus what no
-  chunk bounds. (ragged_dot's gradient used to add 6x its estimate: `ragged_dot_bytes`.)"""
+  paths (8 local experts: ragged_dot at the small chunk the budget allows; 64, more than
+  ragged_dot takes: the tile loop, at chunk 8 too): the chunk "auto" picks adds at most its
+  `chunk_bytes` to the gradient's compiled temp (against chunks of 8 rows), and the whole
+  temp is at most the budget plus what no chunk bounds. (ragged_dot's gradient used to add
+  6x its estimate: `ragged_dot_bytes`.)"""
   mesh, tokens = targets.target_mesh("h200", (2, 4)), 16384
   config = MoEConfig(
     **LAYER | dict(num_experts=num_experts, top_k=2), **BF16, chunk_memory_bytes=64 << 20

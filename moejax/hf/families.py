@@ -151,7 +151,8 @@ def _step_clamps(hf: dict, layer: int) -> dict:
   ):
     bound = limit(key)
     options[activation] = "silu" if bound is None else "swiglu_clamped_after"
-    options.update({} if bound is None else {limit_field: bound})
+    if bound is not None:
+      options[limit_field] = bound
   return options
 
 
