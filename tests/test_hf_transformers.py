@@ -90,7 +90,10 @@ def loaded_layers(path, layers, part):
 
 def layer_inputs(block, model_type: str, x: np.ndarray):
   """moejax's layer's inputs for the block's input x [T, D]: (its x, router logits or None).
-  Gemma 4's experts read x through their own norm, its router through another."""
+  Gemma 4's experts read x through their own norm, its router through another; Doge's
+  block routes a batch by mixed logits (`doge_batch_logits`)."""
+  if model_type == "doge":
+    return jnp.asarray(x), jnp.asarray(doge_batch_logits(block, x))
   if not model_type.startswith("gemma4"):
     return jnp.asarray(x), None
   router = block.router
@@ -102,10 +105,20 @@ def layer_inputs(block, model_type: str, x: np.ndarray):
   return jnp.asarray(inputs.numpy()), jnp.asarray(logits.numpy())
 
 
+def doge_batch_logits(block, x: np.ndarray) -> np.ndarray:
+  """The [T, E] logits Doge's block routes tokens x [T, D] by in one forward pass: its
+  product-key logits [T, 2 n] read as [2, T, n] (a token's x keys are half of token t // 2's
+  logits, its y keys half of token (T + t) // 2's: transformers notes that this mixes tokens),
+  expert a n + b scored x_a + y_b. A token alone (generation) is routed by its own logits."""
+  with torch.no_grad():
+    keys = block.router_gate(torch.from_numpy(x)).reshape(2, len(x), -1).numpy()
+  return (keys[0][:, :, None] + keys[1][:, None, :]).reshape(len(x), -1)
+
+
 def is_moe_block(block) -> bool:
-  """Whether a decoder layer's FFN module is an MoE block: experts, JetMoE's router, or
-  ERNIE-4.5-VL's text and vision blocks."""
-  return any(hasattr(block, name) for name in ("experts", "router", "text_moe"))
+  """Whether a decoder layer's FFN module is an MoE block: experts, JetMoE's router, Doge's
+  product keys, or ERNIE-4.5-VL's text and vision blocks."""
+  return any(hasattr(block, name) for name in ("experts", "router", "router_gate", "text_moe"))
 
 
 def decoder_norm(block, model_type: str, y) -> np.ndarray:
@@ -207,3 +220,19 @@ def test_a_step3p5_text_checkpoint_reads_as_step3p7s_text_model(tmp_path, reques
   chex.assert_trees_all_equal(
     hf.load_layer(tmp_path / "text", layer), hf.load_layer(tmp_path / "vl", layer)
   )
+
+
+def test_doge_routes_a_token_alone_by_its_own_logits(tmp_path, request):
+  """Doge's loaded router kernel (its product keys' sums) routes each token by its own
+  logits: moejax's layer on a batch gives what transformers' block gives each token alone
+  (as in generation), which is not what the block gives the batch at once."""
+  seed = seed_of(request.node.name)
+  fields, layer = FAMILIES["doge"]
+  model = hf_checkpoint("doge", dict(fields), tmp_path, seed % 2**31)
+  config = hf.config_from_hf(tmp_path, chunk_size=5)
+  x = np.random.default_rng(seed).standard_normal((12, 16)).astype(np.float32)
+  block = model.get_submodule(hf.family_of("doge").loaded_block(layer))
+  alone = np.concatenate([block_output(block, token[None]) for token in x])
+  y, _ = moe_apply(hf.load_layer(tmp_path, layer), jnp.asarray(x), config=config)
+  chex.assert_trees_all_close(y, alone, **tolerance(comparison="torch"))
+  assert not np.allclose(block_output(block, x), alone, atol=1e-2)

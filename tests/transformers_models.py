@@ -229,6 +229,8 @@ FAMILIES = {
                    swiglu_limits=[0, 0.5, 0], swiglu_limits_shared=[0, 0.7, 0]), 1),
   "gpt_oss": (dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=24,
                    swiglu_limit=1.0, head_dim=8, **_TYPES), 2),
+  # 18 experts: product keys of 4 + 4 logits reach the first 16
+  "doge": (dict(num_experts=18, num_experts_per_tok=3, intermediate_size=24, is_moe=True), 1),
   "llama4_text": (dict(num_local_experts=4, num_experts_per_tok=1, intermediate_size=24,
                        intermediate_size_mlp=24, interleave_moe_layer_step=2,
                        no_rope_layers=[1] * LAYERS, head_dim=8), 1),

@@ -5,10 +5,11 @@ stored and which decoder layers are MoE layers. Adding a family is adding a row.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from typing import Any
 
-from moejax.hf.layouts import Flat, Fused, Layout, PerExpert, Stacked
+from moejax.hf.layouts import Flat, Fused, Layout, Neurons, PerExpert, Stacked
 
 _REQUIRED = object()
 
@@ -115,9 +116,10 @@ def _with_experts(hf: dict, layer: int, layers: int) -> bool:
   return bool(Read("num_local_experts", 8)(hf))
 
 
-def _moe_enabled(hf: dict, layer: int, layers: int) -> bool:
-  """Gemma 4's: every layer where `enable_moe_block` is on."""
-  return bool(Read("enable_moe_block", False)(hf))
+def _when(flag: str) -> LayerRule:
+  """Every layer where config.json's `flag` is true, else none (Gemma 4's `enable_moe_block`,
+  Doge's `is_moe`)."""
+  return lambda hf, layer, layers: bool(Read(flag, False)(hf))
 
 
 _NEMOTRON_H_KINDS = Read(("layers_block_type", "hybrid_override_pattern"))
@@ -157,7 +159,7 @@ def _step_clamps(hf: dict, layer: int) -> dict:
 
 
 def _no_mlp_bias(hf: dict) -> dict:
-  """Step's experts have no biases; its shared expert's (`mlp_bias`) are not read."""
+  """The shared expert's biases (Step's and Doge's `mlp_bias`) are not read."""
   if Read("mlp_bias", False)(hf):
     raise NotImplementedError("mlp_bias=True: the shared expert's biases are not read")
   return {}
@@ -197,6 +199,12 @@ def _squared_relu(hf: dict) -> dict:
   return dict(activation="relu")
 
 
+def _product_keys_reach(experts: int) -> int:
+  """Doge's n^2 experts its product keys reach, n = floor(sqrt(`num_experts`)): the others
+  are never chosen and are not loaded."""
+  return math.isqrt(experts) ** 2
+
+
 def _jamba_period(hf: dict, layer: int, layers: int) -> bool:
   """Jamba's: layer % `expert_layer_period` == `expert_layer_offset`."""
   return layer % Read("expert_layer_period", 2)(hf) == Read("expert_layer_offset", 1)(hf)
@@ -231,6 +239,9 @@ class Family:
     selection_bias_row: the row of a [parts, E] selection bias that is this part's
       (ERNIE-4.5-VL's), or None: the bias is [E] (or [1, E]).
     router_input_major: the router's weight is stored [D, E] (ERNIE-4.5-VL's), not [E, D].
+    product_keys: the router's weight is [2 n, D] of product keys (Doge's `router_gate`):
+      n logits x and n logits y, expert a n + b scored x_a + y_b; loaded as the kernel
+      [D, E] of those sums (E = n^2), which routes each token by its own logits.
     shared_gate: the shared experts' [1, D] gate weight key, or None.
     output_bias: the block's output bias [D] key (JetMoE's `bias`), or None.
     latent: the latent projections' weight keys, [L, D] into the experts' width and [D, L]
@@ -268,6 +279,7 @@ class Family:
   selection_bias: str | None = None
   selection_bias_row: int | None = None
   router_input_major: bool = False
+  product_keys: bool = False
   shared_gate: str | None = None
   output_bias: str | None = None
   expert_scale: str | None = None
@@ -439,7 +451,7 @@ _GRANITE = Family(  # Mixtral's config fields and routing
 _GEMMA4 = Family(
   "model.layers.{layer}", "router.proj.weight",
   dict(**_sizes("num_experts", "top_k_experts", "moe_intermediate_size"), renormalize=True),
-  (Fused(),), expert_scale="router.per_expert_scale", moe_layer=_moe_enabled,
+  (Fused(),), expert_scale="router.per_expert_scale", moe_layer=_when("enable_moe_block"),
 )
 _INKLING2 = Family(
   "model.llm.layers.{layer}.mlp", "gate.weight",
@@ -785,6 +797,17 @@ FAMILIES: dict[str, Family] = {
   # through its own norm: pass that input's logits (`router_logits=`).
   "gemma4_text": _GEMMA4,
   "gemma4": dataclasses.replace(_GEMMA4, block="model.language_model.layers.{layer}"),
+  # Doge: product-key retrieval (`product_keys`) of single-neuron experts (`Neurons`), a
+  # softmax over the chosen logits, beside its gated MLP on the block itself (its shared
+  # expert); every layer where `is_moe`.
+  "doge": Family(
+    "model.layers.{layer}.mlp", "router_gate.weight",
+    dict(num_experts=Read("num_experts", 16384, _product_keys_reach),
+         top_k=Read("num_experts_per_tok", 64), intermediate_size=1, renormalize=True,
+         expert_bias=True),
+    (Neurons(),), shared="../mlp", shared_sizes=Shared(1, Read("intermediate_size")),
+    product_keys=True, derived=_no_mlp_bias, moe_layer=_when("is_moe"),
+  ),
   "jamba": Family(
     "model.layers.{layer}.feed_forward", "router.weight",
     _sizes("num_experts", "num_experts_per_tok", "intermediate_size"),

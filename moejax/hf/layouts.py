@@ -1,6 +1,7 @@
 """How families store their routed experts in safetensors files (`PerExpert` linear layers,
-`Fused` 3-D tensors, DBRX's `Flat` ones), float or quantized, and the readers of each
-format's tensors; every reader returns moejax's layout ([in, out]) on the host."""
+`Fused` 3-D tensors, DBRX's `Flat` ones, Step's `Stacked` ones, Doge's `Neurons`), float or
+quantized, and the readers of each format's tensors; every reader returns moejax's layout
+([in, out]) on the host."""
 
 from __future__ import annotations
 
@@ -279,6 +280,39 @@ class Stacked(Layout):
     down = files.get(key(self.down), (e, d, f))
     gate_up = np.concatenate([gate, up], axis=1)
     return {"w_gate_up": gate_up.transpose(0, 2, 1), "w_down": down.transpose(0, 2, 1)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Neurons(Layout):
+  """Doge's single-neuron experts: embeddings `down` [E', D] and `up` [E', D], expert e
+  computing act(x . down_e) * up_e; its product keys reach the first E rows (E' may be more).
+  They load as gated experts of F = 1 whose up projection is the constant 1 (weight 0, bias
+  1), so act(gate) * up = act(x . down_e), and whose down projection is up_e (bias 0)."""
+
+  down: str = "down_embed.weight"
+  up: str = "up_embed.weight"
+
+  def present(self, files, key) -> bool:
+    return key(self.down) in files
+
+  def floats(self, files, key, e, d, f) -> dict:
+    if f != 1:
+      raise ValueError(f"{key(self.down)}: single-neuron experts have intermediate_size 1, got {f}")
+    down, up = (_leading_rows(files, key(name), e, d) for name in (self.down, self.up))
+    return {
+      "w_gate_up": np.stack([down, np.zeros_like(down)], axis=-1),  # [E, D, 2]
+      "w_down": up[:, None, :],  # [E, 1, D]
+      "b_gate_up": np.tile(np.array([0.0, 1.0], np.float32), (e, 1)),
+      "b_down": np.zeros((e, d), np.float32),
+    }
+
+
+def _leading_rows(files: SafetensorsFiles, key: str, rows: int, cols: int) -> np.ndarray:
+  """The first `rows` rows of a stored [>= rows, cols] tensor."""
+  value = files.get(key)
+  if value.ndim != 2 or value.shape[0] < rows or value.shape[1] != cols:
+    raise ValueError(f"{key} has shape {value.shape}, expected [>= {rows}, {cols}]")
+  return value[:rows]
 
 
 def float_linear(files: SafetensorsFiles, weight: str, shape, config: MoEConfig) -> np.ndarray:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import math
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -194,11 +195,15 @@ def _set_layer(stack: jax.Array, layer: jax.Array, position: jax.Array) -> jax.A
 
 
 def _router(files: SafetensorsFiles, weight: str, family: Family, config: MoEConfig) -> dict:
-  """The router's kernel [D, E + Z] from its stored weight ([E + Z, D], or [D, E + Z] with
-  `router_input_major`); with `config.shared_expert_scores` the weight holds the S shared
-  experts' rows last, which are `shared_router_kernel` [D, S]."""
+  """The router's kernel [D, E + Z] from its stored weight ([E + Z, D], [D, E + Z] with
+  `router_input_major`, or Doge's product keys); with `config.shared_expert_scores` the
+  weight holds the S shared experts' rows last, which are `shared_router_kernel` [D, S]."""
   d, outputs = config.hidden_size, config.num_router_outputs
   rows = outputs + (config.num_shared_experts if config.shared_expert_scores else 0)
+  if family.product_keys:  # expert a n + b: key a's logit plus key b's
+    keys = math.isqrt(outputs)
+    x_keys, y_keys = files.get(weight, (2 * keys, d)).reshape(2, keys, d)
+    return {"router_kernel": (x_keys[:, None] + y_keys[None, :]).reshape(outputs, d).T}
   if family.router_input_major:
     kernel = files.get(weight, (d, rows))
   else:
