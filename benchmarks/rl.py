@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import AxisType
 
-from moejax import MoEConfig, balancing, moe_apply
+from moejax import MoEConfig, balancing, moe_apply, routing
 from moejax.testing import random_params
 
 CONFIG = MoEConfig(
@@ -82,23 +82,26 @@ SKEW = 0.5  # standard deviation of the fixed per-expert logit offsets
 
 
 def balancing_rows() -> list[dict]:
-  """max/mean load at chosen steps, with the update at `RATE` and without it."""
+  """max/mean load at chosen steps, with the update at `RATE` and without it. Each step
+  routes its tokens as the layer does (`moejax.routing`, whose counts are the layer's
+  `expert_counts`) and skips the experts, whose outputs move no load."""
   params = random_params(BALANCING, jax.random.key(0))
   skew = SKEW * jax.random.normal(jax.random.key(1), (BALANCING.num_experts,))
-  params = params._replace(router_bias=skew, routing_bias=jnp.zeros(BALANCING.num_experts))
+  every_token = jnp.ones(BALANCING_TOKENS, bool)
 
   @jax.jit
   def step(bias, key, rate):
     x = jax.random.normal(key, (BALANCING_TOKENS, BALANCING.hidden_size))
-    _, aux = moe_apply(params._replace(routing_bias=bias), x, config=BALANCING)
-    moved = balancing.bias_update(
-      bias, aux.expert_counts, rate=rate, num_experts=BALANCING.num_experts
-    )
-    return moved, aux.load_max_over_mean
+    logits = routing.router_logits(x, params.router_kernel, skew)
+    counts = routing.router_stats(
+      logits, routing.route(logits, every_token, BALANCING, bias), every_token
+    ).expert_counts[: BALANCING.num_experts]
+    moved = balancing.bias_update(bias, counts, rate=rate, num_experts=BALANCING.num_experts)
+    return moved, routing.load_max_over_mean(counts)
 
   loads = {}
   for name, rate in (("without", 0.0), ("with", RATE)):
-    bias, trace = params.routing_bias, []
+    bias, trace = jnp.zeros(BALANCING.num_experts), []
     for i in range(STEPS):
       bias, load = step(bias, jax.random.key(100 + i), rate)
       trace.append(float(load))

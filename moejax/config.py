@@ -27,6 +27,7 @@ Scoring = Literal["softmax", "sigmoid", "sqrtsoftplus", "sparsemixer"]
 GroupScore = Literal["max", "top2_sum"]
 BiasTarget = Literal["scores", "logits"]
 DroppedGroups = Literal["excluded", "zeroed"]
+ZeroExpertOutput = Literal["input", "none"]
 ExpertBackend = Literal["xla", "pallas", "auto"]
 Dispatch = Literal["all_gather", "all_to_all", "auto"]
 # The exchange schemes a call runs ("auto" resolved).
@@ -39,6 +40,7 @@ _SCORINGS = get_args(Scoring)
 _GROUP_SCORES = (*get_args(GroupScore), None)
 _BIAS_TARGETS = get_args(BiasTarget)
 _DROPPED_GROUPS = get_args(DroppedGroups)
+_ZERO_EXPERT_OUTPUTS = get_args(ZeroExpertOutput)
 BACKENDS = get_args(ExpertBackend)
 DISPATCHES = get_args(Dispatch)
 
@@ -128,6 +130,9 @@ class MoEConfig:
       experts' scores). Needs `use_routing_bias` for "logits".
     router_bias: the router has a bias `router_bias` [E + Z], added to its logits (GPT-OSS): it
       changes both the selection and the weights.
+    external_router: the layer has no router kernel: every call passes its logits,
+      `router_logits=` [..., E + Z] (ZAYA's router is an MLP fed by the previous layer's
+      router state, which the model runs: `moejax.hf.zaya`). Not with `router_bias`.
     routed_scaling_factor: multiplies the final routing weights.
     expert_bias: experts have biases `b_gate_up` [E, 2F] and `b_down` [E, D] (GPT-OSS); the
       down bias is part of the expert's output, so the routing weight scales it.
@@ -136,6 +141,9 @@ class MoEConfig:
     num_zero_experts: Z, LongCat-Flash's zero-computation experts: the router has E + Z
       outputs and choosing one of ids [E, E + Z) returns the token's input times its weight.
       They live on no device and cost no expert compute.
+    zero_expert_output: what a zero-computation expert returns: "input" (the token's input
+      times its weight, LongCat-Flash's) or "none" (nothing: ZAYA's skip class, a choice
+      that only takes a slot of the top-k). "none" needs `num_zero_experts`.
     num_shared_experts: dense experts every token passes through (0 = none). They are stored
       fused as one MLP of width `shared_intermediate_size`.
     shared_intermediate_size: Fs, total hidden width of the shared experts.
@@ -156,6 +164,15 @@ class MoEConfig:
       are [E, L, 2F] and [E, F, L], and what returns is projected back by `latent_out`
       [L, D] where the token lives; the router and the shared experts see the token itself.
       0: the experts work in D.
+    latent_norm_eps: with `latent_size`, each token's latent row r is normalized before it
+      is sent, `r * rsqrt(mean(r^2) + eps)` (an RMS norm without a scale: Muse Spark's
+      `pre_expert_norm`, whose scale folds into the experts' gate and up projections as it
+      loads); None: not normalized.
+    expert_output_norm_eps: each routed expert's output y (E's [..., W] rows, W its width) is
+      normalized before its routing weight scales it, `y * rsqrt(mean(y^2) + eps)` (Muse
+      Spark's `post_expert_norm`, whose scale folds into the down projections as it loads);
+      None: not normalized. Not with `apply_router_weight_on_input` (the norm would undo
+      the weight); zero-computation experts return their rows unnormalized.
     dtype: compute dtype of the expert matmuls (the router always runs in float32).
     param_dtype: storage dtype of the parameters.
     data_axis: the mesh axis, or tuple of axes (`moejax.axis_groups`), over which tokens are
@@ -258,10 +275,12 @@ class MoEConfig:
   use_routing_bias: bool = False
   routing_bias_on: BiasTarget = "scores"
   router_bias: bool = False
+  external_router: bool = False
   routed_scaling_factor: float = 1.0
   expert_bias: bool = False
   apply_router_weight_on_input: bool = False
   num_zero_experts: int = 0
+  zero_expert_output: ZeroExpertOutput = "input"
   num_shared_experts: int = 0
   shared_intermediate_size: int = 0
   shared_scaling_factor: float = 1.0
@@ -269,6 +288,8 @@ class MoEConfig:
   shared_expert_scores: bool = False
   output_bias: bool = False
   latent_size: int = 0
+  latent_norm_eps: float | None = None
+  expert_output_norm_eps: float | None = None
   dtype: jnp.dtype = jnp.float32
   param_dtype: jnp.dtype = jnp.float32
   data_axis: AxisGroup = "data"
@@ -352,6 +373,7 @@ class MoEConfig:
       ("scoring", _SCORINGS),
       ("group_score", _GROUP_SCORES),
       ("dropped_groups", _DROPPED_GROUPS),
+      ("zero_expert_output", _ZERO_EXPERT_OUTPUTS),
       ("routing_bias_on", _BIAS_TARGETS),
       ("expert_backend", BACKENDS),
       ("dispatch", DISPATCHES),
@@ -422,6 +444,13 @@ class MoEConfig:
       raise ValueError(f"num_zero_experts must be an int >= 0, got {self.num_zero_experts!r}")
     if self.num_zero_experts and self.num_expert_groups > 1:
       raise ValueError("num_zero_experts with num_expert_groups > 1 is not supported")
+    if self.zero_expert_output == "none" and not self.num_zero_experts:
+      raise ValueError("zero_expert_output='none' describes zero experts: num_zero_experts is 0")
+    if self.external_router and self.router_bias:
+      raise ValueError(
+        "external_router: the logits come with each call, their bias included; router_bias "
+        "is a bias of the layer's own router"
+      )
     if self.latent_size < 0:
       raise ValueError(f"latent_size must be >= 0, got {self.latent_size}")
     if self.latent_size and (self.num_zero_experts or self.apply_router_weight_on_input):
@@ -429,10 +458,24 @@ class MoEConfig:
         "latent_size works with routed experts that compute: neither num_zero_experts nor "
         "apply_router_weight_on_input"
       )
+    self._check_norms()
     if self.shared_expert_gate and not self.has_shared_experts:
       raise ValueError("shared_expert_gate needs shared experts (num_shared_experts >= 1)")
     if self.shared_expert_scores:
       self._check_shared_expert_scores()
+
+  def _check_norms(self) -> None:
+    for name in ("latent_norm_eps", "expert_output_norm_eps"):
+      eps = getattr(self, name)
+      if eps is not None and (not _FIELD_KINDS["float"][1](eps) or eps <= 0):
+        raise ValueError(f"{name} must be None or a finite number > 0, got {eps!r}")
+    if self.latent_norm_eps is not None and not self.latent_size:
+      raise ValueError("latent_norm_eps normalizes the latent rows: it needs latent_size > 0")
+    if self.expert_output_norm_eps is not None and self.apply_router_weight_on_input:
+      raise ValueError(
+        "expert_output_norm_eps with apply_router_weight_on_input: the norm of each expert's "
+        "output would undo the weight applied to its input"
+      )
 
   def _check_shared_expert_scores(self) -> None:
     if not self.has_shared_experts or self.shared_intermediate_size % self.num_shared_experts:

@@ -94,8 +94,10 @@ def tile_loop_mlp(
   activation: GatedActivation,
   tile_rows: int,
   grad_seeds: ExpertWeights | None = None,
+  output_norm_eps: float | None = None,
 ) -> jax.Array:
-  """Weighted sum of each row's chosen local experts: y[n] = sum_k w[n,k] * mlp_{e[n,k]}(x[n]).
+  """Weighted sum of each row's chosen local experts: y[n] = sum_k w[n,k] * mlp_{e[n,k]}(x[n])
+  (with `output_norm_eps`, each mlp's output RMS-normalized first: `rms_normalized`).
 
   Args:
     x: [N, D] rows in the compute dtype; rows that route nowhere may hold anything finite.
@@ -108,6 +110,9 @@ def tile_loop_mlp(
     tile_rows: B, rows per tile (see `default_tile_rows`).
     grad_seeds: an `ExpertWeights` of gradient seeds (see `moejax.chunking.ChunkStages`), or
       None.
+    output_norm_eps: normalize each expert's output before its weight (`MoEConfig.
+      expert_output_norm_eps`): the tiles then return unweighted outputs, normalized and
+      weighted here; None: the tiles weigh them.
 
   Returns:
     [N, D] float32.
@@ -118,6 +123,7 @@ def tile_loop_mlp(
   layout = aligned_rows(group_sizes, expert_ids.size, tile_rows)
   # Aligned row r holds assignment order[row_source[r]]; its row of x is that // K (row N, the
   # zero row, for empty slots).
+  tile_weights = weights.reshape(-1) if output_norm_eps is None else jnp.ones(weights.size)
   assignment = order[jnp.minimum(layout.row_source, expert_ids.size - 1)]
   filled = layout.row_source < expert_ids.size
   row_of = jnp.where(filled, assignment // top_k, rows)
@@ -126,7 +132,7 @@ def tile_loop_mlp(
   )
   tiles = Tiles(
     rows=row_of.reshape(-1, tile_rows),  # [tiles, B]
-    weights=jnp.where(filled, weights.reshape(-1)[assignment], 0.0).reshape(-1, tile_rows),
+    weights=jnp.where(filled, tile_weights[assignment], 0.0).reshape(-1, tile_rows),
     expert=jnp.minimum(tile_expert, local_experts - 1).astype(jnp.int32),
     num_used=layout.tile_ends[-1],
   )
@@ -134,7 +140,10 @@ def tile_loop_mlp(
   tiled_out = tile_mlp(x_padded, experts, tiles, grad_seeds, activation)  # [tiles, B, D]
   tiled_out = jnp.concatenate([tiled_out.reshape(-1, dim), jnp.zeros((1, dim), jnp.float32)])
   assignment_row = jnp.zeros_like(order).at[order].set(layout.source_row)  # [N*K]
-  return jnp.sum(tiled_out[assignment_row].reshape(rows, top_k, dim), axis=1)
+  outputs = tiled_out[assignment_row].reshape(rows, top_k, dim)
+  if output_norm_eps is not None:  # unweighted so far (0 for experts held elsewhere)
+    outputs = rms_normalized(outputs, output_norm_eps) * weights[..., None]
+  return jnp.sum(outputs, axis=1)
 
 
 def grouped_matmul_mlp(
@@ -147,12 +156,14 @@ def grouped_matmul_mlp(
   backend: str,
   interpret: bool = False,
   blocks=None,
+  output_norm_eps: float | None = None,
 ) -> jax.Array:
   """`tile_loop_mlp`'s contract on `kernels_pallas.moe_mlp` (fused kernels, or XLA ragged_dot).
 
   Sorts the N*K assignments by local expert (the others last, past the groups' sum, where
   `moe_mlp` writes 0), runs the MLP with the routing weights in its epilogue (`adapted_mlp`
-  with adapters), and sums each row's K results.
+  with adapters; with `output_norm_eps`, weights of 1 there, the outputs normalized and
+  weighted after it), and sums each row's K results.
 
   Args and returns: as `tile_loop_mlp` (without biases, `tile_rows` and seeds; `activation`
   silu or gelu), plus `backend`, a `kernels_pallas` backend name, `interpret`, to run a
@@ -162,6 +173,8 @@ def grouped_matmul_mlp(
   rows, top_k = expert_ids.shape
   order, group_sizes = sort_by_expert(expert_ids, experts.w_gate_up.shape[0])  # [N*K], [El]
   x_sorted, row_weights = x[order // top_k], weights.reshape(-1)[order]
+  if output_norm_eps is not None:  # weighed after the norm, below
+    row_weights, weights_after = jnp.ones_like(row_weights), row_weights
   if backend == TOKAMAX:
     gmm = functools.partial(tokamax_experts.ragged_dot, group_sizes=group_sizes)
     out_sorted = adapted_mlp(x_sorted, experts, row_weights, activation, gmm)
@@ -186,6 +199,8 @@ def grouped_matmul_mlp(
       interpret=interpret,
     )
     out_sorted = adapted_mlp(x_sorted, experts, row_weights, activation, gmm)
+  if output_norm_eps is not None:  # rows past the groups' sum are 0, and stay 0
+    out_sorted = rms_normalized(out_sorted, output_norm_eps) * weights_after[:, None]
   out = jnp.zeros_like(out_sorted).at[order].set(out_sorted)  # back to assignment order
   return jnp.sum(out.reshape(rows, top_k, -1).astype(jnp.float32), axis=1)
 
@@ -264,6 +279,7 @@ def routed_mlp(
       activation=config.gated_activation,
       tile_rows=tile_rows_for(config, expert_ids.size),
       grad_seeds=grad_seeds,
+      output_norm_eps=config.expert_output_norm_eps,
     )
   if grad_seeds is not None:
     experts = with_seeds(experts, grad_seeds)
@@ -276,7 +292,19 @@ def routed_mlp(
     backend=plan.backend,
     interpret=plan.interpret,
     blocks=plan.blocks,
+    output_norm_eps=config.expert_output_norm_eps,
   )
+
+
+def rms_normalized(rows: jax.Array, eps: float) -> jax.Array:
+  """[..., W] rows over their last axis, `r * rsqrt(mean(r^2) + eps)`, in float32 (an RMS
+  norm without a scale; a row of zeros stays zeros).
+
+  >>> rms_normalized(jnp.array([[2.0, -2.0], [0.0, 0.0]]), 1e-6).round(3).tolist()
+  [[1.0, -1.0], [0.0, 0.0]]
+  """
+  rows = rows.astype(jnp.float32)
+  return rows * jax.lax.rsqrt(jnp.mean(jnp.square(rows), axis=-1, keepdims=True) + eps)
 
 
 def with_seeds(experts: ExpertWeights, grad_seeds: ExpertWeights) -> ExpertWeights:

@@ -32,7 +32,14 @@ from moejax.dispatch import (
   Exchange,
   crosses_devices,
 )
-from moejax.experts import latent_projection, routed_mlp, shared_mlp, with_seeds, zero_experts
+from moejax.experts import (
+  latent_projection,
+  rms_normalized,
+  routed_mlp,
+  shared_mlp,
+  with_seeds,
+  zero_experts,
+)
 from moejax.inputs import check_inputs
 from moejax.params import (
   PER_EXPERT_FIELDS,
@@ -415,6 +422,8 @@ def local_forward(
   else:  # the rows sent are the latent projections; the tokens stay for the shared experts
     latent_in = params.latent_in.astype(config.dtype)
     rows = latent_projection(tokens, latent_in, config=config)
+    if config.latent_norm_eps is not None:
+      rows = rms_normalized(rows, config.latent_norm_eps).astype(config.dtype)
     routed_rows = RoutedRows(rows, expert_ids, route.weights, tokens)
   routed_rows = routed_rows._replace(shared_weights=route.shared_weights)
   y, chunks_run = chunk_scan(
@@ -560,7 +569,7 @@ def _finish_arrived(
   if side.latent_out is not None:  # back from the latent width, where the token lives
     out = latent_projection(out, side.latent_out, config=config)
   out = out.astype(jnp.float32)
-  if config.num_zero_experts:
+  if config.num_zero_experts and config.zero_expert_output == "input":
     out = out + zero_experts(chunk.rows, chunk.expert_ids, chunk.weights, config=config)
   if side.shared is not None:
     out = out + shared_mlp(chunk.tokens, side.shared, chunk.shared_weights, config=config)

@@ -38,6 +38,11 @@ def check_inputs(params, x, token_mask, router_logits, config, expert_ids=None) 
       )
     if jnp.result_type(token_mask) != jnp.bool_:
       raise TypeError(f"token_mask must be bool, got dtype {jnp.result_type(token_mask)}")
+  if router_logits is None and config.external_router:
+    raise ValueError(
+      "router_logits is None, but this layer has no router (external_router=True): pass the "
+      f"logits of its router, [..., {config.num_router_outputs}]"
+    )
   if router_logits is not None:
     expected = (*x.shape[:-1], config.num_router_outputs)
     if router_logits.shape != expected:

@@ -24,7 +24,8 @@ class MoEParams(NamedTuple):
   """Weights of one MoE layer. Names and shapes are the checkpoint format.
 
   Attributes:
-    router_kernel: [D, E + Z] (Z = `num_zero_experts`, usually 0).
+    router_kernel: [D, E + Z] (Z = `num_zero_experts`, usually 0), or None with
+      `config.external_router`.
     w_gate_up: [E, D, 2F] (L for D with `config.latent_size`, in every expert parameter);
       gate = `[..., :F]`, up = `[..., F:]`. With redundant experts
       (`config.num_redundant_experts` R > 0) this and every expert parameter holds the
@@ -52,9 +53,9 @@ class MoEParams(NamedTuple):
   shapes above, their scales per block): constants for autodiff, never trained.
   """
 
-  router_kernel: jax.Array
-  w_gate_up: jax.Array | BlockScaled
-  w_down: jax.Array | BlockScaled
+  router_kernel: jax.Array | None = None
+  w_gate_up: jax.Array | BlockScaled | None = None  # required: `check_params` says so
+  w_down: jax.Array | BlockScaled | None = None
   routing_bias: jax.Array | None = None
   shared_w_gate_up: jax.Array | None = None
   shared_w_down: jax.Array | None = None
@@ -228,7 +229,8 @@ def param_shapes(config: MoEConfig) -> dict[str, tuple[int, ...]]:
   d, e, f = config.hidden_size, config.num_physical_experts, config.intermediate_size
   w = config.expert_width
   outputs = config.num_router_outputs
-  shapes = {"router_kernel": (d, outputs), "w_gate_up": (e, w, 2 * f), "w_down": (e, f, w)}
+  shapes = {} if config.external_router else {"router_kernel": (d, outputs)}
+  shapes.update(w_gate_up=(e, w, 2 * f), w_down=(e, f, w))
   if config.use_routing_bias:
     shapes["routing_bias"] = (outputs,)
   if config.has_shared_experts:

@@ -45,6 +45,11 @@ def _hidden(
   return act * up
 
 
+def _rms_norm(rows: jax.Array, eps: float) -> jax.Array:
+  """Each row divided by its root mean square (eps added to the mean square), no scale."""
+  return rows / jnp.sqrt(jnp.mean(rows * rows, axis=-1, keepdims=True) + eps)
+
+
 def _mlp(
   x,
   w_gate_up,
@@ -288,13 +293,19 @@ def reference_moe(
     scale = lambda e: jnp.sum(jnp.where(ids == e, weights, 0.0), axis=-1, keepdims=True)
   if p.latent_in is not None:  # the experts work in the latent width
     expert_in = jnp.matmul(expert_in, p.latent_in, precision=_HIGHEST)
+    if config.latent_norm_eps is not None:
+      expert_in = _rms_norm(expert_in, config.latent_norm_eps)
   y = jnp.zeros_like(expert_in)
   for e in range(config.num_router_outputs):
     if e < config.num_experts:
       biases = (None, None) if p.b_gate_up is None else (p.b_gate_up[e], p.b_down[e])
       out = _mlp(expert_in, p.w_gate_up[e], p.w_down[e], config, *biases)
-    else:  # a zero-computation expert returns its input
+      if config.expert_output_norm_eps is not None:
+        out = _rms_norm(out, config.expert_output_norm_eps)
+    elif config.zero_expert_output == "input":  # a zero-computation expert returns its input
       out = expert_in
+    else:  # or nothing
+      out = jnp.zeros_like(expert_in)
     y = y + scale(e) * out
   if p.latent_out is not None:
     y = jnp.matmul(y, p.latent_out, precision=_HIGHEST)

@@ -71,6 +71,17 @@ OPTIONS = {
     num_shared_experts=1,
     shared_intermediate_size=8,
   ),
+  # Muse Spark's: latent experts between two RMS norms, the latent rows' and each expert
+  # output's
+  "muse_spark": dict(
+    latent_size=8,
+    latent_norm_eps=1e-5,
+    expert_output_norm_eps=1e-6,
+    scoring="sigmoid",
+    use_routing_bias=True,
+    renormalize=True,
+    routed_scaling_factor=1.5,
+  ),
   # Inkling's: two shared experts scored by the router, renormalized with the chosen ones
   "inkling": dict(
     scoring="sigmoid",

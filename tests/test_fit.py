@@ -265,7 +265,8 @@ def test_find_prints_a_command_whose_own_report_fits(tmp_path, capsys):
 def test_a_family_with_per_layer_clamps_plans_with_its_first_moe_layers_config():
   """Step-3.7's layers differ only in their clamps: fit plans with its first MoE layer's
   config (a list of clamps without a layer's entry is an error naming it); a block with one
-  MoE layer per token type (ERNIE-4.5-VL) is refused by name."""
+  MoE layer per token type (ERNIE-4.5-VL) and a layer whose router is the model's (ZAYA) are
+  refused by name."""
   step = dict(
     model_type="step3p5", hidden_size=64, n_routed_experts=8, num_experts_per_tok=2,
     moe_intermediate_size=32, share_expert_dim=32, num_hidden_layers=4,
@@ -281,3 +282,5 @@ def test_a_family_with_per_layer_clamps_plans_with_its_first_moe_layers_config()
     hf.config_from_hf({**step, "swiglu_limits": [0, 7.0]}, layer=3)
   with pytest.raises(NotImplementedError, match=r"\['text', 'vision'\]"):
     planner._config(dict(model_type="ernie4_5_vl_moe", hidden_size=64), "infer", "released", 16)
+  with pytest.raises(NotImplementedError, match="zaya: its MoE layers take their router's"):
+    planner._config(dict(model_type="zaya", hidden_size=64), "infer", "released", 16)

@@ -186,6 +186,7 @@ FAMILY_OPTIONS = dict(
   routing_bias_on="logits", num_expert_groups=4, topk_groups=2, dropped_groups="zeroed",
   output_bias=True, num_shared_experts=2, shared_intermediate_size=512, renormalize=True,
   shared_expert_scores=True, shared_activation="swiglu_clamped_after", shared_swiglu_limit=5.0,
+  latent_norm_eps=1e-5, expert_output_norm_eps=1e-8,
 )  # fmt: skip
 # (config fields, (mesh shape, mesh axis names)) of each path and option on 8 H200s.
 PATHS = {
@@ -193,10 +194,13 @@ PATHS = {
   "lora-ragged-dot": (dict(lora_rank=8), EXPERT_MESH),
   "lora-pallas": (dict(lora_rank=8, expert_backend="pallas"), EXPERT_MESH),
   "axis-group": (dict(expert_axis=("expert", "tensor")), ((2, 2, 2), ("data", "expert", "tensor"))),
-  # The families' options at once: a latent width, their routing, activations, output bias
-  # and shared experts the router scores.
+  # The families' options at once: a latent width between norms, their routing, activations,
+  # output bias and shared experts the router scores.
   "family-options": (FAMILY_OPTIONS, EXPERT_MESH),
-  "latent-pallas": (dict(latent_size=256, expert_backend="pallas"), EXPERT_MESH),
+  "latent-pallas": (
+    dict(latent_size=256, expert_output_norm_eps=1e-8, expert_backend="pallas"),
+    EXPERT_MESH,
+  ),
   **{f"tile-loop-{name}": (fields, EXPERT_MESH) for name, fields in QUANTIZED.items()},
   **{
     f"pallas-{name}": (fields | dict(expert_backend="pallas"), EXPERT_MESH)

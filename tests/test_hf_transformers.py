@@ -91,9 +91,12 @@ def loaded_layers(path, layers, part):
 def layer_inputs(block, model_type: str, x: np.ndarray):
   """moejax's layer's inputs for the block's input x [T, D]: (its x, router logits or None).
   Gemma 4's experts read x through their own norm, its router through another; Doge's
-  block routes a batch by mixed logits (`doge_batch_logits`)."""
+  block routes a batch by mixed logits (`doge_batch_logits`); ZAYA's layer has no router."""
   if model_type == "doge":
     return jnp.asarray(x), jnp.asarray(doge_batch_logits(block, x))
+  if model_type == "zaya":  # its router is the model's: `test_zaya_router_state_flows`
+    with torch.no_grad():
+      return jnp.asarray(x), jnp.asarray(block.gate(torch.from_numpy(x[None]))[0].numpy())
   if not model_type.startswith("gemma4"):
     return jnp.asarray(x), None
   router = block.router
@@ -236,3 +239,38 @@ def test_doge_routes_a_token_alone_by_its_own_logits(tmp_path, request):
   y, _ = moe_apply(hf.load_layer(tmp_path, layer), jnp.asarray(x), config=config)
   chex.assert_trees_all_close(y, alone, **tolerance(comparison="torch"))
   assert not np.allclose(block_output(block, x), alone, atol=1e-2)
+
+
+def test_zaya_router_state_flows_from_layer_to_layer(tmp_path, request):
+  """ZAYA's router in JAX (`hf.zaya_router_logits`): each MoE layer's logits and the state it
+  passes on are transformers', the second layer's from the first's state, and the layer
+  given those logits is the block given that state; tokens whose choice is the skip class
+  get nothing."""
+  seed = seed_of(request.node.name)
+  fields, _ = FAMILIES["zaya"]
+  model = hf_checkpoint("zaya", dict(fields), tmp_path, seed % 2**31)
+  with torch.no_grad():  # the skip class biased as the most biased expert: some tokens skip
+    for layer in hf.moe_layers(tmp_path):
+      bias = model.get_submodule(hf.family_of("zaya").loaded_block(layer)).gate.balancing_biases
+      bias[-1] = bias[:-1].max()
+  model.save_pretrained(tmp_path)
+  config = hf.config_from_hf(tmp_path, chunk_size=5)
+  x = np.random.default_rng(seed).standard_normal((12, 16)).astype(np.float32)
+  tokens, state, want_state = torch.from_numpy(x[None]), None, None
+  skipped = []
+  for layer in hf.moe_layers(tmp_path)[:2]:
+    block = model.get_submodule(hf.family_of("zaya").loaded_block(layer))
+    with torch.no_grad():
+      want_logits, *_, next_state = block.gate(tokens, want_state)
+      want, _ = block(tokens, want_state)
+    logits, state = hf.zaya_router_logits(hf.load_zaya_router(tmp_path, layer), x, state)
+    chex.assert_trees_all_close(
+      (logits, state), (want_logits.numpy(), next_state.numpy()[0]), **tolerance(comparison="torch")
+    )
+    y, aux = moe_apply(hf.load_layer(tmp_path, layer), x, config=config, router_logits=logits)
+    chex.assert_trees_all_close(y, want.numpy()[0], **tolerance(comparison="torch"))
+    skips = np.asarray(aux.expert_ids)[:, 0] == config.num_experts
+    assert not np.asarray(y)[skips].any()
+    skipped.append(skips.sum())
+    want_state = next_state
+  assert sum(skipped) > 0, "no token chose the skip class: the check above checked nothing"

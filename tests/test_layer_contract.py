@@ -210,6 +210,7 @@ class TestAllToAll(LayerContract):
     "gelu_tanh",
     "phimoe",
     "nemotron_h",
+    "muse_spark",
   )
   fast_options = options[len(BOTH_SCHEMES) :]
 
@@ -276,7 +277,7 @@ class TestRaggedDotAllGather(RaggedDotPath):
 
 class TestRaggedDotAllToAll(RaggedDotPath):
   scheme = "all_to_all"
-  options = ("sigmoid-renorm-scaled", "gelu-top1", "gelu_tanh", "phimoe", "longcat")
+  options = ("sigmoid-renorm-scaled", "gelu-top1", "gelu_tanh", "phimoe", "longcat", "muse_spark")
 
 
 @pytest.mark.filterwarnings("ignore:expert_backend='pallas' on a CPU:UserWarning")
@@ -292,7 +293,7 @@ class PallasPath(LayerContract):
 
 class TestPallasAllGather(PallasPath):
   scheme = "all_gather"
-  options = ("softmax", "llama4", "qwen2_moe")
+  options = ("softmax", "llama4", "qwen2_moe", "muse_spark")
 
 
 class TestPallasAllToAll(PallasPath):

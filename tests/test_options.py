@@ -11,7 +11,16 @@ from flax import nnx
 
 from moejax import MoEConfig, MoELayer, moe_apply, param_shapes, reference_moe, routing
 from moejax.testing import poison, random_params, rank_mask
-from tests.helpers import BASE, OPTIONS, count_compiles, mesh_of, seed_of, slow, tolerance
+from tests.helpers import (
+  BASE,
+  OPTIONS,
+  check_layer,
+  count_compiles,
+  mesh_of,
+  seed_of,
+  slow,
+  tolerance,
+)
 
 ROWS_PER_RANK = 9
 
@@ -67,6 +76,39 @@ def test_zero_experts_return_the_weighted_input(request):
   weights = jax.nn.softmax(logits)[:, 8:].sum(-1, keepdims=True)
   chex.assert_trees_all_close(y, weights * x, **tolerance())
   chex.assert_trees_all_equal(np.asarray(aux.dispatch_rows), np.zeros(8, np.int32))
+
+
+# ZAYA's layer: the logits come with each call; one choice, of 8 experts or the skip class.
+ZAYA = MoEConfig(
+  **{**BASE, "top_k": 1},
+  num_zero_experts=1,
+  zero_expert_output="none",
+  use_routing_bias=True,
+  external_router=True,
+  dispatch="all_to_all",
+)
+
+
+def test_an_external_router_and_a_skip_class(request):
+  """No router kernel: the logits come with the call and their gradient goes back with it;
+  the skip class takes a choice and returns nothing. Against the reference on the 2x4 mesh
+  (forward, the gradients of the weights, the logits and x; NaN padding); the tokens that
+  chose the skip class get 0; a call without logits is refused."""
+  params, x, _ = make_inputs(ZAYA, request.node.name)
+  assert params.router_kernel is None
+  logits = jax.random.normal(jax.random.key(seed_of(request.node.name)), (x.shape[0], 9))
+  logits = logits.at[::3, 8].add(4.0)  # every third token's skip class far ahead
+  mask, mesh = rank_mask([3, 9, 0, 5, 1, 0, 9, 2], ROWS_PER_RANK), mesh_of(2, 4)
+  ours = lambda p, x, m: moe_apply(
+    p[0], x, config=ZAYA, mesh=mesh, token_mask=m, router_logits=p[1]
+  )[0]
+  theirs = lambda p, x, m: reference_moe(p[0], x, ZAYA, m, router_logits=p[1])
+  check_layer(ours, theirs, (params, logits), x, mask, seed=seed_of(request.node.name))
+  y, aux = moe_apply(params, x, config=ZAYA, mesh=mesh, token_mask=mask, router_logits=logits)
+  skipped = np.asarray(aux.expert_ids[:, 0] == 8) & np.asarray(mask)
+  assert skipped.sum() >= 5 and not np.asarray(y)[skipped].any()
+  with pytest.raises(ValueError, match=r"no router \(external_router=True\): pass the logits"):
+    moe_apply(params, x, config=ZAYA)
 
 
 # Activations the kernels' epilogues lack, each against the reference on the XLA tile loop.

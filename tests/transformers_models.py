@@ -53,6 +53,11 @@ _INKLING2 = dict(
   swa_num_attention_heads=2, swa_num_key_value_heads=2, swa_head_dim=8, d_rel=4,
   sliding_window_size=8, rel_extent=8, n_layers_per_attn_res_block=1,
 )  # fmt: skip
+_MUSE_SPARK = dict(
+  num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=24, moe_hidden_size=8,
+  intermediate_size=24, head_dim=8, mlp_layer_types=["dense", "sparse", "sparse"],
+  routed_scaling_factor=1.5, output_multiplier=0.7, post_norm_eps=1e-6,
+)  # fmt: skip
 FAMILIES = {
   "mixtral": (dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=24), 2),
   "phimoe": (dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=24,
@@ -114,6 +119,9 @@ FAMILIES = {
   "solar_open": (dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=24,
                       n_shared_experts=1, n_group=2, topk_group=1, norm_topk_prob=True,
                       routed_scaling_factor=1.5, head_dim=8), 0),
+  "minicpm5_moe": (dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=24,
+                        intermediate_size=24, n_shared_experts=2, first_k_dense_replace=1,
+                        n_group=4, topk_group=2, routed_scaling_factor=1.5, head_dim=8), 1),
   "glm4_moe_lite": (dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=24,
                          intermediate_size=24, n_shared_experts=1, n_group=4, topk_group=2,
                          norm_topk_prob=True, routed_scaling_factor=1.8,
@@ -227,6 +235,11 @@ FAMILIES = {
                    intermediate_size=24, share_expert_dim=12, head_dim=8,
                    moe_router_scaling_factor=1.5, mlp_layer_types=["dense", "sparse", "sparse"],
                    swiglu_limits=[0, 0.5, 0], swiglu_limits_shared=[0, 0.7, 0]), 1),
+  # ZAYA routes one expert of four or its skip class (transformers allows K = 1 only)
+  "zaya": (dict(num_experts=4, num_experts_per_tok=1, moe_intermediate_size=24,
+                router_hidden_size=8, head_dim=8), 1),
+  "muse_spark_text": (_MUSE_SPARK, 1),
+  "muse_spark": (_MUSE_SPARK, 1),  # the multimodal model, as released
   "gpt_oss": (dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=24,
                    swiglu_limit=1.0, head_dim=8, **_TYPES), 2),
   # 18 experts: product keys of 4 + 4 logits reach the first 16
@@ -280,7 +293,7 @@ BESIDE_BLOCK = dict.fromkeys(
 # Causal LMs that transformers' AutoModelForCausalLM does not map.
 _CAUSAL_LM = {"mistral4": "Mistral4ForCausalLM"}
 # Text models of vision-language models, saved alone as the base models they are.
-_BASE_MODEL = ("qwen3_vl_moe_text", "glm4v_moe_text")
+_BASE_MODEL = ("qwen3_vl_moe_text", "glm4v_moe_text", "muse_spark_text")
 # Vision-language models as released: their class, a tiny vision tower; the fields above are
 # their `text_config`'s.
 _VISION = dict(depth=1, hidden_size=16, num_heads=2, intermediate_size=16, out_hidden_size=16)
@@ -308,6 +321,11 @@ _OTHER_TOWERS = {
   "inkling_mm_model": dict(
     audio_config=dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2),
   ),
+  "muse_spark": dict(
+    audio_config=dict(patch_sizes=[2], hidden_sizes=[16], depths=[1], num_hidden_layers=1,
+                      out_hidden_size=16),
+    out_hidden_size=16, projector_hidden_size=16,
+  ),
   "dots3_note": dict(
     audio_config=dict(hidden_size=16, intermediate_size=16, num_hidden_layers=1,
                       num_attention_heads=2, downsample_hidden_size=16, adapter_input_size=16,
@@ -318,7 +336,13 @@ _INKLING2_VISION = dict(
   hidden_size=16, num_hidden_layers=1, num_attention_heads=2, posemb_grid_size=2,
   projection_hidden_dim=16, text_hidden_size=16,
 )  # fmt: skip
+_MUSE_SPARK_VISION = dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                          intermediate_size=16, pos_emb_height=2, pos_emb_width=2)  # fmt: skip
 _MULTIMODAL = {
+  "muse_spark": (
+    "MuseSparkForConditionalGeneration",
+    _MUSE_SPARK_VISION,
+  ),
   "qwen3_vl_moe": (
     "Qwen3VLMoeForConditionalGeneration",
     dict(**_VISION, deepstack_visual_indexes=[0]),

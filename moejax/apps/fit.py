@@ -355,12 +355,19 @@ def _config(config_json, job, expert_quant, lora_rank, **settings):
   """The MoEConfig of the job: bf16, the experts in the chosen format, `settings` (dispatch,
   receive_capacity_factor, chunk_size, expert_fsdp, shared_fsdp) as given. A family whose
   layers differ only in their activations' clamps (Step-3.7) is planned with its first MoE
-  layer's config: the clamps change no shape."""
+  layer's config: the clamps change no shape. Blocks with parts (ERNIE-4.5-VL) and layers
+  without a router of their own (ZAYA) are refused, named."""
   family = hf.family_of(config_json.get("model_type"))
   if family.parts:
     raise NotImplementedError(
       f"{config_json.get('model_type')}: fit plans one MoE layer per block; these blocks hold "
       f"one per token type ({sorted(family.parts)})"
+    )
+  if family.router is None:
+    raise NotImplementedError(
+      f"{config_json.get('model_type')}: its MoE layers take their router's logits from the "
+      "model (an MLP carrying state from layer to layer), which fit's stand-in for the rest "
+      "of the model does not hold"
     )
   layers = hf.moe_layers(config_json)
   config = hf.config_from_hf(

@@ -222,7 +222,8 @@ class Family:
 
   Attributes:
     block: the MoE block's key prefix, with `{layer}`.
-    router: the router's [E (+ Z), D] weight, relative to the block.
+    router: the router's [E (+ Z), D] weight, relative to the block; None where the layer
+      holds no router (`external_router`: ZAYA's, `moejax.hf.zaya`).
     options: `MoEConfig` field -> a `Read` of config.json, or a fixed value (sizes first).
     experts: the layouts its experts may be stored in, tried in order (the last when none
       is found, so that its missing tensor is named).
@@ -246,6 +247,14 @@ class Family:
     output_bias: the block's output bias [D] key (JetMoE's `bias`), or None.
     latent: the latent projections' weight keys, [L, D] into the experts' width and [D, L]
       out of it (Nemotron-H's `fc1_latent_proj`, `fc2_latent_proj`), or None.
+    latent_norm_scale: the key of the latent rows' norm weight w [L] (Muse Spark's
+      `pre_expert_norm`, scaling by 1 + w after the norm), folded into every expert's gate
+      and up projections' input rows as it loads (the layer's norm has no scale), or None.
+    expert_norm_scale: the key of the experts' output norm weight w [W] (Muse Spark's
+      `experts.post_expert_norm`, scaling by 1 + w before the norm), folded into every
+      expert's down projection's output columns as it loads, or None.
+    router_scale: a config.json value multiplying the router's logits (Muse Spark's
+      `output_multiplier`), folded into the router's kernel as it loads, or None.
     expert_scale: each expert's output scale [E] key (Gemma 4's `router.per_expert_scale`),
       folded into its down projection as it loads, or None.
     output_scale: a [1] scale of every expert's weight, routed and shared (Inkling's
@@ -268,7 +277,7 @@ class Family:
   """
 
   block: str
-  router: str
+  router: str | None
   options: dict[str, Read | Any]
   experts: tuple[Layout, ...] = _FUSED_OR_PER_EXPERT
   shared: str | None = None
@@ -285,6 +294,9 @@ class Family:
   expert_scale: str | None = None
   output_scale: str | None = None
   latent: tuple[str, str] | None = None
+  latent_norm_scale: str | None = None
+  expert_norm_scale: str | None = None
+  router_scale: Read | None = None
   hash_routes: str | None = None
   derived: Callable[[dict], dict] | None = None
   layer_options: Callable[[dict, int], dict] | None = None
@@ -469,6 +481,22 @@ _INKLING = dict(
   routed_scaling_factor=Read("route_scale", 8.0, float), shared_expert_scores=True,
 )
 _INKLING_SHARED = Shared(Read("n_shared_experts", 2), Read("moe_intermediate_size", 3072))
+# Muse Spark: sigmoid scores of logits times `output_multiplier`, a selection-only bias,
+# renormalized and scaled; experts in a latent width between two RMS norms, the latent rows'
+# and each expert output's (their scales, 1 + w, folded into the experts); no shared experts.
+_MUSE_SPARK = Family(
+  "model.language_model.layers.{layer}.mlp", "gate.weight",
+  dict(**_sizes("num_local_experts", "num_experts_per_tok", "moe_intermediate_size"),
+       scoring="sigmoid", use_routing_bias=True, renormalize=True,
+       routed_scaling_factor=_SCALING, latent_size=Read("moe_hidden_size"),
+       latent_norm_eps=Read("rms_norm_eps", 1e-5, float),
+       expert_output_norm_eps=Read("post_norm_eps", 1e-8, float)),
+  (Fused(),), selection_bias="gate.e_score_correction_bias",
+  latent=("pre_expert_proj.weight", "post_expert_proj.weight"),
+  latent_norm_scale="pre_expert_norm.weight", expert_norm_scale="experts.post_expert_norm.weight",
+  router_scale=Read("output_multiplier", 0.1767766952966369, float),
+  moe_layer=_listed_or(_every_layer),
+)
 _GRANITE_SHARED = dict(
   shared="../shared_mlp", shared_names=("input_linear", "output_linear"),
   shared_sizes=Shared(1, Read("shared_intermediate_size", 0)),
@@ -569,6 +597,7 @@ FAMILIES: dict[str, Family] = {
   # `first_k_dense_replace` on (dots1's default 0), or `mlp_layer_types`.
   "dots1": dataclasses.replace(_DEEPSEEK_V3, moe_layer=_after_dense(0)),
   "solar_open": dataclasses.replace(_DEEPSEEK_V3, moe_layer=_every_layer),
+  "minicpm5_moe": dataclasses.replace(_DEEPSEEK_V3, moe_layer=_listed_or(_after_dense(1))),
   "glm4_moe_lite": dataclasses.replace(_DEEPSEEK_V3, moe_layer=_listed_or(_after_dense(1))),
   "mimo_v2_flash": dataclasses.replace(  # no shared experts
     _DEEPSEEK_V3, shared=None, shared_sizes=None, moe_layer=_listed_or(_after_dense(1))
@@ -775,6 +804,10 @@ FAMILIES: dict[str, Family] = {
     selection_bias="router_bias", derived=_no_mlp_bias, layer_options=_step_clamps,
     moe_layer=_listed_or(_step_moe_layers), module="model.language_model.layers.{layer}.mlp",
   )),
+  # Muse Spark's text model: as released (`muse_spark`, config in `text_config`) or saved
+  # alone (a base model: no `model.` prefix).
+  "muse_spark": _MUSE_SPARK,
+  "muse_spark_text": dataclasses.replace(_MUSE_SPARK, block="layers.{layer}.mlp"),
   "gpt_oss": Family(
     "model.layers.{layer}.mlp", "router.weight",
     dict(**_sizes("num_local_experts", "num_experts_per_tok", "intermediate_size"),
@@ -807,6 +840,16 @@ FAMILIES: dict[str, Family] = {
          expert_bias=True),
     (Neurons(),), shared="../mlp", shared_sizes=Shared(1, Read("intermediate_size")),
     product_keys=True, derived=_no_mlp_bias, moe_layer=_when("is_moe"),
+  ),
+  # ZAYA: its router (an MLP fed by the previous layer's router state) is the model's
+  # (`moejax.hf.zaya`); softmax scores over the experts and a skip class, which computes
+  # nothing, chosen with a selection-only bias; the chosen scores as they are.
+  "zaya": Family(
+    "model.layers.{layer}.mlp", None,
+    dict(**_sizes("num_experts", "num_experts_per_tok", "moe_intermediate_size"),
+         num_zero_experts=1, zero_expert_output="none", use_routing_bias=True,
+         external_router=True),
+    (Fused(),), selection_bias="gate.balancing_biases",
   ),
   "jamba": Family(
     "model.layers.{layer}.feed_forward", "router.weight",
@@ -882,6 +925,7 @@ _TEXT_CONFIG = (
   "step3p7",
   "ernie4_5_vl_moe",
   "inkling_mm_model",
+  "muse_spark",
 )
 NESTED_TEXT = {
   **dict.fromkeys(_TEXT_CONFIG, "text_config"),

@@ -71,7 +71,7 @@ def load_layer(
   block = family.block.format(layer=layer)
   quantization = hf.get("quantization_config") or {}
   with SafetensorsFiles(path, quantization.get("weight_block_size")) as files:
-    values = _read_layer(files, block, family, config)
+    values = _read_layer(files, block, family, config, hf)
   if quantization.get("scale_fmt") == "ue8m0":
     _check_powers_of_two(values, block)
   dtype = np.dtype(config.param_dtype)
@@ -228,14 +228,14 @@ def _shared_stack(files: SafetensorsFiles, key, layout, config: MoEConfig) -> di
   }
 
 
-def _scaled_down(w_down, scale: np.ndarray) -> np.ndarray:
-  """[E, F, D] down projections with each expert's output scale [E] folded in."""
-  if is_block_scaled(w_down):
+def _folded(weights, scale: np.ndarray) -> np.ndarray:
+  """Expert weights times `scale` (broadcast): a scale folded into them as they load."""
+  if is_block_scaled(weights):
     raise NotImplementedError(
-      "output scales (Gemma 4's per_expert_scale, Inkling's global_scale) fold into float "
-      "down projections only: this checkpoint's experts are quantized"
+      "scales folded into the experts (Gemma 4's per_expert_scale, Inkling's global_scale, "
+      "Muse Spark's norms) need float experts: this checkpoint's experts are quantized"
     )
-  return w_down * scale[:, None, None]
+  return weights * scale
 
 
 def _check_powers_of_two(values: dict, block: str) -> None:
@@ -250,13 +250,18 @@ def _check_powers_of_two(values: dict, block: str) -> None:
         )
 
 
-def _read_layer(files: SafetensorsFiles, block: str, family: Family, config: MoEConfig) -> dict:
-  """The layer's parameters as float32 NumPy arrays (or `BlockScaled`) in moejax's layout."""
+def _read_layer(
+  files: SafetensorsFiles, block: str, family: Family, config: MoEConfig, hf: dict
+) -> dict:
+  """The layer's parameters as float32 NumPy arrays (or `BlockScaled`) in moejax's layout,
+  with the scales the family folds into them (`hf`: its config.json)."""
   d, f, e = config.hidden_size, config.intermediate_size, config.num_experts
   w = config.expert_width  # the experts' rows: D, or a latent width
   outputs = config.num_router_outputs
   key = lambda name: beside(block, name)
-  values = _router(files, key(family.router), family, config)
+  values = {} if family.router is None else _router(files, key(family.router), family, config)
+  if family.router_scale:
+    values["router_kernel"] = values["router_kernel"] * family.router_scale(hf)
   if family.router_bias and config.router_bias:
     values["router_bias"] = files.get(key(family.router_bias), (outputs,))
   hashed = family.hash_routes is not None and key(family.hash_routes) in files
@@ -274,7 +279,14 @@ def _read_layer(files: SafetensorsFiles, block: str, family: Family, config: MoE
   layout = next((lay for lay in family.experts if lay.present(files, key)), family.experts[-1])
   values.update(layout.read(files, key, config.expert_quant, e, w, f, config.quant_block))
   if family.expert_scale:
-    values["w_down"] = _scaled_down(values["w_down"], files.get(key(family.expert_scale), (e,)))
+    scale = files.get(key(family.expert_scale), (e,))
+    values["w_down"] = _folded(values["w_down"], scale[:, None, None])
+  if family.latent_norm_scale:  # the norm's scale, 1 + w, on the experts' input rows
+    scale = 1.0 + files.get(key(family.latent_norm_scale), (w,))
+    values["w_gate_up"] = _folded(values["w_gate_up"], scale[None, :, None])
+  if family.expert_norm_scale:  # 1 + w, on the experts' outputs before their norm
+    scale = 1.0 + files.get(key(family.expert_norm_scale), (w,))
+    values["w_down"] = _folded(values["w_down"], scale[None, None, :])
   if config.has_shared_experts and family.shared_stack:
     values.update(_shared_stack(files, key, family.shared_stack, config))
   elif config.has_shared_experts and family.shared:
@@ -288,7 +300,7 @@ def _read_layer(files: SafetensorsFiles, block: str, family: Family, config: MoE
     values["shared_w_down"] = down.T
   if family.output_scale:  # every expert's weight, routed and shared, by one scale
     scale = files.get(key(family.output_scale), (1,))
-    values["w_down"] = _scaled_down(values["w_down"], np.broadcast_to(scale, (e,)))
+    values["w_down"] = _folded(values["w_down"], scale)
     if "shared_w_down" in values:
       values["shared_w_down"] = values["shared_w_down"] * scale
   if config.latent_size and family.latent:
