@@ -27,6 +27,22 @@ TINY = dict(
 
 
 @pytest.mark.parametrize(
+  "preset, layers, total",
+  [("deepseek-v4-flash-base", 43, 284e9), ("glm-5", 75, 744e9), ("mistral-large-4", 71, 1e12)],
+)
+def test_a_2026_preset_holds_its_names_parameters(preset, layers, total):
+  """The presets from transformers' documented defaults: their MoE layers, and their routed
+  and shared experts, routers and the rest of the model add up to the total their names
+  give (within 6%: the names round, and the rest of the model is a stand-in's)."""
+  config_json = planner.PRESETS[preset]
+  config = planner._config(config_json, "infer", "released", 16)
+  assert len(hf.moe_layers(config_json)) == layers
+  d, f, e = config.hidden_size, config.intermediate_size, config.num_experts
+  moe = layers * (3 * d * (e * f + config.shared_intermediate_size) + d * e)
+  assert planner.rest_of_model_parameters(config_json) + moe == pytest.approx(total, rel=0.06)
+
+
+@pytest.mark.parametrize(
   "arguments, message",
   [
     (dict(model="deepseek-v4"), "neither a preset"),

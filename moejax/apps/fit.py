@@ -61,6 +61,37 @@ _QWEN3_MOE = dict(
   mlp_only_layers=[], norm_topk_prob=True, vocab_size=151936, head_dim=128,
   num_key_value_heads=4, tie_word_embeddings=False, hidden_act="silu",
 )  # fmt: skip
+# Three 2026 flagships whose published config.json the stored sources do not hold: transformers
+# 5.25's config classes document them (`@auto_docstring(checkpoint=...)`: DeepseekV4Config
+# deepseek-ai/DeepSeek-V4-Flash-Base, GlmMoeDsaConfig zai-org/GLM-5, MistralLarge4TextConfig
+# mistralai/Mistral-Large-4-1T-A52B) and their defaults are these fields. Third-party pages
+# agree on the MoE sizes (DeepSeek-V4-Flash: 43 layers, 256 routed experts and one shared,
+# top-6, NVIDIA NeMo AutoModel; GLM-5: 78 layers, 3 dense, hidden 6144, 64 heads, 256 experts,
+# top-8, NVIDIA Megatron-Bridge and Vultr), as do the totals the names give (284B, 744B, 1T).
+# The releases' quantization is not among the defaults: each is planned in bf16.
+_DEEPSEEK_V4_FLASH_BASE = dict(
+  model_type="deepseek_v4", vocab_size=129280, hidden_size=4096, moe_intermediate_size=2048,
+  num_hidden_layers=43, num_attention_heads=64, num_key_value_heads=1, head_dim=512,
+  q_lora_rank=1024, num_experts_per_tok=6, n_routed_experts=256, n_shared_experts=1,
+  scoring_func="sqrtsoftplus", norm_topk_prob=True, routed_scaling_factor=1.5,
+  swiglu_limit=10.0, hidden_act="silu", tie_word_embeddings=False,
+)  # fmt: skip
+_GLM_5 = dict(
+  model_type="glm_moe_dsa", vocab_size=154880, hidden_size=6144, intermediate_size=12288,
+  moe_intermediate_size=2048, num_hidden_layers=78, num_attention_heads=64,
+  num_key_value_heads=64, n_shared_experts=1, n_routed_experts=256, routed_scaling_factor=2.5,
+  kv_lora_rank=512, q_lora_rank=2048, qk_rope_head_dim=64, v_head_dim=256,
+  qk_nope_head_dim=192, n_group=1, topk_group=1, num_experts_per_tok=8, norm_topk_prob=True,
+  hidden_act="silu", tie_word_embeddings=False, first_k_dense_replace=3,
+)  # fmt: skip
+_MISTRAL_LARGE_4 = dict(
+  model_type="mistral_large4", vocab_size=204800, hidden_size=6144, intermediate_size=24576,
+  moe_intermediate_size=6144, num_hidden_layers=72, num_attention_heads=64,
+  num_key_value_heads=64, n_shared_experts=1, n_routed_experts=128, routed_scaling_factor=1.0,
+  kv_lora_rank=512, qk_rope_head_dim=64, v_head_dim=128, qk_nope_head_dim=64, n_group=1,
+  topk_group=1, num_experts_per_tok=4, hidden_act="silu", tie_word_embeddings=False,
+  first_k_dense_replace=1,
+)  # fmt: skip
 PRESETS: dict[str, dict[str, Any]] = {
   "deepseek-v3": _DEEPSEEK_V3,
   "kimi-k2": _KIMI_K2,
@@ -91,6 +122,9 @@ PRESETS: dict[str, dict[str, Any]] = {
     # Attention alternates a 128-token window and the full context, the window first.
     sliding_window=128, layer_types=["sliding_attention", "full_attention"] * 18,
   ),
+  "deepseek-v4-flash-base": _DEEPSEEK_V4_FLASH_BASE,
+  "glm-5": _GLM_5,
+  "mistral-large-4": _MISTRAL_LARGE_4,
   "mixtral-8x22b": dict(
     model_type="mixtral", hidden_size=6144, intermediate_size=16384, num_local_experts=8,
     num_experts_per_tok=2, num_hidden_layers=56, num_attention_heads=48, num_key_value_heads=8,
