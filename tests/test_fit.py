@@ -28,12 +28,18 @@ TINY = dict(
 
 @pytest.mark.parametrize(
   "preset, layers, total",
-  [("deepseek-v4-flash-base", 43, 284e9), ("glm-5", 75, 744e9), ("mistral-large-4", 71, 1e12)],
+  [
+    ("deepseek-v4-flash-base", 43, 284e9),
+    ("glm-5", 75, 744e9),
+    ("mistral-large-4", 71, 1e12),
+    ("minimax-m2", 62, 230e9),
+    ("qwen3.5-397b-a17b", 60, 397e9),
+  ],
 )
 def test_a_2026_preset_holds_its_names_parameters(preset, layers, total):
-  """The presets from transformers' documented defaults: their MoE layers, and their routed
-  and shared experts, routers and the rest of the model add up to the total their names
-  give (within 6%: the names round, and the rest of the model is a stand-in's)."""
+  """The 2026 presets of sources other than the published config.json: their MoE layers, and
+  their routed and shared experts, routers and the rest of the model add up to the total
+  their releases give (within 6%: the totals round, and the rest is a stand-in's)."""
   config_json = planner.PRESETS[preset]
   config = planner._config(config_json, "infer", "released", 16)
   assert len(hf.moe_layers(config_json)) == layers

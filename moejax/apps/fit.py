@@ -92,6 +92,26 @@ _MISTRAL_LARGE_4 = dict(
   topk_group=1, num_experts_per_tok=4, hidden_act="silu", tie_word_embeddings=False,
   first_k_dense_replace=1,
 )  # fmt: skip
+# MiniMax-M2, from its configuration class's defaults as copied beside a third-party
+# quantization of it (huggingface.co/ModelCloud/MiniMax-M2-GPTQMODEL-W4A16,
+# configuration_minimax_m2.py), the same fields as a published config.json of MiniMax-M2.1
+# (huggingface.co/QuixiAI/MiniMax-M2.1-bf16) and as far as it shows, the official repository's
+# (MiniMaxAI/MiniMax-M2, commit 35c5c79: head_dim 128, vocab 200064, routing bias, untied
+# embeddings); its parameters are its published total, 230B. Planned in bf16.
+_MINIMAX_M2 = dict(
+  model_type="minimax_m2", vocab_size=200064, hidden_size=3072, intermediate_size=1536,
+  num_hidden_layers=62, num_attention_heads=48, num_key_value_heads=8, head_dim=128,
+  num_local_experts=256, num_experts_per_tok=8, hidden_act="silu", tie_word_embeddings=False,
+)  # fmt: skip
+# Qwen3.5-397B-A17B's text model, from NVIDIA/Megatron-LM's examples/mimo/configs/qwen35_vlm.py
+# ("All values match the HuggingFace text_config for Qwen3.5-397B-A17B"), its vocabulary
+# Qwen3.5's (THUDM/slime, scripts/models/qwen3.5-27B.sh). In bf16, as released.
+_QWEN3_5_397B = dict(
+  model_type="qwen3_5_moe_text", vocab_size=248320, hidden_size=4096, num_hidden_layers=60,
+  num_attention_heads=32, num_key_value_heads=2, head_dim=256, num_experts=512,
+  num_experts_per_tok=10, moe_intermediate_size=1024, shared_expert_intermediate_size=1024,
+  hidden_act="silu", tie_word_embeddings=False,
+)  # fmt: skip
 PRESETS: dict[str, dict[str, Any]] = {
   "deepseek-v3": _DEEPSEEK_V3,
   "kimi-k2": _KIMI_K2,
@@ -125,6 +145,8 @@ PRESETS: dict[str, dict[str, Any]] = {
   "deepseek-v4-flash-base": _DEEPSEEK_V4_FLASH_BASE,
   "glm-5": _GLM_5,
   "mistral-large-4": _MISTRAL_LARGE_4,
+  "minimax-m2": _MINIMAX_M2,
+  "qwen3.5-397b-a17b": _QWEN3_5_397B,
   "mixtral-8x22b": dict(
     model_type="mixtral", hidden_size=6144, intermediate_size=16384, num_local_experts=8,
     num_experts_per_tok=2, num_hidden_layers=56, num_attention_heads=48, num_key_value_heads=8,
