@@ -47,7 +47,7 @@ class ZayaRouter:
 
 
 def load_zaya_router(path: str | Path, layer: int) -> ZayaRouter:
-  """The router of ZAYA's MoE layer `layer` from a checkpoint folder, float32 on the host.
+  """The router of ZAYA's MoE layer `layer` from a checkpoint folder, as float32 arrays.
 
   Raises:
     ValueError: the checkpoint is not a ZAYA model, or `layer` is not one of its MoE layers.
@@ -56,7 +56,7 @@ def load_zaya_router(path: str | Path, layer: int) -> ZayaRouter:
   path = Path(path)
   hf = text_model(json.loads((path / "config.json").read_text()))
   if hf.get("model_type") != "zaya":
-    raise ValueError(f"{path} holds a {hf.get('model_type')!r} model; ZAYA's router is 'zaya's")
+    raise ValueError(f"{path} holds a {hf.get('model_type')!r} model, not ZAYA ('zaya')")
   family = family_of("zaya")
   check_moe_layer(hf, family, layer)
   d, r = Read("hidden_size")(hf), Read("router_hidden_size", 256)(hf)
