@@ -93,7 +93,15 @@ def zaya_router_logits(
   Returns:
     (logits [..., E + 1] float32: the experts' and the skip class's, the state [..., R] for
     the next layer).
+
+  Raises:
+    ValueError: x is not [..., D] or state not [..., R] over x's tokens (named).
   """
+  d, r = router.down_kernel.shape
+  if x.ndim < 1 or x.shape[-1] != d:
+    raise ValueError(f"x has shape {x.shape}; expected [..., hidden_size={d}]")
+  if state is not None and state.shape != (*x.shape[:-1], r):
+    raise ValueError(f"state has shape {state.shape}; expected {(*x.shape[:-1], r)}")
   lead = x.shape[:-1]
   row = lambda vector: vector[None, :]  # [R] -> [1, R], against [T, R]
   h = x.reshape(-1, x.shape[-1]).astype(jnp.float32) @ router.down_kernel + row(router.down_bias)
