@@ -220,11 +220,12 @@ def test_mesh_benchmark_deepseek_bytes_are_the_closed_form():
 def test_the_bias_update_balances_the_skewed_router_within_200_steps():
   """`bench --sections balancing` (docs/performance.md, "Balancing without an aux loss"): the
   aux-loss-free update brings max/mean load to <= 1.10 within 200 steps and keeps it near;
-  without it the skew stays."""
-  sys.path.insert(0, str(ROOT / "benchmarks"))
-  import rl
-
-  *steps, last = rl.balancing_rows()
+  without it the skew stays. In a subprocess, as a user runs it: its 400 routing steps are
+  compute, which XLA's default optimizations make twice as fast as the suite's settings."""
+  rows = "import json, rl; print(json.dumps(rl.balancing_rows()))"
+  result = run_python("-c", f"import sys; sys.path.insert(0, 'benchmarks'); {rows}")
+  assert result.returncode == 0, result.stderr[-3000:]
+  *steps, last = json.loads(result.stdout)
   assert steps[0]["with_update"] > 3 and min(r["without_update"] for r in steps) > 3
   assert steps[-1]["with_update"] <= 1.10 and last["with_update"] <= 1.12
   assert last["first_step_at_most_1_10"] < 200
