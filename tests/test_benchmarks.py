@@ -222,8 +222,8 @@ def test_the_bias_update_balances_the_skewed_router_within_200_steps():
   aux-loss-free update brings max/mean load to <= 1.10 within 200 steps and keeps it near;
   without it the skew stays. In a subprocess, as a user runs it: its 400 routing steps are
   compute, which XLA's default optimizations make twice as fast as the suite's settings."""
-  rows = "import json, rl; print(json.dumps(rl.balancing_rows()))"
-  result = run_python("-c", f"import sys; sys.path.insert(0, 'benchmarks'); {rows}")
+  code = "import sys; sys.path.insert(0, 'benchmarks'); import json, rl"
+  result = run_python("-c", f"{code}; print(json.dumps(rl.balancing_rows()))")
   assert result.returncode == 0, result.stderr[-3000:]
   *steps, last = json.loads(result.stdout)
   assert steps[0]["with_update"] > 3 and min(r["without_update"] for r in steps) > 3

@@ -276,3 +276,5 @@ def test_zaya_router_state_flows_from_layer_to_layer(tmp_path, request):
   assert sum(skipped) > 0, "no token chose the skip class: the check above checked nothing"
   with pytest.raises(ValueError, match=r"state has shape \(12, 3\); expected \(12, 8\)"):
     hf.zaya_router_logits(hf.load_zaya_router(tmp_path, 1), x, state[:, :3])
+  with pytest.raises(ValueError, match=r"x has shape \(12, 5\); expected \[\.\.\., hidden_size="):
+    hf.zaya_router_logits(hf.load_zaya_router(tmp_path, 1), x[:, :5], state)
