@@ -349,6 +349,40 @@ def _zero_padding(x: jax.Array, token_mask: jax.Array) -> jax.Array:
   return jnp.where(token_mask.reshape(-1, *[1] * (x.ndim - 1)), x, jnp.zeros((), x.dtype))
 
 
+def _route_rows(
+  params: MoEParams, tokens: TokenInputs, *, config: MoEConfig
+) -> tuple[jax.Array, routing.Routing]:
+  """The router (or the given logits) and the top-k choice of some rows: (masked logits
+  [R, E + Z] float32, their `Routing`).
+
+  Per row, so that `invariance.in_row_blocks` can run it in fixed blocks: every op of a
+  token's routing (the matmul, the soft cap, the scores and their normalization) then has the
+  same shape whatever the call holds, and XLA the same program for it.
+
+  Args:
+    params: the router's weights (the shared experts' router columns too, if any).
+    tokens: R rows' `TokenInputs`, padding rows of x already zero.
+    config: the layer's config.
+  """
+  router_logits = tokens.router_logits
+  if router_logits is None:  # the router's only run
+    router_logits = routing.router_logits(tokens.x, params.router_kernel, params.router_bias)
+  router_logits = soft_capped(router_logits, config.router_logit_softcap)
+  router_logits = _zero_padding(router_logits, tokens.token_mask)  # the logits' only masking
+  shared_logits = None
+  if params.shared_router_kernel is not None:  # the router's columns of the shared experts
+    shared_logits = routing.router_logits(tokens.x, params.shared_router_kernel)
+  route = routing.route(
+    router_logits,
+    tokens.token_mask,
+    config,
+    params.routing_bias,
+    given_ids=tokens.expert_ids,
+    shared_logits=shared_logits,
+  )
+  return router_logits, route
+
+
 def local_forward(
   params: MoEParams,
   placement: expert_placement.Placement | None,
@@ -379,30 +413,15 @@ def local_forward(
   """
   token_mask = tokens.token_mask
   x = _zero_padding(tokens.x, token_mask)
-  router_logits = tokens.router_logits
-  if router_logits is None:  # the router's only run
-    router_kernel = params.router_kernel
-    if config.shared_fsdp:
-      router_kernel = gather_along(router_kernel, all_axes, dim=0)
-    router_logits = routing.router_logits(
-      x, router_kernel, params.router_bias, block_rows=invariance.block_rows(config)
-    )
-  router_logits = soft_capped(router_logits, config.router_logit_softcap)
-  router_logits = _zero_padding(router_logits, token_mask)  # the logits' only masking
-  router_logits = remat.named(router_logits, remat.ROUTER_LOGITS)
-  shared_logits = None
-  if params.shared_router_kernel is not None:  # the router's columns of the shared experts
-    shared_logits = routing.router_logits(
-      x, params.shared_router_kernel, block_rows=invariance.block_rows(config)
-    )
-  route = routing.route(
-    router_logits,
-    token_mask,
-    config,
-    params.routing_bias,
-    given_ids=tokens.expert_ids,
-    shared_logits=shared_logits,
+  router_kernel = params.router_kernel
+  if config.shared_fsdp and router_kernel is not None:
+    router_kernel = gather_along(router_kernel, all_axes, dim=0)
+  router_logits, route = invariance.in_row_blocks(
+    functools.partial(_route_rows, params._replace(router_kernel=router_kernel), config=config),
+    tokens._replace(x=x),
+    invariance.block_rows(config),
   )
+  router_logits = remat.named(router_logits, remat.ROUTER_LOGITS)
   stats = jax.tree.map(
     lambda a: sum_over(a, all_axes), routing.router_stats(router_logits, route, token_mask)
   )

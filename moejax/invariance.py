@@ -29,13 +29,17 @@ def block_rows(config: MoEConfig) -> int | None:
   return BLOCK_ROWS if config.batch_invariant else None
 
 
-def in_row_blocks(fn: Callable[[Any], jax.Array], x: Any, rows: int | None) -> jax.Array:
-  """`fn` ([B, ...] rows -> [B, ...]) on `x` [N, ...] (or a pytree of such arrays, one N),
-  in fixed blocks of B = `rows` rows (zero-padded, one loop step per block), or on all of
-  `x` at once when `rows` is None.
+def in_row_blocks(fn: Callable[[Any], Any], x: Any, rows: int | None) -> Any:
+  """`fn` (rows [B, ...] -> rows [B, ...], pytrees of arrays with one leading B) on `x`
+  (leading N), in fixed blocks of B = `rows` rows (zero-padded, one loop step per block), or
+  on all of `x` at once when `rows` is None.
 
   In blocks, every row is computed by the same program whatever N is, so its result is
-  bit-identical for every N.
+  bit-identical for every N. None leaves pass through.
+
+  >>> square = lambda a: (a * a, None)
+  >>> in_row_blocks(square, jnp.arange(5.0), 2)[0].tolist()
+  [0.0, 1.0, 4.0, 9.0, 16.0]
   """
   if rows is None:
     return fn(x)
@@ -46,5 +50,7 @@ def in_row_blocks(fn: Callable[[Any], jax.Array], x: Any, rows: int | None) -> j
     padded = jnp.pad(a, [(0, blocks * rows - num_rows)] + [(0, 0)] * (a.ndim - 1))
     return padded.reshape(blocks, rows, *a.shape[1:])
 
-  out = jax.lax.map(fn, jax.tree.map(in_blocks, x))
-  return out.reshape(blocks * rows, *out.shape[2:])[:num_rows]
+  def joined(a: jax.Array) -> jax.Array:  # [blocks, B, ...] -> [N, ...]
+    return a.reshape(blocks * rows, *a.shape[2:])[:num_rows]
+
+  return jax.tree.map(joined, jax.lax.map(fn, jax.tree.map(in_blocks, x)))

@@ -24,6 +24,7 @@ from moejax.params import (
   MoEParams,
   expert_arrays,
   param_shapes,
+  storage_dtype,
 )
 from moejax.quant import quantize
 
@@ -188,11 +189,12 @@ class MoELayer(nnx.Module):
     slots = initial_placement(config.num_experts, config.num_redundant_experts)
     for name, shape in param_shapes(config).items():
       init = bias_init if name in BIAS_PARAMS else kernel_init
+      dtype = storage_dtype(name, config)
       if name in EXPERT_PARAMS and config.num_redundant_experts:  # each replica as its expert
-        logical = init(rngs.params(), (config.num_experts, *shape[1:]), config.param_dtype)
+        logical = init(rngs.params(), (config.num_experts, *shape[1:]), dtype)
         value = logical[jnp.asarray(slots.physical_to_logical)]
       else:
-        value = init(rngs.params(), shape, config.param_dtype)
+        value = init(rngs.params(), shape, dtype)
       if config.expert_quant and name in QUANTIZED_PARAMS:
         weight = quantize(value, config.expert_quant, config.quant_block)
         setattr(self, name, QuantizedMatrix(weight, names[name], on_mesh))

@@ -83,6 +83,11 @@ PER_EXPERT_FIELDS = (*EXPERT_PARAMS, "lora")
 BIAS_PARAMS = ("routing_bias", "router_bias", "b_gate_up", "b_down", "output_bias")
 
 
+# The router's parameters, stored in float32 whatever `config.param_dtype` (`storage_dtype`):
+# routing runs in float32, transformers keeps a router's weight and selection bias in float32
+# for about twenty families, and a selection bias rounded to bfloat16 sends tokens to other
+# experts than the checkpoint's model does.
+ROUTER_PARAMS = ("router_kernel", "router_bias", "routing_bias", "shared_router_kernel")
 # Expert matrices that `config.expert_quant` stores as `BlockScaled`.
 QUANTIZED_PARAMS = ("w_gate_up", "w_down")
 # The shared experts' parameters, in `SharedWeights`' order.
@@ -252,6 +257,18 @@ def param_shapes(config: MoEConfig) -> dict[str, tuple[int, ...]]:
   if config.shared_expert_scores:
     shapes["shared_router_kernel"] = (d, config.num_shared_experts)
   return shapes
+
+
+def storage_dtype(name: str, config: MoEConfig) -> jax.numpy.dtype:
+  """The dtype a parameter (a `MoEParams` field name) is stored in: float32 for the router's
+  (`ROUTER_PARAMS`), else `config.param_dtype`.
+
+  >>> config = MoEConfig(num_experts=4, top_k=1, hidden_size=8, intermediate_size=8,
+  ...                    param_dtype="bfloat16")
+  >>> storage_dtype("router_kernel", config).name, storage_dtype("w_down", config).name
+  ('float32', 'bfloat16')
+  """
+  return jax.numpy.dtype(jax.numpy.float32 if name in ROUTER_PARAMS else config.param_dtype)
 
 
 def check_params(params: MoEParams, config: MoEConfig) -> None:

@@ -18,7 +18,6 @@ import jax.numpy as jnp
 
 from moejax.config import MoEConfig
 from moejax.id_spaces import padding_id
-from moejax.invariance import in_row_blocks
 
 
 class Routing(NamedTuple):
@@ -68,25 +67,16 @@ def router_logits(
   x: jax.Array,
   router_kernel: jax.Array,
   router_bias: jax.Array | None = None,
-  *,
-  block_rows: int | None = None,
 ) -> jax.Array:
   """The router: [T, D] tokens x [D, E + Z] kernel (+ [E + Z] bias) -> [T, E + Z] float32
   logits, at full precision.
 
   HIGHEST, because a GPU's default float32 matmul rounds its inputs to TF32, which flips the
   top-k between near-tied experts (measured on an H200: 7% output error vs the reference).
-  With `block_rows`, the matmul runs on fixed [block_rows, D] blocks
-  (`moejax.invariance.in_row_blocks`): a token's logits then do not depend on how many
-  tokens the call holds.
   """
   kernel = router_kernel.astype(jnp.float32)
-
-  def logits_of(rows: jax.Array) -> jax.Array:
-    logits = jnp.dot(rows.astype(jnp.float32), kernel, precision=jax.lax.Precision.HIGHEST)
-    return logits if router_bias is None else logits + router_bias.astype(jnp.float32)[None, :]
-
-  return in_row_blocks(logits_of, x, block_rows)
+  logits = jnp.dot(x.astype(jnp.float32), kernel, precision=jax.lax.Precision.HIGHEST)
+  return logits if router_bias is None else logits + router_bias.astype(jnp.float32)[None, :]
 
 
 def route(

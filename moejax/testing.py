@@ -22,7 +22,7 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding
 
 from moejax import lora, quant
 from moejax.config import MoEConfig
-from moejax.params import MoEParams, param_shapes
+from moejax.params import MoEParams, param_shapes, storage_dtype
 from moejax.sharding import LayerSpecs, map_params
 
 # (atol, rtol) per comparison and dtype, the suite's one table. "layer": the layer against
@@ -63,14 +63,14 @@ def relative_error(actual, expected) -> float:
 
 def random_params(config: MoEConfig, key: jax.Array, scale: float = 0.5) -> MoEParams:
   """Random float weights of every parameter the config needs (its `param_shapes`), normal
-  times `scale` over the square root of the fan-in, in `config.param_dtype`: experts
+  times `scale` over the square root of the fan-in, in their `storage_dtype`: experts
   unquantized, no adapters (`moejax.quant.quantize_experts` and `moejax.lora` make those)."""
   shapes = param_shapes(config)
   keys = jax.random.split(key, len(shapes))
   values = {
     name: (
       jax.random.normal(k, shape) * scale / np.sqrt(shape[-2] if len(shape) > 1 else 1)
-    ).astype(config.param_dtype)
+    ).astype(storage_dtype(name, config))
     for k, (name, shape) in zip(keys, shapes.items(), strict=True)
   }
   return MoEParams(**values)
@@ -84,7 +84,7 @@ def abstract_params(config: MoEConfig, mesh: Mesh | AbstractMesh | None = None) 
   float_config = dataclasses.replace(config, expert_quant=None, lora_rank=0)
   params = MoEParams(
     **{
-      name: jax.ShapeDtypeStruct(shape, config.param_dtype)
+      name: jax.ShapeDtypeStruct(shape, storage_dtype(name, config))
       for name, shape in param_shapes(float_config).items()
     }
   )

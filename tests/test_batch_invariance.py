@@ -17,14 +17,30 @@ from moejax import MoEConfig, moe_apply, quant
 from moejax.testing import poison, random_params
 from tests.helpers import BASE, RICH, mesh_of, seed_of
 
-SIZES = (1, 7, 300)  # a decode step, a few tokens, more than two of the router's blocks
+# A decode step, a few tokens, more than two of the router's blocks, past 512 (where routing
+# outside fixed blocks once varied) and a large call.
+SIZES = (1, 7, 300, 513, 2048)
+LARGE = 8192
 COMPOSITIONS = 2  # random calls per size (other tokens, position, mask): one program each
+OTHER_CHUNK_SIZES_AT = (176, 513)  # the sizes each further chunk size is probed at
 
 INVARIANT = MoEConfig(**{**BASE, **RICH}, batch_invariant=True)
+# name: (config fields, mesh shape or None, sizes, chunk sizes)
 CASES = {
-  "tile_loop-f32-one_device": (dict(), None),
-  "tile_loop-bf16-all_to_all": (dict(dtype=jnp.bfloat16, dispatch="all_to_all"), (2, 4)),
-  "tile_loop-f32-all_gather": (dict(dispatch="all_gather", chunk_size="auto"), (4, 2)),
+  "tile_loop-f32-one_device": (dict(), None, (*SIZES, LARGE), (4, 16, 25, 64)),
+  "tile_loop-bf16-all_to_all": (
+    dict(dtype=jnp.bfloat16, dispatch="all_to_all"),
+    (2, 4),
+    (*SIZES, LARGE),
+    (4, 25),
+  ),
+  "tile_loop-bf16-all_gather": (
+    dict(dtype=jnp.bfloat16, dispatch="all_gather"),
+    (2, 4),
+    SIZES,
+    (4, 16, 20),
+  ),
+  "tile_loop-f32-all_gather": (dict(dispatch="all_gather"), (4, 2), SIZES, ("auto",)),
   "pallas-bf16-all_to_all": (
     dict(
       dtype=jnp.bfloat16,
@@ -34,34 +50,37 @@ CASES = {
       topk_groups=1,
     ),
     (2, 4),
+    SIZES[:4],  # interpreted: slow per row
+    (4,),
   ),
 }
 FORMATS = ("fp8_block", "mxfp4", "nvfp4", "int4_group")
 
 
-def probe_results(config: MoEConfig, params, mesh, seed: int) -> list[tuple[np.ndarray, ...]]:
-  """(y, expert ids, expert weights) of one probe token in calls of every size in `SIZES`,
-  each among other random tokens, at a random position, with a random mask and NaN-poisoned
-  padding."""
+def probe_results(
+  config: MoEConfig, params, mesh, seed: int, sizes=SIZES, chunk_sizes=(None,)
+) -> list[tuple[np.ndarray, ...]]:
+  """(y, expert ids, expert weights) of one probe token in calls of every size in `sizes`
+  (the first chunk size's; each further one's at `OTHER_CHUNK_SIZES_AT`), each among other
+  random tokens, at a random position, with a random mask and NaN-poisoned padding."""
   rng = np.random.default_rng(seed)
   probe = rng.normal(size=config.hidden_size).astype(np.float32)
   found = []
-  for size in SIZES:
-    for _ in range(COMPOSITIONS):
-      x = rng.normal(size=(size, config.hidden_size)).astype(np.float32)
-      at = rng.integers(size)
-      x[at] = probe
-      mask = rng.random(size) < 0.7
-      mask[at] = True
-      x = jnp.asarray(x).astype(config.dtype)
-      y, aux = moe_apply(
-        params, poison(x, jnp.asarray(mask)), config=config, mesh=mesh, token_mask=mask
-      )
-      found.append(
-        tuple(
-          np.asarray(a[at]) for a in (y.astype(jnp.float32), aux.expert_ids, aux.expert_weights)
+  for index, chunk_size in enumerate(chunk_sizes):
+    chunked = config if chunk_size is None else dataclasses.replace(config, chunk_size=chunk_size)
+    for size in sizes if index == 0 else OTHER_CHUNK_SIZES_AT:
+      for _ in range(COMPOSITIONS):
+        x = rng.normal(size=(size, config.hidden_size)).astype(np.float32)
+        at = rng.integers(size)
+        x[at] = probe
+        mask = rng.random(size) < 0.7
+        mask[at] = True
+        x = jnp.asarray(x).astype(config.dtype)
+        y, aux = moe_apply(
+          params, poison(x, jnp.asarray(mask)), config=chunked, mesh=mesh, token_mask=mask
         )
-      )
+        outputs = (y.astype(jnp.float32), aux.expert_ids, aux.expert_weights)
+        found.append(tuple(np.asarray(a[at]) for a in outputs))
   return found
 
 
@@ -73,7 +92,7 @@ def assert_all_identical(found: list[tuple[np.ndarray, ...]]) -> None:
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_a_tokens_output_does_not_depend_on_the_rest_of_the_call(case, request):
-  fields, mesh_shape = CASES[case]
+  fields, mesh_shape, sizes, chunk_sizes = CASES[case]
   config = dataclasses.replace(INVARIANT, **fields)
   seed = seed_of(request.node.name)
   params = random_params(config, jax.random.key(seed))
@@ -81,10 +100,8 @@ def test_a_tokens_output_does_not_depend_on_the_rest_of_the_call(case, request):
   mesh = None if mesh_shape is None else mesh_of(*mesh_shape)
   with warnings.catch_warnings():
     warnings.filterwarnings("ignore", "expert_backend='pallas' on a CPU")
-    found = probe_results(config, params, mesh, seed)
-    if case == "tile_loop-f32-one_device":  # and whatever the chunk size
-      other_chunk = dataclasses.replace(config, chunk_size=16)
-      found += probe_results(other_chunk, params, mesh, seed)[:: COMPOSITIONS * 2]
+    found = probe_results(config, params, mesh, seed, sizes, chunk_sizes)
+  assert len(found) == COMPOSITIONS * (len(sizes) + 2 * (len(chunk_sizes) - 1))
   assert_all_identical(found)
 
 

@@ -306,3 +306,20 @@ def test_a_family_with_per_layer_clamps_plans_with_its_first_moe_layers_config()
     planner._config(dict(model_type="ernie4_5_vl_moe", hidden_size=64), "infer", "released", 16)
   with pytest.raises(NotImplementedError, match="zaya: its MoE layers take their router's"):
     planner._config(dict(model_type="zaya", hidden_size=64), "infer", "released", 16)
+
+
+@pytest.mark.parametrize("model_type", ["minimax_m3_vl", "glm5_next", "hy_v4_vl", "mistral_large4"])
+def test_a_text_model_saved_alone_plans_as_its_model(model_type):
+  """A vision-language model's text model saved alone (model type `*_text`, its fields at the
+  top level) plans the MoE layer its model does (`fit --config`; the loading of each is
+  tests/test_hf_transformers.py's)."""
+  text = dict(
+    hidden_size=64, num_hidden_layers=3, n_routed_experts=8, num_local_experts=8,
+    num_experts_per_tok=2, moe_intermediate_size=32, intermediate_size=32, n_shared_experts=1,
+    shared_intermediate_size=32, n_group=1, topk_group=1,
+    mlp_layer_types=["dense", "sparse", "sparse"],
+  )  # fmt: skip
+  alone = planner._config(dict(model_type=f"{model_type}_text", **text), "infer", "released", 16)
+  within = planner._config(dict(model_type=model_type, text_config=text), "infer", "released", 16)
+  assert alone == within
+  assert (alone.num_experts, alone.top_k, alone.hidden_size) == (8, 2, 64)

@@ -3,6 +3,7 @@ checkpoint that `save_pretrained` wrote locally: the loader reads the real on-di
 finds the MoE layers, the outputs agree at 1e-4 in float32, and whole models with moejax's
 blocks give transformers' logits. Needs the `.[hf]` extra (transformers and a CPU torch)."""
 
+import dataclasses
 import json
 import shutil
 
@@ -12,6 +13,7 @@ import numpy as np
 import pytest
 
 from moejax import hf, moe_apply
+from moejax.params import ROUTER_PARAMS
 from moejax.stacking import layer_of
 from tests.helpers import mesh_of, seed_of, tolerance
 from tests.transformers_models import BESIDE_BLOCK, FAMILIES, LAYERS, OUTPUT_NORM, hf_checkpoint
@@ -74,6 +76,66 @@ def test_every_moe_layer_loads_and_matches_transformers(model_type, tmp_path, re
   chex.assert_trees_all_close(y, want, **tolerance(comparison="torch"))  # the last layer's
   if model_type == "deepseek_v4":
     assert list(hash_routes) == [0]
+  if model_type in FLOAT32_ROUTERS and not family.parts:
+    check_a_bfloat16_copy(model, model_type, tmp_path, layer, x, mask)
+
+
+def float32_routers() -> dict[str, list[str]]:
+  """{model type: the router tensors its transformers model keeps in float32 whatever the
+  model's dtype (`_keep_in_fp32_modules_strict`)}: the families whose bfloat16 checkpoints
+  store a float32 router weight or selection bias."""
+  from transformers.models.auto import modeling_auto
+
+  found = {}
+  for model_type in FAMILIES:
+    name = modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(
+      model_type, modeling_auto.MODEL_MAPPING_NAMES.get(model_type)
+    )
+    kept = getattr(getattr(transformers, name or "", None), "_keep_in_fp32_modules_strict", None)
+    router = [k for k in kept or () if k.endswith(ROUTER_TENSORS)] if isinstance(kept, list) else []
+    if router:
+      found[model_type] = router
+  return found
+
+
+ROUTER_TENSORS = ("gate.weight", "e_score_correction_bias", "expert_bias")
+FLOAT32_ROUTERS = float32_routers()
+
+
+def check_a_bfloat16_copy(model, model_type: str, path, layer: int, x, mask) -> None:
+  """The model loaded by transformers in bfloat16 and saved: its router weight and selection
+  bias stay float32 on disk, moejax loads them as float32 (bit for bit the float32 model's)
+  beside bfloat16 experts, and on the 2x4 mesh every token's output is the bfloat16 block's
+  at bfloat16's tolerance (a token sent to another expert is off by about half its norm)."""
+  copy = path / "bf16"
+  type(model).from_pretrained(path, dtype=torch.bfloat16).save_pretrained(copy)
+  in_bf16 = type(model).from_pretrained(copy, dtype=torch.bfloat16)
+  config = hf.config_from_hf(copy, layer=layer, chunk_size=5)
+  assert config.param_dtype == jnp.bfloat16
+  params = hf.load_layer(copy, layer, config, mesh=mesh_of(2, 4))
+  as_stored = hf.load_layer(copy, layer, dataclasses.replace(config, param_dtype=jnp.float32))
+  for name in ROUTER_PARAMS:  # nothing rounded past what the file holds
+    if getattr(params, name) is not None:
+      assert getattr(params, name).dtype == jnp.float32, name
+      np.testing.assert_array_equal(getattr(params, name), getattr(as_stored, name), err_msg=name)
+  float32 = hf.load_layer(path, layer)  # what the file holds is what the float32 model had
+  kept = FLOAT32_ROUTERS[model_type]
+  if any(name.endswith("gate.weight") for name in kept):
+    np.testing.assert_array_equal(params.router_kernel, float32.router_kernel)
+  if any(name.endswith("bias") for name in kept):
+    np.testing.assert_array_equal(params.routing_bias, float32.routing_bias)
+  assert params.w_down.dtype == jnp.bfloat16
+  x = np.array(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32))
+  y, _ = moe_apply(params, jnp.asarray(x), config=config, mesh=mesh_of(2, 4), token_mask=mask)
+  block = in_bf16.get_submodule(hf.family_of(model_type).loaded_block(layer))
+  with torch.no_grad():
+    out = block(torch.from_numpy(x[None]).to(torch.bfloat16))
+  want = (out[0] if isinstance(out, tuple) else out).float().numpy().reshape(x.shape)
+  want = np.where(mask[:, None], want, 0.0)
+  if model_type in BESIDE_BLOCK or model_type in OUTPUT_NORM:
+    return  # the dtypes and values above; the block alone is not the layer's output
+  errors = np.abs(np.asarray(y) - want).max(-1) / np.maximum(np.abs(want).max(-1), 1e-6)
+  assert errors.max() < 0.05, f"rows off by {np.sort(errors)[-3:]} relative"
 
 
 def loaded_layers(path, layers, part):

@@ -280,6 +280,10 @@ FAMILIES = {
                 rope_theta=1e4), ffn_config=dict(moe_num_experts=4, moe_top_k=2,
                 ffn_hidden_size=24)), 2),
 }  # fmt: skip
+# Text models of vision-language models saved alone (their `_text` model types): the fields
+# of the model they come from.
+_TEXT_MODELS = ("minimax_m3_vl", "glm5_next", "hy_v4_vl", "mistral_large4")
+FAMILIES.update({f"{model_type}_text": FAMILIES[model_type] for model_type in _TEXT_MODELS})
 
 # The norm a family's block applies to its output, which moejax leaves to the decoder layer
 # (where the checkpoint stores it): the comparison applies it to moejax's output.
@@ -293,7 +297,14 @@ BESIDE_BLOCK = dict.fromkeys(
 # Causal LMs that transformers' AutoModelForCausalLM does not map.
 _CAUSAL_LM = {"mistral4": "Mistral4ForCausalLM"}
 # Text models of vision-language models, saved alone as the base models they are.
-_BASE_MODEL = ("qwen3_vl_moe_text", "glm4v_moe_text", "muse_spark_text")
+_BASE_MODEL = (
+  "qwen3_vl_moe_text",
+  "glm4v_moe_text",
+  "muse_spark_text",
+  "glm5_next_text",
+  "hy_v4_vl_text",
+  "mistral_large4_text",
+)
 # Vision-language models as released: their class, a tiny vision tower; the fields above are
 # their `text_config`'s.
 _VISION = dict(depth=1, hidden_size=16, num_heads=2, intermediate_size=16, out_hidden_size=16)

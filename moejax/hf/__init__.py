@@ -14,7 +14,7 @@ every MoE layer -> a stack, and PEFT adapters both ways. NumPy reads the files (
 - `safetensors_files`: `SafetensorsFiles`, the files of a checkpoint folder.
 
 >>> len(FAMILIES), sorted(FAMILIES)[:3]
-(85, ['afmoe', 'aria_text', 'axk1'])
+(89, ['afmoe', 'aria_text', 'axk1'])
 """
 
 from moejax.hf.configs import config_from_hf, config_json, moe_layers, one_config

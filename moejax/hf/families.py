@@ -450,12 +450,41 @@ _HY_V4 = dataclasses.replace(
   shared_names=("linear_gate", "up_proj", "down_proj"),  # as Hunyuan saves them
   moe_layer=_listed_or(_after_dense(1)),
 )
+# GLM-5-Next: DeepSeek-V3's MoE, DeepSeek-V4's clamped SwiGLU in every expert, in a
+# vision-language model (config in `text_config`, `model.language_model.` keys).
+_GLM5_NEXT = dataclasses.replace(
+  _DEEPSEEK_V3, block="model.language_model.layers.{layer}.mlp",
+  options={**_DEEPSEEK_V3.options, "activation": "swiglu_clamped",
+           "swiglu_limit": Read("swiglu_limit", 10.0, float)},
+  moe_layer=_listed_or(_after_dense(1)),
+)
+_MISTRAL_LARGE4 = Family(
+  "layers.{layer}", "gate.weight",
+  dict(**{**_DEEPSEEK, "renormalize": True}, scoring="softmax",
+       num_expert_groups=Read("n_group", 1), topk_groups=Read("topk_group", 1),
+       group_score="top2_sum"),
+  _W1_W3_W2, shared="shared_experts", shared_names=("w1", "w3", "w2"),
+  shared_sizes=_DEEPSEEK_SHARED, moe_layer=_listed_or(_after_dense(1)),
+  module="model.language_model.layers.{layer}.mlp",
+)
 _QWEN3_VL_MOE = Family(
   "model.language_model.layers.{layer}.mlp", "gate.weight", {**_QWEN, "renormalize": True},
   moe_layer=_qwen_sparse_step,
 )
 _BLOCK_SPARSE = "model.layers.{layer}.block_sparse_moe"
 _MLP = "model.layers.{layer}.mlp"  # transformers 5's name of Mixtral's block_sparse_moe
+# MiniMax-M3: MiniMax-M2's routing, scaled, GPT-OSS's SwiGLU with its own alpha in every
+# expert, a shared expert; saved as its vision-language model's language model.
+_MINIMAX_M3 = Family(
+  "language_model.model.layers.{layer}.block_sparse_moe", "gate.weight",
+  dict(**_MIXTRAL, scoring="sigmoid", use_routing_bias=True, routed_scaling_factor=_SCALING,
+       activation="swiglu_oai", swiglu_limit=Read("swiglu_limit", 7.0, float),
+       swiglu_alpha=Read("swiglu_alpha", 1.702, float)),
+  _W1_W3_W2, shared="shared_experts",
+  shared_sizes=Shared(1, Read("shared_intermediate_size", 0)),
+  selection_bias="e_score_correction_bias", moe_layer=_listed_or(_every_layer),
+  module="model.language_model.layers.{layer}.mlp",
+)
 _GRANITE = Family(  # Mixtral's config fields and routing
   _BLOCK_SPARSE, "router.layer.weight", _MIXTRAL,
   (Fused("input_linear.weight", "output_linear.weight"),),
@@ -615,13 +644,13 @@ FAMILIES: dict[str, Family] = {
   # Its vision-language model: the text model saved under Hunyuan v4's keys, loaded by
   # transformers under `model.language_model`.
   "hy_v4_vl": dataclasses.replace(_HY_V4, module="model.language_model.layers.{layer}.mlp"),
-  # GLM-5-Next: DeepSeek-V3's MoE, DeepSeek-V4's clamped SwiGLU in every expert, in a
-  # vision-language model (config in `text_config`, `model.language_model.` keys).
-  "glm5_next": dataclasses.replace(
-    _DEEPSEEK_V3, block="model.language_model.layers.{layer}.mlp",
-    options={**_DEEPSEEK_V3.options, "activation": "swiglu_clamped",
-             "swiglu_limit": Read("swiglu_limit", 10.0, float)},
-    moe_layer=_listed_or(_after_dense(1)),
+  # Its text model saved alone (AutoModel: no "model." prefix).
+  "hy_v4_vl_text": dataclasses.replace(
+    _HY_V4, block="layers.{layer}.mlp", module="layers.{layer}.mlp"
+  ),
+  "glm5_next": _GLM5_NEXT,
+  "glm5_next_text": dataclasses.replace(  # its text model saved alone (AutoModel)
+    _GLM5_NEXT, block="layers.{layer}.mlp", module="layers.{layer}.mlp"
   ),
   # Dots3-Note: DeepSeek-V3's MoE, its shared experts' width its own key; the text model saved
   # alone, or its multimodal model (its text model's keys as the text model's; config.json's
@@ -702,14 +731,10 @@ FAMILIES: dict[str, Family] = {
   ),
   # Mistral 4's block, always renormalized, in a vision-language model saved in Mistral's own
   # layout (the block's tensors on the decoder layer, experts' w1, w3, w2).
-  "mistral_large4": Family(
-    "layers.{layer}", "gate.weight",
-    dict(**{**_DEEPSEEK, "renormalize": True}, scoring="softmax",
-         num_expert_groups=Read("n_group", 1), topk_groups=Read("topk_group", 1),
-         group_score="top2_sum"),
-    _W1_W3_W2, shared="shared_experts", shared_names=("w1", "w3", "w2"),
-    shared_sizes=_DEEPSEEK_SHARED, moe_layer=_listed_or(_after_dense(1)),
-    module="model.language_model.layers.{layer}.mlp",
+  "mistral_large4": _MISTRAL_LARGE4,
+  # Its text model saved alone (AutoModel): the same layout but for the shared experts' names.
+  "mistral_large4_text": dataclasses.replace(
+    _MISTRAL_LARGE4, shared_names=("gate_proj", "up_proj", "down_proj"), module="layers.{layer}.mlp"
   ),
   # Mixtral's block, routed as DeepSeek-V3 without groups: sigmoid scores, a selection-only
   # bias, the chosen scores renormalized.
@@ -727,17 +752,12 @@ FAMILIES: dict[str, Family] = {
     shared_sizes=Shared(Read("num_shared_experts", 0), Read("moe_intermediate_size")),
     selection_bias="expert_bias", moe_layer=_listed_or(_every_layer),
   ),
-  # MiniMax-M3: MiniMax-M2's routing, scaled, GPT-OSS's SwiGLU with its own alpha in every
-  # expert, a shared expert; saved as its vision-language model's language model.
-  "minimax_m3_vl": Family(
-    "language_model.model.layers.{layer}.block_sparse_moe", "gate.weight",
-    dict(**_MIXTRAL, scoring="sigmoid", use_routing_bias=True, routed_scaling_factor=_SCALING,
-         activation="swiglu_oai", swiglu_limit=Read("swiglu_limit", 7.0, float),
-         swiglu_alpha=Read("swiglu_alpha", 1.702, float)),
-    _W1_W3_W2, shared="shared_experts",
-    shared_sizes=Shared(1, Read("shared_intermediate_size", 0)),
-    selection_bias="e_score_correction_bias", moe_layer=_listed_or(_every_layer),
-    module="model.language_model.layers.{layer}.mlp",
+  "minimax_m3_vl": _MINIMAX_M3,
+  # Its text model saved alone (AutoModelForCausalLM), in transformers' own names: fused
+  # experts and shared expert, the selection bias on the gate.
+  "minimax_m3_vl_text": dataclasses.replace(
+    _MINIMAX_M3, block=_MLP, shared_names=("gate_up_proj", "down_proj"),
+    selection_bias="gate.e_score_correction_bias", module=_MLP,
   ),
   # Inkling 2: DeepSeek-V4's router (`scoring_func` scores, a selection-only bias, always
   # renormalized, times `route_scale`), a soft-capped SwiGLU, no shared experts; saved in its

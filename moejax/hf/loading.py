@@ -22,7 +22,7 @@ from moejax.hf.families import Family, beside, family_of
 from moejax.hf.layouts import float_linear
 from moejax.hf.safetensors_files import SafetensorsFiles
 from moejax.meshes import named_sharding
-from moejax.params import MoEParams, check_params
+from moejax.params import MoEParams, check_params, storage_dtype
 from moejax.sharding import LayerSpecs, check_mesh, map_params
 from moejax.stacking import stacked_sharding
 
@@ -54,7 +54,8 @@ def load_layer(
       and add the outputs); None for the others.
 
   Returns:
-    `MoEParams` in the config's `param_dtype` (quantized experts kept as stored), without
+    `MoEParams` in their `moejax.params.storage_dtype` (the config's `param_dtype`; the
+    router's float32; quantized experts kept as stored), without
     LoRA adapters whatever `config.lora_rank` (`load_lora` reads a PEFT adapter's).
 
   Raises:
@@ -75,8 +76,8 @@ def load_layer(
   if quantization.get("scale_fmt") == "ue8m0":
     _check_powers_of_two(values, block)
   dtype = np.dtype(config.param_dtype)
-  as_stored = lambda v: v if is_block_scaled(v) else np.asarray(v).astype(dtype)
-  params = MoEParams(**{name: as_stored(value) for name, value in values.items()})
+  stored = lambda name, v: v if is_block_scaled(v) else np.asarray(v, storage_dtype(name, config))
+  params = MoEParams(**{name: stored(name, value) for name, value in values.items()})
   if dequantize and config.expert_quant is not None:
     config = dataclasses.replace(config, expert_quant=None)
     params = params._replace(
