@@ -101,6 +101,12 @@ class Adapters(nnx.Module):
     return self.kind(*(getattr(self, field).get_value() for field in self.kind._fields))
 
 
+class SelectionBias(nnx.Variable):
+  """The routing bias (`MoEParams.routing_bias`, [E + Z] float32): state that
+  `moejax.balancing` moves toward balance, never a gradient-trained parameter, so that an
+  optimizer over `nnx.Param` (weight decay included) leaves it alone."""
+
+
 class ExpertLoad(nnx.Variable):
   """[P] int32 (token, choice) pairs each physical expert received since the last rebalance."""
 
@@ -199,7 +205,8 @@ class MoELayer(nnx.Module):
         weight = quantize(value, config.expert_quant, config.quant_block)
         setattr(self, name, QuantizedMatrix(weight, names[name], on_mesh))
       else:
-        setattr(self, name, nnx.Param(value, out_sharding=names[name], **on_mesh))
+        kind = SelectionBias if name == "routing_bias" else nnx.Param
+        setattr(self, name, kind(value, out_sharding=names[name], **on_mesh))
     if config.lora_rank:  # as PEFT initializes them: the output is the base layer's
       logical = dataclasses.replace(config, num_redundant_experts=0)
       adapters = lora.init_like(lora.expert_lora_shapes(logical), rngs.params(), config.param_dtype)

@@ -28,9 +28,11 @@ def moe_linen(config: MoEConfig, *, mesh: Mesh | None = None, name: str | None =
   Its parameters sit in the Linen `params` collection under the layer's own names
   (router_kernel, w_gate_up, w_down, ...), boxed with their sharding metadata. The layer's
   other variables get a collection each, named by type: quantized experts' values and scales
-  (and global scales) in `QuantizedWeight` (not trained); with redundant experts the placement in
-  `ExpertPlacement` and the counted load in `ExpertLoad`, which `apply` updates only when
-  told (`mutable=["ExpertLoad"]`), and which `rebalance` uses.
+  (and global scales) in `QuantizedWeight` (not trained); the selection bias
+  (`use_routing_bias`) in `SelectionBias` (moved by `moejax.balancing`, not trained); with
+  redundant experts the placement in `ExpertPlacement` and the counted load in `ExpertLoad`,
+  which `apply` updates only when told (`mutable=["ExpertLoad"]`), and which `rebalance`
+  uses.
 
   >>> import jax, jax.numpy as jnp
   >>> config = MoEConfig(num_experts=4, top_k=2, hidden_size=8, intermediate_size=16)
@@ -100,7 +102,7 @@ def _read(own: dict[str, dict], config: MoEConfig) -> tuple[MoEParams, Placement
     **{
       name: _matrix(own["QuantizedWeight"][name], config)
       if name in quantized
-      else _unboxed(own["params"][name])
+      else _unboxed(own[_collection_of(name)][name])
       for name in param_shapes(config)
     }
   )
@@ -137,7 +139,14 @@ def _collections(config: MoEConfig) -> tuple[str, ...]:
   """The Linen collections holding what `rebalance` reads and writes."""
   quantized = ("QuantizedWeight",) if config.expert_quant else ()
   adapters = ("LoRAParam",) if config.lora_rank else ()
-  return ("params", "ExpertPlacement", "ExpertLoad", *quantized, *adapters)
+  bias = ("SelectionBias",) if config.use_routing_bias else ()
+  return ("params", "ExpertPlacement", "ExpertLoad", *quantized, *adapters, *bias)
+
+
+def _collection_of(name: str) -> str:
+  """The Linen collection of a float parameter (a `MoEParams` field): the selection bias's
+  own (`moejax.layer.SelectionBias`), else `params`."""
+  return "SelectionBias" if name == "routing_bias" else "params"
 
 
 def _module_of(variables: dict, collection: str, path: Sequence[str]) -> dict:

@@ -4,6 +4,7 @@ import dataclasses
 import json
 import subprocess
 import sys
+import warnings
 
 import chex
 import jax
@@ -141,6 +142,67 @@ def test_train_command_runs_at_its_defaults_and_guards_its_checkpoint(expert_qua
   with pytest.raises(SystemExit, match=r"--resume: .*ckx holds no checkpoint"):
     train.run(typo, mesh_shape=(2, 4))
   assert checkpoint.step_of(folder) == 1
+
+
+def test_a_resume_keeps_what_the_checkpoint_stores(tmp_path, capsys):
+  """A selection bias in the checkpoint is restored with or without --bias-update-rate (and
+  then not moved); a flag that needs a bias the checkpoint lacks starts one at 0; other model
+  flags exit 2 naming them, the checkpoint untouched; a --checkpoint that is a file is
+  refused before any training."""
+  folder = tmp_path / "ck"
+  small = ["--layers", "1", "--batch-size", "4", "--seq-len", "8", "--checkpoint", str(folder)]
+  run = lambda *flags: train.run(
+    main_parser().parse_args(["train", *small, "--steps", "1", *flags]), mesh_shape=(2, 4)
+  )
+  run()
+  assert not checkpoint.holds(folder, "routing_bias")
+  run("--resume", "--bias-update-rate", "0.5")
+  assert "holds no selection bias: --bias-update-rate starts one at 0" in capsys.readouterr().out
+  assert checkpoint.holds(folder, "routing_bias")
+  moved = stored_bias(folder)
+  assert np.abs(moved).max() > 0  # the update ran
+  run("--resume")
+  assert "selection bias is kept as it is" in capsys.readouterr().out
+  np.testing.assert_array_equal(stored_bias(folder), moved)
+  with pytest.raises(SystemExit) as exited:
+    run("--resume", "--experts", "16", "--hidden", "48")
+  assert exited.value.code == 2
+  assert (
+    "it was trained with --experts 8 --hidden 32; these flags say --experts 16 --hidden 48"
+    in capsys.readouterr().err
+  )
+  assert checkpoint.step_of(folder) == 3
+  (tmp_path / "a_file").write_text("mine")
+  for path in (tmp_path / "a_file", tmp_path / "a_file" / "ck"):
+    args = main_parser().parse_args(["train", "--checkpoint", str(path)])
+    with pytest.raises(SystemExit, match=r"a_file is a file, not a folder"):
+      train.resumes(args)
+  assert (tmp_path / "a_file").read_text() == "mine"
+
+
+def stored_bias(folder) -> np.ndarray:
+  """The selection bias a `train` checkpoint holds (its MoE layer's), read as stored."""
+  import orbax.checkpoint as ocp
+
+  state = folder / json.loads((folder / "meta.json").read_text())["state"]
+  with ocp.PyTreeCheckpointer() as checkpointer, warnings.catch_warnings():
+    warnings.filterwarnings("ignore", "Sharding info not provided")  # read on this host
+    tree = checkpointer.restore(state)
+  found = [v for k, v in jax.tree_util.tree_leaves_with_path(tree) if "routing_bias" in str(k)]
+  return np.stack([np.asarray(v) for v in found])
+
+
+def test_no_optimizer_decays_the_selection_bias():
+  """The selection bias is a `SelectionBias` variable, not an `nnx.Param`: adamw's weight
+  decay over the parameters leaves it as it is."""
+  config = dataclasses.replace(MOE, use_routing_bias=True)
+  layer = MoELayer(config, rngs=nnx.Rngs(0), bias_init=nnx.initializers.ones)
+  optimizer = nnx.Optimizer(layer, optax.adamw(0.1, weight_decay=0.5), wrt=nnx.Param)
+  grads = jax.tree.map(jnp.zeros_like, nnx.state(layer, nnx.Param))
+  kernel = np.asarray(layer.router_kernel[...])
+  optimizer.update(layer, grads)
+  np.testing.assert_array_equal(layer.routing_bias[...], np.ones(8, np.float32))
+  assert not np.array_equal(layer.router_kernel[...], kernel)  # decayed
 
 
 @pytest.mark.slow

@@ -26,6 +26,7 @@ def save(
   step: int = 0,
   *,
   overwrite: bool = False,
+  info: dict | None = None,
 ) -> Path:
   """Writes the model's state (and the optimizer's, if given) and the step to `directory`.
 
@@ -39,6 +40,8 @@ def save(
     optimizer: its optimizer, to resume training, or None.
     step: the training step reached.
     overwrite: replace a checkpoint already in `directory` (else an error).
+    info: JSON values to keep beside the state (`info_of` reads them), e.g. the flags that
+      built the model.
 
   Returns:
     The checkpoint folder.
@@ -61,7 +64,7 @@ def save(
   shutil.rmtree(directory / state, ignore_errors=True)
   with ocp.StandardCheckpointer() as checkpointer:
     checkpointer.save(directory / state, _pure(model, optimizer))
-  meta = json.dumps({"step": step, "state": state})
+  meta = json.dumps({"step": step, "state": state, "info": info or {}})
   files.write_atomically(directory / _META, meta, overwrite=True)
   if previous is not None:
     shutil.rmtree(directory / previous["state"], ignore_errors=True)
@@ -85,6 +88,25 @@ def step_of(directory: str | Path) -> int:
   return meta["step"]
 
 
+def info_of(directory: str | Path) -> dict:
+  """The `info` a checkpoint was saved with ({} for one saved without, or before there was)."""
+  return _meta(Path(directory)).get("info", {})
+
+
+def holds(directory: str | Path, name: str) -> bool:
+  """Whether a checkpoint's model state holds a variable called `name` (at any depth)."""
+  directory = Path(directory).absolute()
+  with ocp.PyTreeCheckpointer() as checkpointer:
+    stored = checkpointer.metadata(directory / _meta(directory)["state"]).item_metadata.tree
+
+  def found(tree) -> bool:
+    return isinstance(tree, dict) and any(
+      str(key) == name or found(value) for key, value in tree.items()
+    )
+
+  return found(stored.get("model", {}))
+
+
 _META = "meta.json"
 
 
@@ -106,13 +128,18 @@ def _pure(model: nnx.Module, optimizer: nnx.Optimizer | None) -> dict:
 
 
 def restore(
-  directory: str | Path, model: nnx.Module, optimizer: nnx.Optimizer | None = None
+  directory: str | Path,
+  model: nnx.Module,
+  optimizer: nnx.Optimizer | None = None,
+  *,
+  may_lack: tuple[str, ...] = (),
 ) -> int:
   """Loads a checkpoint into `model` (and `optimizer`), laid out as they are now.
 
   The targets give shapes, dtypes and shardings: build them on the mesh you want, then
   restore. Only what they hold is read (a model alone from a checkpoint that also holds an
-  optimizer). Returns the saved step.
+  optimizer). Variables named in `may_lack` that the checkpoint does not hold keep the
+  targets' values (state a flag starts afresh). Returns the saved step.
 
   Raises:
     FileNotFoundError: `directory` holds no checkpoint.
@@ -127,6 +154,7 @@ def restore(
   target = _pure(model, optimizer)
   with ocp.PyTreeCheckpointer() as checkpointer:
     stored = checkpointer.metadata(saved).item_metadata.tree
+    target = _without_absent(target, stored, may_lack)
     problem = _mismatch(stored, target, ())
     if problem is not None:
       raise ValueError(f"cannot restore {directory} into these targets: {problem}")
@@ -141,6 +169,19 @@ def restore(
       nnx.replace_by_pure_dict(state, restored[name])
       nnx.update(module, state)
   return meta["step"]
+
+
+def _without_absent(target: dict, stored, names: tuple[str, ...]) -> dict:
+  """`target` less the variables named in `names` that `stored` lacks."""
+  stored = {str(key): value for key, value in stored.items()} if isinstance(stored, dict) else {}
+  kept = {}
+  for key, value in target.items():
+    if str(key) not in stored and str(key) in names:
+      continue
+    kept[key] = (
+      _without_absent(value, stored.get(str(key)), names) if isinstance(value, dict) else value
+    )
+  return kept
 
 
 def _mismatch(stored, target, path: tuple[str, ...]) -> str | None:

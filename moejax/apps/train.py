@@ -4,6 +4,8 @@ and the `python -m moejax train` loop."""
 from __future__ import annotations
 
 import dataclasses
+import os
+import sys
 import time
 from pathlib import Path
 
@@ -123,13 +125,20 @@ def run(args, mesh_shape: tuple[int, int]) -> list[dict[str, float]]:
   from tqdm import tqdm  # imported here: only the command line shows a progress bar
 
   resume = resumes(args)
-
+  selection_bias = args.bias_update_rate is not None
+  if resume:
+    stored_bias = checkpoint.holds(args.checkpoint, "routing_bias")
+    if stored_bias and not selection_bias:
+      print("the checkpoint's selection bias is kept as it is (no --bias-update-rate: not moved)")
+    elif selection_bias and not stored_bias:
+      print("the checkpoint holds no selection bias: --bias-update-rate starts one at 0")
+    selection_bias = selection_bias or stored_bias
   moe = moe_config(
     args,
     expert_backend=args.backend,
     lora_rank=args.lora_rank,
     expert_quant=args.expert_quant,
-    use_routing_bias=args.bias_update_rate is not None,
+    use_routing_bias=selection_bias,
   )
   mesh = layer_mesh(args, mesh_shape, moe)
   task = ClusterTask(vocab_size=args.vocab, seq_len=args.seq_len, seed=args.seed)
@@ -151,7 +160,7 @@ def run(args, mesh_shape: tuple[int, int]) -> list[dict[str, float]]:
   shard_model(optimizer, mesh)  # its step counter too, so a restored one lands on the mesh
   start = 0
   if resume:
-    start = checkpoint.restore(args.checkpoint, model, optimizer)
+    start = _restored(args, model, optimizer)
     print(f"resumed from {args.checkpoint} at step {start}")
   batch_sharding = NamedSharding(mesh, LayerSpecs.from_config(config.moe).batch_b)
   history = []
@@ -176,7 +185,12 @@ def run(args, mesh_shape: tuple[int, int]) -> list[dict[str, float]]:
       loss=f"{row['loss']:.3f}", aux=f"{row['aux_loss']:.3f}", tok_s=f"{tokens_per_s:.0f}"
     )
   saved = checkpoint.save(
-    args.checkpoint, model, optimizer, step=start + args.steps, overwrite=resume or args.overwrite
+    args.checkpoint,
+    model,
+    optimizer,
+    step=start + args.steps,
+    overwrite=resume or args.overwrite,
+    info={"model_flags": model_flags(args)},
   )
   load = np.asarray(history[-1]["expert_counts"])
   print(f"loss {history[0]['loss']:.3f} -> {history[-1]['loss']:.3f}; checkpoint: {saved}")
@@ -190,10 +204,67 @@ def run(args, mesh_shape: tuple[int, int]) -> list[dict[str, float]]:
   return history
 
 
+# The flags that shape the model and its state: a resume must give the checkpoint's.
+MODEL_FLAGS = (
+  "vocab",
+  "layers",
+  "heads",
+  "moe_every",
+  "scan_layers",
+  "experts",
+  "top_k",
+  "hidden",
+  "intermediate",
+  "lora_rank",
+  "expert_quant",
+)
+
+
+def model_flags(args) -> dict:
+  """{flag: value} of `MODEL_FLAGS`, as a checkpoint records them."""
+  return {name: getattr(args, name) for name in MODEL_FLAGS}
+
+
+def _restored(args, model: MoETransformer, optimizer: nnx.Optimizer) -> int:
+  """Restores `args.checkpoint` into the model and optimizer (a selection bias the checkpoint
+  lacks starts at 0); flags that build another model than the checkpoint's exit with code 2,
+  naming them."""
+  flag = lambda name, value: f"--{name.replace('_', '-')} {value}"
+  recorded = checkpoint.info_of(args.checkpoint).get("model_flags", {})
+  differing = {k: v for k, v in recorded.items() if k in MODEL_FLAGS and getattr(args, k) != v}
+  problem = None
+  if differing:
+    saved = " ".join(flag(name, value) for name, value in differing.items())
+    given = " ".join(flag(name, getattr(args, name)) for name in differing)
+    problem = f"it was trained with {saved}; these flags say {given}"
+  else:
+    try:
+      return checkpoint.restore(args.checkpoint, model, optimizer, may_lack=("routing_bias",))
+    except ValueError as error:  # a checkpoint that records no flags
+      problem = str(error)
+  print(
+    f"moejax train: --resume: {args.checkpoint} holds another model: {problem}. Pass the "
+    "checkpoint's model flags, or a new --checkpoint",
+    file=sys.stderr,
+  )
+  raise SystemExit(2)
+
+
 def resumes(args) -> bool:
   """Whether the train command resumes `args.checkpoint`: with --resume, which must find a
-  checkpoint there; else a checkpoint there needs --overwrite. Exits naming the flags."""
+  checkpoint there; else a checkpoint there needs --overwrite. A path that cannot become a
+  checkpoint folder (a file, or below one) exits at once, before any training. Exits naming
+  the flags."""
   path = Path(args.checkpoint)
+  blocking = next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), None)
+  if blocking is not None:
+    raise SystemExit(
+      f"moejax train: --checkpoint {path}: {blocking} is a file, not a folder: name a folder "
+      "for the checkpoint"
+    )
+  existing = next(p for p in (path, *path.parents) if p.exists())
+  if not os.access(existing, os.W_OK):
+    raise SystemExit(f"moejax train: --checkpoint {path}: {existing} is not writable")
   if args.resume:
     if not checkpoint.exists(path):
       raise SystemExit(
