@@ -46,6 +46,11 @@ class Target:
   memory_bytes: int | None = None
   device_kind: str = ""
 
+  @property
+  def name(self) -> str:
+    """The device kind, or the platform for a target without one (e.g. "gpu")."""
+    return self.device_kind or self.platform
+
   @staticmethod
   def of(device: jax.Device | jax.sharding.AbstractDevice) -> Target:
     """The target a device is: real, or compile-only (no memory stats: its kind's memory), or

@@ -94,7 +94,7 @@ class CallPlan:
     chunk_mib = sum(b for _, b in self.chunk_terms) / _MIB
     backend = "" if self.expert.backend is None else f" ({self.expert.backend})"
     lines = [
-      f"on {self.target.device_kind or self.target.platform}: {layout.num_tokens} tokens over "
+      f"on {self.target.name}: {_counted(layout.num_tokens, 'token')} over "
       f"{layout.devices} device(s), {layout.share} each, {self.chunks} chunk(s) of "
       f"{layout.chunk} rows",
       f"  chunk: {self.chunk_reason}",
@@ -125,6 +125,11 @@ def plan_call(
   Raises:
     ValueError: x's last dimension is not D, or the mesh does not fit the config.
   """
+  if not isinstance(x, Sequence) and not hasattr(x, "shape"):
+    raise TypeError(
+      f"x must be the tokens [..., D], their jax.ShapeDtypeStruct or their shape (a tuple), "
+      f"got {x!r}: for T tokens pass (T, hidden_size)"
+    )
   shape = tuple(x) if isinstance(x, Sequence) else tuple(x.shape)
   if not shape or shape[-1] != config.hidden_size:
     raise ValueError(f"x has shape {shape}: expected [..., hidden_size={config.hidden_size}]")
@@ -200,3 +205,8 @@ def _chunk_reason(config: MoEConfig, layout: TokenLayout, held: int, budget: int
     "one chunk holds a device's tokens" if layout.chunk == layout.share else "the largest that fits"
   )
   return f"chunk_size='auto': {which}, {fits} ({budget_source(config)})"
+
+
+def _counted(number: int, noun: str) -> str:
+  """'1 token', '2 tokens'."""
+  return f"{number} {noun}{'' if number == 1 else 's'}"

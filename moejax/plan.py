@@ -152,11 +152,12 @@ def choose_plan(config: MoEConfig, num_rows: int, local_experts: int) -> ExpertC
     return ExpertChoice(_tuned_plan(found, case), None, found.reason(num_rows), found)
   if platform.on_cpu():
     return xla._replace(reason=f"expert_backend='auto', no tuning entry: {xla.reason}")
-  _say_once_how_to_tune(platform.target().device_kind, xla.plan.path)
+  target = platform.target()
+  _say_once_how_to_tune(target.name, xla.plan.path)
+  where = f"{tuning.user_file(target.device_kind)}, the shipped table" if target.device_kind else ""
   return xla._replace(
-    reason=f"expert_backend='auto', no tuning entry for this case on "
-    f"{platform.target().device_kind} ({tuning.user_file(platform.target().device_kind)}, the "
-    f"shipped table): {xla.reason}"
+    reason=f"expert_backend='auto', no tuning entry for this case on {target.name}"
+    f"{f' ({where})' if where else ''}: {xla.reason}"
   )
 
 
@@ -194,7 +195,7 @@ def _xla_choice(config: MoEConfig, case: Case, num_rows: int, local_experts: int
   """The better XLA path, and why."""
   unsupported = unsupported_reason(REFERENCE, case)
   if unsupported is not None:
-    reason = f"the tile loop: ragged_dot cannot run {unsupported}"
+    reason = f"the tile loop; ragged_dot cannot run this case: {unsupported}"
   elif platform.on_cpu():
     reason = "the tile loop: on a CPU ragged_dot is an order of magnitude slower"
   elif local_experts > RAGGED_DOT_MAX_LOCAL_EXPERTS:

@@ -117,14 +117,17 @@ def tune(
 def _check_writable(folder: Path) -> None:
   """Makes the tuning folder; one that cannot be made or written is an error naming it,
   raised before anything is measured."""
+  advice = (
+    "set MOEJAX_CACHE_DIR to another folder"
+    if os.environ.get("MOEJAX_CACHE_DIR")
+    else "set MOEJAX_CACHE_DIR to a writable folder"
+  )
   try:
     folder.mkdir(parents=True, exist_ok=True)
   except OSError as error:
-    raise OSError(
-      f"the tuning folder {folder} cannot be made ({error}): set MOEJAX_CACHE_DIR"
-    ) from None
+    raise OSError(f"the tuning folder {folder} cannot be made ({error}): {advice}") from None
   if not os.access(folder, os.W_OK):
-    raise OSError(f"the tuning folder {folder} is not writable: set MOEJAX_CACHE_DIR")
+    raise OSError(f"the tuning folder {folder} is not writable: {advice}")
 
 
 def call_sizes(config: MoEConfig, mesh: Mesh | None, tokens_per_device: int) -> list[int]:

@@ -165,8 +165,19 @@ def cache_dir() -> Path:
 
 
 def file_name(device_kind: str) -> str:
-  """'NVIDIA H200' -> 'tuning-nvidia_h200.json'."""
-  return f"tuning-{re.sub(r'[^a-z0-9]+', '_', device_kind.lower()).strip('_')}.json"
+  """'NVIDIA H200' -> 'tuning-nvidia_h200.json'; a device without a kind has no file (a
+  ValueError saying so).
+
+  >>> file_name("NVIDIA H200")
+  'tuning-nvidia_h200.json'
+  """
+  slug = re.sub(r"[^a-z0-9]+", "_", device_kind.lower()).strip("_")
+  if not slug:
+    raise ValueError(
+      f"device_kind={device_kind!r} names no device: tuning files are kept per device kind "
+      "(jax.Device.device_kind), which this device does not report"
+    )
+  return f"tuning-{slug}.json"
 
 
 def user_file(device_kind: str) -> Path:

@@ -61,7 +61,13 @@ def test_each_decision_names_its_evidence():
   assert many_experts.expert.path == "tile_loop"
   assert "33 local experts, more than the 32" in many_experts.expert_reason
   assert quantized.expert.path == "tile_loop"
-  assert quantized.expert_reason.startswith("the tile loop: ragged_dot cannot run")
+  assert quantized.expert_reason == (
+    "the tile loop; ragged_dot cannot run this case: xla takes no fp8_block (BlockScaled) weights"
+  )
+  with pytest.raises(TypeError, match=r"x must be the tokens .*got 5: for T tokens pass"):
+    plan_call(CONFIG, 5)
+  one_token = plan_call(CONFIG, (1, 16))
+  assert str(one_token).startswith("on cpu: 1 token over 1 device(s)"), str(one_token)
   interpreted = plan_call(dataclasses.replace(CONFIG, expert_backend="pallas"), (64, 16))
   assert interpreted.expert.interpret and "interpreter" in interpreted.expert_warning
   assert "experts: pallas" in str(interpreted) and "warning:" in str(interpreted)

@@ -15,17 +15,19 @@ FLAGS = argparse.Namespace(
 
 
 def test_a_mesh_flag_that_is_no_shape_exits_naming_it():
-  assert parse_mesh("2x4") == (2, 4)
-  with pytest.raises(SystemExit, match="--mesh must look like DATAxEXPERT"):
-    parse_mesh("two-by-four")
-  with pytest.raises(SystemExit, match="--mesh sizes must be positive"):
-    parse_mesh("0x8")
+  assert parse_mesh("2x4", "train") == (2, 4)
+  with pytest.raises(SystemExit, match="moejax train: --mesh must look like DATAxEXPERT"):
+    parse_mesh("two-by-four", "train")
+  with pytest.raises(SystemExit, match="moejax tune: --mesh sizes must be positive"):
+    parse_mesh("0x8", "tune")
 
 
 def test_a_mesh_the_experts_do_not_split_over_exits_naming_it():
   with pytest.raises(SystemExit, match=r"moejax demo: --mesh 1x3: num_experts=16 must be"):
     layer_mesh(FLAGS, (1, 3), moe_config(FLAGS))
-  with pytest.raises(SystemExit, match="a 4x4 mesh needs 16 devices, found 8"):
+  with pytest.raises(
+    SystemExit, match="moejax demo: --mesh 4x4: a 4x4 mesh needs 16 devices, found 8"
+  ):
     layer_mesh(FLAGS, (4, 4), moe_config(FLAGS))
   assert layer_mesh(FLAGS, (2, 4), moe_config(FLAGS)).devices.shape == (2, 4)
 

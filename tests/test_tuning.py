@@ -126,8 +126,14 @@ def test_an_unwritable_tuning_folder_fails_before_measuring(tmp_path, monkeypatc
   blocker = tmp_path / "a file"
   blocker.write_text("")
   monkeypatch.setenv("MOEJAX_CACHE_DIR", str(blocker / "tuning"))
-  with pytest.raises(OSError, match="MOEJAX_CACHE_DIR"):
+  with pytest.raises(OSError, match="set MOEJAX_CACHE_DIR to another folder"):
     tuned()
+  monkeypatch.delenv("MOEJAX_CACHE_DIR")
+  monkeypatch.setenv("XDG_CACHE_HOME", str(blocker))
+  with pytest.raises(OSError, match="set MOEJAX_CACHE_DIR to a writable folder"):
+    tuned()
+  with pytest.raises(ValueError, match="device_kind='' names no device"):
+    tuning.file_name("")
 
 
 def test_other_configs_and_expert_backends_ignore_the_entry(cache):

@@ -256,14 +256,16 @@ def parser() -> argparse.ArgumentParser:
   return parser
 
 
-def parse_mesh(text: str) -> tuple[int, int]:
-  """'2x4' -> (2, 4)."""
+def parse_mesh(text: str, command: str) -> tuple[int, int]:
+  """'2x4' -> (2, 4); anything else exits naming `command`'s --mesh."""
   try:
     data, expert = (int(part) for part in text.lower().split("x"))
   except ValueError:
-    raise SystemExit(f"--mesh must look like DATAxEXPERT, e.g. 2x4; got {text!r}") from None
+    raise SystemExit(
+      f"moejax {command}: --mesh must look like DATAxEXPERT, e.g. 2x4; got {text!r}"
+    ) from None
   if data < 1 or expert < 1:
-    raise SystemExit(f"--mesh sizes must be positive, got {text!r}")
+    raise SystemExit(f"moejax {command}: --mesh sizes must be positive, got {text!r}")
   return data, expert
 
 
@@ -299,7 +301,7 @@ def main(argv: list[str] | None = None) -> None:
 
     fit_cli.run(args)
     return
-  data, expert = parse_mesh(args.mesh)
+  data, expert = parse_mesh(args.mesh, args.command)
   if args.platform == "cpu":
     simulate_cpu_devices(data * expert)
   # Imported here: JAX must load after XLA_FLAGS is set.

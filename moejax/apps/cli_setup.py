@@ -26,7 +26,8 @@ def layer_mesh(args: argparse.Namespace, shape: tuple[int, int], config: MoEConf
   devices = len(jax.devices())
   if devices < shape[0] * shape[1]:
     raise SystemExit(
-      f"a {shape[0]}x{shape[1]} mesh needs {shape[0] * shape[1]} devices, found {devices}"
+      f"moejax {args.command}: --mesh {shape[0]}x{shape[1]}: a {shape[0]}x{shape[1]} mesh "
+      f"needs {shape[0] * shape[1]} devices, found {devices}"
     )
   mesh = jax.make_mesh(shape, ("data", "expert"))
   try:
