@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import os
 import statistics
 import time
@@ -73,7 +74,8 @@ def tune(
     repeats: timed calls per candidate (the median is kept).
     forward_only: choose winners by forward time (inference) instead of forward+backward.
     timeout_s: a candidate whose first call takes longer is recorded "timed_out".
-    overwrite: replace entries the file already holds for the same case and size; without
+    overwrite: replace entries the file already holds for the same case and size (a file
+      that cannot be read is moved aside, to `<name>.unreadable`); without
       it such a file is an error naming them (its other entries are always kept).
     write: write the file (else only return what was measured).
     seed: of the random weights and inputs.
@@ -92,7 +94,18 @@ def tune(
   text = tuning.read_file(path)
   before = tuning.TuningFile(device_kind=device_kind)
   if text is not None:
-    before = tuning.TuningFile.from_json(text, str(path))
+    try:
+      before = tuning.TuningFile.from_json(text, str(path))
+    except tuning.TuningFileError:
+      if not (overwrite and write):
+        raise
+      # --overwrite (what the error advises) measures anew; the unreadable file is kept
+      # beside, out of the way of the plans the measuring makes.
+      aside = path.with_name(f"{path.name}.unreadable")
+      os.replace(path, aside)
+      logging.getLogger("moejax").warning(
+        "moejax tune: %s cannot be read; moved to %s", path, aside
+      )
   sizes = call_sizes(config, mesh, tokens_per_device)
   key = lambda entry: (tuple(sorted(entry.case.items())), entry.rows)
   measuring = {_key_of(config, mesh, per_device) for per_device in sizes}

@@ -152,13 +152,27 @@ def test_the_tune_command_writes_the_file_and_never_replaces_entries_unasked(cac
   printed = capsys.readouterr().out
   assert "tile_loop" in printed and "ragged_dot" in printed and "fastest" in printed
   written = tuning.user_file("cpu").read_text()
-  assert {entry.rows for entry in tuning.TuningFile.from_json(written, "").entries} == {2, 32}
+  table = tuning.TuningFile.from_json(written, "")
+  assert {entry.rows for entry in table.entries} == {2, 32}
+  for c in table.entries[-1].candidates:  # the errors printed are the ones stored
+    if c.error is not None:
+      assert f"{c.error:.1e} {c.grad_error:>10.1e}" in printed, c.name
   with pytest.raises(SystemExit, match=r"already holds 2 entr.*--overwrite"):
     main(flags)  # refused before measuring: the file unchanged
   assert tuning.user_file("cpu").read_text() == written
+  tuning.user_file("cpu").write_text("{not json")  # what the corrupt file's error advises:
+  main([*flags, "--overwrite"])
+  assert "{not json" not in tuning.user_file("cpu").read_text()
+  unreadable = tuning.user_file("cpu").with_name("tuning-cpu.json.unreadable")
+  assert unreadable.read_text() == "{not json"  # kept, out of the way
   with pytest.raises(SystemExit):
     main(["tune", "--model", "nope"])
   assert "invalid choice: 'nope'" in capsys.readouterr().err
+
+
+def test_layer_flags_beside_a_preset_are_refused(cache):
+  with pytest.raises(SystemExit, match=r"moejax tune: --experts, --hidden describe a layer of"):
+    main(["tune", "--model", "qwen3-30b-a3b", "--experts", "8", "--hidden", "64"])
 
 
 def test_a_kernel_entry_with_block_sizes_runs_that_kernel_with_them(cache, monkeypatch, request):

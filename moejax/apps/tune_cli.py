@@ -18,6 +18,7 @@ def layer_config(args: argparse.Namespace) -> MoEConfig:
   """The layer to tune: a preset's or checkpoint's MoE layer (bf16, experts in the released
   format), else the layer flags'."""
   if args.model or args.config:
+    _refuse_layer_flags(args)
     try:
       _, config_json = model_json(args.model or args.config)
     except ValueError as error:
@@ -26,6 +27,25 @@ def layer_config(args: argparse.Namespace) -> MoEConfig:
       args, hf.config_from_hf, config=config_json, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16
     )
   return moe_config(args, dtype=getattr(jnp, args.dtype), param_dtype=getattr(jnp, args.dtype))
+
+
+# The flags that describe a layer of flags, which a preset or a checkpoint replaces.
+LAYER_FLAGS = ("experts", "top_k", "hidden", "intermediate", "dtype")
+
+
+def _refuse_layer_flags(args: argparse.Namespace) -> None:
+  """Exits naming the layer flags given beside --model or --config (they would be ignored)."""
+  from moejax.apps.cli import parser  # the command's defaults
+
+  defaults = parser().parse_args(["tune"])
+  given = [name for name in LAYER_FLAGS if getattr(args, name) != getattr(defaults, name)]
+  if given:
+    source = "--model" if args.model else "--config"
+    flags = ", ".join(f"--{name.replace('_', '-')}" for name in given)
+    raise SystemExit(
+      f"moejax tune: {flags} describe a layer of flags, and {source} gives the layer: pass "
+      "one or the other"
+    )
 
 
 def run(args: argparse.Namespace, mesh_shape: tuple[int, int]) -> tuning.TuningFile:
@@ -49,15 +69,20 @@ def run(args: argparse.Namespace, mesh_shape: tuple[int, int]) -> tuning.TuningF
   )
   objective = "forward+backward" if not args.forward_only else "forward"
   print(
-    f"{'rows':>7}  {'candidate':<16} {'status':<9} {'error':>9} {'fwd ms':>9} {'fwd+bwd ms':>11}"
+    f"{'rows':>7}  {'candidate':<16} {'status':<9} {'error':>9} {'grad error':>10} {'fwd ms':>9} "
+    f"{'fwd+bwd ms':>11}"
   )
   measured = len(call_sizes(config, mesh, args.tokens_per_device))
   for entry in table.entries[-measured:]:
     for c in entry.candidates:
       mark = "  <- fastest " + objective if c.name == entry.winner else ""
-      error = "" if c.error is None else f"{max(c.error, c.grad_error or 0):.1e}"
+      error = "" if c.error is None else f"{c.error:.1e}"  # as the file stores them
+      grad_error = "" if c.grad_error is None else f"{c.grad_error:.1e}"
       fwd = "" if c.forward_ms is None else f"{c.forward_ms:.3f}"
       train = "" if c.train_ms is None else f"{c.train_ms:.3f}"
-      print(f"{entry.rows:>7}  {c.name:<16} {c.status:<9} {error:>9} {fwd:>9} {train:>11}{mark}")
+      print(
+        f"{entry.rows:>7}  {c.name:<16} {c.status:<9} {error:>9} {grad_error:>10} {fwd:>9} "
+        f"{train:>11}{mark}"
+      )
   print(f"wrote {tuning.user_file(table.device_kind)}: expert_backend='auto' now follows it")
   return table
