@@ -369,6 +369,7 @@ def _route_rows(
     router_logits = routing.router_logits(tokens.x, params.router_kernel, params.router_bias)
   router_logits = soft_capped(router_logits, config.router_logit_softcap)
   router_logits = _zero_padding(router_logits, tokens.token_mask)  # the logits' only masking
+  router_logits = remat.named(router_logits, remat.ROUTER_LOGITS)
   shared_logits = None
   if params.shared_router_kernel is not None:  # the router's columns of the shared experts
     shared_logits = routing.router_logits(tokens.x, params.shared_router_kernel)
@@ -421,7 +422,6 @@ def local_forward(
     tokens._replace(x=x),
     invariance.block_rows(config),
   )
-  router_logits = remat.named(router_logits, remat.ROUTER_LOGITS)
   stats = jax.tree.map(
     lambda a: sum_over(a, all_axes), routing.router_stats(router_logits, route, token_mask)
   )
