@@ -188,12 +188,19 @@ def _check_call(params, x, token_mask, router_logits, expert_ids, config, mesh) 
   check_inputs(params, x, token_mask, router_logits, config, expert_ids)
   if mesh is not None:
     sharding.check_mesh(mesh, config)
-  if mesh is None and meshes.explicitly_sharded(x):
-    raise ValueError(
-      f"x is sharded over explicit mesh axes ({jax.typeof(x).sharding.spec}) but the layer has "
-      "no mesh: build it on that mesh (`MoELayer(config, mesh=mesh)`, `moe_apply(..., "
-      "mesh=mesh)`), or pass x unsharded"
-    )
+  if mesh is None:
+    named = [("x", x), *(
+      (f"params.{name}", value) for name, value in params._asdict().items() if value is not None
+    )]  # fmt: skip
+    for name, value in named:
+      leaf = next((a for a in jax.tree.leaves(value) if meshes.explicitly_sharded(a)), None)
+      if leaf is not None:
+        raise ValueError(
+          f"{name} is sharded over explicit mesh axes ({jax.typeof(leaf).sharding.spec}) but "
+          "the call has no mesh: pass that mesh (`moe_apply(..., mesh=mesh)`, "
+          "`MoELayer(config, mesh=mesh)`, or `jax.set_mesh(mesh)` around the call), or "
+          "unsharded arrays"
+        )
 
 
 @functools.partial(jax.jit, static_argnames=("config", "mesh"))

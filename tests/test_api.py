@@ -184,11 +184,14 @@ def test_a_layer_without_a_mesh_refuses_inputs_split_over_one():
   no_mesh = MoELayer(CONFIG, rngs=nnx.Rngs(0))
   x = jax.random.normal(jax.random.key(1), (40, 16))
   sharded = jax.device_put(x, NamedSharding(mesh, P(("data", "expert"))))
-  with pytest.raises(ValueError, match="but the layer has no mesh"):
+  with pytest.raises(ValueError, match=r"^x is sharded over explicit mesh axes .* no mesh"):
     no_mesh(sharded)
   with jax.set_mesh(mesh):
     y = no_mesh(sharded)
   assert_close(y, reference_moe(no_mesh.moe_params(), x, CONFIG), what="y")
+  on_mesh = MoELayer(CONFIG, mesh=mesh, rngs=nnx.Rngs(0)).moe_params()  # made for the mesh
+  with pytest.raises(ValueError, match=r"^params.w_gate_up is sharded over explicit mesh axes"):
+    moe_apply(on_mesh, x, config=CONFIG)
 
 
 def test_the_documented_submodules_are_reachable_from_the_package(monkeypatch):
@@ -208,3 +211,23 @@ def test_the_documented_submodules_are_reachable_from_the_package(monkeypatch):
     assert importlib.import_module(f"moejax.{name}") is importlib.import_module(
       f"moejax.apps.{name}"
     )
+
+
+def test_a_failed_eager_gradient_leaves_later_calls_working():
+  """An eager `jax.grad` on an explicit-axes mesh without `jax.set_mesh` fails in JAX (its
+  message says to set the mesh); the layer's later calls, forward and gradient, still run
+  and agree with the reference."""
+  mesh = jax.make_mesh((2, 4), ("data", "expert"))
+  params = MoELayer(CONFIG, mesh=mesh, rngs=nnx.Rngs(0)).moe_params()
+  x = jax.random.normal(jax.random.key(1), (40, 16))
+  loss = lambda p, x: jnp.sum(moe_apply(p, x, config=CONFIG, mesh=mesh)[0] ** 2)
+  with pytest.raises(ValueError, match=r"jax\.set_mesh"):
+    jax.grad(loss)(params, x)
+  with jax.set_mesh(mesh):
+    grads = jax.grad(loss)(params, x)
+  on_host = jax.device_get(params)
+  want = jax.grad(lambda p: jnp.sum(reference_moe(p, x, CONFIG) ** 2))(on_host)
+  assert_close(grads.w_down, want.w_down, what="w_down's gradient after the failure")
+  assert_close(
+    moe_apply(params, x, config=CONFIG, mesh=mesh)[0], reference_moe(params, x, CONFIG), what="y"
+  )
