@@ -6,6 +6,7 @@ import dataclasses
 import json
 import shlex
 import types
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -323,3 +324,28 @@ def test_a_text_model_saved_alone_plans_as_its_model(model_type):
   within = planner._config(dict(model_type=model_type, text_config=text), "infer", "released", 16)
   assert alone == within
   assert (alone.num_experts, alone.top_k, alone.hidden_size) == (8, 2, 64)
+
+
+def test_the_reports_parts_sit_under_the_figure_they_are_part_of():
+  """The text report indents each part under the compiler's figure it belongs to, so the
+  unindented lines add up to the total and no byte is read twice."""
+  per_device = dict(
+    expert_weights=6, other_moe_weights=1, adapters=1, rest_of_model=2, gradients=3,
+    optimizer_state=4, arguments=15, temp=5, outputs_not_aliased=1, kv_cache=2, total=23,
+  )  # fmt: skip
+  lines = fit_cli._memory_lines({k: v * fit_cli.GIB for k, v in per_device.items()})
+  top = {line.split()[0]: float(line.split()[1]) for line in lines if not line.startswith("   ")}
+  assert list(top) == ["arguments", "temp", "outputs_not_aliased", "kv_cache", "total"]
+  assert sum(top.values()) - top["total"] == top["total"]
+  assert lines[lines.index(next(x for x in lines if "temp" in x)) + 1].split()[0] == "gradients"
+  assert len(lines) == len(per_device)
+
+
+def test_the_expert_parallel_default_is_told_alike_in_help_code_and_docs(capsys):
+  with pytest.raises(SystemExit):
+    main(["fit", "--help"])
+  told = " ".join(capsys.readouterr().out.split())
+  assert "the most that divide both the devices and the experts" in told
+  docs = " ".join((Path(__file__).parents[1] / "docs" / "fit.md").read_text().split())
+  assert "defaults to the most devices that divide both the devices and the experts" in docs
+  assert planner._expert_parallel(None, devices=16, experts=24) == 8  # the largest such

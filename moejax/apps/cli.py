@@ -176,7 +176,11 @@ def parser() -> argparse.ArgumentParser:
     "--tokens-per-device", type=positive_int, default=4096, help="tokens each device holds"
   )
   fit_flags.add_argument(
-    "--expert-parallel", type=positive_int, default=None, help="S (default: every device)"
+    "--expert-parallel",
+    type=positive_int,
+    default=None,
+    help="S, devices of the expert axis (default: the most that divide both the devices and "
+    "the experts); the data axis takes the rest",
   )
   fit_flags.add_argument(
     "--expert-fsdp", action="store_true", help="split expert weights over the data axis too"

@@ -44,6 +44,26 @@ def run(args: argparse.Namespace) -> FitReport | fit_search.Search:
   return report
 
 
+# The parts of the compiler's figures that `FitReport.per_device_bytes` names: the weights,
+# adapters and optimizer state are arguments, the gradients temporaries.
+_WITHIN = {
+  "arguments": ("expert_weights", "other_moe_weights", "adapters", "rest_of_model",
+                "optimizer_state"),
+  "temp": ("gradients",),
+}  # fmt: skip
+
+
+def _memory_lines(per_device: dict[str, int]) -> list[str]:
+  """The bytes per device as lines, each part indented under the figure it is part of, so
+  that the unindented lines add up to the total (the last line)."""
+  line = lambda name, indent: f"{' ' * indent}{name:{22 - indent}s} {per_device[name] / GIB:8.2f}"
+  lines = []
+  for name in ("arguments", "temp", "outputs_not_aliased", "kv_cache", "total"):
+    lines.append(line(name, 2))
+    lines += [line(part, 4) for part in _WITHIN.get(name, ()) if part in per_device]
+  return lines
+
+
 def text(report: FitReport) -> str:
   """The report for a reader: the verdict, the bytes per device, the estimate."""
   bytes_ = report.per_device_bytes
@@ -57,8 +77,8 @@ def text(report: FitReport) -> str:
     f"{'fits' if report.fits else 'does NOT fit'}: {bytes_['total'] / GIB:.2f} GiB of "
     f"{report.gpu_memory_bytes / GIB:.2f} GiB per device (headroom "
     f"{report.headroom_bytes / GIB:+.2f} GiB)",
-    "per device (GiB):",
-    *(f"  {name:20s} {value / GIB:8.2f}" for name, value in bytes_.items()),
+    "per device (GiB; the indented parts are within the line above them):",
+    *_memory_lines(bytes_),
     f"estimated step time (an estimate): {report.estimate.layer_s * 1e3:.2f} ms per MoE layer, "
     f"{report.estimate.stack_s:.3f} s for the stack (the expert path's rate: "
     f"{report.estimate.rate_source}); {report.estimate.tokens_per_s_per_gpu:,.0f} tokens/s "
