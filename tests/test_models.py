@@ -234,6 +234,20 @@ class LinenModel(nn.Module):
     return moe_linen(MOE, name="moe")(nn.Dense(32, name="proj")(x), mask)
 
 
+def test_a_jitted_linen_init_on_an_explicit_mesh_needs_the_mesh_set():
+  """As the guide says: eager `init` places the parameters on the module's mesh; a jitted one
+  needs `jax.set_mesh` (JAX's rule for any jit that makes arrays on explicit axes)."""
+  mesh = jax.make_mesh((2, 4), ("data", "expert"))  # explicit axes, JAX's default
+  module, x = moe_linen(MOE, mesh=mesh), jnp.ones((8, 32))
+  eager = module.init(jax.random.key(0), x)
+  with pytest.raises(ValueError, match=r"jax\.set_mesh"):
+    jax.jit(module.init)(jax.random.key(0), x)
+  with jax.set_mesh(mesh):
+    jitted = jax.jit(module.init)(jax.random.key(0), x)
+  chex.assert_trees_all_equal_shapes_and_dtypes(nn.unbox(jitted), nn.unbox(eager))
+  assert nn.unbox(jitted)["params"]["w_down"].sharding.spec[0] == "expert"
+
+
 def test_linen_model_matches_the_nnx_layer(request):
   key = jax.random.key(seed_of(request.node.name))
   x = jax.random.normal(key, (4, 6, 32))
