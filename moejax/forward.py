@@ -189,10 +189,8 @@ def _check_call(params, x, token_mask, router_logits, expert_ids, config, mesh) 
   if mesh is not None:
     sharding.check_mesh(mesh, config)
   if mesh is None:
-    named = [("x", x), *(
-      (f"params.{name}", value) for name, value in params._asdict().items() if value is not None
-    )]  # fmt: skip
-    for name, value in named:
+    arrays = {"x": x, **{f"params.{name}": v for name, v in params._asdict().items()}}
+    for name, value in arrays.items():
       leaf = next((a for a in jax.tree.leaves(value) if meshes.explicitly_sharded(a)), None)
       if leaf is not None:
         raise ValueError(
