@@ -278,7 +278,8 @@ def tune(cases) -> None:
     make_call = lambda blocks, x=x, w=w, sizes=sizes: functools.partial(
       jax.jit(functools.partial(gmm, implementation="mosaic", config=blocks)), x, w, sizes
     )
-    print(f"tuned {key}: {autotune.autotune(key, autotune.MOSAIC_CANDIDATES, make_call)}")
+    candidates = BACKENDS["mosaic"].candidate_blocks
+    print(f"tuned {key}: {autotune.autotune(key, candidates, make_call)}")
 
 
 def format_quant_table(rows: list[dict]) -> str:

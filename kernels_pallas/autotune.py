@@ -25,14 +25,6 @@ from kernels_pallas.gmm_triton import TritonBlocks
 CONFIG_DIR = Path(__file__).parent / "configs"
 _BLOCK_TYPES = {b.blocks_type.__name__: b.blocks_type for b in BACKENDS.values() if b.blocks_type}
 
-# The Mosaic forward kernel's blocks `benchmarks/gpu_kernels.py --tune` times (bf16 gmm).
-MOSAIC_CANDIDATES = tuple(
-  MosaicBlocks(block_m, block_n, 64, steps)
-  for block_m in (64, 128)
-  for block_n in (128, 256)
-  for steps in (3, 4)
-)
-
 
 def cache_key(op: str, implementation: str, shape: Sequence[int], dtype) -> str:
   """'gmm/triton/M=4096,K=4096,N=14336,G=8/bfloat16': one tuned entry per such key."""

@@ -56,6 +56,8 @@ class Backend:
       [G, K, N]; operands padded to `tgmm_multiples`.
     fit_blocks: (blocks, BlockScaled rhs, transpose_rhs) -> the blocks its kernels run that
       rhs with, read that way.
+    candidate_blocks: forward-kernel blocks worth timing beside `default_blocks` (what
+      `moejax.tune` measures, each a candidate of its own); () for none.
   """
 
   name: str
@@ -69,6 +71,7 @@ class Backend:
   tgmm: Callable
   quant_formats: tuple[str, ...] = ()
   fit_blocks: Callable = lambda blocks, rhs, transpose_rhs=False: blocks
+  candidate_blocks: tuple = ()
 
 
 def _mosaic_tgmm_blocks(num_rows: int, k: int, n: int) -> MosaicBlocks:
@@ -94,6 +97,7 @@ BACKENDS: dict[BackendName, Backend] = {
     tgmm=gmm_mosaic.tgmm_mosaic,
     quant_formats=tuple(FORMATS),  # one decode path takes every format
     fit_blocks=mosaic_quant.fit_blocks,
+    candidate_blocks=gmm_mosaic.CANDIDATE_BLOCKS,
   ),
   "triton": Backend(
     name="triton",

@@ -74,6 +74,16 @@ class MosaicBlocks:
       raise ValueError(f"max_concurrent_steps={self.max_concurrent_steps} must be >= 2")
 
 
+# The forward kernel's blocks worth timing beside `default_blocks` (bf16 gmm): what
+# `moejax.tune` and `benchmarks/gpu_kernels.py --tune` measure (`Backend.candidate_blocks`).
+CANDIDATE_BLOCKS = tuple(
+  MosaicBlocks(block_m, block_n, 64, steps)
+  for block_m in (64, 128)
+  for block_n in (128, 256)
+  for steps in (3, 4)
+)
+
+
 def default_blocks(num_rows: int, k: int, n: int) -> MosaicBlocks:
   """A heuristic per shape class: few rows (decode) take 64-row tiles."""
   return MosaicBlocks(block_m=64 if num_rows <= 512 else 128, block_n=128, block_k=64)

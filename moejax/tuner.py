@@ -33,7 +33,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from kernels_pallas import autotune, platform
+from kernels_pallas import platform
 from kernels_pallas.backends import BACKENDS, REFERENCE, unsupported_reason
 from moejax import files, tokamax_experts, tuning
 from moejax.call_plan import plan_call
@@ -44,12 +44,6 @@ from moejax.plan import expert_case
 from moejax.reference import reference_moe
 from moejax.testing import RELATIVE_BOUNDS, poison, rank_mask, relative_error
 from moejax.tokamax_experts import TOKAMAX
-
-# The kernel block configurations `kernels_pallas.autotune` knows, by backend: each is a
-# candidate of its own beside the backend's default choice.
-KNOWN_BLOCKS = {
-  "mosaic": tuple(dataclasses.asdict(blocks) for blocks in autotune.MOSAIC_CANDIDATES)
-}
 
 
 def tune(
@@ -167,9 +161,11 @@ def candidates(config: MoEConfig, mesh: Mesh | None) -> list[tuning.Candidate]:
         if (
           name != REFERENCE and backend.made_for(capability) and not unsupported_reason(name, case)
         ):
+          # the backend's own choice, then each block configuration its registry entry names
+          blocks_tried = (None, *map(dataclasses.asdict, backend.candidate_blocks))
           found += [
             tuning.Candidate(path="pallas", backend=name, blocks=blocks, status="passed")
-            for blocks in (None, *KNOWN_BLOCKS.get(name, ()))
+            for blocks in blocks_tried
           ]
   return found
 

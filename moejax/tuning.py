@@ -302,7 +302,10 @@ def forcing(case: dict[str, Any], rows: int, candidate: Candidate) -> Iterator[N
 
 def _tables(device_kind: str) -> list[tuple[str, TuningFile]]:
   """(source, table) for the device kind: the user's file, then the shipped one; each without
-  the entries of other versions (a notice says how many)."""
+  the entries of other versions (a notice says how many). None for a device that reports no
+  kind: tuning files are kept per kind."""
+  if not device_kind:
+    return []
   shipped = SHIPPED_DIR / file_name(device_kind)
   found = []
   for path, text in (

@@ -10,6 +10,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from moejax import MoEAux, MoEConfig, MoELayer, moe_apply, param_shapes, reference_moe
+from moejax.layer import SelectionBias
 from moejax.testing import poison, random_params, rank_mask
 from tests.helpers import assert_close, count_compiles, mesh_of, seed_of
 
@@ -33,8 +34,11 @@ def masks(seed: int, count: int, shape) -> list[jax.Array]:
 
 
 def test_layer_parameters_are_the_checkpoint_format():
+  """Every parameter under its checkpoint name; the selection bias a `SelectionBias` (state,
+  not an `nnx.Param`: no optimizer trains or decays it)."""
   layer = MoELayer(CONFIG, mesh=mesh_of(2, 4), rngs=nnx.Rngs(0))
-  state = nnx.state(layer, nnx.Param)
+  state = nnx.state(layer, (nnx.Param, SelectionBias))
+  assert list(nnx.state(layer, SelectionBias)) == ["routing_bias"]
   shapes = {name: tuple(v.shape) for name, v in state.items()}
   assert (
     shapes

@@ -31,6 +31,7 @@ from moejax import (
   param_shapes,
   plan_call,
   targets,
+  tuner,
   tuning,
 )
 from moejax.chunk_budget import budget_bytes, chunk_bytes, outside_chunks
@@ -365,8 +366,7 @@ def kernel_calls(name: str, device_kind: str) -> set[KernelCall]:
       autotune.lookup(key, tuned) for key in json.loads(tuned.read_text()) if f"/{name}/" in key
     }
   calls = {KernelCall("tgmm", None, backend.tgmm_blocks(*shape)) for shape in SHAPE_CLASSES}
-  if name == "mosaic":
-    calls |= {KernelCall("gmm", None, blocks) for blocks in autotune.MOSAIC_CANDIDATES}
+  calls |= {KernelCall("gmm", None, blocks) for blocks in backend.candidate_blocks}
   for expert_quant in (None, *backend.quant_formats):
     rhs = None if expert_quant is None else block_scaled_spec((GROUPS, K, N), expert_quant)
     rhs = jax.tree.map(lambda leaf: jnp.zeros(leaf.shape, leaf.dtype), rhs)  # fitting reads it
@@ -449,6 +449,23 @@ def test_every_kernel_block_configuration_fits(name, gpu):
     expect_triton_deprecation() if name == "triton" else contextlib.nullcontext(),
   ):
     compile_kernel(KernelCall("gmm", None, too_large), name, mesh)
+
+
+def test_tuning_times_the_block_configurations_the_registry_names():
+  """On an H100, `moejax.tune`'s candidates are the XLA paths, then each kernel made for it
+  with its own choice and every `candidate_blocks` of its registry entry."""
+  mesh = targets.target_mesh("h100", (1, 8))
+  names = [c.name for c in tuner.candidates(MoEConfig(**LAYER, **BF16), mesh)]
+  made_for = [b for b in BACKENDS.values() if b.made_for("9.0") and b.name != "xla"]
+  kernels = [
+    tuning.Candidate(
+      path="pallas", backend=b.name, blocks=blocks and dataclasses.asdict(blocks)
+    ).name
+    for b in made_for
+    for blocks in (None, *b.candidate_blocks)
+  ]
+  assert names[-len(kernels) :] == kernels
+  assert len(BACKENDS["mosaic"].candidate_blocks) > 1 and names[0] == "tile_loop"
 
 
 def test_auto_follows_a_tuning_entry_for_the_h200(tmp_path, monkeypatch):

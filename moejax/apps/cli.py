@@ -291,6 +291,23 @@ def run_bench(bench_args: list[str]) -> None:
   runpy.run_path(str(suite), run_name="__main__")
 
 
+# tune's flags that describe a layer of flags, which a preset or a checkpoint replaces.
+_TUNE_LAYER_FLAGS = ("experts", "top_k", "hidden", "intermediate", "dtype")
+
+
+def _refuse_layer_flags(args: argparse.Namespace, defaults: argparse.Namespace) -> None:
+  """Exits naming the layer flags given beside tune's --model or --config (they would be
+  ignored)."""
+  given = [name for name in _TUNE_LAYER_FLAGS if getattr(args, name) != getattr(defaults, name)]
+  if given:
+    source = "--model" if args.model else "--config"
+    named = ", ".join(f"--{name.replace('_', '-')}" for name in given)
+    raise SystemExit(
+      f"moejax tune: {named} describe a layer of flags, and {source} gives the layer: pass "
+      "one or the other"
+    )
+
+
 def main(argv: list[str] | None = None) -> None:
   flags = parser()
   args, rest = flags.parse_known_args(argv)
@@ -299,6 +316,8 @@ def main(argv: list[str] | None = None) -> None:
     return
   if rest:
     flags.error(f"unrecognized arguments: {' '.join(rest)}")
+  if args.command == "tune" and (args.model or args.config):
+    _refuse_layer_flags(args, defaults=flags.parse_args(["tune"]))
   if args.command == "fit":
     os.environ.setdefault("JAX_PLATFORMS", "cpu")  # compile-only GPUs; nothing runs
     from moejax.apps import fit_cli

@@ -18,7 +18,6 @@ def layer_config(args: argparse.Namespace) -> MoEConfig:
   """The layer to tune: a preset's or checkpoint's MoE layer (bf16, experts in the released
   format), else the layer flags'."""
   if args.model or args.config:
-    _refuse_layer_flags(args)
     try:
       _, config_json = model_json(args.model or args.config)
     except ValueError as error:
@@ -27,25 +26,6 @@ def layer_config(args: argparse.Namespace) -> MoEConfig:
       args, hf.config_from_hf, config=config_json, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16
     )
   return moe_config(args, dtype=getattr(jnp, args.dtype), param_dtype=getattr(jnp, args.dtype))
-
-
-# The flags that describe a layer of flags, which a preset or a checkpoint replaces.
-LAYER_FLAGS = ("experts", "top_k", "hidden", "intermediate", "dtype")
-
-
-def _refuse_layer_flags(args: argparse.Namespace) -> None:
-  """Exits naming the layer flags given beside --model or --config (they would be ignored)."""
-  from moejax.apps.cli import parser  # the command's defaults
-
-  defaults = parser().parse_args(["tune"])
-  given = [name for name in LAYER_FLAGS if getattr(args, name) != getattr(defaults, name)]
-  if given:
-    source = "--model" if args.model else "--config"
-    flags = ", ".join(f"--{name.replace('_', '-')}" for name in given)
-    raise SystemExit(
-      f"moejax tune: {flags} describe a layer of flags, and {source} gives the layer: pass "
-      "one or the other"
-    )
 
 
 def run(args: argparse.Namespace, mesh_shape: tuple[int, int]) -> tuning.TuningFile:
