@@ -459,7 +459,7 @@ def test_tuning_times_the_block_configurations_the_registry_names():
   made_for = [b for b in BACKENDS.values() if b.made_for("9.0") and b.name != "xla"]
   kernels = [
     tuning.Candidate(
-      path="pallas", backend=b.name, blocks=blocks and dataclasses.asdict(blocks)
+      path="pallas", backend=b.name, blocks=blocks and dataclasses.asdict(blocks), status=""
     ).name
     for b in made_for
     for blocks in (None, *b.candidate_blocks)
