@@ -134,6 +134,9 @@ class MoELayer(nnx.Module):
   `score_sums` [E + Z], `num_tokens` [], `load_max_over_mean` [] (a tuple of values per
   name, one per call). `moejax.moe_apply` returns them directly.
 
+  With `config.use_routing_bias` the selection bias `routing_bias` is a `SelectionBias`
+  variable, not an `nnx.Param`: `moejax.balancing` moves it; no gradient or optimizer does.
+
   With `config.num_redundant_experts` R > 0 the expert parameters hold P = E + R physical
   slots, and the layer keeps non-trainable state that optax (given `wrt=nnx.Param`) never
   sees: `placement`, a `PlacementState` of `ExpertPlacement` variables whose `get_value()`

@@ -143,8 +143,9 @@ def metadata_placement(name: str, value, spec: P | None, mesh: Mesh) -> NamedSha
 
 
 def check_mesh(mesh: Mesh | AbstractMesh, config: MoEConfig) -> None:
-  """Raises ValueError unless the config's two groups name every axis of `mesh` (and only
-  its axes), the expert group divides the physical experts, P = E + R, and with
+  """Raises ValueError unless the config's two groups name every axis of `mesh` of size > 1
+  (axes of size 1, a framework's unused ones, may be left out) and only its axes, the expert
+  group divides the physical experts, P = E + R, and with
   `expert_fsdp` the data group splits every expert weight's dim 1 evenly, scale blocks
   included."""
   if not isinstance(mesh, Mesh | AbstractMesh):
@@ -159,7 +160,7 @@ def check_mesh(mesh: Mesh | AbstractMesh, config: MoEConfig) -> None:
           f"({config.data_axis!r}, {config.expert_axis!r})) for one axis each"
         )
   for name in mesh.axis_names:
-    if name not in config.data_axes + config.expert_axes:
+    if name not in config.data_axes + config.expert_axes and mesh.shape[name] > 1:
       raise ValueError(
         f"mesh axis {name!r} (size {mesh.shape[name]}) is in neither group ({groups}): the "
         "layer would repeat its work on each of its devices; add it to expert_axis (a tensor "

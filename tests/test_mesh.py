@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from flax import linen as nn
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from moejax import (
@@ -28,7 +28,7 @@ from moejax.expert_placement import initial_placement
 from moejax.linen import moe_linen
 from moejax.params import EXPERT_PARAMS, SHARED_FSDP_PARAMS
 from moejax.testing import poison, random_params
-from tests.helpers import assert_close, check_against_reference, mesh_of, seed_of
+from tests.helpers import assert_close, check_against_reference, mesh_of, seed_of, slow
 from tests.lowering import collectives
 
 BASE = MoEConfig(
@@ -198,6 +198,19 @@ def _collectives(config, mesh, x, mask) -> list[tuple[str, int, bool]]:
   params = random_params(config, jax.random.key(0))
   loss = lambda p: jnp.sum(moe_apply(p, x, config=config, mesh=mesh, token_mask=mask)[0] ** 2)
   return collectives(jax.jit(jax.grad(loss)).lower(params).compile().as_text())
+
+
+@pytest.mark.parametrize("axis_type", [AxisType.Explicit, slow(AxisType.Auto)])
+def test_axes_of_size_one_may_be_left_out_of_the_groups(axis_type, request):
+  """A framework's mesh with unused axes of size 1 (Levanter's ("replica_dcn", "data",
+  "context", "expert", "model")) needs no ceremony: the layer on the (2, 4) devices of its
+  data and expert axes gives the reference's output and gradients."""
+  seed = seed_of(request.node.name)
+  names = ("replica_dcn", "data", "context", "expert", "model")
+  mesh = jax.make_mesh((1, 2, 1, 4, 1), names, axis_types=(axis_type,) * 5)
+  x, mask = tokens(seed)
+  params = random_params(BASE, jax.random.key(seed))
+  check_against_reference(params, poison(x, mask), BASE, mesh, mask, seed=seed)
 
 
 class TestErrors:
