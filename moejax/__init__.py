@@ -23,6 +23,7 @@ from moejax import targets
 from moejax.call_plan import CallPlan, plan_call
 from moejax.config import MoEConfig
 from moejax.forward import MoEAux, chunk_layout, moe_apply
+from moejax.functional import moe_mlp
 from moejax.layer import MoELayer, collect_aux
 from moejax.params import MoEParams, param_shapes
 from moejax.reference import reference_moe
@@ -42,6 +43,7 @@ __all__ = [
   "chunk_layout",
   "collect_aux",
   "moe_apply",
+  "moe_mlp",
   "param_shapes",
   "plan_call",
   "reference_moe",

@@ -116,6 +116,7 @@ def moe_apply(
   token_mask: jax.Array | None = None,
   router_logits: jax.Array | None = None,
   expert_ids: jax.Array | None = None,
+  combine_weights: jax.Array | None = None,
   placement: expert_placement.Placement | None = None,
 ) -> tuple[jax.Array, MoEAux]:
   """Runs the MoE layer: y = shared(x) + sum_k w_k * expert_{e_k}(x), per token.
@@ -138,6 +139,12 @@ def moe_apply(
       gradient. Concrete ids out of range or repeated within a valid token are an error;
       under `jit` such an id routes nowhere and is counted in `MoEAux.invalid_expert_ids`.
       Masked tokens' ids are ignored.
+    combine_weights: [..., K] float weights of the given `expert_ids` (required with them),
+      for a caller that routes itself: y = shared(x) + sum_k combine_weights_k *
+      expert_{e_k}(x), the weights used as they are (no renormalization, no
+      `routed_scaling_factor`), with their gradient. The router then chooses nothing; it
+      runs only for the aux losses, which are 0 for a layer without one
+      (`external_router=True`) and no `router_logits`.
     placement: with `config.num_redundant_experts` R > 0 (required then, rejected
       otherwise), the `moejax.eplb.Placement` of the P = E + R physical experts in `params`.
       Data: a new placement runs the same executable.
@@ -146,9 +153,9 @@ def moe_apply(
     (y, aux): y has x's shape and dtype, exactly 0 where the mask is False; aux is `MoEAux`.
   """
   mesh = meshes.of_call(mesh)
-  _check_call(params, x, token_mask, router_logits, expert_ids, config, mesh)
+  _check_call(params, x, token_mask, router_logits, expert_ids, combine_weights, config, mesh)
   expert_placement.check_placement(placement, config)
-  args = (params, x, token_mask, router_logits, expert_ids, placement)
+  args = (params, x, token_mask, router_logits, expert_ids, combine_weights, placement)
   if mesh is not None and meshes.is_explicit(mesh):
     return _apply_on_explicit_mesh(args, config, mesh)
   return _moe_apply_jit(*args, config=config, mesh=mesh)
@@ -183,9 +190,11 @@ def compiled_executables() -> int:
   return _moe_apply_jit._cache_size()
 
 
-def _check_call(params, x, token_mask, router_logits, expert_ids, config, mesh) -> None:
+def _check_call(
+  params, x, token_mask, router_logits, expert_ids, combine_weights, config, mesh
+) -> None:
   """Trace-time checks, so that bad input fails with a clear message before any XLA error."""
-  check_inputs(params, x, token_mask, router_logits, config, expert_ids)
+  check_inputs(params, x, token_mask, router_logits, config, expert_ids, combine_weights)
   if mesh is not None:
     sharding.check_mesh(mesh, config)
   if mesh is None:
@@ -202,14 +211,18 @@ def _check_call(params, x, token_mask, router_logits, expert_ids, config, mesh) 
 
 
 @functools.partial(jax.jit, static_argnames=("config", "mesh"))
-def _moe_apply_jit(params, x, token_mask, router_logits, expert_ids, placement, *, config, mesh):
+def _moe_apply_jit(
+  params, x, token_mask, router_logits, expert_ids, combine_weights, placement, *, config, mesh
+):
   with meshes.running_on(mesh):  # plan for the mesh's devices, not the default one
     return _moe_apply_traced(
-      params, x, token_mask, router_logits, expert_ids, placement, config, mesh
+      params, x, token_mask, router_logits, expert_ids, combine_weights, placement, config, mesh
     )
 
 
-def _moe_apply_traced(params, x, token_mask, router_logits, expert_ids, placement, config, mesh):
+def _moe_apply_traced(
+  params, x, token_mask, router_logits, expert_ids, combine_weights, placement, config, mesh
+):
   """`moe_apply`'s program (traced under jit)."""
   lead = x.shape[:-1]
   call = plan_for(config, math.prod(lead), mesh)  # every static choice, made here once
@@ -221,7 +234,11 @@ def _moe_apply_traced(params, x, token_mask, router_logits, expert_ids, placemen
   maybe_flat = lambda a: None if a is None else flat(a, 0)
   given_ids = None if expert_ids is None else expert_ids.astype(jnp.int32)
   tokens = TokenInputs(
-    flat(x, 0), flat(mask, False), maybe_flat(router_logits), maybe_flat(given_ids)
+    flat(x, 0),
+    flat(mask, False),
+    maybe_flat(router_logits),
+    maybe_flat(given_ids),
+    maybe_flat(combine_weights),
   )
   body = functools.partial(
     local_forward,
@@ -238,10 +255,13 @@ def _moe_apply_traced(params, x, token_mask, router_logits, expert_ids, placemen
       body, mesh, config, call.expert, params, placement, tokens
     )
   y = remat.named(layout.unpad(y).reshape(x.shape).astype(x.dtype), remat.LAYER_OUTPUT)
+  # Without a router or its logits there are no scores to take losses of.
+  has_router = router_logits is not None or params.router_kernel is not None
+  aux_loss = lambda loss: loss if has_router else jnp.zeros((), jnp.float32)
   aux = MoEAux(
     expert_counts=stats.expert_counts,
-    load_balancing_loss=routing.load_balancing_loss(stats, config.top_k),
-    router_z_loss=routing.router_z_loss(stats),
+    load_balancing_loss=aux_loss(routing.load_balancing_loss(stats, config.top_k)),
+    router_z_loss=aux_loss(routing.router_z_loss(stats)),
     chunks_run=counts.chunks_run,
     dispatch_rows=counts.rows_sent,
     physical_counts=slot_counts,
@@ -265,12 +285,14 @@ class TokenInputs(NamedTuple):
     token_mask: [L] bool, False for padding.
     router_logits: [L, E + Z] precomputed logits, or None to run the router.
     expert_ids: [L, K] int32 given expert ids (routing replay), or None for the top-k.
+    combine_weights: [L, K] the given ids' weights, or None for the router's scores.
   """
 
   x: jax.Array
   token_mask: jax.Array
   router_logits: jax.Array | None
   expert_ids: jax.Array | None
+  combine_weights: jax.Array | None = None
 
 
 class RoutedRows(NamedTuple):
@@ -337,7 +359,7 @@ def _shard(
   return jax.shard_map(
     body,
     mesh=mesh,
-    in_specs=(param_specs, specs.replicated, TokenInputs(*[specs.tokens_t] * 4)),
+    in_specs=(param_specs, specs.replicated, TokenInputs(*[specs.tokens_t] * 5)),
     out_specs=(
       specs.tokens_t,
       (specs.tokens_t, specs.tokens_t),
@@ -370,7 +392,9 @@ def _route_rows(
     config: the layer's config.
   """
   router_logits = tokens.router_logits
-  if router_logits is None:  # the router's only run
+  if router_logits is None and params.router_kernel is None:  # routed by the caller alone
+    router_logits = jnp.zeros((tokens.x.shape[0], config.num_router_outputs), jnp.float32)
+  elif router_logits is None:  # the router's only run
     router_logits = routing.router_logits(tokens.x, params.router_kernel, params.router_bias)
   router_logits = soft_capped(router_logits, config.router_logit_softcap)
   router_logits = _zero_padding(router_logits, tokens.token_mask)  # the logits' only masking
@@ -385,6 +409,7 @@ def _route_rows(
     params.routing_bias,
     given_ids=tokens.expert_ids,
     shared_logits=shared_logits,
+    given_weights=tokens.combine_weights,
   )
   return router_logits, route
 

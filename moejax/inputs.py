@@ -12,10 +12,13 @@ from moejax.config import MoEConfig
 from moejax.params import MoEParams, check_params
 
 
-def check_inputs(params, x, token_mask, router_logits, config, expert_ids=None) -> None:
+def check_inputs(
+  params, x, token_mask, router_logits, config, expert_ids=None, combine_weights=None
+) -> None:
   """The layer's inputs against its config (types, dtypes, shapes), each named when wrong:
   for `moe_apply` and `reference_moe` alike. Given `expert_ids` outside a trace (concrete
-  values) must also be in range and distinct per valid token (`check_expert_id_values`)."""
+  values) must also be in range and distinct per valid token (`check_expert_id_values`);
+  `combine_weights` come with them, one per id."""
   if not isinstance(config, MoEConfig):
     raise TypeError(f"config must be a MoEConfig, got {type(config).__name__}")
   if not isinstance(params, MoEParams):
@@ -24,7 +27,7 @@ def check_inputs(params, x, token_mask, router_logits, config, expert_ids=None) 
     )
   check_params(params, config)
   named = (("x", x), ("token_mask", token_mask), ("router_logits", router_logits))
-  for name, value in (*named, ("expert_ids", expert_ids)):
+  for name, value in (*named, ("expert_ids", expert_ids), ("combine_weights", combine_weights)):
     if value is not None and not hasattr(value, "shape"):
       raise TypeError(f"{name} must be an array (JAX or NumPy), got {type(value).__name__}")
   if not jnp.issubdtype(jnp.result_type(x), jnp.floating):
@@ -38,7 +41,7 @@ def check_inputs(params, x, token_mask, router_logits, config, expert_ids=None) 
       )
     if jnp.result_type(token_mask) != jnp.bool_:
       raise TypeError(f"token_mask must be bool, got dtype {jnp.result_type(token_mask)}")
-  if router_logits is None and config.external_router:
+  if router_logits is None and config.external_router and combine_weights is None:
     raise ValueError(
       "router_logits is None, but this layer has no router (external_router=True): pass the "
       f"logits of its router, [..., {config.num_router_outputs}]"
@@ -60,6 +63,30 @@ def check_inputs(params, x, token_mask, router_logits, config, expert_ids=None) 
         f"expert_ids must be integer (int32), got dtype {jnp.result_type(expert_ids)}"
       )
     check_expert_id_values(expert_ids, token_mask, config)
+  if combine_weights is not None:
+    _check_combine_weights(combine_weights, expert_ids, config)
+
+
+def _check_combine_weights(combine_weights, expert_ids, config) -> None:
+  """`combine_weights` beside the `expert_ids` they weigh: floating, of their shape."""
+  if expert_ids is None:
+    raise ValueError(
+      "combine_weights is given without expert_ids: pass the ids they weigh, [..., top_k]"
+    )
+  if combine_weights.shape != expert_ids.shape:
+    raise ValueError(
+      f"combine_weights has shape {combine_weights.shape}; expected expert_ids' shape "
+      f"{expert_ids.shape}"
+    )
+  if not jnp.issubdtype(jnp.result_type(combine_weights), jnp.floating):
+    raise TypeError(
+      f"combine_weights must be floating, got dtype {jnp.result_type(combine_weights)}"
+    )
+  if config.shared_expert_scores:
+    raise ValueError(
+      "combine_weights cannot weigh this layer's shared experts, which the router scores "
+      "(shared_expert_scores=True): route with the router, or use a config without it"
+    )
 
 
 def check_expert_id_values(expert_ids, token_mask, config) -> None:

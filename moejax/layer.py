@@ -247,6 +247,7 @@ class MoELayer(nnx.Module):
     *,
     router_logits: jax.Array | None = None,
     expert_ids: jax.Array | None = None,
+    combine_weights: jax.Array | None = None,
   ) -> jax.Array:
     """Applies the layer.
 
@@ -257,6 +258,8 @@ class MoELayer(nnx.Module):
         experts, 0 but for LongCat-Flash); the layer's router then does not run.
       expert_ids: [..., K] int32 logical expert ids to use instead of the router's top-k
         (routing replay; `moejax.moe_apply` says how they are weighted and checked).
+      combine_weights: [..., K] weights of those ids, for a caller that routes itself
+        (`moejax.moe_apply`'s), or None: the router's scores.
 
     Returns:
       [..., D] with x's dtype; rows whose mask is False are exactly 0.
@@ -269,6 +272,7 @@ class MoELayer(nnx.Module):
       token_mask=token_mask,
       router_logits=router_logits,
       expert_ids=expert_ids,
+      combine_weights=combine_weights,
       placement=self._placement(),
     )
     if self.config.num_redundant_experts:

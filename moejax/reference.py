@@ -111,14 +111,18 @@ def reference_routing(
   config: MoEConfig,
   routing_bias: jax.Array | None,
   given_ids: jax.Array | None = None,
+  given_weights: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
   """[T, E + Z] float32 logits -> (expert ids [T, K], weights [T, K]), vLLM's semantics; with
   `given_ids` [T, K] those ids (routing replay): unusable ones (out of range, repeated) get
-  id E + Z and weight 0."""
+  id E + Z and weight 0; with `given_weights` [T, K] too, those weights as they are."""
   if given_ids is None:
     return _chosen_routing(logits, config, routing_bias)
   usable = _usable(given_ids, config.num_router_outputs)
   safe_ids = jnp.where(usable, given_ids, 0)
+  ids = jnp.where(usable, given_ids, config.num_router_outputs)
+  if given_weights is not None:
+    return ids, jnp.where(usable, given_weights, 0.0)
   if config.scoring == "sparsemixer":
     _, weights = _sparsemixer_routing(logits, config.sparsemixer_eps, safe_ids)
   else:
@@ -127,7 +131,6 @@ def reference_routing(
   if config.renormalize:
     total = weights.sum(-1, keepdims=True)
     weights = jnp.where(total > 0, weights / jnp.where(total > 0, total, 1.0), 0.0)
-  ids = jnp.where(usable, given_ids, config.num_router_outputs)
   return ids, weights * config.routed_scaling_factor
 
 
@@ -221,6 +224,7 @@ def reference_moe(
   router_logits: jax.Array | None = None,
   placement: Placement | None = None,
   expert_ids: jax.Array | None = None,
+  combine_weights: jax.Array | None = None,
 ) -> jax.Array:
   """The MoE layer computed densely in float32.
 
@@ -238,15 +242,16 @@ def reference_moe(
       expert computes with the weights of its first replica.
     expert_ids: [..., K] given logical expert ids (routing replay, as `moe_apply` takes
       them), or None for the router's choice.
+    combine_weights: [..., K] the given ids' weights, as `moe_apply` takes them, or None.
 
   Returns:
     [..., D] float32; rows whose mask is False are 0. Inputs split over an explicit mesh
     axis are made whole first (`meshes.gathered`): the reference computes densely.
   """
-  check_inputs(params, x, token_mask, router_logits, config, expert_ids)
+  check_inputs(params, x, token_mask, router_logits, config, expert_ids, combine_weights)
   check_placement(placement, config)
-  params, x, token_mask, router_logits, expert_ids = meshes.gathered(
-    (params, x, token_mask, router_logits, expert_ids)
+  params, x, token_mask, router_logits, expert_ids, combine_weights = meshes.gathered(
+    (params, x, token_mask, router_logits, expert_ids, combine_weights)
   )
   if placement is not None:
     params = _logical(params, placement)
@@ -268,7 +273,9 @@ def reference_moe(
   tokens = f32(x).reshape(-1, config.hidden_size)
   mask = jnp.ones(tokens.shape[0], bool) if token_mask is None else token_mask.reshape(-1)
   tokens = jnp.where(mask[:, None], tokens, 0.0)
-  if router_logits is None:
+  if router_logits is None and p.router_kernel is None:  # routed by the caller alone
+    logits = jnp.zeros((tokens.shape[0], config.num_router_outputs), jnp.float32)
+  elif router_logits is None:
     logits = jnp.matmul(tokens, p.router_kernel, precision=_HIGHEST)
     if p.router_bias is not None:
       logits = logits + p.router_bias[None, :]
@@ -281,7 +288,8 @@ def reference_moe(
   given = (
     None if expert_ids is None else jnp.asarray(expert_ids, jnp.int32).reshape(-1, config.top_k)
   )
-  ids, weights = reference_routing(logits, config, p.routing_bias, given)
+  weighed = None if combine_weights is None else f32(combine_weights).reshape(-1, config.top_k)
+  ids, weights = reference_routing(logits, config, p.routing_bias, given, weighed)
   shared_weights = None
   if config.shared_expert_scores:
     weights, shared_weights = _with_shared_scores(tokens, logits, ids, p, config)

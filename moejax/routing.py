@@ -86,6 +86,7 @@ def route(
   routing_bias: jax.Array | None,
   given_ids: jax.Array | None = None,
   shared_logits: jax.Array | None = None,
+  given_weights: jax.Array | None = None,
 ) -> Routing:
   """Chooses K experts per token, as vLLM's `FusedMoE` select_experts does, or takes the given
   ones (routing replay).
@@ -104,6 +105,8 @@ def route(
       get weight 0 and route nowhere.
     shared_logits: [T, S] the shared experts' logits (`config.shared_expert_scores`), or
       None: their scores join the renormalization and weigh them.
+    given_weights: [T, K] the combine weights of `given_ids`, used as they are (no
+      renormalization, no scaling; 0 for invalid ids), or None: the router's scores.
 
   Returns:
     The `Routing` of the T tokens. Padding tokens route to no expert with weight 0.
@@ -129,6 +132,8 @@ def route(
       choice = _keep_best_groups(choice, config)
     _, expert_ids = jax.lax.top_k(choice, config.top_k)  # [T, K]
     weights = jnp.take_along_axis(scores, expert_ids, axis=-1)  # unbiased scores, [T, K]
+  if given_weights is not None:
+    weights = given_weights.astype(jnp.float32)
   mask = token_mask[:, None]
   invalid = jnp.zeros(weights.shape, bool)
   if valid is not None:
@@ -136,14 +141,15 @@ def route(
     expert_ids = jnp.where(valid, expert_ids, padding_id(config))
     invalid = mask & ~valid
   shared = None if shared_logits is None else _scores(shared_logits.astype(jnp.float32), config)
-  if config.renormalize:
+  if config.renormalize and given_weights is None:
     total = jnp.sum(weights, axis=-1, keepdims=True)
     if shared is not None:
       total = total + jnp.sum(shared, axis=-1, keepdims=True)
     total = jnp.where(total > 0, total, 1.0)  # 0 only when no choice is valid
     weights = weights / total
     shared = None if shared is None else shared / total
-  scaled = lambda w: jnp.where(mask, w * config.routed_scaling_factor, 0.0)
+  scale = 1.0 if given_weights is not None else config.routed_scaling_factor
+  scaled = lambda w: jnp.where(mask, w * scale, 0.0)
   return Routing(
     expert_ids=jnp.where(mask, expert_ids, padding_id(config)).astype(jnp.int32),
     weights=scaled(weights),
