@@ -349,3 +349,17 @@ def test_the_expert_parallel_default_is_told_alike_in_help_code_and_docs(capsys)
   docs = " ".join((Path(__file__).parents[1] / "docs" / "fit.md").read_text().split())
   assert "defaults to the most devices that divide both the devices and the experts" in docs
   assert planner._expert_parallel(None, devices=16, experts=24) == 8  # the largest such
+
+
+@pytest.mark.parametrize(
+  "flags, message",
+  [
+    (["--find", "--nodes", "2", "--remat", "full"], "--nodes, --remat would be ignored: --find"),
+    (["--max-nodes", "4"], "--max-nodes would be ignored: it bounds --find's search"),
+    (["--job", "train", "--context-tokens", "64"], "--context-tokens would be ignored: only"),
+    (["--lora-rank", "8"], "--lora-rank would be ignored: only --job lora trains adapters"),
+  ],
+)
+def test_a_flag_the_command_would_ignore_is_refused(flags, message):
+  with pytest.raises(SystemExit, match=f"moejax fit: {message}"):
+    main(["fit", "--model", "qwen3-30b-a3b", *flags])

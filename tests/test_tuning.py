@@ -171,7 +171,9 @@ def test_the_tune_command_writes_the_file_and_never_replaces_entries_unasked(cac
 
 
 def test_layer_flags_beside_a_preset_are_refused(cache):
-  with pytest.raises(SystemExit, match=r"moejax tune: --experts, --hidden describe a layer of"):
+  with pytest.raises(
+    SystemExit, match=r"moejax tune: --experts, --hidden would be ignored: --model or --config"
+  ):
     main(["tune", "--model", "qwen3-30b-a3b", "--experts", "8", "--hidden", "64"])
 
 

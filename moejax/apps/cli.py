@@ -291,21 +291,43 @@ def run_bench(bench_args: list[str]) -> None:
   runpy.run_path(str(suite), run_name="__main__")
 
 
-# tune's flags that describe a layer of flags, which a preset or a checkpoint replaces.
-_TUNE_LAYER_FLAGS = ("experts", "top_k", "hidden", "intermediate", "dtype")
+# Flags a command would ignore, by command: (when, the flags, why), each flag its dest.
+IGNORED_FLAGS = {
+  "tune": (
+    (
+      lambda a: a.model or a.config,
+      ("experts", "top_k", "hidden", "intermediate", "dtype"),
+      "--model or --config gives the layer",
+    ),
+  ),
+  "fit": (
+    (
+      lambda a: a.find,
+      ("nodes", "expert_parallel", "expert_fsdp", "shared_fsdp", "dispatch", "remat",
+       "receive_capacity_factor", "context_tokens"),
+      "--find chooses the plans it tries",
+    ),
+    (lambda a: not a.find, ("max_nodes",), "it bounds --find's search"),
+    (lambda a: a.job != "infer", ("context_tokens",), "only --job infer holds a KV cache"),
+    (lambda a: a.job != "lora", ("lora_rank",), "only --job lora trains adapters"),
+  ),
+}  # fmt: skip
 
 
-def _refuse_layer_flags(args: argparse.Namespace, defaults: argparse.Namespace) -> None:
-  """Exits naming the layer flags given beside tune's --model or --config (they would be
-  ignored)."""
-  given = [name for name in _TUNE_LAYER_FLAGS if getattr(args, name) != getattr(defaults, name)]
-  if given:
-    source = "--model" if args.model else "--config"
-    named = ", ".join(f"--{name.replace('_', '-')}" for name in given)
-    raise SystemExit(
-      f"moejax tune: {named} describe a layer of flags, and {source} gives the layer: pass "
-      "one or the other"
-    )
+def refuse_ignored_flags(args: argparse.Namespace, defaults: argparse.Namespace) -> None:
+  """Exits naming the flags given (not at their `defaults`) that the command would ignore."""
+  for applies, names, why in IGNORED_FLAGS.get(args.command, ()):
+    given = [name for name in names if getattr(args, name) != getattr(defaults, name)]
+    if given and applies(args):
+      named = ", ".join(f"--{name.replace('_', '-')}" for name in given)
+      raise SystemExit(f"moejax {args.command}: {named} would be ignored: {why}")
+
+
+def _required_flags(args: argparse.Namespace) -> list[str]:
+  """The command and the flags it requires, as given: what its defaults parse from."""
+  if args.command == "fit":  # one of --model or --config
+    return ["fit", "--model", args.model] if args.model else ["fit", "--config", args.config]
+  return [args.command]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -316,8 +338,9 @@ def main(argv: list[str] | None = None) -> None:
     return
   if rest:
     flags.error(f"unrecognized arguments: {' '.join(rest)}")
-  if args.command == "tune" and (args.model or args.config):
-    _refuse_layer_flags(args, defaults=flags.parse_args(["tune"]))
+  if args.command in IGNORED_FLAGS:
+    defaults = flags.parse_args(_required_flags(args))
+    refuse_ignored_flags(args, defaults)
   if args.command == "fit":
     os.environ.setdefault("JAX_PLATFORMS", "cpu")  # compile-only GPUs; nothing runs
     from moejax.apps import fit_cli
