@@ -77,11 +77,13 @@ class GatedActivation:
   [-41.999...]
   """
 
-  name: str
+  name: str | Callable[[jax.Array, jax.Array], jax.Array]  # a GATED name, or the function
   limit: float = 7.0
   alpha: float = 1.702
   gate_softcap: float = 4.0
   up_softcap: float = 25.0
 
   def __call__(self, gate: jax.Array, up: jax.Array) -> jax.Array:
+    if callable(self.name):  # the caller's own (gate, up) -> hidden
+      return self.name(gate, up)
     return GATED[self.name](gate, up, self)

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from typing import Literal, get_args
 
+import jax
 import jax.numpy as jnp
 
 from kernels_pallas.formats import FORMATS
@@ -23,6 +25,9 @@ Activation = Literal[
   "swiglu_clamped_after",
   "swiglu_softcapped",
 ]
+# A gated activation of the caller's own: (gate [..., F], up [..., F]) -> hidden [..., F],
+# elementwise and differentiable (the XLA paths run it; no kernel epilogue has it).
+ActivationFn = Callable[[jax.Array, jax.Array], jax.Array]
 Scoring = Literal["softmax", "sigmoid", "sqrtsoftplus", "sparsemixer"]
 GroupScore = Literal["max", "top2_sum"]
 BiasTarget = Literal["scores", "logits"]
@@ -98,7 +103,9 @@ class MoEConfig:
       or "swiglu_clamped" (DeepSeek-V4's, GLM-5-Next's, Hunyuan v4's): `silu(g) * u`; or
       "swiglu_clamped_after" (Step-3.5's and 3.7's): `min(silu(gate), limit) * u`; or
       "swiglu_softcapped" (Inkling 2's): `cap(gate, gate_softcap) * sigmoid(gate) *
-      cap(up, up_softcap)`, cap(x, c) = c * tanh(x / c).
+      cap(up, up_softcap)`, cap(x, c) = c * tanh(x / c); or a function of your own,
+      `(gate, up) -> hidden` elementwise (`ActivationFn`): the XLA paths run it (the tile
+      loop; no kernel epilogue has it, and `moejax.tune` measures named ones only).
     swiglu_limit: the limit of "swiglu_oai", "swiglu_clamped" and "swiglu_clamped_after".
     swiglu_alpha: the alpha of "swiglu_oai" (GPT-OSS's 1.702; MiniMax-M3 reads its own).
     gate_softcap, up_softcap: the caps of "swiglu_softcapped".
@@ -257,7 +264,7 @@ class MoEConfig:
   intermediate_size: int
   chunk_size: int | Literal["auto"] = "auto"
   chunk_memory_bytes: int | None = None
-  activation: Activation = "silu"
+  activation: Activation | ActivationFn = "silu"
   swiglu_limit: float = 7.0
   swiglu_alpha: float = 1.702
   gate_softcap: float = 4.0
@@ -378,6 +385,8 @@ class MoEConfig:
       ("expert_backend", BACKENDS),
       ("dispatch", DISPATCHES),
     ):
+      if name == "activation" and callable(self.activation):  # the caller's own function
+        continue
       if getattr(self, name) not in allowed:
         raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
 

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from moejax.config import Dispatch, ExpertBackend, MoEConfig
+from moejax.config import ActivationFn, Dispatch, ExpertBackend, MoEConfig
 from moejax.forward import MoEAux, moe_apply
 from moejax.params import MoEParams
 
@@ -33,7 +33,7 @@ def moe_mlp(
   *,
   w_up: jax.Array | None = None,
   gate_up_layout: GateUpLayout = "concatenated",
-  activation: str = "silu",
+  activation: str | ActivationFn = "silu",
   mesh: Mesh | None = None,
   token_mask: jax.Array | None = None,
   dispatch: Dispatch = "auto",
@@ -55,7 +55,8 @@ def moe_mlp(
     w_up: [E, D, F] the up projection when stored apart from the gate, or None.
     gate_up_layout: "concatenated" (gate `[..., :F]`, up `[..., F:]`) or "interleaved"
       (gate at even columns, up at odd ones).
-    activation: a gated activation of `MoEConfig.activation` ("silu", "gelu", ...).
+    activation: a gated activation of `MoEConfig.activation`: a name ("silu", "gelu",
+      ...) or your own `(gate, up) -> hidden` (the XLA tile loop runs it).
     mesh: a mesh whose axes of size > 1 are in `data_axis` or `expert_axis` (the experts
       split over the expert group, the tokens over both), or None: the ambient mesh, else
       one device.

@@ -20,9 +20,12 @@ _HIGHEST = jax.lax.Precision.HIGHEST
 
 
 def _hidden(
-  gate: jax.Array, up: jax.Array, activation: str, config: MoEConfig, limit: float
+  gate: jax.Array, up: jax.Array, activation, config: MoEConfig, limit: float
 ) -> jax.Array:
-  """The gated MLP's hidden layer, each activation written out (`limit`: the clamps')."""
+  """The gated MLP's hidden layer, each activation written out (`limit`: the clamps'); a
+  caller's own function, as it is."""
+  if callable(activation):
+    return activation(gate, up)
   if activation == "swiglu_clamped_after":
     return jnp.minimum(gate / (1.0 + jnp.exp(-gate)), limit) * jnp.clip(up, -limit, limit)
   if activation in ("swiglu_oai", "swiglu_clamped"):

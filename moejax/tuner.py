@@ -80,7 +80,13 @@ def tune(
   Raises:
     FileExistsError: the file holds entries for the same cases, and not `overwrite`.
     tuning.TuningFileError: the existing file cannot be read.
+    ValueError: the config's activation is a function (a file keys its entries by name).
   """
+  if callable(config.activation):
+    raise ValueError(
+      f"activation={config.activation!r} is a function: tuning files key their entries by "
+      "the activation's name, and only the XLA paths run a function (the tile loop here)"
+    )
   device_kind = _device_kind(mesh)
   path = tuning.user_file(device_kind)
   if write:

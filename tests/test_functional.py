@@ -115,3 +115,32 @@ def test_a_separate_up_of_another_shape_is_named():
   x, ids, weights, w_gate_up, w_down, _ = routed(0)
   with pytest.raises(ValueError, match=r"w_up has shape \(8, 16, 12\); expected the gate's"):
     moejax.moe_mlp(x, ids, weights, w_gate_up[..., :F], w_down, w_up=w_gate_up[..., :12])
+
+
+def test_an_activation_of_the_callers_own_runs_on_the_tile_loop(request):
+  """A (gate, up) -> hidden function as the activation: the tile loop runs it, gradients
+  included; kernels are never asked to (the plan says why), and tuning refuses it by name."""
+  x, ids, weights, w_gate_up, w_down, mask = routed(seed_of(request.node.name))
+  relu2 = lambda gate, up: jnp.square(jax.nn.relu(gate)) * up  # not among the named ones
+
+  def dense_relu2(w_gate_up):
+    hi = jax.lax.Precision.HIGHEST
+    gate_up = jnp.einsum("td,tkdf->tkf", x, w_gate_up[ids], precision=hi)
+    hidden = relu2(gate_up[..., :F], gate_up[..., F:])
+    out = jnp.einsum("tkf,tkfd->tkd", hidden, w_down[ids], precision=hi)
+    return jnp.where(mask[:, None], jnp.einsum("tk,tkd->td", weights, out), 0.0)
+
+  call = lambda w: moejax.moe_mlp(x, ids, weights, w, w_down, activation=relu2, token_mask=mask)
+  assert_close(call(w_gate_up)[0], dense_relu2(w_gate_up), what="y")
+  grad = jax.grad(lambda w: jnp.sum(jnp.sin(call(w)[0])))(jnp.asarray(w_gate_up))
+  want = jax.grad(lambda w: jnp.sum(jnp.sin(dense_relu2(w))))(jnp.asarray(w_gate_up))
+  scale = float(jnp.abs(want).max())  # squared ReLU's gradients span orders of magnitude
+  assert_close(grad / scale, want / scale, what="dw_gate_up over its largest")
+  config = moejax.MoEConfig(**{**BASE, "activation": relu2, "expert_backend": "pallas"})
+  plan = moejax.plan_call(config, (T, 16))
+  assert plan.expert.path == "tile_loop"
+  assert "falls back to the XLA tile loop: no kernel runs it (triton: activation=<function" in (
+    plan.expert_warning
+  )
+  with pytest.raises(ValueError, match="is a function: tuning files key their entries by"):
+    moejax.tune(config)
