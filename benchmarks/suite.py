@@ -882,7 +882,10 @@ def main(argv: list[str] | None = None) -> None:
   )
   out = Path(args.out)
   if not args.overwrite:
-    files.refuse_existing([out / "bench.json", out / "chunk_sweep.png"], how="pass --overwrite")
+    try:
+      files.refuse_existing([out / "bench.json", out / "chunk_sweep.png"], how="pass --overwrite")
+    except FileExistsError as error:  # a sentence, not a traceback, before any measuring
+      raise SystemExit(f"moejax bench: {error}") from None
   rows = [row for name, section in SECTIONS.items() if name in chosen for row in section.run(args)]
   files.write_atomically(out / "bench.json", json.dumps(rows, indent=1), overwrite=True)
   print(f"\nwrote {out / 'bench.json'} in {time.perf_counter() - start:.0f} s")
