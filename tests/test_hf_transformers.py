@@ -76,8 +76,8 @@ def test_every_moe_layer_loads_and_matches_transformers(model_type, tmp_path, re
   chex.assert_trees_all_close(y, want, **tolerance(comparison="torch"))  # the last layer's
   if model_type == "deepseek_v4":
     assert list(hash_routes) == [0]
-  if model_type in FLOAT32_ROUTERS and not family.parts:
-    check_a_bfloat16_copy(model, model_type, tmp_path, layer, x, mask)
+  if model_type in FLOAT32_ROUTERS:
+    check_a_bfloat16_copy(model, model_type, tmp_path, layer, parts[0], x, mask)
 
 
 def float32_routers() -> dict[str, list[str]]:
@@ -102,29 +102,33 @@ ROUTER_TENSORS = ("gate.weight", "e_score_correction_bias", "expert_bias")
 FLOAT32_ROUTERS = float32_routers()
 
 
-def check_a_bfloat16_copy(model, model_type: str, path, layer: int, x, mask) -> None:
+def check_a_bfloat16_copy(model, model_type: str, path, layer: int, part, x, mask) -> None:
   """The model loaded by transformers in bfloat16 and saved: its router weight and selection
   bias stay float32 on disk, moejax loads them as float32 (bit for bit the float32 model's)
   beside bfloat16 experts, and on the 2x4 mesh every token's output is the bfloat16 block's
-  at bfloat16's tolerance (a token sent to another expert is off by about half its norm)."""
+  at bfloat16's tolerance (a token sent to another expert is off by about half its norm;
+  a block with parts takes its tokens' types: the dtypes and values of its first part)."""
   copy = path / "bf16"
   type(model).from_pretrained(path, dtype=torch.bfloat16).save_pretrained(copy)
   in_bf16 = type(model).from_pretrained(copy, dtype=torch.bfloat16)
-  config = hf.config_from_hf(copy, layer=layer, chunk_size=5)
+  config = hf.config_from_hf(copy, layer=layer, part=part, chunk_size=5)
   assert config.param_dtype == jnp.bfloat16
-  params = hf.load_layer(copy, layer, config, mesh=mesh_of(2, 4))
-  as_stored = hf.load_layer(copy, layer, dataclasses.replace(config, param_dtype=jnp.float32))
+  params = hf.load_layer(copy, layer, config, mesh=mesh_of(2, 4), part=part)
+  as_float32 = dataclasses.replace(config, param_dtype=jnp.float32)
+  as_stored = hf.load_layer(copy, layer, as_float32, part=part)
   for name in ROUTER_PARAMS:  # nothing rounded past what the file holds
     if getattr(params, name) is not None:
       assert getattr(params, name).dtype == jnp.float32, name
       np.testing.assert_array_equal(getattr(params, name), getattr(as_stored, name), err_msg=name)
-  float32 = hf.load_layer(path, layer)  # what the file holds is what the float32 model had
+  float32 = hf.load_layer(path, layer, part=part)  # what the float32 model had
   kept = FLOAT32_ROUTERS[model_type]
   if any(name.endswith("gate.weight") for name in kept):
     np.testing.assert_array_equal(params.router_kernel, float32.router_kernel)
   if any(name.endswith("bias") for name in kept):
     np.testing.assert_array_equal(params.routing_bias, float32.routing_bias)
   assert params.w_down.dtype == jnp.bfloat16
+  if model_type in BESIDE_BLOCK or model_type in OUTPUT_NORM or part is not None:
+    return  # the block alone is not the layer's output, or needs its tokens' types
   x = np.array(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32))
   y, _ = moe_apply(params, jnp.asarray(x), config=config, mesh=mesh_of(2, 4), token_mask=mask)
   block = in_bf16.get_submodule(hf.family_of(model_type).loaded_block(layer))
@@ -132,8 +136,6 @@ def check_a_bfloat16_copy(model, model_type: str, path, layer: int, x, mask) -> 
     out = block(torch.from_numpy(x[None]).to(torch.bfloat16))
   want = (out[0] if isinstance(out, tuple) else out).float().numpy().reshape(x.shape)
   want = np.where(mask[:, None], want, 0.0)
-  if model_type in BESIDE_BLOCK or model_type in OUTPUT_NORM:
-    return  # the dtypes and values above; the block alone is not the layer's output
   errors = np.abs(np.asarray(y) - want).max(-1) / np.maximum(np.abs(want).max(-1), 1e-6)
   assert errors.max() < 0.05, f"rows off by {np.sort(errors)[-3:]} relative"
 
