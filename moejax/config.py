@@ -105,7 +105,9 @@ class MoEConfig:
       "swiglu_softcapped" (Inkling 2's): `cap(gate, gate_softcap) * sigmoid(gate) *
       cap(up, up_softcap)`, cap(x, c) = c * tanh(x / c); or a function of your own,
       `(gate, up) -> hidden` elementwise (`ActivationFn`): the XLA paths run it (the tile
-      loop; no kernel epilogue has it, and `moejax.tune` measures named ones only).
+      loop; no kernel epilogue has it, and `moejax.tune` measures named ones only). The
+      config holds the function itself: pass the same object each call (a new lambda is a
+      new config, so a new compiled program).
     swiglu_limit: the limit of "swiglu_oai", "swiglu_clamped" and "swiglu_clamped_after".
     swiglu_alpha: the alpha of "swiglu_oai" (GPT-OSS's 1.702; MiniMax-M3 reads its own).
     gate_softcap, up_softcap: the caps of "swiglu_softcapped".
