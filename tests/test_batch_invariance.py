@@ -106,17 +106,26 @@ def test_a_tokens_output_does_not_depend_on_the_rest_of_the_call(case, request):
 
 
 @pytest.mark.parametrize(
-  "expert_quant",
-  [pytest.param(f, marks=() if f == "fp8_block" else pytest.mark.slow) for f in FORMATS],
+  "expert_quant, mesh_shape",
+  [
+    pytest.param("fp8_block", None, id="fp8_block-one_device"),  # where they once varied
+    pytest.param("fp8_block", (2, 4), id="fp8_block-2x4"),
+    *(
+      pytest.param(f, (2, 4), id=f"{f}-2x4", marks=pytest.mark.slow)
+      for f in FORMATS
+      if f != "fp8_block"
+    ),
+  ],
 )
-def test_quantized_experts_are_batch_invariant(expert_quant, request):
+def test_quantized_experts_are_batch_invariant(expert_quant, mesh_shape, request):
   seed = seed_of(request.node.name)
   float_config = dataclasses.replace(
     INVARIANT, dtype=jnp.bfloat16, hidden_size=32, intermediate_size=32, dispatch="all_to_all"
   )
   params = random_params(float_config, jax.random.key(seed))
   params, config = quant.quantize_experts(params, float_config, expert_quant)
-  assert_all_identical(probe_results(config, params, mesh_of(2, 4), seed))
+  mesh = None if mesh_shape is None else mesh_of(*mesh_shape)
+  assert_all_identical(probe_results(config, params, mesh, seed))
 
 
 def test_gradients_are_bit_identical_run_to_run(request):
