@@ -2,10 +2,11 @@
 whatever else is in the call.
 
 A matmul's result for one row can depend on the matmul's shape: XLA (and cuBLAS) pick an
-algorithm, and with it a summation order, by size. The layer's per-token matmuls whose shape
-follows the call's size (the router over all of a device's tokens, the shared experts over a
-chunk) run in fixed blocks of `BLOCK_ROWS` rows, and the tile loop's tiles have `TILE_ROWS`
-rows whatever the call's size. docs/design.md, "Batch invariance" says what this covers.
+algorithm, and with it a summation order, by size; XLA:CPU compiles even elementwise work on
+a [T, E] array differently from about 2048 rows on. The layer's per-token work whose shape
+follows the call's size (a token's whole routing over all of a device's tokens, the shared
+experts over a chunk) runs in fixed blocks of `BLOCK_ROWS` rows, and the tile loop's tiles
+have `TILE_ROWS` rows whatever the call's size. docs/design.md, "Batch invariance" says what this covers.
 """
 
 from __future__ import annotations
