@@ -6,7 +6,8 @@ algorithm, and with it a summation order, by size; XLA:CPU compiles even element
 a [T, E] array differently from about 2048 rows on. The layer's per-token work whose shape
 follows the call's size (a token's whole routing over all of a device's tokens, the shared
 experts over a chunk) runs in fixed blocks of `BLOCK_ROWS` rows, and the tile loop's tiles
-have `TILE_ROWS` rows whatever the call's size. docs/design.md, "Batch invariance" says what this covers.
+have `TILE_ROWS` rows whatever the call's size. docs/design.md, "Batch invariance" says
+what this covers.
 """
 
 from __future__ import annotations
