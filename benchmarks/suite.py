@@ -33,6 +33,7 @@ from jax.sharding import Mesh
 from kernels_pallas.formats import FORMATS
 from kernels_pallas.quantized import is_block_scaled
 from moejax import MoEConfig, MoEParams, files, lora, moe_apply, plan_call, quant, routing
+from moejax.call_record import call_record
 from moejax.experts import default_tile_rows, tile_loop_mlp
 from moejax.forward import compiled_executables
 from moejax.meshes import named_sharding
@@ -628,10 +629,10 @@ def lora_section(repeats: int) -> list[dict]:
 
 def _random_adapters(config: MoEConfig):
   """Adapters with non-zero A and B (a trained adapter's cost, not a new one's zeros)."""
-  shapes = lora.expert_lora_shapes(config)
-  keys = jax.random.split(jax.random.key(9), len(shapes))
+  expected = call_record(config).lora
+  keys = jax.random.split(jax.random.key(9), len(expected))
   return lora.ExpertLoRA(
-    *(0.05 * jax.random.normal(k, shape) for k, shape in zip(keys, shapes, strict=True))
+    *(0.05 * jax.random.normal(k, e.shape) for k, e in zip(keys, expected, strict=True))
   )
 
 

@@ -21,11 +21,12 @@ import importlib
 from kernels_pallas.quantized import BlockScaled
 from moejax import targets
 from moejax.call_plan import CallPlan, plan_call
+from moejax.call_record import param_shapes
 from moejax.config import MoEConfig
 from moejax.forward import MoEAux, chunk_layout, moe_apply
 from moejax.functional import moe_mlp
 from moejax.layer import MoELayer, collect_aux
-from moejax.params import MoEParams, param_shapes
+from moejax.params import MoEParams
 from moejax.reference import reference_moe
 from moejax.remat import CHECKPOINT_NAMES
 from moejax.tuner import tune

@@ -27,6 +27,7 @@ from jax.sharding import AbstractMesh, Mesh
 
 from kernels_pallas import platform
 from moejax import axis_groups, meshes, tuning
+from moejax.call_record import call_record
 from moejax.capacity import received_rows
 from moejax.chunk_budget import (
   PathOf,
@@ -39,8 +40,8 @@ from moejax.chunking import TokenLayout
 from moejax.config import MoEConfig, Scheme
 from moejax.dispatch import Exchange, dispatch_choice, make_exchange
 from moejax.experts import tile_rows_for
+from moejax.inputs import check_mesh
 from moejax.plan import ExpertPlan, choose_plan
-from moejax.sharding import check_mesh
 
 _MIB = 1 << 20
 
@@ -131,11 +132,12 @@ def plan_call(
       f"got {x!r}: for T tokens pass (T, hidden_size)"
     )
   shape = tuple(x) if isinstance(x, Sequence) else tuple(x.shape)
-  if not shape or shape[-1] != config.hidden_size:
-    raise ValueError(f"x has shape {shape}: expected [..., hidden_size={config.hidden_size}]")
   mesh = meshes.of_call(mesh)
+  record = call_record(config, mesh)
+  if not shape or shape[-1] != record.widths["x"]:
+    raise ValueError(f"x has shape {shape}: expected [..., hidden_size={record.widths['x']}]")
   if mesh is not None:
-    check_mesh(mesh, config)
+    check_mesh(record)
   return plan_for(config, math.prod(shape[:-1]), mesh)
 
 

@@ -83,10 +83,9 @@ def check_values(placement: Placement, config: MoEConfig) -> Placement:
   (replicas of an expert may be listed in any order).
 
   Raises:
-    ValueError: the shapes of `check_placement`, an id out of range, a logical expert without
-      a slot, or fields that disagree with each other.
+    ValueError: an id out of range, a logical expert without a slot, or fields that disagree
+      with each other (the shapes are `moejax.inputs.check_placement`'s to check first).
   """
-  check_placement(placement, config)
   host = Placement(*(np.asarray(field).astype(np.int32) for field in placement))
   expected = from_physical_to_logical(host.physical_to_logical, config.num_experts)
   if not np.array_equal(host.replica_counts, expected.replica_counts):
@@ -104,42 +103,6 @@ def check_values(placement: Placement, config: MoEConfig) -> Placement:
   if np.any((host.logical_to_physical >= 0) != listed):
     raise ValueError("placement.logical_to_physical must list each expert's slots first, then -1")
   return host
-
-
-def check_placement(placement: Placement | None, config: MoEConfig) -> None:
-  """Trace-time checks of a `placement=` argument against the config: present exactly when
-  the config has redundant experts, one layer's fields, each of the right shape and int dtype.
-
-  Raises:
-    ValueError: naming the argument or field.
-  """
-  redundant = config.num_redundant_experts
-  if placement is None:
-    if redundant:
-      raise ValueError(
-        f"placement= is required: config.num_redundant_experts={redundant} (see "
-        "moejax.eplb.initial_placement and moejax.eplb.rebalance)"
-      )
-    return
-  if not redundant:
-    raise ValueError("placement= is given but config.num_redundant_experts is 0 (no replicas)")
-  if not isinstance(placement, Placement):
-    raise ValueError(f"placement must be a moejax.eplb.Placement, got {type(placement).__name__}")
-  experts, physical = config.num_experts, config.num_physical_experts
-  expected = {
-    "physical_to_logical": (physical,),
-    "logical_to_physical": (experts, redundant + 1),
-    "replica_counts": (experts,),
-  }
-  for name, shape in expected.items():
-    value = getattr(placement, name)
-    if tuple(jnp.shape(value)) != shape:
-      raise ValueError(
-        f"placement.{name} has shape {tuple(jnp.shape(value))}, expected {shape} "
-        f"(E={experts}, P=E+R={physical})"
-      )
-    if not jnp.issubdtype(jnp.result_type(value), jnp.integer):
-      raise ValueError(f"placement.{name} must be integer, got dtype {jnp.result_type(value)}")
 
 
 def physical_ids(

@@ -19,9 +19,10 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from moejax import expert_placement, invariance, meshes, remat, routing, sharding
+from moejax import expert_placement, invariance, meshes, remat, routing
 from moejax.activations import soft_capped
 from moejax.call_plan import plan_for
+from moejax.call_record import CallRecord, call_record
 from moejax.capacity import fallback_chunk
 from moejax.chunking import ChunkStages, TokenLayout, chunk_scan
 from moejax.collectives import filled_like, gather_along, sum_over, vary_over
@@ -40,7 +41,7 @@ from moejax.experts import (
   with_seeds,
   zero_experts,
 )
-from moejax.inputs import check_inputs
+from moejax.inputs import check_call, check_unmeshed
 from moejax.params import (
   PER_EXPERT_FIELDS,
   SHARED_PARAMS,
@@ -153,17 +154,19 @@ def moe_apply(
     (y, aux): y has x's shape and dtype, exactly 0 where the mask is False; aux is `MoEAux`.
   """
   mesh = meshes.of_call(mesh)
-  _check_call(params, x, token_mask, router_logits, expert_ids, combine_weights, config, mesh)
-  expert_placement.check_placement(placement, config)
+  record = call_record(config, mesh)
   args = (params, x, token_mask, router_logits, expert_ids, combine_weights, placement)
-  if mesh is not None and meshes.is_explicit(mesh):
-    return _apply_on_explicit_mesh(args, config, mesh)
+  check_call(record, *args)
+  if mesh is None:
+    check_unmeshed(params, x)
+  elif meshes.is_explicit(mesh):
+    return _apply_on_explicit_mesh(args, record)
   return _moe_apply_jit(*args, config=config, mesh=mesh)
 
 
-def _apply_on_explicit_mesh(args, config, mesh):
+def _apply_on_explicit_mesh(args, record: CallRecord):
   """The layer on an explicit-axes mesh: y comes back sharded like x (`meshes.with_auto_axes`)."""
-  specs = sharding.LayerSpecs.from_config(config)
+  config, mesh, specs = record.config, record.mesh, record.specs
   x_spec = jax.typeof(args[1]).sharding.spec
   aux_specs = MoEAux(*specs.aux(MoEAux._fields, per_device=_PER_DEVICE))
   ids_spec = P(*x_spec[: args[1].ndim - 1], None)  # the tokens' leading dims, then K
@@ -188,26 +191,6 @@ def compiled_executables() -> int:
   """How many executables `moe_apply` has compiled in this process (one per static signature:
   config, mesh, shapes and dtypes; token masks and values never add one)."""
   return _moe_apply_jit._cache_size()
-
-
-def _check_call(
-  params, x, token_mask, router_logits, expert_ids, combine_weights, config, mesh
-) -> None:
-  """Trace-time checks, so that bad input fails with a clear message before any XLA error."""
-  check_inputs(params, x, token_mask, router_logits, config, expert_ids, combine_weights)
-  if mesh is not None:
-    sharding.check_mesh(mesh, config)
-  if mesh is None:
-    arrays = {"x": x, **{f"params.{name}": v for name, v in params._asdict().items()}}
-    for name, value in arrays.items():
-      leaf = next((a for a in jax.tree.leaves(value) if meshes.explicitly_sharded(a)), None)
-      if leaf is not None:
-        raise ValueError(
-          f"{name} is sharded over explicit mesh axes ({jax.typeof(leaf).sharding.spec}) but "
-          "the call has no mesh: pass that mesh (`moe_apply(..., mesh=mesh)`, "
-          "`MoELayer(config, mesh=mesh)`, or `jax.set_mesh(mesh)` around the call), or "
-          "unsharded arrays"
-        )
 
 
 @functools.partial(jax.jit, static_argnames=("config", "mesh"))
@@ -352,7 +335,7 @@ def _shard(
 ):
   """Runs `body` under `shard_map`: tokens over both groups, experts over the expert group, the
   placement everywhere."""
-  specs = sharding.LayerSpecs.from_config(config)
+  specs = call_record(config).specs
   param_specs = specs.params(params)
   tokens = jax.tree.map(lambda a: meshes.constrain(a, mesh, specs.tokens_t), tokens)
   stats_specs = routing.RouterStats(*[specs.replicated] * len(routing.RouterStats._fields))

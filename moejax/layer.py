@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 
 import jax
@@ -11,20 +10,19 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from kernels_pallas.quantized import BlockScaled
-from moejax import eplb, lora, meshes, sharding
+from moejax import eplb, lora, meshes
 from moejax.call_plan import CallPlan, plan_call
+from moejax.call_record import call_record
 from moejax.config import MoEConfig
 from moejax.expert_placement import Placement, initial_placement, logical_load
 from moejax.forward import MoEAux, moe_apply
+from moejax.inputs import check_mesh
 from moejax.params import (
   ADAPTER_PARAMS,
   BIAS_PARAMS,
   EXPERT_PARAMS,
-  QUANTIZED_PARAMS,
   MoEParams,
   expert_arrays,
-  param_shapes,
-  storage_dtype,
 )
 from moejax.quant import quantize
 
@@ -187,42 +185,40 @@ class MoELayer(nnx.Module):
     bias_init: Initializer = nnx.initializers.zeros,
   ):
     mesh = meshes.of_call(mesh)
+    record = call_record(config, mesh)
     if mesh is not None:
-      sharding.check_mesh(mesh, config)
+      check_mesh(record)
     self.config = config
     self.mesh = mesh
     # With a mesh, flax places each parameter by its metadata; without one there is nowhere
     # to place it, and the metadata is kept for later use (nnx.get_partition_spec).
     on_mesh = {"mesh": mesh} if mesh is not None else {"eager_sharding": False}
-    names = sharding.param_sharding(config)
     slots = initial_placement(config.num_experts, config.num_redundant_experts)
-    for name, shape in param_shapes(config).items():
+    to_slots = jnp.asarray(slots.physical_to_logical)
+    replicated = config.num_redundant_experts > 0  # each replica starts as its expert
+    for name, expected in record.params.items():
       init = bias_init if name in BIAS_PARAMS else kernel_init
-      dtype = storage_dtype(name, config)
-      if name in EXPERT_PARAMS and config.num_redundant_experts:  # each replica as its expert
-        logical = init(rngs.params(), (config.num_experts, *shape[1:]), dtype)
-        value = logical[jnp.asarray(slots.physical_to_logical)]
+      if name in EXPERT_PARAMS and replicated:
+        logical = (config.num_experts, *expected.shape[1:])
+        value = init(rngs.params(), logical, expected.dtype)[to_slots]
       else:
-        value = init(rngs.params(), shape, dtype)
-      if config.expert_quant and name in QUANTIZED_PARAMS:
+        value = init(rngs.params(), expected.shape, expected.dtype)
+      if name in record.quantized:
         weight = quantize(value, config.expert_quant, config.quant_block)
-        setattr(self, name, QuantizedMatrix(weight, names[name], on_mesh))
+        setattr(self, name, QuantizedMatrix(weight, expected.spec, on_mesh))
       else:
         kind = SelectionBias if name == "routing_bias" else nnx.Param
-        setattr(self, name, kind(value, out_sharding=names[name], **on_mesh))
-    if config.lora_rank:  # as PEFT initializes them: the output is the base layer's
-      logical = dataclasses.replace(config, num_redundant_experts=0)
-      adapters = lora.init_like(lora.expert_lora_shapes(logical), rngs.params(), config.param_dtype)
-      if config.num_redundant_experts:  # each replica with its expert's adapters
-        adapters = jax.tree.map(lambda a: a[jnp.asarray(slots.physical_to_logical)], adapters)
-      expert_names = sharding.LayerSpecs.from_config(config).expert_leaf(3)
-      self.lora = Adapters(adapters, tuple(expert_names), on_mesh)
-      if config.has_shared_experts:
-        self.shared_lora = Adapters(
-          lora.init_like(lora.shared_lora_shapes(config), rngs.params(), config.param_dtype),
-          (None, None),
-          on_mesh,
-        )
+        setattr(self, name, kind(value, out_sharding=expected.spec, **on_mesh))
+    if record.lora is not None:  # as PEFT initializes them: the output is the base layer's
+      logical = type(record.lora)(*((config.num_experts, *e.shape[1:]) for e in record.lora))
+      adapters = lora.init_like(logical, rngs.params(), record.lora.gate_up_a.dtype)
+      if replicated:
+        adapters = jax.tree.map(lambda a: a[to_slots], adapters)
+      self.lora = Adapters(adapters, record.lora.gate_up_a.spec, on_mesh)
+      if record.shared_lora is not None:
+        shapes = type(record.shared_lora)(*(e.shape for e in record.shared_lora))
+        shared = lora.init_like(shapes, rngs.params(), record.shared_lora.gate_up_a.dtype)
+        self.shared_lora = Adapters(shared, record.shared_lora.gate_up_a.spec, on_mesh)
     if config.num_redundant_experts:
       self.placement = PlacementState(self._replicated(slots))
       no_load = jnp.zeros(config.num_physical_experts, jnp.int32)
@@ -237,7 +233,7 @@ class MoELayer(nnx.Module):
 
   def moe_params(self) -> MoEParams:
     """The current weights as an `MoEParams` pytree (for `moejax.moe_apply`)."""
-    names = [*param_shapes(self.config), *(a for a in ADAPTER_PARAMS if hasattr(self, a))]
+    names = [*call_record(self.config).params, *(a for a in ADAPTER_PARAMS if hasattr(self, a))]
     return MoEParams(**{name: getattr(self, name).get_value() for name in names})
 
   def __call__(

@@ -14,11 +14,12 @@ from jax.sharding import Mesh
 
 from kernels_pallas.quantized import BlockScaled
 from moejax import eplb
+from moejax.call_record import call_record
 from moejax.config import MoEConfig
 from moejax.expert_placement import Placement, logical_load
 from moejax.layer import MoELayer
 from moejax.lora import ExpertLoRA
-from moejax.params import QUANTIZED_PARAMS, MoEParams, expert_arrays, param_shapes
+from moejax.params import MoEParams, expert_arrays
 
 
 def moe_linen(config: MoEConfig, *, mesh: Mesh | None = None, name: str | None = None) -> nn.Module:
@@ -97,13 +98,13 @@ def rebalance(
 def _read(own: dict[str, dict], config: MoEConfig) -> tuple[MoEParams, Placement, np.ndarray]:
   """The module's parameters, placement and counted load [P] (on the host) from its
   variables in each collection."""
-  quantized = QUANTIZED_PARAMS if config.expert_quant else ()
+  record = call_record(config)
   params = MoEParams(
     **{
       name: _matrix(own["QuantizedWeight"][name], config)
-      if name in quantized
+      if name in record.quantized
       else _unboxed(own[_collection_of(name)][name])
-      for name in param_shapes(config)
+      for name in record.params
     }
   )
   if config.lora_rank:

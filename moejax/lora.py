@@ -10,10 +10,11 @@ the base weights (float or quantized) stay as stored. The adapters travel in
 
 >>> from moejax.config import MoEConfig
 >>> config = MoEConfig(num_experts=4, top_k=2, hidden_size=8, intermediate_size=16, lora_rank=2)
->>> expert_lora_shapes(config)
-ExpertLoRA(gate_up_a=(4, 8, 2), gate_up_b=(4, 2, 32), down_a=(4, 16, 2), down_b=(4, 2, 8))
 >>> config.lora_scale
 4.0
+
+The adapters' shapes are in the layer's `moejax.call_record.CallRecord` (`.lora`,
+`.shared_lora`).
 """
 
 from __future__ import annotations
@@ -61,32 +62,19 @@ class SharedLoRA(NamedTuple):
   down_b: jax.Array
 
 
-def expert_lora_shapes(config: MoEConfig) -> ExpertLoRA | None:
-  """The shape of each `ExpertLoRA` field (None without adapters)."""
-  if not config.lora_rank:
-    return None
-  p, d, f, r = (
-    config.num_physical_experts,
-    config.expert_width,
-    config.intermediate_size,
-    config.lora_rank,
-  )
-  return ExpertLoRA((p, d, r), (p, r, 2 * f), (p, f, r), (p, r, d))
-
-
-def shared_lora_shapes(config: MoEConfig) -> SharedLoRA | None:
-  """The shape of each `SharedLoRA` field (None without adapters or shared experts)."""
-  if not config.lora_rank or not config.has_shared_experts:
-    return None
-  d, fs, r = config.hidden_size, config.shared_intermediate_size, config.lora_rank
-  return SharedLoRA((d, r), (r, 2 * fs), (fs, r), (r, d))
-
-
 def init_like(shapes: ExpertLoRA | SharedLoRA, key: jax.Array, dtype) -> ExpertLoRA | SharedLoRA:
   """New adapters as PEFT initializes them: each A Kaiming-uniform with a = sqrt(5) (uniform
   in ±1 / sqrt(fan_in), fan_in its input width), each B zero, so that a new adapter leaves
-  the layer's output unchanged."""
+  the layer's output unchanged.
+
+  Args:
+    shapes: an `ExpertLoRA` / `SharedLoRA` of shapes, or of anything with a `.shape` (the
+      layer's `moejax.call_record.call_record(config).lora`).
+    key: the random key.
+    dtype: the adapters' dtype.
+  """
   keys = jax.random.split(key, 2)
+  shapes = type(shapes)(*(tuple(getattr(s, "shape", s)) for s in shapes))
 
   def a_of(key, shape):
     bound = 1.0 / shape[-2] ** 0.5
@@ -98,26 +86,6 @@ def init_like(shapes: ExpertLoRA | SharedLoRA, key: jax.Array, dtype) -> ExpertL
     a_of(keys[1], shapes.down_a),
     jnp.zeros(shapes.down_b, dtype),
   )
-
-
-def check_adapters(name: str, value, expected: ExpertLoRA | SharedLoRA | None) -> None:
-  """Raises ValueError unless `value` (params.`name`) is what the config asks: None without
-  adapters, else an `ExpertLoRA` / `SharedLoRA` of floating arrays of the expected shapes."""
-  if expected is None:
-    if value is not None:
-      raise ValueError(f"params.{name} is given but the config has no adapters for it")
-    return
-  kind = type(expected)
-  if not isinstance(value, kind):
-    got = "None" if value is None else type(value).__name__
-    raise ValueError(f"params.{name} must be a moejax.lora.{kind.__name__}, got {got}")
-  for field, array, shape in zip(kind._fields, value, expected, strict=True):
-    if tuple(jnp.shape(array)) != shape:
-      raise ValueError(
-        f"params.{name}.{field} has shape {tuple(jnp.shape(array))}, expected {shape}"
-      )
-    if not jnp.issubdtype(jnp.result_type(array), jnp.floating):
-      raise ValueError(f"params.{name}.{field} must be floating, got {jnp.result_type(array)}")
 
 
 def scaled(adapters: ExpertLoRA | SharedLoRA, config: MoEConfig, dtype) -> ExpertLoRA | SharedLoRA:

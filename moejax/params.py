@@ -7,17 +7,9 @@ from typing import NamedTuple
 import jax
 from jax.experimental.layout import Layout, with_layout_constraint
 
-from kernels_pallas.formats import FORMATS
 from kernels_pallas.quantized import BlockScaled, is_block_scaled
 from moejax.config import MoEConfig
-from moejax.lora import (
-  ExpertLoRA,
-  SharedLoRA,
-  check_adapters,
-  expert_lora_shapes,
-  scaled,
-  shared_lora_shapes,
-)
+from moejax.lora import ExpertLoRA, SharedLoRA, scaled
 
 
 class MoEParams(NamedTuple):
@@ -54,7 +46,7 @@ class MoEParams(NamedTuple):
   """
 
   router_kernel: jax.Array | None = None
-  w_gate_up: jax.Array | BlockScaled | None = None  # required: `check_params` says so
+  w_gate_up: jax.Array | BlockScaled | None = None  # required: `moejax.inputs.check_params` says so
   w_down: jax.Array | BlockScaled | None = None
   routing_bias: jax.Array | None = None
   shared_w_gate_up: jax.Array | None = None
@@ -83,7 +75,8 @@ PER_EXPERT_FIELDS = (*EXPERT_PARAMS, "lora")
 BIAS_PARAMS = ("routing_bias", "router_bias", "b_gate_up", "b_down", "output_bias")
 
 
-# The router's parameters, stored in float32 whatever `config.param_dtype` (`storage_dtype`):
+# The router's parameters, stored in float32 whatever `config.param_dtype`
+# (`moejax.call_record.Expected.dtype`):
 # routing runs in float32, transformers keeps a router's weight and selection bias in float32
 # for about twenty families, and a selection bias rounded to bfloat16 sends tokens to other
 # experts than the checkpoint's model does.
@@ -226,111 +219,3 @@ def expert_arrays(params: MoEParams) -> list[tuple[str, str | None, jax.Array]]:
     fields = zip(ExpertLoRA._fields, params.lora, strict=True)
     arrays += [("lora", field, value) for field, value in fields]
   return arrays
-
-
-def param_shapes(config: MoEConfig) -> dict[str, tuple[int, ...]]:
-  """Shape of every parameter the config needs, keyed by `MoEParams` field name (expert
-  parameters [P, ...], P = E + R physical experts)."""
-  d, e, f = config.hidden_size, config.num_physical_experts, config.intermediate_size
-  w = config.expert_width
-  outputs = config.num_router_outputs
-  shapes = {} if config.external_router else {"router_kernel": (d, outputs)}
-  shapes.update(w_gate_up=(e, w, 2 * f), w_down=(e, f, w))
-  if config.use_routing_bias:
-    shapes["routing_bias"] = (outputs,)
-  if config.has_shared_experts:
-    fs = config.shared_intermediate_size
-    shapes["shared_w_gate_up"] = (d, 2 * fs)
-    shapes["shared_w_down"] = (fs, d)
-  if config.router_bias:
-    shapes["router_bias"] = (outputs,)
-  if config.expert_bias:
-    shapes["b_gate_up"] = (e, 2 * f)
-    shapes["b_down"] = (e, w)
-  if config.shared_expert_gate:
-    shapes["shared_gate_kernel"] = (d, 1)
-  if config.output_bias:
-    shapes["output_bias"] = (d,)
-  if config.latent_size:
-    shapes["latent_in"] = (d, w)
-    shapes["latent_out"] = (w, d)
-  if config.shared_expert_scores:
-    shapes["shared_router_kernel"] = (d, config.num_shared_experts)
-  return shapes
-
-
-def storage_dtype(name: str, config: MoEConfig) -> jax.numpy.dtype:
-  """The dtype a parameter (a `MoEParams` field name) is stored in: float32 for the router's
-  (`ROUTER_PARAMS`), else `config.param_dtype`.
-
-  >>> config = MoEConfig(num_experts=4, top_k=1, hidden_size=8, intermediate_size=8,
-  ...                    param_dtype="bfloat16")
-  >>> storage_dtype("router_kernel", config).name, storage_dtype("w_down", config).name
-  ('float32', 'bfloat16')
-  """
-  return jax.numpy.dtype(jax.numpy.float32 if name in ROUTER_PARAMS else config.param_dtype)
-
-
-def check_params(params: MoEParams, config: MoEConfig) -> None:
-  """Raises ValueError if a parameter is missing, unexpected, of the wrong shape, or of
-  another format than `config.expert_quant` asks."""
-  expected = param_shapes(config)
-  check_adapters("lora", params.lora, expert_lora_shapes(config))
-  check_adapters("shared_lora", params.shared_lora, shared_lora_shapes(config))
-  for name in MoEParams._fields:
-    if name in ADAPTER_PARAMS:
-      continue
-    value = getattr(params, name)
-    if name not in expected:
-      if value is not None:
-        raise ValueError(f"params.{name} is given but the config does not use it")
-      continue
-    if value is None:
-      raise ValueError(f"params.{name} is missing; expected shape {expected[name]}")
-    if tuple(value.shape) != expected[name]:
-      raise ValueError(f"params.{name} has shape {tuple(value.shape)}, expected {expected[name]}")
-    _check_format(name, value, config)
-
-
-def _check_format(name: str, value, config: MoEConfig) -> None:
-  """A quantized parameter is a `BlockScaled` of the config's format; no other one is."""
-  quantized = config.expert_quant is not None and name in QUANTIZED_PARAMS
-  if not quantized:
-    if is_block_scaled(value):
-      raise ValueError(
-        f"params.{name} is a BlockScaled but the config does not quantize it "
-        f"(expert_quant={config.expert_quant!r})"
-      )
-    return
-  if not is_block_scaled(value):
-    raise ValueError(
-      f"params.{name} must be a BlockScaled (values and scales) with "
-      f"expert_quant={config.expert_quant!r}, got {type(value).__name__} "
-      "(see moejax.quant.quantize_experts)"
-    )
-  form = FORMATS[config.expert_quant]
-  scales_dtype = jax.numpy.result_type(value.scales)
-  if not form.takes_scales(scales_dtype):
-    expected = " or ".join(str(d) for d in (form.scales, *form.other_scales))
-    raise ValueError(
-      f"params.{name} has scales dtype {scales_dtype}, expected {expected} for "
-      f"expert_quant={config.expert_quant!r}"
-    )
-  found = {
-    "values dtype": (jax.numpy.result_type(value.values), form.values),
-    "block": (value.block, config.quant_block),
-    "scales shape": (tuple(value.scales.shape), value.expected_scales_shape()),
-    "global_scale (dtype, shape)": (
-      _dtype_and_shape(value.global_scale),
-      ("float32", value.expected_global_shape()) if form.global_scale else None,
-    ),
-  }
-  for what, (got, want) in found.items():
-    if got != want:
-      raise ValueError(
-        f"params.{name} has {what} {got}, expected {want} for expert_quant={config.expert_quant!r}"
-      )
-
-
-def _dtype_and_shape(a) -> tuple[str, tuple[int, ...]] | None:
-  return None if a is None else (str(jax.numpy.result_type(a)), tuple(a.shape))

@@ -14,8 +14,10 @@ import jax.numpy as jnp
 
 from kernels_pallas.formats import FORMATS
 from kernels_pallas.quantized import BlockScaled, is_block_scaled
+from moejax.call_record import call_record
 from moejax.config import MoEConfig
-from moejax.params import QUANTIZED_PARAMS, MoEParams, check_params
+from moejax.inputs import check_params
+from moejax.params import QUANTIZED_PARAMS, MoEParams
 
 
 def _blocks(w: jax.Array, block: tuple[int, int]) -> jax.Array:
@@ -66,7 +68,7 @@ def quantize_experts(
     ValueError: an unknown format, sizes the format cannot block (named by the config), or
       params that do not fit `config`.
   """
-  check_params(params, config)
+  check_params(params, call_record(config))
   if config.expert_quant is not None:
     raise ValueError(f"params are quantized already (expert_quant={config.expert_quant!r})")
   quantized = dataclasses.replace(config, expert_quant=expert_quant)
@@ -79,7 +81,7 @@ def quantize_experts(
 
 def dequantize_experts(params: MoEParams, config: MoEConfig) -> tuple[MoEParams, MoEConfig]:
   """Float expert weights (in `config.param_dtype`) and the config without `expert_quant`."""
-  check_params(params, config)
+  check_params(params, call_record(config))
   weights = {
     name: getattr(params, name).dequantize(config.param_dtype)
     for name in QUANTIZED_PARAMS

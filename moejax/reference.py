@@ -11,9 +11,10 @@ import jax.numpy as jnp
 
 from kernels_pallas.quantized import is_block_scaled
 from moejax import meshes
+from moejax.call_record import call_record
 from moejax.config import MoEConfig
-from moejax.expert_placement import Placement, check_placement
-from moejax.inputs import check_inputs
+from moejax.expert_placement import Placement
+from moejax.inputs import check_call
 from moejax.params import PER_EXPERT_FIELDS, MoEParams
 
 _HIGHEST = jax.lax.Precision.HIGHEST
@@ -251,8 +252,8 @@ def reference_moe(
     [..., D] float32; rows whose mask is False are 0. Inputs split over an explicit mesh
     axis are made whole first (`meshes.gathered`): the reference computes densely.
   """
-  check_inputs(params, x, token_mask, router_logits, config, expert_ids, combine_weights)
-  check_placement(placement, config)
+  args = (params, x, token_mask, router_logits, expert_ids, combine_weights, placement)
+  check_call(call_record(config), *args)
   params, x, token_mask, router_logits, expert_ids, combine_weights = meshes.gathered(
     (params, x, token_mask, router_logits, expert_ids, combine_weights)
   )

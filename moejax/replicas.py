@@ -20,11 +20,13 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from kernels_pallas.quantized import is_block_scaled
-from moejax import axis_groups, id_spaces, meshes, sharding
+from moejax import axis_groups, id_spaces, meshes
 from moejax.axis_groups import spec_entry
+from moejax.call_record import call_record
 from moejax.collectives import filled_like, platform_has_ragged_all_to_all, ragged_all_to_all
 from moejax.config import MoEConfig
 from moejax.expert_placement import Placement, check_values
+from moejax.inputs import check_placement
 from moejax.params import PER_EXPERT_FIELDS, MoEParams
 
 
@@ -123,12 +125,15 @@ def place(
     ValueError: a placement whose values are not one valid map for the config, or expert
       parameters whose leading size is not E (logical) or P (physical).
   """
+  record = call_record(config)
+  check_placement(placement, record)
   new = check_values(placement, config)
   experts = _expert_leaves(params)
   if current is None:
     _check_leading(experts, config.num_experts, "E (logical weights, current=None)")
     moved = _gather(experts, new.physical_to_logical, _mesh_of(experts, config), config)
   else:
+    check_placement(current, record)
     old = check_values(current, config)
     _check_leading(experts, config.num_physical_experts, "P = E + R (laid out by current)")
     mesh = _mesh_of(experts, config)
@@ -212,7 +217,7 @@ def _gather(experts, source: np.ndarray, mesh: Mesh | None, config: MoEConfig):
 def _expert_specs(experts: dict[str, jax.Array], config: MoEConfig) -> dict:
   """The layer's spec of each leaf of each per-expert parameter
   (`sharding.LayerSpecs.expert_leaf`, written out to the leaf's rank)."""
-  specs = sharding.LayerSpecs.from_config(config)
+  specs = call_record(config).specs
   return jax.tree.map(lambda leaf: specs.expert_leaf(np.ndim(leaf)), experts)
 
 

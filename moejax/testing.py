@@ -12,18 +12,16 @@ that no masked row reaches an output, and the tolerances a result is checked wit
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import AbstractMesh, Mesh, NamedSharding
+from jax.sharding import AbstractMesh, Mesh
 
-from moejax import lora, quant
+from moejax.call_record import call_record
 from moejax.config import MoEConfig
-from moejax.params import MoEParams, param_shapes, storage_dtype
-from moejax.sharding import LayerSpecs, map_params
+from moejax.params import MoEParams
 
 # (atol, rtol) per comparison and dtype, the suite's one table. "layer": the layer against
 # the float32 reference (in float32 only the summation order differs); "kernel": a kernel
@@ -63,50 +61,26 @@ def relative_error(actual, expected) -> float:
 
 def random_params(config: MoEConfig, key: jax.Array, scale: float = 0.5) -> MoEParams:
   """Random float weights of every parameter the config needs (its `param_shapes`), normal
-  times `scale` over the square root of the fan-in, in their `storage_dtype`: experts
+  times `scale` over the square root of the fan-in, in the dtype each is stored in: experts
   unquantized, no adapters (`moejax.quant.quantize_experts` and `moejax.lora` make those)."""
-  shapes = param_shapes(config)
-  keys = jax.random.split(key, len(shapes))
+  expected = call_record(config).params
+  keys = jax.random.split(key, len(expected))
   values = {
     name: (
-      jax.random.normal(k, shape) * scale / np.sqrt(shape[-2] if len(shape) > 1 else 1)
-    ).astype(storage_dtype(name, config))
-    for k, (name, shape) in zip(keys, shapes.items(), strict=True)
+      jax.random.normal(k, e.shape) * scale / np.sqrt(e.shape[-2] if len(e.shape) > 1 else 1)
+    ).astype(e.dtype)
+    for k, (name, e) in zip(keys, expected.items(), strict=True)
   }
   return MoEParams(**values)
 
 
 def abstract_params(config: MoEConfig, mesh: Mesh | AbstractMesh | None = None) -> MoEParams:
-  """Every parameter the layer takes for `config` as a `jax.ShapeDtypeStruct`: experts in the
-  config's format (`BlockScaled` where `expert_quant` is set), LoRA adapters float32; on
-  `mesh`, each laid out as the layer wants it (experts over the expert axis), for
-  `jax.jit(...).lower(abstract_params(config, mesh), x)` without a byte of weights."""
-  float_config = dataclasses.replace(config, expert_quant=None, lora_rank=0)
-  params = MoEParams(
-    **{
-      name: jax.ShapeDtypeStruct(shape, storage_dtype(name, config))
-      for name, shape in param_shapes(float_config).items()
-    }
-  )
-  if config.expert_quant is not None:
-    params = jax.eval_shape(
-      lambda p: quant.quantize_experts(p, float_config, config.expert_quant)[0], params
-    )
-  as_f32 = lambda shapes: (
-    None
-    if shapes is None
-    else type(shapes)(*(jax.ShapeDtypeStruct(shape, jnp.float32) for shape in shapes))
-  )
-  params = params._replace(
-    lora=as_f32(lora.expert_lora_shapes(config)),
-    shared_lora=as_f32(lora.shared_lora_shapes(config)),
-  )
-  if mesh is None:
-    return params
-  place = lambda leaf, spec: jax.ShapeDtypeStruct(
-    leaf.shape, leaf.dtype, sharding=NamedSharding(mesh, spec)
-  )
-  return map_params(place, LayerSpecs.from_config(config).params(params), params)
+  """Every parameter the layer takes for `config` as a `jax.ShapeDtypeStruct`, as a new
+  `MoELayer` stores it: experts in the config's format (`BlockScaled` where `expert_quant` is
+  set), LoRA adapters in `param_dtype`; on `mesh`, each laid out as the layer wants it
+  (experts over the expert axis), for `jax.jit(...).lower(abstract_params(config, mesh), x)`
+  without a byte of weights (`moejax.call_record.CallRecord.abstract_params`)."""
+  return call_record(config, mesh).abstract_params()
 
 
 def rank_mask(counts: Sequence[int], rows_per_rank: int) -> jax.Array:

@@ -17,7 +17,8 @@ import pytest
 from jax.sharding import Mesh
 
 from kernels_pallas import compat
-from moejax import MoEConfig, MoEParams, eplb, lora, moe_apply, reference_moe
+from moejax import MoEConfig, MoEParams, eplb, moe_apply, reference_moe
+from moejax.call_record import call_record
 from moejax.testing import poison, tolerance
 
 # The meshes (data, expert) and dispatch schemes every layer contract runs on; None: no mesh.
@@ -152,19 +153,20 @@ def seed_of(name: str) -> int:
 def random_adapters(config: MoEConfig, key: jax.Array, scale: float = 0.1):
   """(ExpertLoRA, SharedLoRA or None) of the config's rank, every entry random (B too: a
   trained adapter, not PEFT's zero-B start), `scale` times standard normal."""
-  draw = lambda shapes, key: (
+  draw = lambda expected, key: (
     None
-    if shapes is None
-    else type(shapes)(
+    if expected is None
+    else type(expected)(
       *(
-        scale * jax.random.normal(k, shape)
-        for k, shape in zip(jax.random.split(key, len(shapes)), shapes, strict=True)
+        scale * jax.random.normal(k, e.shape)
+        for k, e in zip(jax.random.split(key, len(expected)), expected, strict=True)
       )
     )
   )
+  record = call_record(config)
   return (
-    draw(lora.expert_lora_shapes(config), jax.random.fold_in(key, 1)),
-    draw(lora.shared_lora_shapes(config), jax.random.fold_in(key, 2)),
+    draw(record.lora, jax.random.fold_in(key, 1)),
+    draw(record.shared_lora, jax.random.fold_in(key, 2)),
   )
 
 

@@ -229,3 +229,19 @@ def test_the_bias_update_balances_the_skewed_router_within_200_steps():
   assert steps[0]["with_update"] > 3 and min(r["without_update"] for r in steps) > 3
   assert steps[-1]["with_update"] <= 1.10 and last["with_update"] <= 1.12
   assert last["first_step_at_most_1_10"] < 200
+
+
+def test_call_overhead_compares_a_commit_with_this_checkout_in_one_run(tmp_path):
+  """`--against HEAD`: both columns measured (a worktree of HEAD, then removed), a ratio row
+  for each measurement."""
+  out = run_script(
+    "benchmarks/call_overhead.py", "--against", "HEAD", "--rounds", "1", out=tmp_path
+  )
+  best = json.loads((tmp_path / "call_overhead.json").read_text())
+  assert list(best) == ["HEAD", "this checkout"]
+  rows = ("eager 1 device", "eager 2x4 mesh", "trace 1 device")
+  for column in best.values():
+    assert tuple(column) == rows and all(micros > 0 for micros in column.values())
+  assert all(row in out for row in rows) and "ratio" in out
+  worktrees = subprocess.run(["git", "worktree", "list"], cwd=ROOT, capture_output=True, text=True)
+  assert worktrees.stdout.count("\n") == 1  # the temporary worktree is gone

@@ -34,12 +34,11 @@ from moejax import (
   tuner,
   tuning,
 )
+from moejax.call_record import call_record
 from moejax.chunk_budget import budget_bytes, chunk_bytes, outside_chunks
-from moejax.lora import expert_lora_shapes, init_like
 from moejax.params import EXPERT_PARAMS
 from moejax.plan import ExpertPlan, plan_experts
-from moejax.quant import quantize_experts
-from moejax.sharding import LayerSpecs, map_params
+from moejax.sharding import map_params
 from tests.gpu_tier import GPU_COMPILE_TIER, no_persistent_compilation_cache  # noqa: F401
 from tests.helpers import expect_triton_deprecation
 from tests.lowering import block_scaled_spec, branch_depths, collectives, instructions
@@ -56,20 +55,8 @@ TOKENS_PER_DEVICE = 512
 def abstract_params(config: MoEConfig, mesh, layers: int | None = None) -> MoEParams:
   """ShapeDtypeStructs of the layer's parameters (quantized and with adapters as `config`
   asks; stacked on a leading layer axis for `layers`), sharded as the layer shards them."""
-  float_config = dataclasses.replace(config, expert_quant=None, lora_rank=0)
-
-  def make():
-    shapes = param_shapes(float_config)
-    params = MoEParams(**{name: jnp.zeros(shape) for name, shape in shapes.items()})
-    params = jax.tree.map(lambda leaf: leaf.astype(config.param_dtype), params)
-    if config.expert_quant is not None:
-      params = quantize_experts(params, float_config, config.expert_quant)[0]
-    if config.lora_rank:
-      adapters = init_like(expert_lora_shapes(config), jax.random.key(0), config.param_dtype)
-      params = params._replace(lora=adapters)
-    return params
-
-  params = jax.eval_shape(make)
+  record = call_record(config)
+  params = record.abstract_params()
   stacked = () if layers is None else (layers,)
 
   def place(leaf, spec):
@@ -78,7 +65,7 @@ def abstract_params(config: MoEConfig, mesh, layers: int | None = None) -> MoEPa
       (*stacked, *leaf.shape), leaf.dtype, sharding=NamedSharding(mesh, spec)
     )
 
-  return map_params(place, LayerSpecs.from_config(config).params(params), params)
+  return map_params(place, record.specs.params(params), params)
 
 
 def abstract_tokens(
@@ -88,7 +75,7 @@ def abstract_tokens(
   return jax.ShapeDtypeStruct(
     (mesh.devices.size * tokens_per_device, config.hidden_size),
     config.dtype,
-    sharding=NamedSharding(mesh, LayerSpecs.from_config(config).tokens_t),
+    sharding=NamedSharding(mesh, call_record(config).specs.tokens_t),
   )
 
 

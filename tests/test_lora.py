@@ -30,6 +30,7 @@ from moejax import (
   reference_moe,
 )
 from moejax.activations import GatedActivation
+from moejax.call_record import call_record
 from moejax.expert_placement import initial_placement
 from moejax.experts import adapted_mlp
 from moejax.linen import moe_linen
@@ -370,8 +371,8 @@ def test_the_adapted_grouped_matmul_mlp_lowers_to_mosaic_gpu_kernels(base):
   else:
     matrices = block_scaled_spec(w_gate_up, base), block_scaled_spec(w_down, base)
   shapes = dict(num_experts=groups, hidden_size=dim, intermediate_size=width, lora_rank=rank)
-  adapter_shapes = lora.expert_lora_shapes(dataclasses.replace(BASE, **shapes))
-  adapters = ExpertLoRA(*(spec(s, jnp.bfloat16) for s in adapter_shapes))
+  adapter_shapes = call_record(dataclasses.replace(BASE, **shapes)).lora
+  adapters = ExpertLoRA(*(spec(e.shape, jnp.bfloat16) for e in adapter_shapes))
 
   def loss(x, adapters, matrices, group_sizes):
     experts = ExpertWeights(*matrices, lora=adapters)

@@ -12,8 +12,9 @@ from typing import TypeVar
 import jax
 from jax.sharding import Mesh
 
+from moejax.call_record import call_record
 from moejax.config import MoEConfig
-from moejax.sharding import check_mesh
+from moejax.inputs import check_mesh
 
 T = TypeVar("T")
 
@@ -31,7 +32,7 @@ def layer_mesh(args: argparse.Namespace, shape: tuple[int, int], config: MoEConf
     )
   mesh = jax.make_mesh(shape, ("data", "expert"))
   try:
-    check_mesh(mesh, config)
+    check_mesh(call_record(config, mesh))
   except ValueError as error:
     raise SystemExit(f"moejax {args.command}: --mesh {shape[0]}x{shape[1]}: {error}") from None
   return mesh

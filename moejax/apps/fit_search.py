@@ -11,8 +11,9 @@ from typing import Any
 
 from moejax import hf
 from moejax.apps.fit import FitReport, fit, model_json
+from moejax.call_record import call_record
 from moejax.config import MoEConfig
-from moejax.sharding import unsplit_shared
+from moejax.inputs import unsplit_shared
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,7 +68,7 @@ def settings(devices: int, config: MoEConfig, job: str) -> list[dict[str, Any]]:
   job has a backward pass."""
   remat = "none" if job == "infer" else "full"
   experts = config.num_experts
-  shared_fsdp = unsplit_shared(config, devices) is None
+  shared_fsdp = unsplit_shared(call_record(config), devices) is None
   widest = max(s for s in range(1, devices + 1) if devices % s == 0 and experts % s == 0)
   tried = []
   for expert_parallel in (widest, widest // 2, widest // 4):

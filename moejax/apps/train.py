@@ -20,9 +20,9 @@ from moejax import balancing
 from moejax.apps import checkpoint
 from moejax.apps.cli_setup import from_flags, layer_mesh, moe_config
 from moejax.apps.models import ClusterTask, MoETransformer, TransformerConfig, shard_model
+from moejax.call_record import call_record
 from moejax.layer import collect_aux
 from moejax.remat import REMAT_POLICIES
-from moejax.sharding import LayerSpecs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,7 +162,7 @@ def run(args, mesh_shape: tuple[int, int]) -> list[dict[str, float]]:
   if resume:
     start = _restored(args, model, optimizer)
     print(f"resumed from {args.checkpoint} at step {start}")
-  batch_sharding = NamedSharding(mesh, LayerSpecs.from_config(config.moe).batch_b)
+  batch_sharding = NamedSharding(mesh, call_record(config.moe).specs.batch_b)
   history = []
   bar = tqdm(range(start, start + args.steps), desc="train", unit="step")
   for step in bar:

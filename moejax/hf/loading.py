@@ -16,14 +16,16 @@ import numpy as np
 from jax.sharding import Mesh
 
 from kernels_pallas.quantized import is_block_scaled
+from moejax.call_record import call_record
 from moejax.config import MoEConfig
 from moejax.hf.configs import check_moe_layer, config_from_hf, moe_layers, one_config, text_model
 from moejax.hf.families import Family, beside, family_of
 from moejax.hf.layouts import float_linear
 from moejax.hf.safetensors_files import SafetensorsFiles
+from moejax.inputs import check_mesh, check_params
 from moejax.meshes import named_sharding
-from moejax.params import MoEParams, check_params, storage_dtype
-from moejax.sharding import LayerSpecs, check_mesh, map_params
+from moejax.params import MoEParams
+from moejax.sharding import map_params
 from moejax.stacking import stacked_sharding
 
 
@@ -54,7 +56,7 @@ def load_layer(
       and add the outputs); None for the others.
 
   Returns:
-    `MoEParams` in their `moejax.params.storage_dtype` (the config's `param_dtype`; the
+    `MoEParams` in their `moejax.call_record.Expected.dtype` (the config's `param_dtype`; the
     router's float32; quantized experts kept as stored), without
     LoRA adapters whatever `config.lora_rank` (`load_lora` reads a PEFT adapter's).
 
@@ -76,24 +78,28 @@ def load_layer(
   if quantization.get("scale_fmt") == "ue8m0":
     _check_powers_of_two(values, block)
   dtype = np.dtype(config.param_dtype)
-  stored = lambda name, v: v if is_block_scaled(v) else np.asarray(v, storage_dtype(name, config))
-  params = MoEParams(**{name: stored(name, value) for name, value in values.items()})
+  dtypes = {name: e.dtype for name, e in call_record(config).params.items()}
+  as_stored = lambda name, v: (
+    v if is_block_scaled(v) or name not in dtypes else np.asarray(v, dtypes[name])
+  )
+  params = MoEParams(**{name: as_stored(name, value) for name, value in values.items()})
   if dequantize and config.expert_quant is not None:
     config = dataclasses.replace(config, expert_quant=None)
     params = params._replace(
       **{name: np.asarray(v.dequantize(dtype)) for name, v in values.items() if is_block_scaled(v)}
     )
+  base = call_record(dataclasses.replace(config, lora_rank=0))
   try:  # the base weights only: adapters come from `load_lora` (or `moejax.lora.init_like`)
-    check_params(params, dataclasses.replace(config, lora_rank=0))
+    check_params(params, base)
   except ValueError as error:
     raise ValueError(f"read from {block}: {error}") from None
   if mesh is None:
     return params
-  check_mesh(mesh, config)
+  check_mesh(call_record(config, mesh))
   place = lambda value, spec: jax.make_array_from_callback(
     value.shape, named_sharding(mesh, spec), value.__getitem__
   )  # each device gets only its slice
-  return map_params(place, LayerSpecs.from_config(config).params(params), params)
+  return map_params(place, base.specs.params(params), params)
 
 
 def load_stack(

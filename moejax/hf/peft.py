@@ -38,14 +38,16 @@ import numpy as np
 from jax.sharding import Mesh
 
 from moejax import files
+from moejax.call_record import call_record
 from moejax.config import MoEConfig
 from moejax.hf.families import beside, family_of
 from moejax.hf.layouts import Fused, PerExpert, halves
 from moejax.hf.safetensors_files import SafetensorsFiles
-from moejax.lora import ExpertLoRA, SharedLoRA, check_adapters, expert_lora_shapes
+from moejax.inputs import check_adapters, check_mesh
+from moejax.lora import ExpertLoRA, SharedLoRA
 from moejax.meshes import named_sharding
 from moejax.params import MoEParams
-from moejax.sharding import LayerSpecs, check_mesh, map_params
+from moejax.sharding import map_params
 
 PREFIX = "base_model.model."
 LAYOUTS = ("fused", "per_expert")
@@ -288,11 +290,12 @@ def load_lora(
     else None
   )
   if mesh is not None:
-    check_mesh(mesh, config)
+    record = call_record(config, mesh)
+    check_mesh(record)
     params = MoEParams(*[None] * len(MoEParams._fields))._replace(
       lora=lora, shared_lora=shared_lora
     )
-    specs = LayerSpecs.from_config(config).params(params)
+    specs = record.specs.params(params)
     params = map_params(
       lambda leaf, spec: jax.device_put(leaf, named_sharding(mesh, spec)), specs, params
     )
@@ -360,7 +363,7 @@ def save_lora(
     raise ValueError("save_lora takes logical experts: config.num_redundant_experts must be 0")
   tensors, modules, parameters = {}, [], []
   for layer, params in adapters.items():
-    check_adapters("lora", params.lora, expert_lora_shapes(config))
+    check_adapters("lora", params.lora, call_record(config).lora)
     # Fused: the loaded model's module names; per expert: transformers 4's, the checkpoint's.
     block = family.loaded_block(layer) if layout == "fused" else family.block.format(layer=layer)
     lora = ExpertLoRA(*(np.asarray(a, np.float32) for a in params.lora))
