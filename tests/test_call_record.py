@@ -223,6 +223,14 @@ def test_wrong_adapters_scales_and_placement_are_named():
     moe_apply(**arguments, config=replicated, placement=placement)
 
 
+def test_combine_weights_of_another_shape_than_the_ids_are_named():
+  ids = jnp.tile(jnp.arange(2, dtype=jnp.int32), (TOKENS, 1))
+  message = r"^combine_weights has shape \(6, 1\); expected expert_ids' shape \(6, 2\)$"
+  for call in (moe_apply, reference_moe):
+    with pytest.raises(ValueError, match=message):
+      call(**_arguments(), config=CONFIG, expert_ids=ids, combine_weights=jnp.ones((TOKENS, 1)))
+
+
 def test_a_mesh_that_does_not_fit_is_named_by_every_reader():
   """`moe_apply`, `MoELayer` and `plan_call` check the mesh through the same record."""
   mesh = mesh_of(1, 8)
