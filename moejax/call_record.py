@@ -136,9 +136,15 @@ class CallRecord:
 
 def call_record(config: MoEConfig, mesh: Mesh | AbstractMesh | None = None) -> CallRecord:
   """The `CallRecord` of a layer of `config` on `mesh` (built once per config and mesh; the
-  mesh is checked by `moejax.inputs.check_mesh`)."""
+  mesh's axes are checked by `moejax.inputs.check_mesh`).
+
+  Raises:
+    TypeError: `config` is not a `MoEConfig`, or `mesh` not a mesh.
+  """
   if not isinstance(config, MoEConfig):
     raise TypeError(f"config must be a MoEConfig, got {type(config).__name__}")
+  if mesh is not None and not isinstance(mesh, Mesh | AbstractMesh):
+    raise TypeError(f"mesh must be a jax.sharding.Mesh or None, got {type(mesh).__name__}")
   return _record(config, mesh)
 
 

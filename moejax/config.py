@@ -251,6 +251,16 @@ class MoEConfig:
       chunk for which any device of the expert group would receive more runs again as
       sub-chunks whose worst case fits (`moejax.capacity`); `MoEAux.overflowed_chunks`
       counts them. Needs dispatch="all_to_all".
+    capacity_factor: None (the default: dropless, every assignment computed), or f > 0:
+      each device computes at most max(El, ceil(f·C·K)) of the (row, choice) assignments
+      that reach its El experts in a chunk of C rows per device, f times an even share of
+      the S·C·K its expert group sends, and drops the rest (they add nothing to the output
+      and get no gradient): Levanter grug's ring capacity, for users who want its
+      semantics. Kept in order of local expert, then of the rows as they arrive (all_gather:
+      the group's devices in order, each chunk's rows in order), then of choice.
+      `MoEAux.dropped_assignments` counts the dropped ones. Depends on the chunk: set
+      `chunk_size` to each device's share for one chunk (grug's). Not with
+      `receive_capacity_factor` or `batch_invariant`.
 
   >>> MoEConfig(num_experts=8, top_k=2, hidden_size=64, intermediate_size=128).chunk_size
   'auto'
@@ -316,6 +326,7 @@ class MoEConfig:
   save_dispatched_rows: bool = False
   batch_invariant: bool = False
   receive_capacity_factor: float | None = None
+  capacity_factor: float | None = None
 
   def __post_init__(self) -> None:
     check_field_types(self)
@@ -345,6 +356,19 @@ class MoEConfig:
         f"expert_axis={self.expert_axis!r}: each axis belongs to one group"
       )
 
+  def _check_capacity_factor(self) -> None:
+    factor = self.capacity_factor
+    if factor is None:
+      return
+    if isinstance(factor, bool) or not isinstance(factor, int | float) or not factor > 0:
+      raise ValueError(f"capacity_factor must be a number > 0 or None, got {factor!r}")
+    for other, why in (
+      ("receive_capacity_factor", "its sub-chunks would drop by another chunk"),
+      ("batch_invariant", "which assignments drop depends on the other tokens"),
+    ):
+      if getattr(self, other):
+        raise ValueError(f"capacity_factor={factor} cannot be used with {other}: {why}")
+
   def _check_sizes(self) -> None:
     for name in ("num_experts", "hidden_size", "intermediate_size"):
       if not _positive_int(getattr(self, name)):
@@ -365,6 +389,7 @@ class MoEConfig:
         f"{self.dispatch!r} need not run all_to_all (all_gather gathers every row to every "
         "device): set dispatch='all_to_all'"
       )
+    self._check_capacity_factor()
     redundant = self.num_redundant_experts
     if not isinstance(redundant, int) or isinstance(redundant, bool) or redundant < 0:
       raise ValueError(f"num_redundant_experts must be an int >= 0, got {redundant!r}")

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from moejax import expert_placement, invariance, meshes, remat, routing
+from moejax import expert_capacity, expert_placement, invariance, meshes, remat, routing
 from moejax.activations import soft_capped
 from moejax.call_plan import plan_for
 from moejax.call_record import CallRecord, call_record
@@ -90,6 +90,9 @@ class MoEAux(NamedTuple):
       without one); devices ordered as `chunks_run`.
     overflowed_rows: [devices] int32 the rows each device would have received past its
       capacity in those chunks.
+    dropped_assignments: [devices] int32 with an expert capacity
+      (`MoEConfig.capacity_factor`), the (token, choice) assignments each device dropped
+      (0 without one: dropless); devices ordered as `chunks_run`.
   """
 
   expert_counts: jax.Array
@@ -106,6 +109,7 @@ class MoEAux(NamedTuple):
   load_max_over_mean: jax.Array
   overflowed_chunks: jax.Array
   overflowed_rows: jax.Array
+  dropped_assignments: jax.Array
 
 
 def moe_apply(
@@ -256,6 +260,7 @@ def _moe_apply_traced(
     load_max_over_mean=routing.load_max_over_mean(stats.expert_counts[: config.num_experts]),
     overflowed_chunks=counts.overflowed_chunks,
     overflowed_rows=counts.overflowed_rows,
+    dropped_assignments=counts.dropped,
   )
   return y, aux
 
@@ -312,16 +317,24 @@ class DeviceCounts(NamedTuple):
     rows_sent: (row, destination device) pairs it sent (`MoEAux.dispatch_rows`).
     overflowed_chunks: its chunks that ran in sub-chunks (`MoEAux.overflowed_chunks`).
     overflowed_rows: rows past its capacity in them (`MoEAux.overflowed_rows`).
+    dropped: assignments past its expert capacity (`MoEAux.dropped_assignments`).
   """
 
   chunks_run: jax.Array
   rows_sent: jax.Array
   overflowed_chunks: jax.Array
   overflowed_rows: jax.Array
+  dropped: jax.Array
 
 
 # MoEAux fields with one entry per device (the rest are sums over all devices).
-_PER_DEVICE = ("chunks_run", "dispatch_rows", "overflowed_chunks", "overflowed_rows")
+_PER_DEVICE = (
+  "chunks_run",
+  "dispatch_rows",
+  "overflowed_chunks",
+  "overflowed_rows",
+  "dropped_assignments",
+)
 
 
 def _shard(
@@ -470,7 +483,21 @@ def local_forward(
   )
   rows_sent = exchange.rows_sent(expert_ids, chunks_run, chunk_size).astype(jnp.int32)
   overflowed = exchange.overflows(expert_ids, token_mask, chunk_size)
-  counts = DeviceCounts(chunks_run[None], rows_sent[None], *(a[None] for a in overflowed))
+  if config.capacity_factor is None:
+    dropped = filled_like(token_mask, (), 0, jnp.int32)
+  else:
+    dropped = expert_capacity.dropped(
+      expert_ids,
+      token_mask,
+      chunk_size,
+      axis=exchange.axis,
+      axis_size=exchange.axis_size,
+      local_experts=exchange.local_experts,
+      capacity=_capacity(config, chunk_size, exchange),
+    )
+  counts = DeviceCounts(
+    chunks_run[None], rows_sent[None], *(a[None] for a in (*overflowed, dropped))
+  )
   if params.output_bias is not None:
     y = y + params.output_bias.astype(y.dtype)[None, :]
   return (
@@ -588,9 +615,13 @@ def _finish_arrived(
   """`_finish_chunk` on what arrived: the local experts, the return exchange, the experts
   computed where the rows live."""
   experts, side = weights
+  local_ids = dispatched.local_ids
+  if config.capacity_factor is not None:
+    capacity = _capacity(config, chunk.rows.shape[0], exchange)
+    local_ids = expert_capacity.within_capacity(local_ids, exchange.local_experts, capacity)
   expert_out = routed_mlp(
     dispatched.rows,
-    dispatched.local_ids,
+    local_ids,
     dispatched.weights,
     experts,
     config=config,
@@ -606,6 +637,13 @@ def _finish_arrived(
   if side.shared is not None:
     out = out + shared_mlp(chunk.tokens, side.shared, chunk.shared_weights, config=config)
   return out.astype(config.dtype)
+
+
+def _capacity(config: MoEConfig, chunk_size: int, exchange: Exchange) -> int:
+  """The assignments a device computes per chunk (`moejax.expert_capacity`)."""
+  return expert_capacity.assignment_capacity(
+    config.capacity_factor, chunk_size, config.top_k, exchange.axis_size, exchange.local_experts
+  )
 
 
 def _finish_in_sub_chunks(

@@ -41,6 +41,7 @@ def moe_mlp(
   expert_backend: ExpertBackend = "auto",
   data_axis: str | tuple[str, ...] = "data",
   expert_axis: str | tuple[str, ...] = "expert",
+  capacity_factor: float | None = None,
 ) -> tuple[jax.Array, MoEAux]:
   """y[t] = sum_k combine_weights[t, k] * mlp_{expert_ids[t, k]}(x[t]), the gated MLP
   `activation(x W_gate, x W_up) W_down` of each chosen expert.
@@ -62,6 +63,9 @@ def moe_mlp(
       one device.
     token_mask: [...] bool, True for real tokens (masked rows come back 0); None: all real.
     dispatch, chunk_size, expert_backend, data_axis, expert_axis: as `MoEConfig`'s.
+    capacity_factor: None (dropless), or f: each device computes at most max(El,
+      ceil(f·C·K)) of the assignments reaching its experts per chunk and drops the rest
+      (`MoEConfig.capacity_factor`; counted in `MoEAux.dropped_assignments`).
 
   Returns:
     (y [..., D] in x's dtype, the call's `MoEAux`; its router losses are 0: there is no
@@ -90,6 +94,7 @@ def moe_mlp(
     expert_backend=expert_backend,
     data_axis=data_axis,
     expert_axis=expert_axis,
+    capacity_factor=capacity_factor,
   )
   return moe_apply(
     MoEParams(w_gate_up=w_gate_up, w_down=w_down),

@@ -99,24 +99,26 @@ def test_matches_grug_scatter_on_one_device(activation):
   _assert_same(ours, grug)
 
 
-def test_matches_grug_ring_on_levanters_mesh_of_8_devices():
+@pytest.mark.parametrize("capacity_factor", [4.0, 1.25], ids=["room for all", "grug's default"])
+def test_matches_grug_ring_on_levanters_mesh_of_8_devices(capacity_factor):
   """Levanter's five mesh axes (data 2, expert 4, the rest 1), explicit, tokens split as
   grug splits them; grug's ring with room for every assignment (capacity factor 4, the
-  expert axis' size: a shard may take all it gathers; it reports 0 dropped)."""
+  expert axis' size: a shard may take all it gathers) and with its default, which drops
+  some: the same assignments drop."""
   mesh = jax.make_mesh((1, 2, 1, 4, 1), LEVANTER_AXES, axis_types=(AxisType.Explicit,) * 5)
   (x, ids, weights, w_up_gate, w_down), cotangent = _inputs()
   batch = NamedSharding(mesh, BATCH)
   args = (*jax.device_put((x, ids, weights), batch), w_up_gate, w_down)
+  ring = {"implementation": "ring", "capacity_factor": capacity_factor}
   with jax.set_mesh(mesh):
     cotangent = jax.device_put(cotangent, batch)
-    _, dropped = grug_moe.moe_mlp(
-      *args, implementation="ring", capacity_factor=4.0, report_capacity_overflow=True
-    )
-    assert int(dropped) == 0
-    grug = _value_and_grads(
-      grug_moe.moe_mlp, args, cotangent, implementation="ring", capacity_factor=4.0
-    )
-    ours = _value_and_grads(levanter.moe_mlp, args, cotangent, implementation="ring")
+    with jax.numpy_rank_promotion("allow"):
+      _, dropped = grug_moe.moe_mlp(*args, **ring, report_capacity_overflow=True)
+    _, ours_dropped = levanter.moe_mlp(*args, **ring, report_capacity_overflow=True)
+    grug = _value_and_grads(grug_moe.moe_mlp, args, cotangent, **ring)
+    ours = _value_and_grads(levanter.moe_mlp, args, cotangent, **ring)
+  assert int(ours_dropped) == int(dropped)
+  assert (int(dropped) > 0) == (capacity_factor < 4)
   _assert_same(ours, grug)
   assert ours[0].sharding.is_equivalent_to(grug[0].sharding, 2)  # y comes back split like x
 
@@ -130,9 +132,3 @@ def test_a_function_activation_and_the_overflow_report():
   _assert_same(ours, grug)
   _, dropped = levanter.moe_mlp(*args, report_capacity_overflow=True)
   assert dropped.dtype == jnp.int32 and int(dropped) == 0
-
-
-def test_capacity_clipping_is_refused_named():
-  args, _ = _inputs()
-  with pytest.raises(NotImplementedError, match=r"^capacity_factor=1\.25: moejax's grug drop-in"):
-    levanter.moe_mlp(*args, capacity_factor=1.25)

@@ -10,11 +10,12 @@ exchange over the mesh's "expert" axis and expert paths. A grug model changes on
 Its mesh needs no ceremony: the "expert" axis splits the experts, every other axis
 (Levanter's "replica_dcn", "data", "context", "model", of any size) splits the tokens.
 
-Dropless: every assignment is computed. grug's ring and ragged all-to-all backends clip each
-expert shard's assignments at `capacity_factor` (1.25 by default) and drop the rest; this
-drop-in has no capacity, so it takes `capacity_factor=None` only (a float is refused, named)
-and reports 0 dropped assignments. Where grug drops nothing the two agree (tested against
-grug's own `scatter` and `ring` backends, forward and gradients, on one device and on 8).
+Capacity as grug's ring has it: with an expert axis of 2 or more devices, each computes at
+most max(El, ceil(capacity_factor · assignments gathered / S)) of the assignments that reach
+its experts and drops the rest (`MoEConfig.capacity_factor`, in one chunk of each device's
+tokens, as grug's ring gathers them); on one device, or with `capacity_factor=None`, nothing
+drops. Tested against grug's own `scatter` and `ring` backends, forward and gradients, on
+one device and on 8, with and without drops.
 
 >>> import jax.numpy as jnp
 >>> e, d, i = 4, 8, 16
@@ -27,6 +28,7 @@ grug's own `scatter` and `ring` backends, forward and gradients, on one device a
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 
 import jax
@@ -37,6 +39,7 @@ from moejax import meshes
 from moejax.functional import moe_mlp as moejax_moe_mlp
 
 EXPERT_AXIS = "expert"  # grug's expert-parallel axis
+CAPACITY_FACTOR = 1.25  # grug's default (`levanter.grug._moe.common`)
 
 
 def _relu2(gate: jax.Array, up: jax.Array) -> jax.Array:
@@ -85,7 +88,7 @@ def moe_mlp(
   activation: str | Callable[[jax.Array], jax.Array] = "silu",
   implementation: str | None = None,
   mesh: Mesh | AbstractMesh | None = None,
-  capacity_factor: float | None = None,
+  capacity_factor: float | None = CAPACITY_FACTOR,
   report_capacity_overflow: bool = False,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
   """grug's `moe_mlp` on moejax: y[t] = sum_k combine_weights[t, k] *
@@ -103,22 +106,19 @@ def moe_mlp(
       (`DISPATCH_OF`: "ring" all_gather, "ragged_all_to_all" and "deepep" all_to_all), or
       None / a local one: moejax chooses.
     mesh: the mesh, or None for the ambient one (`jax.set_mesh`), else one device.
-    capacity_factor: None (dropless); grug's capacity clipping is not implemented.
-    report_capacity_overflow: also return the number of dropped assignments (0).
+    capacity_factor: with an expert axis of 2 or more devices, each computes at most
+      max(El, ceil(capacity_factor · T_group·K / S)) assignments (grug's ring; 1.25 by
+      default, as grug's); None: dropless.
+    report_capacity_overflow: also return the number of dropped assignments.
 
   Returns:
-    y [T, D] in x's dtype, or (y, 0 as int32) with `report_capacity_overflow`.
+    y [T, D] in x's dtype, or (y, [] int32 dropped assignments summed over the devices)
+    with `report_capacity_overflow`.
 
   Raises:
-    NotImplementedError: `capacity_factor` is a number.
     ValueError: an activation or implementation grug does not name, or shapes that do not
       agree (named by `moejax.moe_mlp`).
   """
-  if capacity_factor is not None:
-    raise NotImplementedError(
-      f"capacity_factor={capacity_factor}: moejax's grug drop-in is dropless (no expert "
-      "computes fewer than all of its assignments); pass capacity_factor=None"
-    )
   if implementation not in DISPATCH_OF:
     raise ValueError(
       f"implementation must be one of {sorted(k for k in DISPATCH_OF if k)} or None, got "
@@ -126,7 +126,11 @@ def moe_mlp(
     )
   mesh = meshes.of_call(mesh)
   expert_axis, data_axis = _groups(mesh)
-  y, _ = moejax_moe_mlp(
+  chunk_size, capacity = "auto", None
+  if mesh is not None and mesh.shape[expert_axis] > 1 and capacity_factor is not None:
+    devices = math.prod(mesh.shape.values())  # one chunk of each device's tokens, as grug's
+    chunk_size, capacity = max(x.shape[0] // devices, 1), capacity_factor
+  y, aux = moejax_moe_mlp(
     x,
     selected_experts.astype(jnp.int32),
     combine_weights,
@@ -137,9 +141,11 @@ def moe_mlp(
     dispatch=DISPATCH_OF[implementation],
     data_axis=data_axis,
     expert_axis=expert_axis,
+    chunk_size=chunk_size,
+    capacity_factor=capacity,
   )
   if report_capacity_overflow:
-    return y, jnp.zeros((), jnp.int32)
+    return y, jnp.sum(aux.dropped_assignments, dtype=jnp.int32)
   return y
 
 
