@@ -145,14 +145,15 @@ def test_a_report_reads_the_compiled_program(job):
   assert (per_device["adapters"] > 0) == (job == "lora")
   # The rest of the model is compiled with it: its bf16 weights split over the 8 devices.
   assert per_device["rest_of_model"] == report.rest_of_model_parameters * 2 // 8
-  # Adam's moments: float32 mu and nu of the float32 adapters and routers ([D, E] a layer,
-  # whole on every device); float32 mu and bf16 nu of the bf16 weights; and its step count.
+  # Adam's moments: float32 mu and nu of the float32 routers ([D, E] a layer, whole on every
+  # device); float32 mu and bf16 nu of the bf16 weights and of the adapters (bf16, as the
+  # layer stores them: the call record's dtype); and its step count.
   weights = per_device["expert_weights"] + per_device["other_moe_weights"]
   weights += per_device["rest_of_model"]
   routers = 3 * 256 * 16 * 4
   moments = {
     "infer": 0,
-    "lora": 2 * per_device["adapters"] + 4,
+    "lora": 3 * per_device["adapters"] + 4,
     "train": 3 * (weights - routers) + 2 * routers + 4,
   }
   assert per_device["optimizer_state"] == moments[job]
