@@ -23,7 +23,6 @@ from collections.abc import Mapping
 import jax
 import jax.numpy as jnp
 from jax.sharding import AbstractMesh, Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from kernels_pallas.formats import FORMATS
 from kernels_pallas.quantized import BlockScaled
@@ -53,10 +52,9 @@ class Expected:
   dtype: jnp.dtype
   spec: tuple
 
-  def abstract(self, mesh: Mesh | AbstractMesh | None = None) -> jax.ShapeDtypeStruct:
-    """The array as a `jax.ShapeDtypeStruct`, laid out on `mesh` where one is given."""
-    sharding = None if mesh is None else NamedSharding(mesh, P(*self.spec))
-    return jax.ShapeDtypeStruct(self.shape, self.dtype, sharding=sharding)
+  def abstract(self) -> jax.ShapeDtypeStruct:
+    """The array as a `jax.ShapeDtypeStruct` (placed by `CallRecord.abstract_params`)."""
+    return jax.ShapeDtypeStruct(self.shape, self.dtype)
 
 
 @dataclasses.dataclass(frozen=True)
