@@ -12,7 +12,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from kernels_pallas.activations import activate
+from kernels_pallas.activations import activate, erf_in_kernel
 
 
 def _swiglu_oai(gate: jax.Array, up: jax.Array, act: GatedActivation) -> jax.Array:
@@ -87,3 +87,15 @@ class GatedActivation:
     if callable(self.name):  # the caller's own (gate, up) -> hidden
       return self.name(gate, up)
     return GATED[self.name](gate, up, self)
+
+  @property
+  def in_kernel(self) -> GatedActivation:
+    """The same activation in operations Pallas Triton lowers, traced into a kernel's
+    epilogue: exact gelu's erf from exp and arithmetic (`erf_in_kernel`, within 1e-6)."""
+    if self.name == "gelu":
+      return dataclasses.replace(self, name=_gelu_in_kernel)
+    return self
+
+
+def _gelu_in_kernel(gate: jax.Array, up: jax.Array) -> jax.Array:
+  return activate(gate, "gelu", erf_in_kernel) * up

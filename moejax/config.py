@@ -33,12 +33,12 @@ GroupScore = Literal["max", "top2_sum"]
 BiasTarget = Literal["scores", "logits"]
 DroppedGroups = Literal["excluded", "zeroed"]
 ZeroExpertOutput = Literal["input", "none"]
-ExpertBackend = Literal["xla", "pallas", "auto"]
+ExpertBackend = Literal["xla", "pallas", "fused", "auto"]
 Dispatch = Literal["all_gather", "all_to_all", "auto"]
 # The exchange schemes a call runs ("auto" resolved).
 Scheme = Literal["all_gather", "all_to_all"]
 # The paths a call's experts can take (`moejax.plan`).
-ExpertPath = Literal["tile_loop", "ragged_dot", "pallas"]
+ExpertPath = Literal["tile_loop", "ragged_dot", "pallas", "fused"]
 
 _ACTIVATIONS = tuple(GATED)
 _SCORINGS = get_args(Scoring)
@@ -201,8 +201,10 @@ class MoEConfig:
       loop) and their gradients leave by a reduce-scatter. Biases and adapters stay whole.
     expert_backend: "xla" (the better XLA path for the device: the tile loop, or
       ragged_dot for few local experts on a GPU), "pallas" (the fused `kernels_pallas`
-      kernels of the device; in the interpreter on a CPU, for testing) or "auto" (a kernel
-      only where a recorded GPU run measured it faster, else "xla"). See `moejax.plan`.
+      kernels of the device; in the interpreter on a CPU, for testing), "fused" (the whole
+      expert MLP on rows read by index, `kernels_pallas.fused_moe`: no permuted copy, no
+      argsort, no scatter; interpreted on a CPU) or "auto" (a kernel only where a recorded
+      GPU run measured it faster, else "xla"). See `moejax.plan`.
     dispatch: how rows reach the devices of their experts: "all_gather" (every row to every
       expert-axis device, partial sums reduce-scattered back), "all_to_all" (dropless: each
       row only to the devices holding its chosen experts) or "auto": all_to_all only where a

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 
 import kernels_pallas
+from kernels_pallas import fused_moe
 from kernels_pallas.metadata import aligned_rows
 from kernels_pallas.quantized import is_block_scaled
 from moejax import id_spaces, invariance, tokamax_experts
@@ -205,6 +206,33 @@ def grouped_matmul_mlp(
   return jnp.sum(out.reshape(rows, top_k, -1).astype(jnp.float32), axis=1)
 
 
+def fused_mlp(
+  x: jax.Array,
+  expert_ids: jax.Array,
+  weights: jax.Array,
+  experts: ExpertWeights,
+  *,
+  activation: GatedActivation,
+  interpret: bool = False,
+) -> jax.Array:
+  """`tile_loop_mlp`'s contract on `kernels_pallas.fused_moe_mlp`: rows read by index, the
+  activation and the routing weight in the kernels' epilogues, each row's K results gathered
+  and summed (float experts without biases, adapters or output norms; `moejax.plan`).
+
+  Args and returns: as `tile_loop_mlp` (without `tile_rows`, seeds and the norm), plus
+  `interpret`, to run the kernels in their interpreter.
+  """
+  return fused_moe.fused_moe_mlp(
+    x,
+    expert_ids,
+    weights,
+    experts.w_gate_up,
+    experts.w_down,
+    activation=activation.in_kernel,
+    interpret=interpret,
+  )
+
+
 def adapted_mlp(
   x_sorted: jax.Array,
   experts: ExpertWeights,
@@ -283,6 +311,10 @@ def routed_mlp(
     )
   if grad_seeds is not None:
     experts = with_seeds(experts, grad_seeds)
+  if plan.path == "fused":
+    return fused_mlp(
+      x, expert_ids, weights, experts, activation=config.gated_activation, interpret=plan.interpret
+    )
   return grouped_matmul_mlp(
     x,
     expert_ids,

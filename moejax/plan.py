@@ -17,9 +17,14 @@ on an H200 (docs/performance.md, "GPU"):
   and more local experts, are unmeasured.
 - "pallas" (`experts.grouped_matmul_mlp` on a kernel): the fused `kernels_pallas.moe_mlp`; the
   registry picks the kernel (`kernels_pallas.backends.select_kernel`).
+- "fused" (`experts.fused_mlp`): `kernels_pallas.fused_moe`, the whole MLP on rows read by
+  index (Pallas Triton), for float experts without biases, adapters or output norms
+  (`fused_unsupported_reason`); only when asked (`expert_backend="fused"`) until a GPU run
+  measures it.
 
 `expert_backend="xla"` takes the better XLA path; "pallas" the device's kernel (interpreted on
-a CPU, for testing); "auto" the path a tuning file measured fastest for the call on its device
+a CPU, for testing); "fused" the fused path where it runs the case (else the tile loop, with a
+warning); "auto" the path a tuning file measured fastest for the call on its device
 kind (`moejax.tuning`: the user's, then the shipped table; `python -m moejax tune` writes
 one), else the XLA path. With `batch_invariant=True` every backend but "pallas" takes the tile
 loop, whatever the call's size. LoRA adapters change no choice: every path
@@ -34,7 +39,7 @@ import logging
 import warnings
 from typing import Literal, NamedTuple
 
-from kernels_pallas import platform
+from kernels_pallas import fused_moe, platform
 from kernels_pallas.backends import (
   BACKENDS,
   REFERENCE,
@@ -58,10 +63,10 @@ class ExpertPlan:
   """How one call computes its local experts (static, hashable).
 
   Attributes:
-    path: "tile_loop", "ragged_dot" or "pallas".
+    path: "tile_loop", "ragged_dot", "pallas" or "fused".
     backend: what `experts.grouped_matmul_mlp` runs: for ragged_dot "xla" (`jax.lax`) or
-      "tokamax" (`moejax.tokamax_experts`), for pallas a `kernels_pallas` kernel; None for
-      the tile loop.
+      "tokamax" (`moejax.tokamax_experts`), for pallas a `kernels_pallas` kernel, for fused
+      "triton"; None for the tile loop.
     interpret: whether that kernel runs in its interpreter (a CPU): slow, for testing.
     blocks: the kernel's forward block sizes (the backend's `blocks_type`) a tuning file
       measured, or None for `kernels_pallas`' own choice.
@@ -123,6 +128,8 @@ def choose_plan(config: MoEConfig, num_rows: int, local_experts: int) -> ExpertC
   a call would take, and why (`moejax.chunk_budget`, `moejax.plan_call`)."""
   case = expert_case(config)
   kernel = select_kernel(case)
+  if config.expert_backend == "fused":
+    return _fused_choice(config)
   if config.expert_backend == "pallas":
     if kernel is None:
       why = f"no kernel runs it ({no_kernel_reason(case)})"
@@ -159,6 +166,35 @@ def choose_plan(config: MoEConfig, num_rows: int, local_experts: int) -> ExpertC
     reason=f"expert_backend='auto', no tuning entry for this case on {target.name}"
     f"{f' ({where})' if where else ''}: {xla.reason}"
   )
+
+
+def fused_unsupported_reason(config: MoEConfig) -> str | None:
+  """Why the fused path cannot run the config's experts, or None."""
+  for field, value, what in (
+    ("expert_quant", config.expert_quant, "float experts"),
+    ("expert_bias", config.expert_bias, "experts without biases"),
+    ("lora_rank", config.lora_rank, "experts without adapters"),
+    ("expert_output_norm_eps", config.expert_output_norm_eps, "unnormalized expert outputs"),
+  ):
+    if value:
+      return f"it takes {what}, not {field}={value!r}"
+  width, hidden = config.expert_width, config.intermediate_size
+  return fused_moe.unsupported_reason(width, hidden, fused_moe.default_blocks(0, width, hidden))
+
+
+def _fused_choice(config: MoEConfig) -> ExpertChoice:
+  why = fused_unsupported_reason(config)
+  if why is not None:
+    warning = f"expert_backend='fused' falls back to the XLA tile loop: {why}"
+    return ExpertChoice(ExpertPlan(path="tile_loop"), warning, f"expert_backend='fused', but {why}")
+  reason = "expert_backend='fused': the whole expert MLP on rows read by index (Pallas Triton)"
+  if not platform.on_cpu():
+    return ExpertChoice(ExpertPlan(path="fused", backend="triton"), None, reason)
+  warning = (
+    "expert_backend='fused' on a CPU runs the Pallas kernels in the interpreter: slow, for "
+    "testing only"
+  )
+  return ExpertChoice(ExpertPlan(path="fused", backend="triton", interpret=True), warning, reason)
 
 
 def _tuned_plan(found: tuning.Measured, case: Case) -> ExpertPlan:

@@ -149,6 +149,20 @@ def test_the_pallas_layer_compiles_its_gradient(gpu, kernel_call):
     assert not any("callback" in call for call in calls), calls
 
 
+@pytest.mark.parametrize("gpu", ["h100", "h200", "b200"])
+def test_the_fused_layer_compiles_forward_and_gradient(gpu):
+  """expert_backend="fused": its Triton kernels (gathered loads, the activation and its
+  derivative in the epilogues), forward and gradient, on 8 GPUs of each target."""
+  mesh = targets.target_mesh(gpu, (1, 8))
+  config = MoEConfig(**LAYER, **BF16, expert_backend="fused")
+  for gradient in (False, True):
+    with expect_triton_deprecation():
+      compiled = compile_layer(config, mesh, gradient)
+    calls = custom_calls(compiled)
+    assert "__gpu$xla.gpu.triton" in calls and not any("callback" in c for c in calls), calls
+    assert 0 < compiled.memory_analysis().temp_size_in_bytes < GPUS[gpu].memory_bytes
+
+
 @pytest.mark.parametrize(
   "scheme",
   [dict(dispatch="all_gather"), dict(dispatch="all_to_all", receive_capacity_factor=1.0)],
@@ -169,6 +183,7 @@ def test_the_xla_paths_compile_on_two_nodes(scheme):
 # Each quantized format's fields, in its own block (`QuantFormat.block_for`).
 QUANTIZED = {name: dict(expert_quant=name) for name in FORMATS}
 EXPERT_MESH = ((1, 8), ("data", "expert"))
+DATA_EXPERT_MESH = ((2, 4), ("data", "expert"))
 FAMILY_OPTIONS = dict(
   latent_size=256, activation="swiglu_softcapped", scoring="sqrtsoftplus", use_routing_bias=True,
   routing_bias_on="logits", num_expert_groups=4, topk_groups=2, dropped_groups="zeroed",
@@ -189,6 +204,11 @@ PATHS = {
     dict(latent_size=256, expert_output_norm_eps=1e-8, expert_backend="pallas"),
     EXPERT_MESH,
   ),
+  # capacity dropping: the chunk's double argsort inside its cond, the pre-loop count
+  **{
+    f"capacity-{scheme}": (dict(capacity_factor=1.25, dispatch=scheme), DATA_EXPERT_MESH)
+    for scheme in ("all_gather", "all_to_all")
+  },
   **{f"tile-loop-{name}": (fields, EXPERT_MESH) for name, fields in QUANTIZED.items()},
   **{
     f"pallas-{name}": (fields | dict(expert_backend="pallas"), EXPERT_MESH)

@@ -1,0 +1,480 @@
+"""The whole expert MLP on rows read by index, in Pallas Triton: no permuted copy of the tokens,
+no argsort, no scatter of outputs, and in inference no [rows, 2F] pre-activation.
+
+The N*K (token, choice) assignments are laid out by counting (`counted_layout`: a histogram of
+the local experts and prefix sums): each expert's assignments fill whole tiles of `block_m`
+aligned rows, in token order, so every tile belongs to one expert. Kernels read a tile's
+tokens through the aligned rows' index (`row_assignment // K`), never a permuted copy:
+
+forward (`fused_moe_mlp`)::
+
+  hidden[r] = act(x[source(r)] @ W_gate_up[e(r)])          # gathered loads, gated epilogue
+  y[r]      = w[r] * hidden[r] @ W_down[e(r)]              # routing weight in the epilogue
+  out[n]    = sum_k y[slot[n, k]]                          # a gather and sum over K, no scatter
+
+backward (`jax.custom_vjp`; the differentiated forward also stores gate|up, [rows, 2F])::
+
+  d_raw[r]   = dout[source(r)] @ W_down[e(r)]^T            # gathered loads; epilogue: hidden
+               recomputed, dw[r] = <d_raw[r], hidden[r]>, d(gate|up) = act'(w[r] d_raw[r])
+  dW_down[e] = hidden[rows of e]^T @ (w dout[source])[rows of e]   # gathered rhs
+  dW_gate_up[e] = x[source(rows of e)]^T @ d(gate|up)[rows of e]   # gathered lhs
+  dx[n]      = sum_k (d(gate|up) @ W_gate_up[e]^T)[slot[n, k]]
+
+Every activation is a `(gate, up) -> hidden` function traced into the epilogues (its
+derivative by `jax.vjp` there), so any elementwise activation Triton lowers is fused. The
+kernels run on any CUDA GPU Triton targets (Hopper's wgmma included) and in the Pallas
+interpreter on a CPU. Rows past a tile's assignments read zeros and are never read back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from kernels_pallas.compat import out_struct, pallas_triton, triton_missing_reason
+from kernels_pallas.gmm_triton import TritonBlocks
+from kernels_pallas.metadata import max_visits
+
+plgpu = pallas_triton()  # None once JAX has removed the backend
+
+Activation = Callable[[jax.Array, jax.Array], jax.Array]  # (gate, up) -> hidden, hashable
+
+
+class FusedLayout(NamedTuple):
+  """Where each (token, choice) assignment sits among the tile-aligned rows.
+
+  Attributes:
+    slot: [N, K] int32 aligned row of each assignment; Ma (no row) for an expert held
+      elsewhere. Ma = `max_visits(N*K, El, bm) * bm`.
+    row_assignment: [Ma] int32 assignment (n*K + k) each aligned row holds; N*K if none.
+    tile_expert: [Ma / bm] int32 local expert of each tile (the last one for unused tiles).
+    tile_ends: [El] int32 one past each expert's last tile.
+    num_tiles: [1] int32 tiles in use; the rest are never read or written.
+  """
+
+  slot: jax.Array
+  row_assignment: jax.Array
+  tile_expert: jax.Array
+  tile_ends: jax.Array
+  num_tiles: jax.Array
+
+
+def counted_layout(expert_ids: jax.Array, local_experts: int, block_m: int) -> FusedLayout:
+  """The tile-aligned layout of the assignments, by counting (no sort).
+
+  Each assignment's rank among its expert's is a prefix sum of the [N*K, El] one-hot of the
+  ids, so an expert's rows keep their token order.
+
+  Args:
+    expert_ids: [N, K] int local expert ids; ids outside [0, El) belong to no local expert.
+    local_experts: El.
+    block_m: bm, rows per tile.
+
+  Returns:
+    `FusedLayout`.
+
+  >>> layout = counted_layout(jnp.array([[1, 0], [1, 5]]), local_experts=2, block_m=2)
+  >>> layout.slot.tolist(), layout.row_assignment.tolist(), int(layout.num_tiles[0])
+  ([[2, 0], [3, 6]], [1, 4, 0, 2, 4, 4], 2)
+  """
+  assignments = expert_ids.size
+  flat = expert_ids.reshape(-1)
+  local = (flat >= 0) & (flat < local_experts)
+  one_hot = (flat[:, None] == jnp.arange(local_experts)[None, :]).astype(jnp.int32)  # [NK, El]
+  counts = jnp.sum(one_hot, axis=0)  # [El]
+  tiles = -(-counts // block_m)
+  tile_ends = jnp.cumsum(tiles).astype(jnp.int32)
+  first_row = (tile_ends - tiles) * block_m  # [El]
+  expert = jnp.where(local, flat, 0)
+  rank = jnp.take_along_axis(jnp.cumsum(one_hot, axis=0), expert[:, None], axis=1)[:, 0] - 1
+  num_tiles = max_visits(assignments, local_experts, block_m)
+  aligned = num_tiles * block_m
+  slot = jnp.where(local, first_row[expert] + rank, aligned).astype(jnp.int32)
+  every = jnp.arange(assignments, dtype=jnp.int32)
+  row_assignment = jnp.full(aligned, assignments, jnp.int32).at[slot].set(every, mode="drop")
+  tile = jnp.arange(num_tiles, dtype=jnp.int32)
+  tile_expert = jnp.searchsorted(tile_ends, tile, side="right", method="compare_all")
+  return FusedLayout(
+    slot=slot.reshape(expert_ids.shape),
+    row_assignment=row_assignment,
+    tile_expert=jnp.minimum(tile_expert, local_experts - 1).astype(jnp.int32),
+    tile_ends=tile_ends,
+    num_tiles=tile_ends[-1:],
+  )
+
+
+@dataclasses.dataclass(frozen=True)
+class FusedSettings:
+  """The static choices of one fused call (hashable: a `custom_vjp` non-differentiable input).
+
+  Attributes:
+    activation: (gate, up) -> hidden, traced into the epilogues.
+    blocks: `TritonBlocks` of every kernel.
+    precision: `jax.lax.Precision` of the block dots, or None.
+    interpret: run the kernels in the Pallas interpreter (CPU testing).
+  """
+
+  activation: Activation
+  blocks: TritonBlocks
+  precision: object = None
+  interpret: bool = False
+
+
+def unsupported_reason(
+  hidden_size: int, intermediate_size: int, blocks: TritonBlocks
+) -> str | None:
+  """Why the fused kernels cannot run these widths with `blocks` (or at all here), or None."""
+  missing = triton_missing_reason()
+  if missing is not None:
+    return missing
+  for name, size in (("hidden_size", hidden_size), ("intermediate_size", intermediate_size)):
+    for block in (blocks.block_n, blocks.block_k):
+      if size % block:
+        return f"the fused kernels need {name}={size} to be a multiple of {block} (the blocks)"
+  return None
+
+
+def default_blocks(num_rows: int, hidden_size: int, intermediate_size: int) -> TritonBlocks:
+  """The largest of 16/32/64 rows per tile that is at most the rows per expert would fill, and
+  the widest 64/32/16 columns and contraction step that divide both widths."""
+  block_m = 64 if num_rows > 4096 else 32 if num_rows > 256 else 16
+  width = (
+    next(b for b in (64, 32, 16) if hidden_size % b == 0 == intermediate_size % b)
+    if (hidden_size % 16 == 0 == intermediate_size % 16)
+    else 16
+  )
+  return TritonBlocks(block_m=block_m, block_n=width, block_k=min(width, 32))
+
+
+# --- the kernels ---------------------------------------------------------------------------
+
+
+def _tile_rows(row_assignment_ref, tile, bm: int, top_k: int, num_tokens: int):
+  """The tile's source token rows [bm] (clamped in range) and which hold an assignment."""
+  assignment = row_assignment_ref[pl.ds(tile * bm, bm)]
+  token = assignment // top_k
+  return jnp.minimum(token, num_tokens - 1), token < num_tokens
+
+
+def _gathered(ref, rows, valid, col, width: int) -> jax.Array:
+  """ref[rows, col:col+width], zero where not `valid`: a load by row index."""
+  cols = col + jnp.arange(width)
+  mask = jnp.broadcast_to(valid[:, None], (rows.shape[0], width))
+  return plgpu.load(ref.at[rows[:, None], cols[None, :]], mask=mask, other=0)
+
+
+def _products(load_lhs, rhs_ref, expert, columns, *, k_size, transpose_rhs, settings):
+  """[bm, bn] float32 products load_lhs(k0) @ rhs[expert][k0:k0+bk, col:col+bn] summed over
+  k0, one per col of `columns` (read as rhs[expert][col:col+bn, k0:k0+bk]^T when
+  `transpose_rhs`), the lhs tile loaded once per step for all of them."""
+  bm, bn, bk = settings.blocks.block_m, settings.blocks.block_n, settings.blocks.block_k
+
+  def step(k_block, accs):
+    k0 = k_block * bk
+    lhs = load_lhs(k0, bk)
+    new = []
+    for acc, col in zip(accs, columns, strict=True):
+      if transpose_rhs:
+        rhs = plgpu.load(rhs_ref.at[expert, pl.ds(col, bn), pl.ds(k0, bk)])
+      else:
+        rhs = plgpu.load(rhs_ref.at[expert, pl.ds(k0, bk), pl.ds(col, bn)])
+      new.append(acc + plgpu.dot(lhs, rhs, trans_b=transpose_rhs, precision=settings.precision))
+    return tuple(new)
+
+  zero = jnp.zeros((bm, bn), jnp.float32)
+  return jax.lax.fori_loop(0, k_size // bk, step, (zero,) * len(columns))
+
+
+def _up_kernel(
+  tile_expert_ref, num_tiles_ref, row_assignment_ref, x_ref, w_ref, hidden_ref, *pre_refs,
+  top_k, settings,
+):  # fmt: skip
+  """One (tile, F block): hidden = act(x[rows] @ W_gate_up[e]); gate|up kept with `pre_refs`."""
+  bm, bn = settings.blocks.block_m, settings.blocks.block_n
+  tile, block = pl.program_id(0), pl.program_id(1)
+  hidden_width = hidden_ref.shape[1]
+
+  @pl.when(tile < num_tiles_ref[0])
+  def _():
+    rows, valid = _tile_rows(row_assignment_ref, tile, bm, top_k, x_ref.shape[0])
+    gate, up = _products(
+      lambda k0, bk: _gathered(x_ref, rows, valid, k0, bk),
+      w_ref, tile_expert_ref[tile], (block * bn, hidden_width + block * bn),
+      k_size=x_ref.shape[1], transpose_rhs=False, settings=settings,
+    )  # fmt: skip
+    out_rows = pl.ds(tile * bm, bm)
+    hidden = settings.activation(gate, up)
+    plgpu.store(hidden_ref.at[out_rows, pl.ds(block * bn, bn)], hidden.astype(hidden_ref.dtype))
+    for pre_ref in pre_refs:  # the differentiated forward keeps gate|up for the backward
+      plgpu.store(pre_ref.at[out_rows, pl.ds(block * bn, bn)], gate.astype(pre_ref.dtype))
+      up_cols = pl.ds(hidden_width + block * bn, bn)
+      plgpu.store(pre_ref.at[out_rows, up_cols], up.astype(pre_ref.dtype))
+
+
+def _aligned_kernel(
+  tile_expert_ref, num_tiles_ref, row_weight_ref, lhs_ref, w_ref, out_ref, *, transpose_rhs,
+  weighted, settings,
+):  # fmt: skip
+  """One (tile, output block) of out = lhs @ W[e] (W[e]^T with `transpose_rhs`) on aligned
+  rows, times each row's weight when `weighted`."""
+  bm, bn = settings.blocks.block_m, settings.blocks.block_n
+  tile, block = pl.program_id(0), pl.program_id(1)
+
+  @pl.when(tile < num_tiles_ref[0])
+  def _():
+    rows = pl.ds(tile * bm, bm)
+    (out,) = _products(
+      lambda k0, bk: plgpu.load(lhs_ref.at[rows, pl.ds(k0, bk)]),
+      w_ref, tile_expert_ref[tile], (block * bn,),
+      k_size=lhs_ref.shape[1], transpose_rhs=transpose_rhs, settings=settings,
+    )  # fmt: skip
+    if weighted:
+      out = out * plgpu.load(row_weight_ref.at[rows])[:, None]
+    plgpu.store(out_ref.at[rows, pl.ds(block * bn, bn)], out.astype(out_ref.dtype))
+
+
+def _down_backward_kernel(
+  tile_expert_ref, num_tiles_ref, row_assignment_ref, row_weight_ref, dout_ref, w_down_ref,
+  pre_ref, d_pre_ref, hidden_ref, d_weight_ref, *, top_k, settings,
+):  # fmt: skip
+  """One (tile, F block) of d_raw = dout[rows] @ W_down[e]^T, with the activation's backward
+  in the epilogue: hidden recomputed from gate|up, the routing weight's partial gradient
+  <d_raw, hidden> over this block's columns, and d(gate|up) of w * d_raw."""
+  bm, bn = settings.blocks.block_m, settings.blocks.block_n
+  tile, block = pl.program_id(0), pl.program_id(1)
+  hidden_width = hidden_ref.shape[1]
+
+  @pl.when(tile < num_tiles_ref[0])
+  def _():
+    rows, valid = _tile_rows(row_assignment_ref, tile, bm, top_k, dout_ref.shape[0])
+    (d_raw,) = _products(
+      lambda k0, bk: _gathered(dout_ref, rows, valid, k0, bk),
+      w_down_ref, tile_expert_ref[tile], (block * bn,),
+      k_size=dout_ref.shape[1], transpose_rhs=True, settings=settings,
+    )  # fmt: skip
+    out_rows = pl.ds(tile * bm, bm)
+    gate_cols, up_cols = pl.ds(block * bn, bn), pl.ds(hidden_width + block * bn, bn)
+    gate = plgpu.load(pre_ref.at[out_rows, gate_cols]).astype(jnp.float32)
+    up = plgpu.load(pre_ref.at[out_rows, up_cols]).astype(jnp.float32)
+    hidden, activation_vjp = jax.vjp(settings.activation, gate, up)
+    weight = plgpu.load(row_weight_ref.at[out_rows])
+    d_gate, d_up = activation_vjp(d_raw * weight[:, None])
+    plgpu.store(d_pre_ref.at[out_rows, gate_cols], d_gate.astype(d_pre_ref.dtype))
+    plgpu.store(d_pre_ref.at[out_rows, up_cols], d_up.astype(d_pre_ref.dtype))
+    plgpu.store(hidden_ref.at[out_rows, gate_cols], hidden.astype(hidden_ref.dtype))
+    plgpu.store(d_weight_ref.at[block, out_rows], jnp.sum(d_raw * hidden, axis=1))
+
+
+def _weight_grad_kernel(
+  tile_ends_ref, row_assignment_ref, row_weight_ref, lhs_ref, rhs_ref, out_ref, *, gather_lhs,
+  top_k, num_tokens, settings,
+):  # fmt: skip
+  """One (expert, K block, N block) of out[e] = L[rows of e]^T @ R[rows of e], over the
+  expert's tiles: L = lhs[source] and R = rhs (`gather_lhs`), else L = lhs and R = w *
+  rhs[source]."""
+  bm, bn, bk = settings.blocks.block_m, settings.blocks.block_n, settings.blocks.block_k
+  expert, k_block, n_block = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  first_tile = jnp.where(expert > 0, tile_ends_ref[jnp.maximum(expert - 1, 0)], 0)
+
+  def step(tile, acc):
+    rows = pl.ds(tile * bm, bm)
+    source, valid = _tile_rows(row_assignment_ref, tile, bm, top_k, num_tokens)
+    if gather_lhs:
+      lhs = _gathered(lhs_ref, source, valid, k_block * bk, bk)
+      rhs = plgpu.load(rhs_ref.at[rows, pl.ds(n_block * bn, bn)])
+    else:
+      lhs = plgpu.load(lhs_ref.at[rows, pl.ds(k_block * bk, bk)])
+      rhs = _gathered(rhs_ref, source, valid, n_block * bn, bn)
+      weight = plgpu.load(row_weight_ref.at[rows])
+      rhs = (rhs.astype(jnp.float32) * weight[:, None]).astype(lhs.dtype)
+    return acc + plgpu.dot(lhs, rhs, trans_a=True, precision=settings.precision)
+
+  acc = jax.lax.fori_loop(first_tile, tile_ends_ref[expert], step, jnp.zeros((bk, bn), jnp.float32))
+  out_block = out_ref.at[expert, pl.ds(k_block * bk, bk), pl.ds(n_block * bn, bn)]
+  plgpu.store(out_block, acc.astype(out_ref.dtype))
+
+
+# --- the calls -----------------------------------------------------------------------------
+
+
+def _call(kernel, out_shapes, grid, settings: FusedSettings, name: str, *operands):
+  blocks = settings.blocks
+  return pl.pallas_call(
+    kernel,
+    out_shape=out_shapes,
+    grid=grid,
+    compiler_params=plgpu.CompilerParams(num_warps=blocks.num_warps, num_stages=blocks.num_stages),
+    interpret=settings.interpret,
+    name=name,
+  )(*operands)
+
+
+def _up(x, w_gate_up, layout: FusedLayout, settings: FusedSettings, *, keep_pre: bool):
+  """hidden [Ma, F] (and gate|up [Ma, 2F] with `keep_pre`), in x's dtype."""
+  top_k = layout.slot.shape[1]
+  aligned, hidden_width = layout.row_assignment.shape[0], w_gate_up.shape[2] // 2
+  shapes = [out_struct((aligned, hidden_width), x.dtype, like=x)]
+  if keep_pre:
+    shapes.append(out_struct((aligned, 2 * hidden_width), x.dtype, like=x))
+  kernel = functools.partial(_up_kernel, top_k=top_k, settings=settings)
+  grid = (layout.tile_expert.shape[0], hidden_width // settings.blocks.block_n)
+  return _call(
+    kernel, shapes, grid, settings, "fused_moe_up",
+    layout.tile_expert, layout.num_tiles, layout.row_assignment, x, w_gate_up,
+  )  # fmt: skip
+
+
+def _aligned(lhs, w, row_weight, layout: FusedLayout, settings, *, transpose_rhs, out_dtype):
+  """[Ma, N] = lhs @ W[e] per tile (W[e]^T with `transpose_rhs`), rows times `row_weight`
+  unless it is None."""
+  width = w.shape[1] if transpose_rhs else w.shape[2]
+  kernel = functools.partial(
+    _aligned_kernel, transpose_rhs=transpose_rhs, weighted=row_weight is not None,
+    settings=settings,
+  )  # fmt: skip
+  if row_weight is None:
+    row_weight = jnp.zeros(lhs.shape[0], jnp.float32)
+  shape = out_struct((lhs.shape[0], width), out_dtype, like=lhs)
+  grid = (layout.tile_expert.shape[0], width // settings.blocks.block_n)
+  return _call(
+    kernel, shape, grid, settings, "fused_moe_aligned",
+    layout.tile_expert, layout.num_tiles, row_weight, lhs, w,
+  )  # fmt: skip
+
+
+def _weight_grad(lhs, rhs, row_weight, layout: FusedLayout, settings, *, gather_lhs, num_experts):
+  """[El, K, N] per-expert L^T @ R (see `_weight_grad_kernel`), float32."""
+  blocks = settings.blocks
+  k, n = lhs.shape[1], rhs.shape[1]
+  kernel = functools.partial(
+    _weight_grad_kernel, gather_lhs=gather_lhs, top_k=layout.slot.shape[1],
+    num_tokens=layout.slot.shape[0], settings=settings,
+  )  # fmt: skip
+  shape = out_struct((num_experts, k, n), jnp.float32, like=lhs)
+  grid = (num_experts, k // blocks.block_k, n // blocks.block_n)
+  return _call(
+    kernel, shape, grid, settings, "fused_moe_weight_grad",
+    layout.tile_ends, layout.row_assignment, row_weight, lhs, rhs,
+  )  # fmt: skip
+
+
+def _row_weight(weights: jax.Array, layout: FusedLayout) -> jax.Array:
+  """[Ma] float32 routing weight of each aligned row (0 where it holds no assignment)."""
+  return jnp.take(weights.reshape(-1), layout.row_assignment, mode="fill", fill_value=0)
+
+
+def _sum_over_choices(rows: jax.Array, layout: FusedLayout) -> jax.Array:
+  """[N, ...] float32: each token's K aligned rows gathered and summed (0 for no row)."""
+  picked = jnp.take(rows, layout.slot, axis=0, mode="fill", fill_value=0)  # [N, K, ...]
+  return jnp.sum(picked.astype(jnp.float32), axis=1)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _fused(x, weights, w_gate_up, w_down, layout, settings):
+  out, _ = _fused_forward(x, weights, w_gate_up, w_down, layout, settings, keep_pre=False)
+  return out
+
+
+def _fused_forward(x, weights, w_gate_up, w_down, layout, settings, *, keep_pre):
+  row_weight = _row_weight(weights, layout)
+  hidden, *pre = _up(x, w_gate_up, layout, settings, keep_pre=keep_pre)
+  y = _aligned(hidden, w_down, row_weight, layout, settings, transpose_rhs=False, out_dtype=x.dtype)
+  return _sum_over_choices(y, layout), (pre[0] if pre else None, row_weight)
+
+
+def _fused_fwd(x, weights, w_gate_up, w_down, layout, settings):
+  out, (pre, row_weight) = _fused_forward(
+    x, weights, w_gate_up, w_down, layout, settings, keep_pre=True
+  )
+  return out, (x, weights, w_gate_up, w_down, layout, pre, row_weight)
+
+
+def _fused_bwd(settings, residuals, d_out):
+  x, weights, w_gate_up, w_down, layout, pre, row_weight = residuals
+  num_experts, hidden_width = w_down.shape[:2]
+  d_out = d_out.astype(x.dtype)
+  d_blocks = hidden_width // settings.blocks.block_n
+  aligned = layout.row_assignment.shape[0]
+  kernel = functools.partial(_down_backward_kernel, top_k=layout.slot.shape[1], settings=settings)
+  d_pre, hidden, d_weight_parts = _call(
+    kernel,
+    [
+      out_struct((aligned, 2 * hidden_width), x.dtype, like=x),
+      out_struct((aligned, hidden_width), x.dtype, like=x),
+      out_struct((d_blocks, aligned), jnp.float32, like=x),
+    ],
+    (layout.tile_expert.shape[0], d_blocks), settings, "fused_moe_down_backward",
+    layout.tile_expert, layout.num_tiles, layout.row_assignment, row_weight, d_out, w_down, pre,
+  )  # fmt: skip
+  d_w_down = _weight_grad(
+    hidden, d_out, row_weight, layout, settings, gather_lhs=False, num_experts=num_experts
+  )
+  d_w_gate_up = _weight_grad(
+    x, d_pre, row_weight, layout, settings, gather_lhs=True, num_experts=num_experts
+  )
+  d_x_rows = _aligned(
+    d_pre, w_gate_up, None, layout, settings, transpose_rhs=True, out_dtype=jnp.float32
+  )
+  d_x = _sum_over_choices(d_x_rows, layout).astype(x.dtype)
+  d_row_weight = jnp.sum(d_weight_parts, axis=0)  # [Ma]
+  d_weights = jnp.take(d_row_weight, layout.slot, mode="fill", fill_value=0)  # [N, K]
+  return (
+    d_x,
+    d_weights.astype(weights.dtype),
+    d_w_gate_up.astype(w_gate_up.dtype),
+    d_w_down.astype(w_down.dtype),
+    None,
+  )
+
+
+_fused.defvjp(_fused_fwd, _fused_bwd)
+
+
+def fused_moe_mlp(
+  x: jax.Array,
+  expert_ids: jax.Array,
+  weights: jax.Array,
+  w_gate_up: jax.Array,
+  w_down: jax.Array,
+  *,
+  activation: Activation,
+  blocks: TritonBlocks | None = None,
+  precision=None,
+  interpret: bool = False,
+) -> jax.Array:
+  """y[n] = sum_k weights[n, k] * down_{e[n,k]}(act(gate_up_{e[n,k]}(x[n]))), differentiable
+  in x, weights and both weight arrays.
+
+  Args:
+    x: [N, D] tokens in the compute dtype.
+    expert_ids: [N, K] int local expert ids; ids outside [0, El) contribute nothing.
+    weights: [N, K] float32 combine weights.
+    w_gate_up: [El, D, 2F] gate | up columns, x's dtype.
+    w_down: [El, F, D], x's dtype.
+    activation: (gate, up) -> hidden on [bm, bn] float32 tiles, hashable; traced into the
+      kernels (Triton must lower it: no erf).
+    blocks: `TritonBlocks` (None: `default_blocks`); D and F multiples of block_n and block_k.
+    precision: of the block dots.
+    interpret: run the kernels in the Pallas interpreter (a CPU).
+
+  Returns:
+    [N, D] float32.
+
+  Raises:
+    NotImplementedError: the widths or this JAX cannot run the kernels (`unsupported_reason`).
+  """
+  dim = x.shape[1]
+  hidden_width = w_down.shape[1]
+  blocks = blocks or default_blocks(expert_ids.size, dim, hidden_width)
+  reason = unsupported_reason(dim, hidden_width, blocks)
+  if reason is not None:
+    raise NotImplementedError(reason)
+  layout = counted_layout(expert_ids, w_down.shape[0], blocks.block_m)
+  settings = FusedSettings(activation, blocks, precision, interpret)
+  return _fused(x, weights.astype(jnp.float32), w_gate_up, w_down, layout, settings)

@@ -1,0 +1,189 @@
+"""The fused expert path (`expert_backend="fused"`, `kernels_pallas.fused_moe`), in the Pallas
+interpreter: the kernels against a plain per-assignment reference, forward and every gradient,
+and the layer against `reference_moe` on one device and a 2x4 mesh with both dispatch schemes."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kernels_pallas.fused_moe import counted_layout, fused_moe_mlp
+from kernels_pallas.gmm_triton import TritonBlocks
+from moejax import MoEConfig, moe_apply, reference_moe
+from moejax.activations import GATED, GatedActivation
+from moejax.plan import ExpertPlan, plan_experts
+from moejax.testing import poison, random_params, rank_mask
+from tests.helpers import assert_close, mesh_of, slow
+
+pytestmark = pytest.mark.filterwarnings("ignore:expert_backend='fused' on a CPU")
+
+BLOCKS = TritonBlocks(block_m=16, block_n=16, block_k=16)
+LOCAL_EXPERTS, D, F = 4, 32, 32
+
+
+def per_assignment(x, expert_ids, weights, w_gate_up, w_down, activation):
+  """sum_k w[n,k] * mlp_{e[n,k]}(x[n]) one assignment at a time, float32 at full precision;
+  ids outside [0, El) contribute nothing."""
+  out = jnp.zeros(x.shape, jnp.float32)
+  for k in range(expert_ids.shape[1]):
+    expert = expert_ids[:, k]
+    local = (expert >= 0) & (expert < w_down.shape[0])
+    clipped = jnp.clip(expert, 0, w_down.shape[0] - 1)
+    gate_up = jnp.einsum("nd,ndf->nf", x, w_gate_up[clipped], precision="highest")
+    hidden = activation(*jnp.split(gate_up.astype(jnp.float32), 2, axis=-1)).astype(x.dtype)
+    y = jnp.einsum("nf,nfd->nd", hidden, w_down[clipped], precision="highest")
+    out += jnp.where(local[:, None], y * weights[:, k : k + 1], 0.0)
+  return out
+
+
+def _operands(seed: int, tokens: int, top_k: int, ids, dtype=jnp.float32):
+  keys = jax.random.split(jax.random.key(seed), 5)
+  x = jax.random.normal(keys[0], (tokens, D), dtype)
+  weights = jax.random.uniform(keys[1], (tokens, top_k), minval=0.1)
+  w_gate_up = (jax.random.normal(keys[2], (LOCAL_EXPERTS, D, 2 * F)) / 4).astype(dtype)
+  w_down = (jax.random.normal(keys[3], (LOCAL_EXPERTS, F, D)) / 4).astype(dtype)
+  probe = jax.random.normal(keys[4], (tokens, D))
+  return (x, weights, w_gate_up, w_down), ids, probe
+
+
+def _uneven_ids(tokens: int, top_k: int, seed: int) -> jax.Array:
+  """Ids skewed to expert 3, expert 1 never chosen, a quarter held elsewhere (4, 5)."""
+  probs = jnp.array([0.15, 0.0, 0.1, 0.5, 0.15, 0.1])
+  return jax.random.choice(jax.random.key(seed), 6, (tokens, top_k), p=probs).astype(jnp.int32)
+
+
+def relu_squared(gate, up):  # a caller's own activation
+  return jnp.maximum(gate, 0.0) ** 2 * up
+
+
+CASES = {
+  "silu top-1 uneven": ("silu", 1, 40),
+  "gelu top-8": ("gelu", 8, 24),
+  "own function top-2": slow((relu_squared, 2, 24)),
+  "nothing local": ("silu", 2, 0),
+  **{f"{name} top-3": slow((name, 3, 24)) for name in GATED if name not in ("silu", "gelu")},
+}
+
+
+@pytest.mark.parametrize("case", list(CASES.values()), ids=list(CASES))
+def test_the_kernels_match_the_per_assignment_mlp_and_its_gradients(case):
+  """Forward and the gradients of x, the weights and both matrices, float32: uneven loads, an
+  expert no token chooses, assignments held elsewhere; "nothing local": every id elsewhere."""
+  name, top_k, tokens = case
+  activation = GatedActivation(name, limit=1.5)
+  ids = _uneven_ids(tokens or 16, top_k, seed=top_k)
+  if not tokens:
+    ids = ids % 2 + LOCAL_EXPERTS  # every assignment held elsewhere
+  operands, ids, probe = _operands(top_k, ids.shape[0], top_k, ids)
+
+  def fused(*operands):
+    return fused_moe_mlp(
+      operands[0], ids, *operands[1:], activation=activation.in_kernel, blocks=BLOCKS,
+      interpret=True,
+    )  # fmt: skip
+
+  def reference(*operands):
+    return per_assignment(operands[0], ids, *operands[1:], activation)
+
+  loss = lambda fn: lambda *args: jnp.sum(fn(*args) * probe)
+  argnums = tuple(range(4))
+  grads = jax.grad(loss(fused), argnums)(*operands)
+  want_grads = jax.grad(loss(reference), argnums)(*operands)
+  assert_close(fused(*operands), reference(*operands), what="y")
+  for what, g, w in zip(("x", "weights", "w_gate_up", "w_down"), grads, want_grads, strict=True):
+    assert_close(g, w, what=f"d/d {what}")
+  if not tokens:
+    assert not np.any(fused(*operands)) and not np.any(grads[0])
+
+
+@pytest.mark.slow
+def test_bfloat16_within_its_tolerance():
+  operands, ids, _ = _operands(7, 40, 2, _uneven_ids(40, 2, seed=7), jnp.bfloat16)
+  got = fused_moe_mlp(
+    operands[0], ids, *operands[1:], activation=GatedActivation("silu"), blocks=BLOCKS,
+    interpret=True,
+  )  # fmt: skip
+  want = per_assignment(
+    *(o.astype(jnp.float32) for o in operands[:1]), ids, operands[1],
+    *(o.astype(jnp.float32) for o in operands[2:]), GatedActivation("silu"),
+  )  # fmt: skip
+  assert got.dtype == jnp.float32
+  assert_close(got, want, jnp.bfloat16, what="y")
+
+
+def test_the_layout_counts_without_sorting():
+  """Each expert's assignments fill whole tiles in token order; others get no row."""
+  ids = jnp.array([[3, 0], [3, 9], [0, 3], [-1, 3]])
+  layout = counted_layout(ids, local_experts=4, block_m=2)
+  # expert 0: assignments 1, 4 (tile 0); expert 3: 0, 2, 5, 7 (tiles 1, 2)
+  assert layout.slot.tolist() == [[2, 0], [3, 14], [1, 4], [14, 5]]
+  assert layout.row_assignment.tolist()[:6] == [1, 4, 0, 2, 5, 7]
+  assert set(layout.row_assignment.tolist()[6:]) == {8}
+  assert layout.tile_expert.tolist()[:3] == [0, 3, 3] and int(layout.num_tiles[0]) == 3
+  assert layout.tile_ends.tolist() == [1, 1, 1, 3]
+
+
+CONFIG = MoEConfig(
+  num_experts=8, top_k=2, hidden_size=16, intermediate_size=32, expert_backend="fused"
+)
+
+
+@pytest.mark.parametrize(
+  "mesh_shape, dispatch",
+  [(None, "all_gather"), slow((2, 4), "all_gather"), slow((2, 4), "all_to_all")],
+  ids=["one device", "2x4 all_gather", "2x4 all_to_all"],
+)
+def test_the_layer_matches_the_reference(mesh_shape, dispatch):
+  """The layer on the fused path, padding poisoned with NaN: output and the gradients of x
+  and every parameter against `reference_moe`."""
+  config = dataclasses.replace(CONFIG, chunk_size=4, dispatch=dispatch)
+  mesh = mesh_shape and mesh_of(*mesh_shape)
+  keys = jax.random.split(jax.random.key(3), 3)
+  params = random_params(config, keys[0])
+  x = jax.random.normal(keys[1], (48, config.hidden_size))
+  mask = rank_mask([6, 0, 5, 3, 6, 1, 6, 2], 6)
+  probe = jax.random.normal(keys[2], x.shape)
+
+  def ours(params, x):
+    y, _ = moe_apply(params, poison(x, mask), config=config, mesh=mesh, token_mask=mask)
+    return jnp.sum(jnp.where(mask[:, None], y, 0.0) * probe), y
+
+  def theirs(params, x):
+    y = reference_moe(params, x, config, mask)
+    return jnp.sum(y * probe), y
+
+  (_, y), grads = jax.value_and_grad(ours, (0, 1), has_aux=True)(params, x)
+  (_, y_ref), grads_ref = jax.value_and_grad(theirs, (0, 1), has_aux=True)(params, x)
+  valid = np.asarray(mask)[:, None]
+  assert_close(np.where(valid, y, 0.0), y_ref, what="y")
+  assert_close(np.where(valid, grads[1], 0.0), grads_ref[1], what="d/dx")
+  for path, got in jax.tree_util.tree_flatten_with_path(grads[0])[0]:
+    want = jax.tree_util.tree_flatten_with_path(grads_ref[0])[0]
+    assert_close(got, dict(want)[path], what=f"d{jax.tree_util.keystr(path)}")
+
+
+@pytest.mark.parametrize(
+  "overrides, message",
+  [
+    (dict(expert_bias=True), "it takes experts without biases, not expert_bias=True"),
+    (dict(lora_rank=2), "it takes experts without adapters, not lora_rank=2"),
+    (dict(expert_quant="fp8_block"), "it takes float experts, not expert_quant='fp8_block'"),
+    (
+      dict(intermediate_size=24),
+      "the fused kernels need intermediate_size=24 to be a multiple of 16",
+    ),
+  ],
+)
+def test_a_case_the_kernels_lack_falls_back_with_the_reason(overrides, message):
+  config = dataclasses.replace(CONFIG, **overrides)
+  fallback = "^expert_backend='fused' falls back to the XLA tile loop: "
+  with pytest.warns(UserWarning, match=fallback + message):
+    assert plan_experts(config, num_rows=64, local_experts=2) == ExpertPlan(path="tile_loop")
+
+
+def test_the_plan_takes_the_fused_path():
+  with pytest.warns(UserWarning, match="runs the Pallas kernels in the interpreter"):
+    plan = plan_experts(CONFIG, num_rows=64, local_experts=2)
+  assert plan == ExpertPlan(path="fused", backend="triton", interpret=True)
