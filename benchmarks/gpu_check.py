@@ -3,6 +3,11 @@
 Parts, each in its own process with a time limit (a GPU fault or a hang in one part cannot
 stop the others), each writing `DIR/<part>.json` as it goes:
 
+  whole_layer benchmarks/whole_layer.py: the whole layer (route to combine, bf16, one GPU) on
+             every expert path (the fused one included) and the peers that import (JAX's
+             ragged_dot_mgpu, Levanter grug), forward and forward+backward, against a dense
+             matmul of the same FLOPs, with the routing / glue / matmul stages, at
+             DeepSeek-V3's and Mixtral-8x7B's expert shards, 4096 and 16384 tokens
   test_base  tests/kernels/test_backends.py, un-interpreted on the GPU (pytest; in parallel
              processes when pytest-xdist is installed, since compiling dominates)
   layer      `moe_apply` with expert_backend "xla", "pallas" and "auto" (f32 and bf16, silu
@@ -24,6 +29,9 @@ stop the others), each writing `DIR/<part>.json` as it goes:
   tune       (its own run: `--parts tune`) `moejax.tune` on a layer of DeepSeek-V3's shape
              class: every expert path checked and timed, DIR/tuning/tuning-<device>.json
              written (the shipped table's format; about 12 s a candidate on an H200, 5 min)
+
+A run's default is `DEFAULT_PARTS` (whole_layer, test_base, layer, bench: 480 s); xla_paths,
+decode, quant and chunks, measured in the runs docs/performance.md records, run when named.
 
 Each part's JSON header records what moejax plans with on the device
 (`kernels_pallas.platform.Target`) beside what the device reports and the known GPUs' table
@@ -61,13 +69,14 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # moejax, kernels_pallas and tests, from this checkout
 from moejax import files  # noqa: E402  (imports JAX, but starts no backend)
 
-# Part -> time limit on a GPU, in seconds. The checks (every part but `tune`) take 480 in all
-# and `tune` 360: a GPU session runs the checks, then `--parts tune`, inside one lease of 15
-# minutes with the machine's start. Parts that time out keep the rows they finished.
+# Part -> time limit on a GPU, in seconds. The default parts take 480 in all and `tune` 360: a
+# GPU session runs the default, then `--parts tune`, inside one lease of 15 minutes with the
+# machine's start. Parts that time out keep the rows they finished.
 LIMITS = {
+  "whole_layer": 200,
   "test_base": 100,
   "layer": 110,
-  "bench": 100,
+  "bench": 70,
   "xla_paths": 40,
   "decode": 35,
   "quant": 60,
@@ -211,6 +220,14 @@ def part_layer(out: Path, smoke: bool, record: Recorder) -> None:
 
     name = f"layer {backend} {jnp.dtype(dtype).name} {activation}" + (" 1x1 mesh" if mesh else "")
     record.case(name, check)
+
+
+def part_whole_layer(out: Path, smoke: bool, record: Recorder) -> None:
+  """benchmarks/whole_layer.py's rows: every path and peer on the whole layer."""
+  sys.path.insert(0, str(ROOT / "benchmarks"))
+  import whole_layer
+
+  whole_layer.run(smoke, _with_status(record))
 
 
 def part_bench(out: Path, smoke: bool, record: Recorder) -> None:
@@ -425,7 +442,8 @@ def part_tune(out: Path, smoke: bool, record: Recorder) -> None:
   record.case(f"tune E={sizes[0]} K={sizes[1]} D={sizes[2]} F={sizes[3]}", measure)
 
 
-PARTS = {  # a run's default: every part but `tune` (its own run)
+PARTS = {
+  "whole_layer": part_whole_layer,
   "test_base": part_test_base,
   "layer": part_layer,
   "bench": part_bench,
@@ -435,6 +453,7 @@ PARTS = {  # a run's default: every part but `tune` (its own run)
   "chunks": part_chunks,
   "tune": part_tune,
 }
+DEFAULT_PARTS = ("whole_layer", "test_base", "layer", "bench")
 
 
 def _markdown(part: str, status: str, rows: list[dict]) -> str:
@@ -513,8 +532,8 @@ def main() -> None:
   parser.add_argument("--smoke", action="store_true", help="tiny shapes, interpreters (CPU)")
   parser.add_argument(
     "--parts",
-    default=",".join(part for part in PARTS if part != "tune"),
-    help=f"comma-separated parts to run, of {list(PARTS)} (default: all but tune)",
+    default=",".join(DEFAULT_PARTS),
+    help=f"comma-separated parts to run, of {list(PARTS)} (default: {','.join(DEFAULT_PARTS)})",
   )
   parser.add_argument("--part", help=argparse.SUPPRESS)  # one part, in this process
   parser.add_argument("--overwrite", action="store_true", help="replace earlier results in --out")

@@ -191,6 +191,21 @@ def _products(load_lhs, rhs_ref, expert, columns, *, k_size, transpose_rhs, sett
   return jax.lax.fori_loop(0, k_size // bk, step, (zero,) * len(columns))
 
 
+def _gathered_products(
+  row_assignment_ref, tile_expert_ref, tile, lhs_ref, w_ref, columns, *, top_k, transpose_rhs,
+  settings,
+):  # fmt: skip
+  """`_products` of `tile`, its lhs rows read by index from lhs [N, K]."""
+  rows, valid = _tile_rows(
+    row_assignment_ref, tile, settings.blocks.block_m, top_k, lhs_ref.shape[0]
+  )
+  return _products(
+    lambda k0, bk: _gathered(lhs_ref, rows, valid, k0, bk),
+    w_ref, tile_expert_ref[tile], columns,
+    k_size=lhs_ref.shape[1], transpose_rhs=transpose_rhs, settings=settings,
+  )  # fmt: skip
+
+
 def _up_kernel(
   tile_expert_ref, num_tiles_ref, row_assignment_ref, x_ref, w_ref, hidden_ref, *pre_refs,
   top_k, settings,
@@ -202,11 +217,10 @@ def _up_kernel(
 
   @pl.when(tile < num_tiles_ref[0])
   def _():
-    rows, valid = _tile_rows(row_assignment_ref, tile, bm, top_k, x_ref.shape[0])
-    gate, up = _products(
-      lambda k0, bk: _gathered(x_ref, rows, valid, k0, bk),
-      w_ref, tile_expert_ref[tile], (block * bn, hidden_width + block * bn),
-      k_size=x_ref.shape[1], transpose_rhs=False, settings=settings,
+    gate, up = _gathered_products(
+      row_assignment_ref, tile_expert_ref, tile, x_ref, w_ref,
+      (block * bn, hidden_width + block * bn), top_k=top_k, transpose_rhs=False,
+      settings=settings,
     )  # fmt: skip
     out_rows = pl.ds(tile * bm, bm)
     hidden = settings.activation(gate, up)
@@ -252,11 +266,9 @@ def _down_backward_kernel(
 
   @pl.when(tile < num_tiles_ref[0])
   def _():
-    rows, valid = _tile_rows(row_assignment_ref, tile, bm, top_k, dout_ref.shape[0])
-    (d_raw,) = _products(
-      lambda k0, bk: _gathered(dout_ref, rows, valid, k0, bk),
-      w_down_ref, tile_expert_ref[tile], (block * bn,),
-      k_size=dout_ref.shape[1], transpose_rhs=True, settings=settings,
+    (d_raw,) = _gathered_products(
+      row_assignment_ref, tile_expert_ref, tile, dout_ref, w_down_ref, (block * bn,), top_k=top_k,
+      transpose_rhs=True, settings=settings,
     )  # fmt: skip
     out_rows = pl.ds(tile * bm, bm)
     gate_cols, up_cols = pl.ds(block * bn, bn), pl.ds(hidden_width + block * bn, bn)

@@ -156,7 +156,7 @@ def choose_plan(config: MoEConfig, num_rows: int, local_experts: int) -> ExpertC
     return xla
   found = tuning.measured(config, num_rows, local_experts)
   if found is not None:
-    return ExpertChoice(_tuned_plan(found, case), None, found.reason(num_rows), found)
+    return ExpertChoice(_tuned_plan(found, config), None, found.reason(num_rows), found)
   if platform.on_cpu():
     return xla._replace(reason=f"expert_backend='auto', no tuning entry: {xla.reason}")
   target = platform.target()
@@ -197,12 +197,14 @@ def _fused_choice(config: MoEConfig) -> ExpertChoice:
   return ExpertChoice(ExpertPlan(path="fused", backend="triton", interpret=True), warning, reason)
 
 
-def _tuned_plan(found: tuning.Measured, case: Case) -> ExpertPlan:
+def _tuned_plan(found: tuning.Measured, config: MoEConfig) -> ExpertPlan:
   """The plan of a tuning file's winner; one that cannot run the case is an error."""
-  chosen = found.candidate
+  chosen, case = found.candidate, expert_case(config)
   if chosen.path == "tile_loop":
     return ExpertPlan(path="tile_loop")
-  if chosen.backend == tokamax_experts.TOKAMAX:
+  if chosen.path == "fused":
+    why = fused_unsupported_reason(config)
+  elif chosen.backend == tokamax_experts.TOKAMAX:
     why = tokamax_experts.unsupported_reason(case)
   else:
     why = unsupported_reason(chosen.backend, case) if chosen.backend in BACKENDS else "unknown"

@@ -40,7 +40,7 @@ from moejax.call_plan import plan_call
 from moejax.config import MoEConfig
 from moejax.forward import moe_apply
 from moejax.layer import MoELayer
-from moejax.plan import expert_case
+from moejax.plan import expert_case, fused_unsupported_reason
 from moejax.reference import reference_moe
 from moejax.testing import RELATIVE_BOUNDS, poison, rank_mask, relative_error
 from moejax.tokamax_experts import TOKAMAX
@@ -153,7 +153,8 @@ def call_sizes(config: MoEConfig, mesh: Mesh | None, tokens_per_device: int) -> 
 
 def candidates(config: MoEConfig, mesh: Mesh | None) -> list[tuning.Candidate]:
   """The paths the target device can run the config's experts on (not yet measured): the
-  tile loop, ragged_dot where XLA runs the case, and on a GPU each kernel made for it."""
+  tile loop, ragged_dot where XLA runs the case, and on a GPU each kernel made for it and the
+  fused path where it runs the case."""
   case = expert_case(config)
   found = [tuning.Candidate(path="tile_loop", status="passed")]
   with _running_on(mesh):
@@ -173,6 +174,8 @@ def candidates(config: MoEConfig, mesh: Mesh | None) -> list[tuning.Candidate]:
             tuning.Candidate(path="pallas", backend=name, blocks=blocks, status="passed")
             for blocks in blocks_tried
           ]
+      if fused_unsupported_reason(config) is None:
+        found.append(tuning.Candidate(path="fused", backend="triton", status="passed"))
   return found
 
 

@@ -49,7 +49,9 @@ BACKENDS = ("xla", "triton", "mosaic")
 def test_gpu_check_smoke_runs_every_part(tmp_path):
   """benchmarks/gpu_check.py on tiny shapes: every part runs, the layer's cases pass, and its
   bench and quant parts (benchmarks/gpu_kernels.py's cases) time every backend and op."""
-  parts = ("test_base", "layer", "bench", "xla_paths", "decode", "quant", "chunks", "tune")
+  parts = (
+    "whole_layer", "test_base", "layer", "bench", "xla_paths", "decode", "quant", "chunks", "tune"
+  )  # fmt: skip
   run_script("benchmarks/gpu_check.py", "--smoke", "--parts", ",".join(parts), out=tmp_path)
   summary = json.loads((tmp_path / "gpu_check.json").read_text())
   assert summary["device"] and summary["jax"] and summary["date"]
@@ -58,6 +60,14 @@ def test_gpu_check_smoke_runs_every_part(tmp_path):
   layer = json.loads((tmp_path / "layer.json").read_text())["rows"]
   assert {r["case"].split()[1] for r in layer} == {"xla", "pallas", "auto"}
   assert all(r["status"] == "ok" for r in layer)
+  whole = json.loads((tmp_path / "whole_layer.json").read_text())["rows"]
+  timed = {r["path"]: r for r in whole if "layer_ms" in r}
+  assert set(timed) >= {"tile_loop", "ragged_dot", "pallas:triton", "fused"}, whole
+  for r in timed.values():  # the stages add up to the layer
+    assert r["status"] == "ok" and r["dense_fraction"] > 0 and r["train_dense_fraction"] > 0
+    assert r["routing_ms"] + r["experts_ms"] == pytest.approx(r["layer_ms"])
+  peers = {r["path"] for r in whole} - set(timed) | {r["path"] for r in whole if "skipped" in r}
+  assert {"jax ragged_dot_mgpu", "levanter grug scatter"} <= peers | set(timed)
   decode = json.loads((tmp_path / "decode.json").read_text())["rows"]
   assert {r["path"] for r in decode} >= {"ragged_dot", "tile_loop"}
   assert all(r["status"] == "ok" and r["floor_gb_per_s"] > 0 for r in decode)

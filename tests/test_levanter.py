@@ -3,11 +3,6 @@ backend on one device and its `ring` backend on 8 devices of Levanter's mesh, fo
 every gradient. Needs the grug modules (marin-levanter and what they import, installed by
 .ci/run without their dependencies); skipped without them."""
 
-import importlib.machinery
-import importlib.util
-import sys
-import warnings
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,33 +11,10 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from moejax.integrations import levanter
+from tests.grug import grug_modules
 from tests.helpers import assert_close
 
-
-def _grug_moe():
-  """`levanter.grug.grug_moe` and grug's activation enum, imported without running
-  `levanter/__init__.py` (which pulls in the trainer stack), or Nones where marin-levanter
-  is not installed."""
-  if "levanter" not in sys.modules:
-    spec = importlib.util.find_spec("levanter")
-    if spec is None or spec.submodule_search_locations is None:
-      return None, None
-    package = importlib.util.module_from_spec(
-      importlib.machinery.ModuleSpec("levanter", None, is_package=True)
-    )
-    package.__path__ = list(spec.submodule_search_locations)
-    sys.modules["levanter"] = package
-  try:
-    with warnings.catch_warnings():  # haliax reads JAX names deprecated since 0.8
-      warnings.simplefilter("ignore", DeprecationWarning)
-      from levanter.grug import grug_moe
-      from levanter.utils.activation import ActivationFunctionEnum
-  except ImportError:
-    return None, None
-  return grug_moe, ActivationFunctionEnum
-
-
-grug_moe, Activation = _grug_moe()
+grug_moe, Activation = grug_modules()
 pytestmark = [
   pytest.mark.slow,  # grug's programs beside moejax's, each compiled for this module alone
   pytest.mark.skipif(grug_moe is None, reason="needs marin-levanter (see .ci/run)"),
