@@ -100,6 +100,21 @@ def ragged_dot_bytes(config: MoEConfig, received: int, axis_size: int, path: Exp
   return received * config.top_k * per_pair * np.dtype(config.dtype).itemsize
 
 
+def fused_bytes(config: MoEConfig, received: int, axis_size: int, path: ExpertPath) -> int:
+  """What the fused path (`kernels_pallas.fused_moe`) adds to a chunk of N = `received` rows
+  on expert `path` (0 but for "fused"): per (row, choice) aligned row, its hidden [F] and
+  output [D] in the compute dtype, and for the gradient the kept gate|up [2F], their
+  cotangent [2F], the recomputed hidden [F] and the rows' cotangent [D] in float32; plus a
+  tile of padding per local expert."""
+  if path != "fused":
+    return 0
+  itemsize = np.dtype(config.dtype).itemsize
+  d, f = config.expert_width, config.intermediate_size
+  local_experts = config.num_physical_experts // axis_size
+  aligned = received * config.top_k + local_experts * 64  # block_m <= 64
+  return aligned * ((6 * f + d) * itemsize + d * F32)
+
+
 def chunk_bytes(
   config: MoEConfig, chunk: int, axis_size: int, scheme: Scheme, path: ExpertPath
 ) -> int:
@@ -112,8 +127,8 @@ def chunk_bytes_by_term(
   config: MoEConfig, chunk: int, axis_size: int, scheme: Scheme, path: ExpertPath
 ) -> dict[str, int]:
   """`chunk_bytes`' terms: each of `CHUNK_TERMS` for the N rows the chunk receives (S·C, or
-  all_to_all's receive capacity: `moejax.capacity`), the tile padding, and ragged_dot's dense
-  expansion on a GPU (0 on the other paths)."""
+  all_to_all's receive capacity: `moejax.capacity`), the tile padding, ragged_dot's dense
+  expansion on a GPU and the fused path's aligned rows (each 0 on the other paths)."""
   row = RowShape(
     config.expert_width,  # the rows sent: the tokens, or their latent projections
     config.top_k,
@@ -129,6 +144,9 @@ def chunk_bytes_by_term(
     config, received, axis_size
   )
   terms["ragged_dot's dense expansion on a GPU (ragged_dot_bytes)"] = ragged_dot_bytes(
+    config, received, axis_size, path
+  )
+  terms["the fused path's aligned rows (fused_bytes)"] = fused_bytes(
     config, received, axis_size, path
   )
   return terms

@@ -128,6 +128,8 @@ def test_the_layout_counts_without_sorting():
 CONFIG = MoEConfig(
   num_experts=8, top_k=2, hidden_size=16, intermediate_size=32, expert_backend="fused"
 )
+# Beside the fused experts: zero-computation experts and a shared expert, both outside them.
+AROUND = dict(num_zero_experts=2, num_shared_experts=1, shared_intermediate_size=16)
 
 
 @pytest.mark.parametrize(
@@ -136,9 +138,10 @@ CONFIG = MoEConfig(
   ids=["one device", "2x4 all_gather", "2x4 all_to_all"],
 )
 def test_the_layer_matches_the_reference(mesh_shape, dispatch):
-  """The layer on the fused path, padding poisoned with NaN: output and the gradients of x
-  and every parameter against `reference_moe`."""
-  config = dataclasses.replace(CONFIG, chunk_size=4, dispatch=dispatch)
+  """The layer on the fused path, with zero experts and a shared expert, padding poisoned with
+  NaN (a rank with no tokens: chunks all padding): output and the gradients of x and every
+  parameter against `reference_moe`."""
+  config = dataclasses.replace(CONFIG, **AROUND, chunk_size=4, dispatch=dispatch)
   mesh = mesh_shape and mesh_of(*mesh_shape)
   keys = jax.random.split(jax.random.key(3), 3)
   params = random_params(config, keys[0])
