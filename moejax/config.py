@@ -14,6 +14,7 @@ from kernels_pallas.formats import FORMATS
 from moejax import axis_groups
 from moejax.activations import GATED, GatedActivation
 from moejax.axis_groups import AxisGroup
+from moejax.compute_quant import RECIPES, ComputeQuant, size_reason
 
 Activation = Literal[
   "silu",
@@ -225,6 +226,13 @@ class MoEConfig:
       matrix, NVIDIA's ModelOpt FP4): `w_gate_up` and `w_down` are then
       `kernels_pallas.quantized.BlockScaled` (`moejax.quant`). The formats and what each
       takes: `kernels_pallas.formats.FORMATS`.
+    compute_quant: None (the expert matmuls multiply their operands as they are) or a recipe
+      that quantizes both operands of every expert product to float8_e4m3fn on the fly, in
+      training and inference, from the float master weights: "fp8_deepseek" (DeepSeek-V3's
+      1x128 activation groups and 128x128 weight blocks; D and F multiples of 128) or
+      "fp8_rowwise" (a scale per row of activations, per output column of weights). The
+      scales, product by product: `moejax.compute_quant`. Runs on the tile loop; not with
+      `expert_quant`.
     quant_block_size: (bi, bo), the fp8_block block over [in, out]; F must be a multiple of
       bo so that no block straddles gate and up. For int4_group, (group, 1) with group in
       its `group_sizes` (32, 64, 128; Kimi's: 32). None (the default): the format's own
@@ -321,6 +329,7 @@ class MoEConfig:
   dispatch: Dispatch = "auto"
   num_redundant_experts: int = 0
   expert_quant: str | None = None  # a `kernels_pallas.formats.FORMATS` name
+  compute_quant: ComputeQuant | None = None
   quant_block_size: tuple[int, int] | None = None
   lora_rank: int = 0
   lora_alpha: float = 8.0
@@ -338,6 +347,7 @@ class MoEConfig:
     self._check_shared()
     self._check_family_options()
     self._check_quant()
+    self._check_compute_quant()
     self._check_lora()
     # Normalise dtypes so that equal configs hash equally (jnp.float32 vs np.dtype("float32")).
     object.__setattr__(self, "dtype", jnp.dtype(self.dtype))
@@ -528,6 +538,21 @@ class MoEConfig:
       )
     if self.shared_expert_gate:
       raise ValueError("shared_expert_scores and shared_expert_gate both weigh the shared experts")
+
+  def _check_compute_quant(self) -> None:
+    recipe = self.compute_quant
+    if recipe is None:
+      return
+    if recipe not in RECIPES:
+      raise ValueError(f"compute_quant must be one of {(None, *RECIPES)}, got {recipe!r}")
+    if self.expert_quant is not None:
+      raise ValueError(
+        f"compute_quant={recipe!r} quantizes float master weights on the fly; "
+        f"expert_quant={self.expert_quant!r} stores them quantized: choose one"
+      )
+    reason = size_reason(recipe, self.expert_width, self.intermediate_size)
+    if reason is not None:
+      raise ValueError(reason)
 
   def _check_quant(self) -> None:
     if self.expert_quant is None:

@@ -25,7 +25,7 @@ import kernels_pallas
 from kernels_pallas import fused_moe
 from kernels_pallas.metadata import aligned_rows
 from kernels_pallas.quantized import is_block_scaled
-from moejax import id_spaces, invariance, tokamax_experts
+from moejax import compute_quant, id_spaces, invariance, tokamax_experts
 from moejax.activations import GatedActivation
 from moejax.chunking import seed_gradient
 from moejax.config import MoEConfig
@@ -62,7 +62,10 @@ def tile_rows_for(config: MoEConfig, num_rows: int) -> int:
   `config.batch_invariant` (`moejax.invariance.TILE_ROWS`), else `default_tile_rows`."""
   if config.batch_invariant:
     return invariance.TILE_ROWS
-  return default_tile_rows(num_rows, config.num_physical_experts)
+  rows = default_tile_rows(num_rows, config.num_physical_experts)
+  if config.compute_quant == "fp8_deepseek" and rows > compute_quant.GROUP:
+    return -(-rows // compute_quant.GROUP) * compute_quant.GROUP  # whole wgrad groups
+  return rows
 
 
 def sort_by_expert(expert_ids: jax.Array, local_experts: int) -> tuple[jax.Array, jax.Array]:
@@ -96,6 +99,7 @@ def tile_loop_mlp(
   tile_rows: int,
   grad_seeds: ExpertWeights | None = None,
   output_norm_eps: float | None = None,
+  recipe: str | None = None,
 ) -> jax.Array:
   """Weighted sum of each row's chosen local experts: y[n] = sum_k w[n,k] * mlp_{e[n,k]}(x[n])
   (with `output_norm_eps`, each mlp's output RMS-normalized first: `rms_normalized`).
@@ -114,6 +118,7 @@ def tile_loop_mlp(
     output_norm_eps: normalize each expert's output before its weight (`MoEConfig.
       expert_output_norm_eps`): the tiles then return unweighted outputs, normalized and
       weighted here; None: the tiles weigh them.
+    recipe: `MoEConfig.compute_quant`: how the tiles' products quantize their operands.
 
   Returns:
     [N, D] float32.
@@ -138,7 +143,7 @@ def tile_loop_mlp(
     num_used=layout.tile_ends[-1],
   )
   x_padded = jnp.concatenate([x, jnp.zeros((1, dim), x.dtype)])  # row N is the empty row
-  tiled_out = tile_mlp(x_padded, experts, tiles, grad_seeds, activation)  # [tiles, B, D]
+  tiled_out = tile_mlp(x_padded, experts, tiles, grad_seeds, activation, recipe)  # [tiles, B, D]
   tiled_out = jnp.concatenate([tiled_out.reshape(-1, dim), jnp.zeros((1, dim), jnp.float32)])
   assignment_row = jnp.zeros_like(order).at[order].set(layout.source_row)  # [N*K]
   outputs = tiled_out[assignment_row].reshape(rows, top_k, dim)
@@ -308,6 +313,7 @@ def routed_mlp(
       tile_rows=tile_rows_for(config, expert_ids.size),
       grad_seeds=grad_seeds,
       output_norm_eps=config.expert_output_norm_eps,
+      recipe=config.compute_quant,
     )
   if grad_seeds is not None:
     experts = with_seeds(experts, grad_seeds)

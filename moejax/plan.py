@@ -128,6 +128,8 @@ def choose_plan(config: MoEConfig, num_rows: int, local_experts: int) -> ExpertC
   a call would take, and why (`moejax.chunk_budget`, `moejax.plan_call`)."""
   case = expert_case(config)
   kernel = select_kernel(case)
+  if config.compute_quant is not None:
+    return _quantized_compute_choice(config)
   if config.expert_backend == "fused":
     return _fused_choice(config)
   if config.expert_backend == "pallas":
@@ -180,6 +182,16 @@ def fused_unsupported_reason(config: MoEConfig) -> str | None:
       return f"it takes {what}, not {field}={value!r}"
   width, hidden = config.expert_width, config.intermediate_size
   return fused_moe.unsupported_reason(width, hidden, fused_moe.default_blocks(0, width, hidden))
+
+
+def _quantized_compute_choice(config: MoEConfig) -> ExpertChoice:
+  """The tile loop, the one path whose products quantize their operands (`compute_quant`);
+  a warning where kernels were asked for."""
+  why = f"compute_quant={config.compute_quant!r} runs on the tile loop alone"
+  warning = None
+  if config.expert_backend in ("pallas", "fused"):
+    warning = f"expert_backend={config.expert_backend!r} falls back to the XLA tile loop: {why}"
+  return ExpertChoice(ExpertPlan(path="tile_loop"), warning, f"the tile loop: {why}")
 
 
 def _fused_choice(config: MoEConfig) -> ExpertChoice:

@@ -13,6 +13,9 @@ are constants: the backward computes no gradient for them.
 LoRA adapters (`ExpertWeights.lora`, s folded into B) add `(x @ A) @ B` to each projection of
 a tile, and their gradients accumulate like the weights'; a base weight whose gradient nobody
 asks for is dead code XLA removes (with adapters the caller usually asks for theirs only).
+
+With a `compute_quant` recipe every base product of a tile, forward and backward, multiplies
+operands quantized as the recipe says (`moejax.compute_quant.matmul`); adapters do not.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from moejax import compute_quant
 from moejax.activations import GatedActivation
 from moejax.collectives import filled_like
 from moejax.lora import ExpertLoRA, SharedLoRA
@@ -38,6 +42,7 @@ def gated_mlp(
   b_down: jax.Array | None = None,
   lora: ExpertLoRA | SharedLoRA | None = None,
   hidden_scale: jax.Array | None = None,
+  recipe: str | None = None,
 ) -> jax.Array:
   """`combine(x @ W_gate + b_gate, x @ W_up + b_up) @ W_down + b_down`, accumulated in float32.
 
@@ -52,18 +57,19 @@ def gated_mlp(
       each projection then adds `(rows @ A) @ B`.
     hidden_scale: [M, F] float32 factors of the hidden layer before the down projection, or
       None.
+    recipe: a `compute_quant` recipe for the two base products, or None.
 
   Returns:
     [M, D] float32.
   """
-  gate_up = _projection(x, w_gate_up, _gate_up_pair(lora))  # [M, 2F]
+  gate_up = _projection(x, w_gate_up, _gate_up_pair(lora), recipe)  # [M, 2F]
   if b_gate_up is not None:
     gate_up = gate_up + b_gate_up.astype(jnp.float32)[None, :]
   hidden = activation(*jnp.split(gate_up, 2, axis=-1))  # [M, F]
   if hidden_scale is not None:
     hidden = hidden * hidden_scale
   hidden = hidden.astype(x.dtype)
-  out = _projection(hidden, w_down, _down_pair(lora))
+  out = _projection(hidden, w_down, _down_pair(lora), recipe)
   return out if b_down is None else out + b_down.astype(jnp.float32)[None, :]
 
 
@@ -77,10 +83,12 @@ def _down_pair(lora: ExpertLoRA | SharedLoRA | None) -> tuple | None:
   return None if lora is None else (lora.down_a, lora.down_b)
 
 
-def _projection(x: jax.Array, w: jax.Array, adapter: tuple | None) -> jax.Array:
+def _projection(
+  x: jax.Array, w: jax.Array, adapter: tuple | None, recipe: str | None = None
+) -> jax.Array:
   """`x @ w (+ (x @ a) @ b)` in float32 for an `adapter` (a, b), the rank-r product rounded
-  to the compute dtype between its two matmuls."""
-  out = jnp.dot(x, w, preferred_element_type=jnp.float32)
+  to the compute dtype between its two matmuls; x @ w quantized by `recipe` (forward)."""
+  out = compute_quant.matmul(x, w, recipe, "forward")
   if adapter is None:
     return out
   a, b = adapter
@@ -104,8 +112,8 @@ class Tiles(NamedTuple):
   num_used: jax.Array
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def tile_mlp(x_padded, experts, tiles, grad_seeds, activation):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def tile_mlp(x_padded, experts, tiles, grad_seeds, activation, recipe):
   """Runs each used tile's rows through its expert's gated MLP, scaled by their row weights.
 
   The row weights are applied here, not by the caller, so that the backward pass needs no
@@ -125,6 +133,7 @@ def tile_mlp(x_padded, experts, tiles, grad_seeds, activation):
       field shaped like its weight, or None: the backward pass accumulates each float
       weight's gradient onto its seed in place. Gets no gradient itself.
     activation: the `GatedActivation`.
+    recipe: a `compute_quant` recipe of the base products, forward and backward, or None.
 
   Returns:
     [tiles, B, D] float32: slot (t, b) holds `tiles.weights[t, b] * mlp_e(x_padded[row])`,
@@ -135,8 +144,9 @@ def tile_mlp(x_padded, experts, tiles, grad_seeds, activation):
   def used_tile(rows, row_weights, expert):
     one = experts.of_expert(expert, x_padded.dtype)
     out = gated_mlp(
-      x_padded[rows], one.w_gate_up, one.w_down, activation, one.b_gate_up, one.b_down, one.lora
-    )
+      x_padded[rows], one.w_gate_up, one.w_down, activation, one.b_gate_up, one.b_down, one.lora,
+      recipe=recipe,
+    )  # fmt: skip
     return out * row_weights[:, None]
 
   def run_tile(_, tile):
@@ -152,12 +162,12 @@ def tile_mlp(x_padded, experts, tiles, grad_seeds, activation):
   return jax.lax.scan(run_tile, None, steps)[1]
 
 
-def _tile_mlp_fwd(x_padded, experts, tiles, grad_seeds, activation):
+def _tile_mlp_fwd(x_padded, experts, tiles, grad_seeds, activation, recipe):
   residuals = (x_padded, experts, tiles, grad_seeds)
-  return tile_mlp(*residuals, activation), residuals
+  return tile_mlp(*residuals, activation, recipe), residuals
 
 
-def _tile_grads(x, one, row_weights, d_out, activation, weight_grads):
+def _tile_grads(x, one, row_weights, d_out, activation, weight_grads, recipe):
   """Gradients of one tile's weighted gated MLP `r * mlp(x)`; recomputes the pre-activation.
 
   The row weights' gradient <d_out, mlp(x)> needs no forward output: with g = d_out @ W_down^T
@@ -165,21 +175,23 @@ def _tile_grads(x, one, row_weights, d_out, activation, weight_grads):
 
   Args: x [B, D]; `one`, the tile's expert (`ExpertWeights.of_expert`, compute dtype);
     row_weights [B] float32; d_out [B, D] float32; `weight_grads` False for constant
-    (quantized) matrices.
+    (quantized) matrices; `recipe`, the base products' `compute_quant` recipe or None.
   Returns: (d_x [B, D], d_row_weights [B], an `ExpertWeights` of the expert's gradients),
     float32; None where there is no bias or adapter, and for the matrices without
     `weight_grads`.
   """
   f32 = jnp.float32
   dot = lambda a, b: jnp.dot(a, b, preferred_element_type=f32)
+  dgrad = lambda g, w: compute_quant.matmul(g, w.T, recipe, "dgrad")  # g @ w^T
+  wgrad = lambda a, g: compute_quant.matmul(a.T, g, recipe, "wgrad")  # a^T @ g
   biased, lora = one.b_gate_up is not None, one.lora
-  gate_up = _projection(x, one.w_gate_up, _gate_up_pair(lora))
+  gate_up = _projection(x, one.w_gate_up, _gate_up_pair(lora), recipe)
   if biased:
     gate_up = gate_up + one.b_gate_up.astype(f32)[None, :]
   hidden, combine_vjp = jax.vjp(activation, *jnp.split(gate_up, 2, axis=-1))
   hidden = hidden.astype(x.dtype)  # [B, F], as the forward pass rounded it
   d_out_c = d_out.astype(x.dtype)
-  g = dot(d_out_c, one.w_down.T)  # [B, F]
+  g = dgrad(d_out_c, one.w_down)  # [B, F]
   if lora is not None:  # the down adapter's share of d(hidden): (d_out @ B_d^T) @ A_d^T
     d_down_low = dot(d_out_c, lora.down_b.T)  # [B, r]
     g = g + dot(d_down_low.astype(x.dtype), lora.down_a.T)
@@ -190,10 +202,10 @@ def _tile_grads(x, one, row_weights, d_out, activation, weight_grads):
   d_gate_up = jnp.concatenate(combine_vjp(g * row_weights[:, None]), axis=-1)  # [B, 2F]
   d_biases = (jnp.sum(d_gate_up, axis=0), jnp.sum(d_mlp, axis=0)) if biased else (None, None)
   d_mlp = d_mlp.astype(x.dtype)
-  d_w_down = dot(hidden.T, d_mlp) if weight_grads else None
+  d_w_down = wgrad(hidden, d_mlp) if weight_grads else None
   d_gate_up = d_gate_up.astype(x.dtype)
-  d_w_gate_up = dot(x.T, d_gate_up) if weight_grads else None
-  d_x = dot(d_gate_up, one.w_gate_up.T)  # [B, D]
+  d_w_gate_up = wgrad(x, d_gate_up) if weight_grads else None
+  d_x = dgrad(d_gate_up, one.w_gate_up)  # [B, D]
   d_lora = None
   if lora is not None:
     x_low = dot(x, lora.gate_up_a).astype(x.dtype)  # [B, r], as the forward rounded them
@@ -231,7 +243,7 @@ def _accumulator(weight, seed, trained: bool):
   return jax.tree.map(lambda s: s.astype(jnp.float32), seed)
 
 
-def _tile_mlp_bwd(activation, residuals, d_tiles):
+def _tile_mlp_bwd(activation, recipe, residuals, d_tiles):
   x_padded, experts, tiles, grad_seeds = residuals
   trained = not experts.quantized  # quantized matrices are constants
   with_grads = ExpertWeights(trained, trained, True, True, True)  # biases, adapters: float
@@ -249,7 +261,7 @@ def _tile_mlp_bwd(activation, residuals, d_tiles):
       d_x, d_experts = carry
       one = experts.of_expert(expert, x_padded.dtype)
       d_tile_x, d_row_weights, grads = _tile_grads(
-        x_padded[rows], one, row_weights, d_out, activation, trained
+        x_padded[rows], one, row_weights, d_out, activation, trained, recipe
       )
       d_experts = ExpertWeights(
         *(

@@ -68,6 +68,7 @@ def parser() -> argparse.ArgumentParser:
   from kernels_pallas.formats import FORMATS
   from kernels_pallas.gpus import GPUS
   from moejax.apps.fit import JOBS, PRESETS
+  from moejax.compute_quant import RECIPES
   from moejax.config import BACKENDS, DISPATCHES
   from moejax.remat import REMAT_POLICIES
 
@@ -132,6 +133,13 @@ def parser() -> argparse.ArgumentParser:
     default=None,
     help="quantized, frozen experts (e.g. under LoRA adapters), in the format's own block; "
     "default float",
+  )
+  train_flags.add_argument(
+    "--compute-quant",
+    choices=RECIPES,
+    default=None,
+    help="quantize the expert matmuls' operands to fp8 on the fly, from the float weights "
+    "(compute_quant); default: unquantized",
   )
   train_flags.add_argument(
     "--checkpoint", default="checkpoints/moe_transformer", help="the checkpoint folder"

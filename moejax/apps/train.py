@@ -138,6 +138,7 @@ def run(args, mesh_shape: tuple[int, int]) -> list[dict[str, float]]:
     expert_backend=args.backend,
     lora_rank=args.lora_rank,
     expert_quant=args.expert_quant,
+    compute_quant=args.compute_quant,
     use_routing_bias=selection_bias,
   )
   mesh = layer_mesh(args, mesh_shape, moe)

@@ -1,0 +1,103 @@
+"""FP8 compute of the expert matmuls (`MoEConfig.compute_quant`): each operand quantized on the
+fly to float8_e4m3fn with float32 scales, from the float master weights, in training and in
+inference.
+
+Every product an expert computes is one of three kinds, and each recipe says how its two
+operands are grouped (a group shares one scale; scale = amax(|group|) / 448, a group of zeros
+takes scale 1; values x / scale rounded to nearest even in e4m3fn; the products of the
+dequantized values summed in float32):
+
+================  =============================  ==============================================
+product           "fp8_deepseek" (DeepSeek-V3)   "fp8_rowwise"
+================  =============================  ==============================================
+forward  a @ W    a: 1x128 along the contraction a: one scale per row
+                  W: 128x128 blocks of [in, out]  W: one scale per output column
+dgrad    g @ W^T  g: 1x128 along the contraction g: one scale per row
+                  W: the forward's blocks         W: the forward's scales (per W's column)
+wgrad    a^T @ g  a, g: 128x1 along the tokens   a, g: one scale per column, over the tokens
+================  =============================  ==============================================
+
+(forward: x @ W_gate_up and hidden @ W_down; dgrad: the cotangents through W_down and
+W_gate_up; wgrad: the weights' gradients, whose token axis is the rows of one tile of the
+tile loop, B <= 128 of one expert's rows: one group each.) The master weights and their
+gradients stay in their float dtypes; the router, the shared experts and adapters compute
+unquantized. `fp8_deepseek` needs D and F to be multiples of 128 (its groups): `MoEConfig`
+says so.
+
+On the XLA paths the quantization is emulated: dequantized values multiplied in float32 at
+full precision, the numerics a Hopper kernel that promotes its fp8 sums to float32 every 128
+of the contraction computes.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+
+ComputeQuant = Literal["fp8_deepseek", "fp8_rowwise"]
+RECIPES: tuple[str, ...] = ("fp8_deepseek", "fp8_rowwise")
+GROUP = 128  # fp8_deepseek's group along an axis
+E4M3_MAX = 448.0
+Product = Literal["forward", "dgrad", "wgrad"]
+
+
+def fake_quantized(x: jax.Array, group_shape: tuple[int | None, int | None]) -> jax.Array:
+  """x [M, N] quantized to float8_e4m3fn in groups and dequantized, in float32.
+
+  Args:
+    x: [M, N] float.
+    group_shape: (rows, cols) of a group; None for the whole axis, and the whole axis where
+      it is shorter than the group (a tile of fewer than 128 tokens is one group).
+
+  >>> fake_quantized(jnp.array([[1.0, 3.0], [0.0, 0.0]]), (1, None)).tolist()
+  [[1.0, 3.0], [0.0, 0.0]]
+  """
+  rows, cols = x.shape
+  gr, gc = (min(g or size, size) for g, size in zip(group_shape, x.shape, strict=True))
+  grouped = x.astype(jnp.float32).reshape(rows // gr, gr, cols // gc, gc)
+  amax = jnp.max(jnp.abs(grouped), axis=(1, 3), keepdims=True)
+  scale = jnp.where(amax > 0, amax / E4M3_MAX, 1.0)
+  values = (grouped / scale).astype(jnp.float8_e4m3fn)
+  return (values.astype(jnp.float32) * scale).reshape(rows, cols)
+
+
+def _groups(recipe: str, product: Product) -> tuple[tuple, tuple]:
+  """(lhs group, rhs group) of a product `lhs @ rhs` as it is multiplied: forward a @ W,
+  dgrad g @ W^T (rhs = W^T, W's groups transposed), wgrad a^T @ g (lhs = a^T)."""
+  if recipe == "fp8_deepseek":
+    return {
+      "forward": ((1, GROUP), (GROUP, GROUP)),
+      "dgrad": ((1, GROUP), (GROUP, GROUP)),
+      "wgrad": ((1, GROUP), (GROUP, 1)),
+    }[product]
+  return {
+    "forward": ((1, None), (None, 1)),
+    "dgrad": ((1, None), (1, None)),
+    "wgrad": ((1, None), (None, 1)),
+  }[product]
+
+
+def matmul(lhs: jax.Array, rhs: jax.Array, recipe: str | None, product: Product) -> jax.Array:
+  """lhs [M, K] @ rhs [K, N] in float32, each operand quantized by `recipe` for `product`
+  (None: the plain product of the operands as they are). As multiplied: a forward's a @ W,
+  a dgrad's g @ W^T (rhs = W^T), a wgrad's a^T @ g (lhs = a^T)."""
+  if recipe is None:
+    return jnp.dot(lhs, rhs, preferred_element_type=jnp.float32)
+  lhs_group, rhs_group = _groups(recipe, product)
+  lhs_q, rhs_q = fake_quantized(lhs, lhs_group), fake_quantized(rhs, rhs_group)
+  return jnp.dot(lhs_q, rhs_q, precision=jax.lax.Precision.HIGHEST)
+
+
+def size_reason(recipe: str | None, hidden_size: int, intermediate_size: int) -> str | None:
+  """Why the recipe cannot quantize these widths (not multiples of its group), or None."""
+  if recipe != "fp8_deepseek":
+    return None
+  for name, size in (("hidden_size", hidden_size), ("intermediate_size", intermediate_size)):
+    if size % GROUP:
+      return (
+        f"compute_quant='fp8_deepseek' quantizes in groups of {GROUP}: {name}={size} must be "
+        f"a multiple of {GROUP}"
+      )
+  return None
