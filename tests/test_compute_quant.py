@@ -12,6 +12,8 @@ import numpy as np
 import pytest
 
 from moejax import MoEConfig, moe_apply, reference_moe
+from moejax.apps import train
+from moejax.apps.cli import parser as main_parser
 from moejax.compute_quant import fake_quantized
 from moejax.plan import ExpertPlan, plan_experts
 from moejax.testing import poison, random_params, rank_mask
@@ -153,3 +155,25 @@ def test_kernels_asked_for_fall_back_to_the_tile_loop_with_the_reason():
   config = dataclasses.replace(CONFIG, compute_quant="fp8_rowwise", expert_backend="fused")
   with pytest.warns(UserWarning, match="compute_quant='fp8_rowwise' runs on the tile loop alone"):
     assert plan_experts(config, num_rows=64, local_experts=8) == ExpertPlan(path="tile_loop")
+
+
+@pytest.mark.slow
+def test_training_200_steps_ends_within_a_percent_of_the_unquantized_run(tmp_path):
+  """`moejax train` on its small model (D = F = 128, one device) for 200 steps with
+  --compute-quant fp8_deepseek and without: the mean loss of the last 50 steps, and the task
+  loss's mean over the whole run, each within 1 % (docs/performance.md, "FP8 compute", has
+  the run's figures)."""
+  losses = {}
+  for recipe in (None, "fp8_deepseek"):
+    flags = ["train", "--steps", "200", "--hidden", "128", "--intermediate", "128"]
+    flags += ["--batch-size", "8"]
+    flags += ["--checkpoint", str(tmp_path / str(recipe))]
+    flags += ["--compute-quant", recipe] if recipe else []
+    metrics = train.run(main_parser().parse_args(flags), mesh_shape=(1, 1))
+    losses[recipe] = (
+      np.mean([step["loss"] for step in metrics[-50:]]),  # where the run ends
+      np.mean([step["task_loss"] for step in metrics]),  # the task's whole curve
+    )
+  (end, curve), (end_fp8, curve_fp8) = losses[None], losses["fp8_deepseek"]
+  assert end < 0.1  # it learned
+  assert abs(end_fp8 - end) <= 0.01 * end and abs(curve_fp8 - curve) <= 0.01 * curve, losses
