@@ -14,7 +14,7 @@ from kernels_pallas.formats import FORMATS
 from moejax import axis_groups
 from moejax.activations import GATED, GatedActivation
 from moejax.axis_groups import AxisGroup
-from moejax.compute_quant import RECIPES, ComputeQuant, size_reason
+from moejax.compute_quant import GROUP, RECIPES, ComputeQuant, size_reason
 
 Activation = Literal[
   "silu",
@@ -233,6 +233,11 @@ class MoEConfig:
       "fp8_rowwise" (a scale per row of activations, per output column of weights). The
       scales, product by product: `moejax.compute_quant`. Runs on the tile loop; not with
       `expert_quant`.
+    dispatch_quant: None, or "fp8": the rows the expert axis exchanges travel as
+      float8_e4m3fn values with a float32 scale per 1x128 group (half bf16's bytes),
+      dequantized on arrival; their cotangents return unquantized (`moejax.fp8_exchange`).
+      The rows' width (D, or `latent_size`) must be a multiple of 128. On an expert axis of
+      one device nothing is exchanged: the layer warns and sends nothing quantized.
     quant_block_size: (bi, bo), the fp8_block block over [in, out]; F must be a multiple of
       bo so that no block straddles gate and up. For int4_group, (group, 1) with group in
       its `group_sizes` (32, 64, 128; Kimi's: 32). None (the default): the format's own
@@ -330,6 +335,7 @@ class MoEConfig:
   num_redundant_experts: int = 0
   expert_quant: str | None = None  # a `kernels_pallas.formats.FORMATS` name
   compute_quant: ComputeQuant | None = None
+  dispatch_quant: Literal["fp8"] | None = None
   quant_block_size: tuple[int, int] | None = None
   lora_rank: int = 0
   lora_alpha: float = 8.0
@@ -348,6 +354,7 @@ class MoEConfig:
     self._check_family_options()
     self._check_quant()
     self._check_compute_quant()
+    self._check_dispatch_quant()
     self._check_lora()
     # Normalise dtypes so that equal configs hash equally (jnp.float32 vs np.dtype("float32")).
     object.__setattr__(self, "dtype", jnp.dtype(self.dtype))
@@ -553,6 +560,17 @@ class MoEConfig:
     reason = size_reason(recipe, self.expert_width, self.intermediate_size)
     if reason is not None:
       raise ValueError(reason)
+
+  def _check_dispatch_quant(self) -> None:
+    if self.dispatch_quant is None:
+      return
+    if self.dispatch_quant != "fp8":
+      raise ValueError(f"dispatch_quant must be None or 'fp8', got {self.dispatch_quant!r}")
+    if self.expert_width % GROUP:
+      raise ValueError(
+        f"dispatch_quant='fp8' sends rows in groups of {GROUP}: their width "
+        f"{self.expert_width} must be a multiple of {GROUP}"
+      )
 
   def _check_quant(self) -> None:
     if self.expert_quant is None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 from typing import Any, NamedTuple, Protocol
 
 import jax
@@ -39,6 +40,7 @@ from moejax.collectives import (
   varying_like,
 )
 from moejax.config import Dispatch, MoEConfig, Scheme
+from moejax.fp8_exchange import moved_in_fp8
 from moejax.id_spaces import is_local, local_id, owner_device
 
 
@@ -111,20 +113,22 @@ def crosses_devices(exchange: Exchange) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class AllGather:
-  """Every chunk row to every device of the axis; partial sums reduce-scattered back."""
+  """Every chunk row to every device of the axis; partial sums reduce-scattered back. With
+  `fp8`, the rows travel as fp8 values and scales (`moejax.fp8_exchange`)."""
 
   axis: tuple[str, ...] | None
   axis_size: int
   local_experts: int
+  fp8: bool = False
 
   def send(self, rows, expert_ids, weights) -> Dispatched:
     # Ids this device does not hold (and E, padding) fall outside [0, El).
     local_ids = local_id(
       gather_rows(expert_ids, self.axis), axis_rank(self.axis), self.local_experts
     )
-    return Dispatched(
-      gather_rows(rows, self.axis), local_ids, gather_rows(weights, self.axis), route_back=()
-    )
+    gather = functools.partial(gather_rows, axis=self.axis)
+    received = moved_in_fp8(gather, rows) if self.fp8 else gather(rows)
+    return Dispatched(received, local_ids, gather_rows(weights, self.axis), route_back=())
 
   def combine(self, expert_out, dispatched) -> jax.Array:
     return scatter_sum_rows(expert_out, self.axis)
@@ -266,7 +270,8 @@ class AllToAll:
   the drop-in of `moejax.collectives` sends the static [S, C, ...] buffers. The packing and
   the offsets are the same code either way. `capacity_factor`: None (buffers of S·C rows,
   source i's at i·C), or the receive capacity's factor (`moejax.capacity`: fewer rows, the
-  sources' packed in order).
+  sources' packed in order). With `fp8`, the rows travel as fp8 values and scales
+  (`moejax.fp8_exchange`).
   """
 
   axis: tuple[str, ...] | None
@@ -274,6 +279,7 @@ class AllToAll:
   local_experts: int
   ragged: bool
   capacity_factor: float | None = None
+  fp8: bool = False
 
   def capacity(self, chunk_rows: int, top_k: int) -> int:
     """N, the rows of this exchange's receive buffers for chunks of C = `chunk_rows` rows."""
@@ -352,7 +358,17 @@ class AllToAll:
     pair_rows = rows[row]
     empty = lambda a, value: filled_like(a, (place.buffer_rows, *a.shape[1:]), value)
     operands = ((pair_rows, 0), (pair_ids, local_experts), (pair_weights, 0))
-    send_all = lambda: tuple(send(a, empty(a, value)) for a, value in operands)
+
+    def send_all():
+      ids_and_weights = tuple(send(a, empty(a, value)) for a, value in operands[1:])
+      if not self.fp8:
+        return (send(pair_rows, empty(pair_rows, 0)), *ids_and_weights)
+      move = functools.partial(
+        _send_rows, self, buffer_rows=place.buffer_rows, chunk_rows=chunk_rows
+      )
+      indices = (send_offsets, send_sizes, place.land_at, place.recv_sizes)
+      return (moved_in_fp8(move, pair_rows, *indices), *ids_and_weights)
+
     if place.overflow is None:
       received = send_all()
     else:  # an overflowing chunk sends nothing (the same choice on every device)
@@ -409,6 +425,15 @@ class AllToAll:
       jnp.sum(overflowed, dtype=jnp.int32),
       jnp.sum(jnp.where(overflowed, past, 0), dtype=jnp.int32),
     )
+
+
+def _send_rows(
+  exchange: AllToAll, rows, offsets, sizes, land_at, recv_sizes, *, buffer_rows, chunk_rows
+):
+  """`AllToAll.send`'s move of [Q, W] rows into [buffer_rows, W] receive buffers, for any
+  dtype and width (`moejax.fp8_exchange.Move`)."""
+  output = filled_like(rows, (buffer_rows, *rows.shape[1:]), 0)
+  return exchange._exchange(rows, output, offsets, sizes, land_at, recv_sizes, chunk_rows)
 
 
 def no_overflow(like: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -471,6 +496,14 @@ def make_exchange(
   (P = E + R; ids from P go to no device)."""
   local_experts = config.num_physical_experts // axis_size
   ragged = platform_has_ragged_all_to_all()
+  fp8 = config.dispatch_quant == "fp8"
+  if fp8 and axis_size == 1:
+    warnings.warn(
+      "dispatch_quant='fp8' quantizes the rows an expert axis exchanges; this call's expert "
+      "axis has one device, nothing is exchanged: the rows stay as they are",
+      stacklevel=2,
+    )
+    fp8 = False
   if scheme == "all_gather":
-    return AllGather(axis, axis_size, local_experts)
-  return AllToAll(axis, axis_size, local_experts, ragged, config.receive_capacity_factor)
+    return AllGather(axis, axis_size, local_experts, fp8)
+  return AllToAll(axis, axis_size, local_experts, ragged, config.receive_capacity_factor, fp8)

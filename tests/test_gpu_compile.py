@@ -204,6 +204,16 @@ PATHS = {
     dict(latent_size=256, expert_output_norm_eps=1e-8, expert_backend="pallas"),
     EXPERT_MESH,
   ),
+  # fp8 compute: every product's operands quantized, forward and backward (emulated in XLA)
+  "compute-quant-fp8-deepseek": (dict(compute_quant="fp8_deepseek"), EXPERT_MESH),
+  # the fp8 exchange: fp8 rows and scales over all_gather / ragged_all_to_all
+  **{
+    f"fp8-exchange-{scheme}": (
+      dict(compute_quant="fp8_deepseek", dispatch_quant="fp8", dispatch=scheme),
+      DATA_EXPERT_MESH,
+    )
+    for scheme in ("all_gather", "all_to_all")
+  },
   # capacity dropping: the chunk's double argsort inside its cond, the pre-loop count
   **{
     f"capacity-{scheme}": (dict(capacity_factor=1.25, dispatch=scheme), DATA_EXPERT_MESH)
