@@ -9,6 +9,8 @@ Sections (each prints a table; rows go to `OUT/dispatch.json`, the scaling plot 
            vs the all_to_all drop-in) and off the program lowered for CUDA (ragged_all_to_all),
            expert axis 2, 4, 8. Static buffer sizes: what the ragged op really sends depends on
            the routing, which the scaling section measures.
+  fp8      the outbound all-gathers of one chunk in bf16, with and without dispatch_quant="fp8"
+           (rows as fp8 values and 1x128 float32 scales), off the program lowered for CUDA
   scaling  bytes sent per token per layer vs expert-axis size for Mixtral-8x7B and DeepSeek-V3,
            balanced and skewed routers: the layer's own routing (`moejax.routing.route`) and
            packing (`moejax.dispatch.pack_pairs`) on synthetic logits, against the physical floor
@@ -80,7 +82,7 @@ def mesh_of(data: int, expert: int) -> Mesh:
 
 # ---- hlo ------------------------------------------------------------------------------------
 
-_ITEMSIZE = {"f32": 4, "s32": 4, "bf16": 2, "pred": 1, "i32": 4}
+_ITEMSIZE = {"f32": 4, "s32": 4, "bf16": 2, "pred": 1, "i32": 4, "f8e4m3fn": 1}
 _HLO_COLLECTIVE = re.compile(r"= (\(?[^=]*?) (all-gather|reduce-scatter|all-to-all)(?:-start)?\(")
 _HLO_SHAPE = re.compile(r"(\w+)\[([\d,]*)\]")
 _RAGGED_OPERAND = re.compile(r"custom_call @ragged_all_to_all\(.*? : \(tensor<([\dx]+)x(\w+)>")
@@ -113,6 +115,58 @@ def chunk_exchange(config: MoEConfig, mesh: Mesh):
 
   tokens = P(("data", "expert"))
   return jax.jit(jax.shard_map(one_chunk, mesh=mesh, in_specs=tokens, out_specs=tokens))
+
+
+_TENSOR = re.compile(r"tensor<([\dx]+)x(\w+)>")
+_MLIR_ITEMSIZE = {"bf16": 2, "f32": 4, "i32": 4, "f8E4M3FN": 1}
+
+
+def _all_gather_bytes(mlir_module: str) -> int:
+  """Bytes of the results of a lowered module's `stablehlo.all_gather`s, in the dtypes the
+  program sends (XLA:CPU's compiled collectives run in float32 whatever they carry)."""
+  return sum(
+    math.prod(int(d) for d in dims.split("x")) * _MLIR_ITEMSIZE[dtype]
+    for line in mlir_module.splitlines()
+    if "stablehlo.all_gather" in line
+    for dims, dtype in _TENSOR.findall(line.split("->")[-1])
+  )
+
+
+def fp8_exchange_section(chunk: int = 256) -> list[dict]:
+  """The all-gathers of one chunk's outbound exchange in bf16, with and without
+  `dispatch_quant="fp8"` (rows as fp8 values and 1x128 scales; ids and weights as before),
+  off the program lowered for CUDA."""
+  config = MoEConfig(
+    num_experts=32, top_k=2, hidden_size=256, intermediate_size=512, dtype=jnp.bfloat16
+  )
+  rows = []
+  for expert_axis in (2, 4, 8):
+    mesh = mesh_of(8 // expert_axis, expert_axis)
+    args = (
+      jnp.zeros((8 * chunk, config.hidden_size), jnp.bfloat16),
+      jnp.zeros((8 * chunk, config.top_k), jnp.int32),
+      jnp.zeros((8 * chunk, config.top_k)),
+    )
+    sent = {
+      quant: _all_gather_bytes(
+        export.export(
+          chunk_exchange(dataclasses.replace(config, dispatch_quant=quant), mesh),
+          platforms=["cuda"],
+        )(*args).mlir_module()
+      )
+      for quant in (None, "fp8")
+    }
+    rows.append(
+      dict(section="fp8", S=expert_axis, bf16=sent[None], fp8=sent["fp8"],
+           ratio=sent["fp8"] / sent[None])
+    )  # fmt: skip
+  _table(
+    f"fp8: one chunk's outbound all-gathers, C={chunk}, D=256, K=2, bf16 rows vs fp8 rows\n"
+    "  with their scales (both with the K ids and weights)",
+    rows,
+    ["S", "bf16", "fp8", "ratio"],
+  )
+  return rows
 
 
 def hlo_section(chunk: int = 256) -> list[dict]:
@@ -383,14 +437,14 @@ def _fmt(value) -> str:
   return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
-SECTIONS = ("hlo", "scaling", "time", "timing")
+SECTIONS = ("hlo", "fp8", "scaling", "time", "timing")
 
 
 def main(argv: list[str] | None = None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument(
     "--sections",
-    default="hlo,scaling,time",
+    default="hlo,fp8,scaling,time",
     help=f"comma-separated, of: {','.join(SECTIONS)} ('timing' on multi-GPU)",
   )
   parser.add_argument("--tokens", type=int, default=4096, help="tokens for the scaling section")
@@ -408,6 +462,8 @@ def main(argv: list[str] | None = None) -> None:
   rows = []
   if "hlo" in sections:
     rows += hlo_section()
+  if "fp8" in sections:
+    rows += fp8_exchange_section()
   if "scaling" in sections:
     scaling = scaling_section(args.tokens)
     rows += scaling

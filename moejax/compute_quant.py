@@ -51,8 +51,8 @@ def fake_quantized(x: jax.Array, group_shape: tuple[int | None, int | None]) -> 
     group_shape: (rows, cols) of a group; None for the whole axis, and the whole axis where
       it is shorter than the group (a tile of fewer than 128 tokens is one group).
 
-  >>> fake_quantized(jnp.array([[1.0, 3.0], [0.0, 0.0]]), (1, None)).tolist()
-  [[1.0, 3.0], [0.0, 0.0]]
+  >>> fake_quantized(jnp.array([[448.0, 1.0, 1.1], [0.0, 0.0, 0.0]]), (1, None)).tolist()
+  [[448.0, 1.0, 1.125], [0.0, 0.0, 0.0]]
   """
   rows, cols = x.shape
   gr, gc = (min(g or size, size) for g, size in zip(group_shape, x.shape, strict=True))

@@ -180,7 +180,7 @@ def test_bench_suite_quant_section_reports_formats(monkeypatch):
 def test_dispatch_benchmark_bytes_meet_the_targets_at_the_floor(tmp_path):
   """Bytes, not time: the scaling numbers are deterministic for a given routing."""
   out = run_script(
-    "benchmarks/dispatch.py", "--sections", "hlo,scaling", "--tokens", "512", out=tmp_path
+    "benchmarks/dispatch.py", "--sections", "hlo,fp8,scaling", "--tokens", "512", out=tmp_path
   )
   rows = json.loads((tmp_path / "dispatch.json").read_text())
   scaling = [r for r in rows if r["section"] == "scaling"]
@@ -193,6 +193,9 @@ def test_dispatch_benchmark_bytes_meet_the_targets_at_the_floor(tmp_path):
   for axis in (2, 4, 8):  # the drop-in sends all_gather's static bytes, plus the counts
     assert 0 <= cpu["all_to_all", axis] - cpu["all_gather", axis] < 0.001 * cpu["all_gather", axis]
   assert (tmp_path / "dispatch_scaling.png").stat().st_size > 0 and "target" in out
+  fp8 = [r for r in rows if r["section"] == "fp8"]
+  # fp8 rows and their scales: about half of bf16's (the ids and weights travel as before)
+  assert len(fp8) == 3 and all(0.5 < r["ratio"] < 0.6 for r in fp8), fp8
 
 
 def test_eplb_benchmark_reports_balancedness_from_the_layer(tmp_path):

@@ -142,6 +142,13 @@ def parser() -> argparse.ArgumentParser:
     "(compute_quant); default: unquantized",
   )
   train_flags.add_argument(
+    "--dispatch-quant",
+    choices=["fp8"],
+    default=None,
+    help="send the dispatched rows over the expert axis as fp8 with 1x128 scales "
+    "(dispatch_quant); default: in the compute dtype",
+  )
+  train_flags.add_argument(
     "--checkpoint", default="checkpoints/moe_transformer", help="the checkpoint folder"
   )
   existing = train_flags.add_mutually_exclusive_group()

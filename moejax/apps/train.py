@@ -139,6 +139,7 @@ def run(args, mesh_shape: tuple[int, int]) -> list[dict[str, float]]:
     lora_rank=args.lora_rank,
     expert_quant=args.expert_quant,
     compute_quant=args.compute_quant,
+    dispatch_quant=args.dispatch_quant,
     use_routing_bias=selection_bias,
   )
   mesh = layer_mesh(args, mesh_shape, moe)
