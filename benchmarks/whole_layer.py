@@ -114,7 +114,7 @@ def _peers(config: MoEConfig) -> dict[str, Callable | str]:
       return jnp.einsum("tk,tkd->td", weights, unsorted.astype(jnp.float32))
 
     found["jax ragged_dot_mgpu"] = mgpu
-  from tests.grug import grug_modules
+  from tests.peers import grug_modules
 
   grug_moe, activation = grug_modules()
   for implementation in ("scatter", "sonic"):

@@ -112,6 +112,35 @@ def on_mesh_of(x: jax.Array, reference: jax.Array) -> jax.Array:
   return jax.device_put(x, NamedSharding(layouts[1].mesh, layouts[0].spec))
 
 
+def placed_explicitly(x: Any, mesh: Mesh | AbstractMesh) -> Any:
+  """An array as an argument of `with_auto_axes`' function on the explicit `mesh`: one on no
+  mesh (made outside it) placed whole, and its cotangent resharded back to its own layout
+  (`jax.sharding.auto_axes` can return an input's cotangent typed for its automatic mesh,
+  which the caller's explicit code cannot add to anything: "Mesh for all inputs should be
+  equal"). Anything but an array as it is."""
+  if not isinstance(x, jax.Array):
+    return x
+  if jax.typeof(x).sharding.mesh.empty:
+    x = jax.reshard(x, NamedSharding(mesh, P()))
+  return _cotangent_resharded(x, NamedSharding(mesh, jax.typeof(x).sharding.spec))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _cotangent_resharded(x: jax.Array, sharding: NamedSharding) -> jax.Array:
+  return x
+
+
+def _cotangent_resharded_fwd(x, sharding):
+  return x, None
+
+
+def _cotangent_resharded_bwd(sharding, _, cotangent):
+  return (jax.reshard(cotangent, sharding),)
+
+
+_cotangent_resharded.defvjp(_cotangent_resharded_fwd, _cotangent_resharded_bwd)
+
+
 def gathered(tree: Any) -> Any:
   """`tree` with every leaf split over an explicit mesh axis made whole (replicated on its
   mesh), the others as they are: for code that computes on whole arrays (the reference)."""
@@ -148,3 +177,33 @@ def constrain(x: jax.Array, mesh: Mesh, spec: P) -> jax.Array:
   if is_explicit(mesh):
     return jax.reshard(x, sharding)
   return jax.lax.with_sharding_constraint(x, sharding)
+
+
+def expert_and_token_axes(
+  mesh: Mesh | AbstractMesh | None, expert_axis: str
+) -> tuple[str, str | tuple[str, ...]]:
+  """(expert group, data group) of a framework's mesh: its `expert_axis` (without one, an
+  axis of size 1), every other axis splitting the tokens; without a mesh, ("expert", "data").
+
+  Raises:
+    ValueError: a mesh without `expert_axis` or an axis of size 1 to stand for it, or
+      without a second axis for the tokens.
+  """
+  if mesh is None:
+    return "expert", "data"
+  expert = expert_axis
+  if expert not in mesh.axis_names:
+    ones = [name for name in mesh.axis_names if mesh.shape[name] == 1]
+    if not ones:
+      raise ValueError(
+        f"mesh has axes {mesh.axis_names} and no {expert_axis!r} axis: add one (of size 1 "
+        "for no expert parallelism)"
+      )
+    expert = ones[0]
+  data = tuple(name for name in mesh.axis_names if name != expert)
+  if not data:
+    raise ValueError(
+      f"mesh has only the axis {expert!r}: add an axis for the tokens' data parallelism (of "
+      "size 1 for none), e.g. jax.make_mesh((1, ep), ('data', 'expert'))"
+    )
+  return expert, data

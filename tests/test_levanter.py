@@ -11,8 +11,8 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from moejax.integrations import levanter
-from tests.grug import grug_modules
 from tests.helpers import assert_close
+from tests.peers import grug_modules
 
 grug_moe, Activation = grug_modules()
 pytestmark = [

@@ -125,7 +125,7 @@ def moe_mlp(
       f"{implementation!r}"
     )
   mesh = meshes.of_call(mesh)
-  expert_axis, data_axis = _groups(mesh)
+  expert_axis, data_axis = meshes.expert_and_token_axes(mesh, EXPERT_AXIS)
   chunk_size, capacity = "auto", None
   if mesh is not None and mesh.shape[expert_axis] > 1 and capacity_factor is not None:
     devices = math.prod(mesh.shape.values())  # one chunk of each device's tokens, as grug's
@@ -147,34 +147,6 @@ def moe_mlp(
   if report_capacity_overflow:
     return y, jnp.sum(aux.dropped_assignments, dtype=jnp.int32)
   return y
-
-
-def _groups(mesh: Mesh | AbstractMesh | None) -> tuple[str, str | tuple[str, ...]]:
-  """(expert group, data group) of grug's mesh: its "expert" axis (without one, an axis of
-  size 1), every other axis splitting the tokens.
-
-  Raises:
-    ValueError: a mesh without a second axis for the tokens, or without an "expert" axis or
-      one of size 1 to stand for it.
-  """
-  if mesh is None:
-    return EXPERT_AXIS, "data"
-  expert = EXPERT_AXIS
-  if expert not in mesh.axis_names:
-    ones = [name for name in mesh.axis_names if mesh.shape[name] == 1]
-    if not ones:
-      raise ValueError(
-        f"mesh has axes {mesh.axis_names} and no {EXPERT_AXIS!r} axis: add one (of size 1 "
-        "for no expert parallelism)"
-      )
-    expert = ones[0]
-  data = tuple(name for name in mesh.axis_names if name != expert)
-  if not data:
-    raise ValueError(
-      f"mesh has only the axis {expert!r}: add an axis for the tokens' data parallelism (of "
-      "size 1 for none), e.g. jax.make_mesh((1, ep), ('data', 'expert'))"
-    )
-  return expert, data
 
 
 def _gated(activation: str | Callable[[jax.Array], jax.Array]):
