@@ -11,11 +11,11 @@ import pytest
 
 from kernels_pallas.fused_moe import counted_layout, fused_moe_mlp
 from kernels_pallas.gmm_triton import TritonBlocks
-from moejax import MoEConfig, moe_apply, reference_moe
+from moejax import MoEConfig
 from moejax.activations import GATED, GatedActivation
 from moejax.plan import ExpertPlan, plan_experts
-from moejax.testing import poison, random_params, rank_mask
-from tests.helpers import assert_close, mesh_of, slow
+from moejax.testing import random_params, rank_mask
+from tests.helpers import assert_close, check_against_reference, mesh_of, slow
 
 pytestmark = pytest.mark.filterwarnings("ignore:expert_backend='fused' on a CPU")
 
@@ -142,29 +142,11 @@ def test_the_layer_matches_the_reference(mesh_shape, dispatch):
   NaN (a rank with no tokens: chunks all padding): output and the gradients of x and every
   parameter against `reference_moe`."""
   config = dataclasses.replace(CONFIG, **AROUND, chunk_size=4, dispatch=dispatch)
-  mesh = mesh_shape and mesh_of(*mesh_shape)
-  keys = jax.random.split(jax.random.key(3), 3)
+  keys = jax.random.split(jax.random.key(3))
   params = random_params(config, keys[0])
   x = jax.random.normal(keys[1], (48, config.hidden_size))
   mask = rank_mask([6, 0, 5, 3, 6, 1, 6, 2], 6)
-  probe = jax.random.normal(keys[2], x.shape)
-
-  def ours(params, x):
-    y, _ = moe_apply(params, poison(x, mask), config=config, mesh=mesh, token_mask=mask)
-    return jnp.sum(jnp.where(mask[:, None], y, 0.0) * probe), y
-
-  def theirs(params, x):
-    y = reference_moe(params, x, config, mask)
-    return jnp.sum(y * probe), y
-
-  (_, y), grads = jax.value_and_grad(ours, (0, 1), has_aux=True)(params, x)
-  (_, y_ref), grads_ref = jax.value_and_grad(theirs, (0, 1), has_aux=True)(params, x)
-  valid = np.asarray(mask)[:, None]
-  assert_close(np.where(valid, y, 0.0), y_ref, what="y")
-  assert_close(np.where(valid, grads[1], 0.0), grads_ref[1], what="d/dx")
-  for path, got in jax.tree_util.tree_flatten_with_path(grads[0])[0]:
-    want = jax.tree_util.tree_flatten_with_path(grads_ref[0])[0]
-    assert_close(got, dict(want)[path], what=f"d{jax.tree_util.keystr(path)}")
+  check_against_reference(params, x, config, mesh_shape and mesh_of(*mesh_shape), mask, seed=4)
 
 
 @pytest.mark.parametrize(
