@@ -258,3 +258,13 @@ def test_call_overhead_compares_a_commit_with_this_checkout_in_one_run(tmp_path)
   assert all(row in out for row in rows) and "ratio" in out
   worktrees = subprocess.run(["git", "worktree", "list"], cwd=ROOT, capture_output=True, text=True)
   assert worktrees.stdout.count("\n") == 1  # the temporary worktree is gone
+
+
+def test_clients_benchmark_times_each_installed_client(tmp_path):
+  """benchmarks/clients.py --smoke: a row per client, each timed beside its drop-in (ratios)
+  where the client is installed, else saying it is not."""
+  out = run_script("benchmarks/clients.py", "--smoke", out=tmp_path)
+  rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+  assert [r["client"] for r in rows] == ["levanter grug scatter", "tunix qwen3 dense"]
+  for row in rows:
+    assert "skipped" in row or (row["forward_ratio"] > 0 and row["train_ratio"] > 0), row
