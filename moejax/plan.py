@@ -18,9 +18,9 @@ on an H200 (docs/performance.md, "GPU"):
 - "pallas" (`experts.grouped_matmul_mlp` on a kernel): the fused `kernels_pallas.moe_mlp`; the
   registry picks the kernel (`kernels_pallas.backends.select_kernel`).
 - "fused" (`experts.fused_mlp`): `kernels_pallas.fused_moe`, the whole MLP on rows read by
-  index (Pallas Triton), for float experts without biases, adapters or output norms
-  (`fused_unsupported_reason`); only when asked (`expert_backend="fused"`) until a GPU run
-  measures it.
+  index (Pallas Triton), for float experts without biases, adapters or output norms, and not
+  batch-invariant (`fused_unsupported_reason`); only when asked (`expert_backend="fused"`) or
+  where a tuning file measured it fastest.
 
 `expert_backend="xla"` takes the better XLA path; "pallas" the device's kernel (interpreted on
 a CPU, for testing); "fused" the fused path where it runs the case (else the tile loop, with a
@@ -177,6 +177,8 @@ def fused_unsupported_reason(config: MoEConfig) -> str | None:
     ("expert_bias", config.expert_bias, "experts without biases"),
     ("lora_rank", config.lora_rank, "experts without adapters"),
     ("expert_output_norm_eps", config.expert_output_norm_eps, "unnormalized expert outputs"),
+    # its tiles follow the call's size; nothing has shown a token's output independent of it
+    ("batch_invariant", config.batch_invariant, "calls without batch invariance"),
   ):
     if value:
       return f"it takes {what}, not {field}={value!r}"

@@ -155,6 +155,7 @@ def test_the_layer_matches_the_reference(mesh_shape, dispatch):
     (dict(expert_bias=True), "it takes experts without biases, not expert_bias=True"),
     (dict(lora_rank=2), "it takes experts without adapters, not lora_rank=2"),
     (dict(expert_quant="fp8_block"), "it takes float experts, not expert_quant='fp8_block'"),
+    (dict(batch_invariant=True), "it takes calls without batch invariance, not batch_invariant"),
     (
       dict(intermediate_size=24),
       "the fused kernels need intermediate_size=24 to be a multiple of 16",
