@@ -122,7 +122,7 @@ def placed_explicitly(x: Any, mesh: Mesh | AbstractMesh) -> Any:
     return x
   if jax.typeof(x).sharding.mesh.empty:
     x = jax.reshard(x, NamedSharding(mesh, P()))
-  return _cotangent_resharded(x, NamedSharding(mesh, jax.typeof(x).sharding.spec))
+  return _cotangent_resharded(x, jax.typeof(x).sharding)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
