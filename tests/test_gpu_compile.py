@@ -477,7 +477,8 @@ def test_every_kernel_block_configuration_fits(name, gpu):
 
 def test_tuning_times_the_block_configurations_the_registry_names():
   """On an H100, `moejax.tune`'s candidates are the XLA paths, then each kernel made for it
-  with its own choice and every `candidate_blocks` of its registry entry."""
+  with its own choice and every `candidate_blocks` of its registry entry, then the fused
+  path."""
   mesh = targets.target_mesh("h100", (1, 8))
   names = [c.name for c in tuner.candidates(MoEConfig(**LAYER, **BF16), mesh)]
   made_for = [b for b in BACKENDS.values() if b.made_for("9.0") and b.name != "xla"]
@@ -488,7 +489,7 @@ def test_tuning_times_the_block_configurations_the_registry_names():
     for b in made_for
     for blocks in (None, *b.candidate_blocks)
   ]
-  assert names[-len(kernels) :] == kernels
+  assert names[-len(kernels) - 1 :] == [*kernels, "fused"]
   assert len(BACKENDS["mosaic"].candidate_blocks) > 1 and names[0] == "tile_loop"
 
 
