@@ -41,6 +41,12 @@ def grug_modules():
 
 
 def tunix_qwen3():
-  """`tunix.models.qwen3.model`, or None where google-tunix is not installed."""
+  """`tunix.models.qwen3.model`, or None where google-tunix is not installed. Importing it
+  turns flax's `flax_always_shard_variable` off for the whole process (tunix's env_utils):
+  restored here, or every later layer of the run would be laid out otherwise."""
+  import flax
+
+  always_shard = flax.config.flax_always_shard_variable
   found = _import_without_package_init("tunix", "models.qwen3.model")
+  flax.config.update("flax_always_shard_variable", always_shard)
   return None if found is None else found[0]

@@ -32,7 +32,7 @@ from moejax import (
 )
 from moejax.models import MoETransformer, TransformerConfig, shard_model
 from moejax.stacking import layer_of
-from moejax.testing import poison, random_params
+from moejax.testing import poison
 from moejax.train import train_step
 from tests.helpers import SMALL_SHARED, assert_close, random_adapters, seed_of, slow
 from tests.hf_checkpoints import write_checkpoint
@@ -229,22 +229,3 @@ def test_the_ambient_mesh_when_no_mesh_is_passed(axis_type, request):
     other = jax.make_mesh((4, 2), ("data", "expert"), axis_types=(axis_type,) * 2)
     with pytest.raises(ValueError, match=r"mesh=.*'data': 4.* differs from the ambient mesh"):
       moe_apply(params, x, config=CONFIG, mesh=other)
-
-
-def test_gradients_of_inputs_made_off_the_mesh_reach_explicit_code():
-  """Inside `jax.set_mesh` of an explicit mesh, tokens made before it (on no mesh) that feed
-  the layer and other code too: their gradient adds up (`moe_apply`'s inputs' cotangents come
-  back typed for the explicit mesh, not `auto_axes`' automatic one), the reference's."""
-  keys = jax.random.split(jax.random.key(seed_of("off the mesh")), 3)
-  config = CONFIG
-  params = random_params(config, keys[0])
-  x = jax.random.normal(keys[1], (32, config.hidden_size))
-  probe = jax.random.normal(keys[2], x.shape)
-
-  def loss(layer):
-    return lambda x: jnp.sum(layer(x.astype(jnp.float32)) * probe) + jnp.sum(jnp.tanh(x))
-
-  want = jax.grad(loss(lambda x: reference_moe(params, x, config)))(x)
-  with jax.set_mesh(jax.make_mesh((2, 4), ("data", "expert"))):
-    got = jax.grad(loss(lambda x: moe_apply(params, x, config=config)[0]))(x)
-  assert_close(got, want, what="d/dx")
