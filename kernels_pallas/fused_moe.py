@@ -449,6 +449,22 @@ def _fused_bwd(settings, residuals, d_out):
 _fused.defvjp(_fused_fwd, _fused_bwd)
 
 
+def _check_shapes(x, expert_ids, weights, w_gate_up, w_down) -> None:
+  """Raises ValueError naming the first argument whose shape disagrees with the others."""
+  if x.ndim != 2 or w_down.ndim != 3:
+    raise ValueError(f"x must be [N, D] and w_down [El, F, D], got {x.shape} and {w_down.shape}")
+  (tokens, dim), (experts, hidden, _) = x.shape, w_down.shape
+  expected = {
+    "expert_ids": (expert_ids.shape, (tokens, expert_ids.shape[-1])),
+    "weights": (weights.shape, expert_ids.shape),
+    "w_gate_up": (w_gate_up.shape, (experts, dim, 2 * hidden)),
+    "w_down": (w_down.shape, (experts, hidden, dim)),
+  }
+  for name, (got, want) in expected.items():
+    if tuple(got) != tuple(want):
+      raise ValueError(f"{name} has shape {tuple(got)}; expected {tuple(want)}")
+
+
 def fused_moe_mlp(
   x: jax.Array,
   expert_ids: jax.Array,
@@ -480,8 +496,10 @@ def fused_moe_mlp(
     [N, D] float32.
 
   Raises:
+    ValueError: an argument's shape that disagrees with the others, named.
     NotImplementedError: the widths or this JAX cannot run the kernels (`unsupported_reason`).
   """
+  _check_shapes(x, expert_ids, weights, w_gate_up, w_down)
   dim = x.shape[1]
   hidden_width = w_down.shape[1]
   blocks = blocks or default_blocks(expert_ids.size, dim, hidden_width)

@@ -173,3 +173,17 @@ def test_the_plan_takes_the_fused_path():
   with pytest.warns(UserWarning, match="runs the Pallas kernels in the interpreter"):
     plan = plan_experts(CONFIG, num_rows=64, local_experts=2)
   assert plan == ExpertPlan(path="fused", backend="triton", interpret=True)
+
+
+def test_a_shape_that_disagrees_is_named():
+  (x, weights, w_gate_up, w_down), ids, _ = _operands(0, 16, 2, _uneven_ids(16, 2, seed=0))
+  call = lambda **changed: fused_moe_mlp(
+    **dict(x=x, expert_ids=ids, weights=weights, w_gate_up=w_gate_up, w_down=w_down) | changed,
+    activation=GatedActivation("silu"), blocks=BLOCKS, interpret=True,
+  )  # fmt: skip
+  with pytest.raises(ValueError, match=r"^weights has shape \(16, 3\); expected \(16, 2\)$"):
+    call(weights=jnp.ones((16, 3)))
+  with pytest.raises(
+    ValueError, match=r"^w_gate_up has shape \(4, 32, 32\); expected \(4, 32, 64\)$"
+  ):
+    call(w_gate_up=w_gate_up[..., :32])
