@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 from kernels_pallas.autotune import time_call  # noqa: E402
 from moejax import files  # noqa: E402
 from moejax.integrations import levanter, tunix  # noqa: E402
-from tests.peers import grug_modules, tunix_qwen3  # noqa: E402
+from tests.peers import flax_as_tunix_runs, grug_modules, tunix_qwen3  # noqa: E402
 
 E, K, D, F = 16, 2, 256, 512  # experts, top k, model width, expert width
 
@@ -82,10 +82,11 @@ def tunix_row(tokens: int, repeats: int) -> dict:
     num_layers=1, vocab_size=32, embed_dim=D, hidden_dim=F, num_heads=2, head_dim=8,
     num_kv_heads=1, rope_theta=10_000, norm_eps=1e-6, num_experts=E, num_experts_per_tok=K,
   )  # fmt: skip
-  layers = {
-    who: nnx.split(make(config, rngs=nnx.Rngs(0)))
-    for who, make in (("client", qwen3.MoELayer), ("moejax", tunix.MoELayer))
-  }
+  with flax_as_tunix_runs():
+    layers = {
+      who: nnx.split(make(config, rngs=nnx.Rngs(0)))
+      for who, make in (("client", qwen3.MoELayer), ("moejax", tunix.MoELayer))
+    }
   x = jax.random.normal(jax.random.key(1), (tokens // 256, 256, D))
 
   def apply(who: str, **kwargs) -> Callable:

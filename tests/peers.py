@@ -2,11 +2,13 @@
 that compare against them; each imported without its package's `__init__`, which pulls in a
 trainer stack the comparison does not need."""
 
+import contextlib
 import importlib
 import importlib.machinery
 import importlib.util
 import sys
 import warnings
+from collections.abc import Iterator
 from types import ModuleType
 
 
@@ -50,3 +52,17 @@ def tunix_qwen3():
   found = _import_without_package_init("tunix", "models.qwen3.model")
   flax.config.update("flax_always_shard_variable", always_shard)
   return None if found is None else found[0]
+
+
+@contextlib.contextmanager
+def flax_as_tunix_runs() -> Iterator[None]:
+  """flax's `flax_always_shard_variable` off, as tunix's own import sets it (its layers
+  build their parameters without a mesh only so), restored on leaving."""
+  import flax
+
+  always_shard = flax.config.flax_always_shard_variable
+  flax.config.update("flax_always_shard_variable", False)
+  try:
+    yield
+  finally:
+    flax.config.update("flax_always_shard_variable", always_shard)

@@ -13,7 +13,7 @@ from jax.sharding import AxisType
 
 from moejax.integrations import tunix
 from tests.helpers import assert_trees_close
-from tests.peers import tunix_qwen3
+from tests.peers import flax_as_tunix_runs, tunix_qwen3
 
 qwen3 = tunix_qwen3()
 pytestmark = [
@@ -28,14 +28,10 @@ pytestmark = [
 
 @pytest.fixture(autouse=True)
 def tunix_flax_config():
-  """flax as tunix runs it (importing tunix turns `flax_always_shard_variable` off; tests/
-  peers.py restores it for the rest of the run), only around these tests."""
-  import flax
-
-  always_shard = flax.config.flax_always_shard_variable
-  flax.config.update("flax_always_shard_variable", False)
-  yield
-  flax.config.update("flax_always_shard_variable", always_shard)
+  """flax as tunix runs it, only around these tests (tests/peers.py restores the rest of the
+  run's after importing tunix)."""
+  with flax_as_tunix_runs():
+    yield
 
 
 def _config():
