@@ -1,2 +1,3 @@
 """Drop-ins that let a framework's own MoE calls run on moejax: one module per framework,
-each with that framework's signature and semantics, importing nothing of the framework."""
+each with that framework's signature and semantics; importing one imports nothing of its
+framework."""
