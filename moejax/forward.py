@@ -169,8 +169,13 @@ def moe_apply(
 
 
 def _apply_on_explicit_mesh(args, record: CallRecord):
-  """The layer on an explicit-axes mesh: y comes back sharded like x (`meshes.with_auto_axes`)."""
+  """The layer on an explicit-axes mesh: y comes back sharded like x (`meshes.with_auto_axes`).
+
+  Each array argument goes in typed for the explicit mesh, and its gradient comes back so
+  (`meshes.placed_explicitly`).
+  """
   config, mesh, specs = record.config, record.mesh, record.specs
+  args = jax.tree.map(functools.partial(meshes.placed_explicitly, mesh=mesh), args)
   x_spec = jax.typeof(args[1]).sharding.spec
   aux_specs = MoEAux(*specs.aux(MoEAux._fields, per_device=_PER_DEVICE))
   ids_spec = P(*x_spec[: args[1].ndim - 1], None)  # the tokens' leading dims, then K

@@ -112,6 +112,35 @@ def on_mesh_of(x: jax.Array, reference: jax.Array) -> jax.Array:
   return jax.device_put(x, NamedSharding(layouts[1].mesh, layouts[0].spec))
 
 
+def placed_explicitly(x: Any, mesh: Mesh | AbstractMesh) -> Any:
+  """An array as an argument of `with_auto_axes`' function on the explicit `mesh`: one on no
+  mesh (made outside it) placed whole, and its cotangent resharded back to its own layout
+  (`jax.sharding.auto_axes` can return an input's cotangent typed for its automatic mesh,
+  which the caller's explicit code cannot add to anything: "Mesh for all inputs should be
+  equal"). Anything but an array as it is."""
+  if not isinstance(x, jax.Array):
+    return x
+  if jax.typeof(x).sharding.mesh.empty:
+    x = jax.reshard(x, NamedSharding(mesh, P()))
+  return _cotangent_resharded(x, jax.typeof(x).sharding)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _cotangent_resharded(x: jax.Array, sharding: NamedSharding) -> jax.Array:
+  return x
+
+
+def _cotangent_resharded_fwd(x, sharding):
+  return x, None
+
+
+def _cotangent_resharded_bwd(sharding, _, cotangent):
+  return (jax.reshard(cotangent, sharding),)
+
+
+_cotangent_resharded.defvjp(_cotangent_resharded_fwd, _cotangent_resharded_bwd)
+
+
 def gathered(tree: Any) -> Any:
   """`tree` with every leaf split over an explicit mesh axis made whole (replicated on its
   mesh), the others as they are: for code that computes on whole arrays (the reference)."""

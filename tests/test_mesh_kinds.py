@@ -19,6 +19,7 @@ from flax import nnx
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+import moejax
 from moejax import (
   MoELayer,
   MoEParams,
@@ -229,3 +230,31 @@ def test_the_ambient_mesh_when_no_mesh_is_passed(axis_type, request):
     other = jax.make_mesh((4, 2), ("data", "expert"), axis_types=(axis_type,) * 2)
     with pytest.raises(ValueError, match=r"mesh=.*'data': 4.* differs from the ambient mesh"):
       moe_apply(params, x, config=CONFIG, mesh=other)
+
+
+def test_an_eager_gradient_on_explicit_axes_of_tokens_made_off_the_mesh(request):
+  """Under `jax.set_mesh` of explicit axes, eager `jax.grad` (no jit) of a loss in which tokens
+  made off the mesh feed the caller's own code (a router) and `moejax.moe_mlp`: every
+  gradient equals the one-device one. (JAX before 0.12 returned the cotangent of an
+  `auto_axes` input typed for its automatic mesh, which the caller's code cannot add to.)"""
+  keys = jax.random.split(jax.random.key(seed_of(request.node.name)), 4)
+  e, k, d, f = CONFIG.num_experts, CONFIG.top_k, CONFIG.hidden_size, CONFIG.intermediate_size
+  args = (
+    jax.random.normal(keys[0], (4, 6, d)),  # x [B, T, D], on no mesh
+    jax.random.normal(keys[1], (d, e)),
+    jax.random.normal(keys[2], (e, d, 2 * f)) / d**0.5,
+    jax.random.normal(keys[3], (e, f, d)) / f**0.5,
+  )
+
+  def loss(x, w_router, w_gate_up, w_down):
+    logits = x @ w_router
+    weights, ids = jax.lax.top_k(jax.nn.softmax(logits), k)
+    y, _ = moejax.moe_mlp(x, ids, weights, w_gate_up, w_down)
+    return jnp.sum(y * x) + jnp.sum(logits**2)
+
+  grads = jax.grad(loss, argnums=(0, 1, 2, 3))
+  want = grads(*args)
+  with jax.set_mesh(jax.make_mesh((2, 4), ("data", "expert"), axis_types=(AxisType.Explicit,) * 2)):
+    got = grads(*args)
+  for name, g, w in zip(("x", "w_router", "w_gate_up", "w_down"), got, want, strict=True):
+    assert_close(jax.device_get(g), w, what=f"d {name}")

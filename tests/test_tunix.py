@@ -9,7 +9,6 @@ import jax
 import jax.numpy as jnp
 import pytest
 from flax import nnx
-from jax.sharding import AxisType
 
 from moejax.integrations import tunix
 from tests.helpers import assert_trees_close
@@ -68,9 +67,6 @@ def test_matches_tunix_dense_layer(mesh_shape):
   if mesh_shape is None:
     got = _value_and_grads(ours, x, cotangent)
   else:
-    # automatic axes: on explicit ones the gradient of tokens made off the mesh and also
-    # used outside the layer comes back typed for `auto_axes`' mesh (a known moejax gap)
-    auto = (AxisType.Auto,) * 2
-    with jax.set_mesh(jax.make_mesh(mesh_shape, ("fsdp", "tp"), axis_types=auto)):
+    with jax.set_mesh(jax.make_mesh(mesh_shape, ("fsdp", "tp"))):  # explicit axes
       got = _value_and_grads(ours, x, cotangent)
   assert_trees_close(got, want, what="loss and gradients")
