@@ -4,7 +4,10 @@ and forward+backward times and their ratios (moejax / the client's; below 1: moe
 - Levanter grug: `grug_moe.moe_mlp(..., implementation="scatter")` (its local backend) vs
   `moejax.integrations.levanter.moe_mlp`, on [T, D] tokens with the same routing and weights;
 - tunix Qwen3: its `MoELayer(use_megablox=False)` (the dense path it runs off TPU) vs
-  `moejax.integrations.tunix.MoELayer`, both from one seed, on [B, T, D].
+  `moejax.integrations.tunix.MoELayer`, both from one seed, on [B, T, D];
+- MaxText: its `RoutedMoE` on its fastest path here (`sparse_matmul=True, megablox=False`:
+  `jax.lax.ragged_dot`; the dense one is slower) vs `on_moejax(RoutedMoE)`, both from one seed,
+  on [B, T, D] (maxtext needs Python >= 3.12).
 
 One device, float32, the best of `--repeats` device-synchronised calls after a compile call.
 A client that is not installed is a row saying so (they are test dependencies, `.ci/run`'s
@@ -30,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 from kernels_pallas.autotune import time_call  # noqa: E402
 from moejax import files  # noqa: E402
 from moejax.integrations import levanter, tunix  # noqa: E402
-from tests.peers import flax_as_tunix_runs, grug_modules, tunix_qwen3  # noqa: E402
+from tests.peers import flax_as_tunix_runs, grug_modules, maxtext_pair, tunix_qwen3  # noqa: E402
 
 E, K, D, F = 16, 2, 256, 512  # experts, top k, model width, expert width
 
@@ -98,6 +101,22 @@ def tunix_row(tokens: int, repeats: int) -> dict:
   return _times("tunix qwen3 dense", theirs, ours, (params, x), repeats)
 
 
+def maxtext_row(tokens: int, repeats: int) -> dict:
+  name = "maxtext routedmoe ragged_dot"
+  with jax.numpy_rank_promotion("allow"):  # MaxText's routing broadcasts
+    layers = maxtext_pair((E, K, D, F), sparse_matmul=True, megablox=False)
+    if layers is None:
+      return dict(client=name, skipped="maxtext is not installed (it needs Python >= 3.12)")
+    x = jax.random.normal(jax.random.key(1), (tokens // 256, 256, D))
+
+    def apply(layer) -> Callable:
+      graph, _, rest = nnx.split(layer, nnx.Param, ...)  # rest: its random streams
+      return lambda params, x: nnx.merge(graph, params, rest)(x)[0]
+
+    params = nnx.state(layers[0], nnx.Param)  # one seed: the same in both
+    return _times(name, *map(apply, layers), (params, x), repeats)
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--tokens", type=int, default=2048)
@@ -113,7 +132,7 @@ def main() -> None:
   print(f"E={E} K={K} D={D} F={F}, {tokens} tokens, float32, {jax.devices()[0].device_kind}")
   with warnings.catch_warnings():  # the clients' own deprecated calls
     warnings.simplefilter("ignore", DeprecationWarning)
-    rows = [grug_row(tokens, repeats), tunix_row(tokens, repeats)]
+    rows = [grug_row(tokens, repeats), tunix_row(tokens, repeats), maxtext_row(tokens, repeats)]
   for row in rows:
     print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}))
   files.write_atomically(out, json.dumps(rows, indent=1), overwrite=True)

@@ -1,15 +1,23 @@
-"""The peers' own MoE modules (Levanter grug's, tunix's Qwen3), for the tests and benchmarks
-that compare against them; each imported without its package's `__init__`, which pulls in a
-trainer stack the comparison does not need."""
+"""The peers' own MoE modules (Levanter grug's, tunix's Qwen3, MaxText's RoutedMoE), for the
+tests and benchmarks that compare against them; Levanter's and tunix's imported without their
+package's `__init__`, which pulls in a trainer stack the comparison does not need."""
 
 import contextlib
 import importlib
 import importlib.machinery
 import importlib.util
+import os
 import sys
 import warnings
 from collections.abc import Iterator
 from types import ModuleType
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+
+from moejax.integrations.maxtext import on_moejax
 
 
 def _import_without_package_init(package: str, *modules: str) -> tuple[ModuleType, ...] | None:
@@ -66,3 +74,41 @@ def flax_as_tunix_runs() -> Iterator[None]:
     yield
   finally:
     flax.config.update("flax_always_shard_variable", always_shard)
+
+
+def maxtext_pair(
+  shape: tuple[int, int, int, int], mesh_sizes: dict[str, int] | None = None, **overrides
+) -> tuple[nnx.Module, nnx.Module] | None:
+  """MaxText's `RoutedMoE` and moejax's drop-in (`on_moejax(RoutedMoE)`), both from one seed,
+  of `shape` (experts, top k, model width, expert width): float32, MaxText's dense path,
+  dropless, a load-balance loss, then `overrides` of MaxText's config; on a mesh of MaxText's
+  axes, `mesh_sizes` where given and 1 elsewhere. None where maxtext is not installed (it
+  needs Python >= 3.12). Build and call them with rank promotion allowed: MaxText broadcasts.
+
+  Raises:
+    ValueError: a setting the drop-in does not take (from building moejax's).
+  """
+  try:
+    from maxtext.configs import pyconfig
+    from maxtext.layers import initializers, moe
+  except ImportError:
+    return None
+  experts, top_k, width, expert_width = shape
+  settings = dict(
+    run_name="moejax", enable_checkpointing=False, skip_jax_distributed_system=True,
+    base_emb_dim=width, base_mlp_dim=expert_width, base_moe_mlp_dim=expert_width,
+    num_experts=experts, num_experts_per_tok=top_k, sparse_matmul=False, capacity_factor=-1,
+    dtype="float32", weight_dtype="float32", matmul_precision="highest",
+    load_balance_loss_weight=0.01,
+  )  # fmt: skip
+  base = os.path.join(os.path.dirname(pyconfig.__file__), "base.yml")
+  config = pyconfig.initialize([None, base], **settings | overrides)
+  sizes = [(mesh_sizes or {}).get(name, 1) for name in config.mesh_axes]
+  devices = np.array(jax.devices()[: int(np.prod(sizes))]).reshape(sizes)
+  mesh = Mesh(devices, config.mesh_axes)
+  build = lambda cls: cls(
+    config=config, num_experts=experts, num_experts_per_tok=top_k, mesh=mesh,
+    kernel_init=initializers.nd_dense_init(1.0, "fan_in", "truncated_normal"),
+    kernel_axes=("embed", None), intermediate_dim=expert_width, rngs=nnx.Rngs(0),
+  )  # fmt: skip
+  return build(moe.RoutedMoE), build(on_moejax(moe.RoutedMoE))
