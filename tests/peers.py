@@ -8,6 +8,7 @@ import importlib.machinery
 import importlib.util
 import os
 import sys
+import tempfile
 import warnings
 from collections.abc import Iterator
 from types import ModuleType
@@ -96,6 +97,7 @@ def maxtext_pair(
   experts, top_k, width, expert_width = shape
   settings = dict(
     run_name="moejax", enable_checkpointing=False, skip_jax_distributed_system=True,
+    base_output_directory=os.path.join(tempfile.gettempdir(), "maxtext_output"),  # unwritten
     base_emb_dim=width, base_mlp_dim=expert_width, base_moe_mlp_dim=expert_width,
     num_experts=experts, num_experts_per_tok=top_k, sparse_matmul=False, capacity_factor=-1,
     dtype="float32", weight_dtype="float32", matmul_precision="highest",
