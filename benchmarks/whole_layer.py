@@ -17,7 +17,10 @@ after a compile call, all in one process:
 Peers, on the same ids and weights (their expert MLP; routing_ms, forward, is moejax's router
 and top-k, added to both of their times): JAX's
 `ragged_dot_mgpu` (sort, two grouped matmuls, scatter; Hopper), and Levanter grug's `moe_mlp`
-("scatter" and "sonic"), each where it imports, else a row saying why.
+("scatter" and "sonic"), each where it imports, else a row saying why. The clients whose MoE
+is a layer with its own router, whole (their router and top-k included; no stages): tunix's
+Qwen3 `MoELayer` (its dense path: its megablox kernel is TPU-only) and MaxText's `RoutedMoE`
+(`sparse_matmul`, `jax.lax.ragged_dot`), each where installed, else a row saying why.
 
   python benchmarks/whole_layer.py [--smoke]        # or gpu_check.py's `whole_layer` part
 """
@@ -30,9 +33,11 @@ import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
@@ -45,6 +50,7 @@ from moejax.params import ExpertWeights  # noqa: E402
 from moejax.plan import ExpertPlan  # noqa: E402
 from moejax.testing import random_params  # noqa: E402
 from moejax.tuner import candidates  # noqa: E402
+from tests.peers import flax_as_tunix_runs, grug_modules, maxtext_pair, tunix_qwen3  # noqa: E402
 
 # name -> (local experts, K, D, F): one GPU's expert shard.
 SHAPES = {
@@ -114,8 +120,6 @@ def _peers(config: MoEConfig) -> dict[str, Callable | str]:
       return jnp.einsum("tk,tkd->td", weights, unsorted.astype(jnp.float32))
 
     found["jax ragged_dot_mgpu"] = mgpu
-  from tests.peers import grug_modules
-
   grug_moe, activation = grug_modules()
   for implementation in ("scatter", "sonic"):
     name = f"levanter grug {implementation}"
@@ -125,6 +129,42 @@ def _peers(config: MoEConfig) -> dict[str, Callable | str]:
     found[name] = lambda x, ids, w, wgu, wd, impl=implementation: grug_moe.moe_mlp(
       x, ids, w, wgu, wd, activation=activation.silu, implementation=impl
     )
+  return found
+
+
+def _client_layers(config: MoEConfig) -> dict[str, tuple[Callable, Any] | str]:
+  """The clients' own MoE layers of `config`'s shape in bfloat16, router included: name ->
+  (fn(params, x [T, D]) -> [T, D], params), or why each is absent."""
+  e, k, d, f = config.num_experts, config.top_k, config.hidden_size, config.intermediate_size
+  found: dict[str, tuple[Callable, Any] | str] = {}
+  qwen3 = tunix_qwen3()
+  if qwen3 is None:
+    found["tunix qwen3 dense"] = "google-tunix is not installed"
+  else:
+    tunix_config = qwen3.ModelConfig(
+      num_layers=1, vocab_size=32, embed_dim=d, hidden_dim=f, num_heads=1, head_dim=8,
+      num_kv_heads=1, rope_theta=10_000, norm_eps=1e-6, num_experts=e, num_experts_per_tok=k,
+      dtype=jnp.bfloat16, param_dtype=jnp.bfloat16,
+    )  # fmt: skip
+    with flax_as_tunix_runs():
+      graph, params = nnx.split(qwen3.MoELayer(tunix_config, rngs=nnx.Rngs(0)))
+    apply = lambda params, x: nnx.merge(graph, params)(x[None], use_megablox=False)[0]
+    found["tunix qwen3 dense"] = (apply, params)
+  with jax.numpy_rank_promotion("allow"):  # MaxText broadcasts
+    layers = maxtext_pair(
+      (e, k, d, f), sparse_matmul=True, megablox=False, dtype="bfloat16",
+      weight_dtype="bfloat16", matmul_precision="default", load_balance_loss_weight=0.0,
+    )  # fmt: skip
+  if layers is None:
+    found["maxtext routedmoe ragged_dot"] = "maxtext is not installed (Python >= 3.12)"
+  else:
+    graph, params, rest = nnx.split(layers[0], nnx.Param, ...)
+
+    def apply(params, x):
+      with jax.numpy_rank_promotion("allow"):
+        return nnx.merge(graph, params, rest)(x[None])[0][0]
+
+    found["maxtext routedmoe ragged_dot"] = (apply, params)
   return found
 
 
@@ -149,12 +189,14 @@ def measure(shape_name: str, tokens: int, smoke: bool, record: Callable[[dict], 
   base = dict(shape=shape_name, tokens=tokens, dense_ms=dense_ms, dense_train_ms=dense_train_ms)
   case = tuning.case_of(config, config.num_experts)
 
-  def row(name: str, layer_ms: float, train_ms: float | None, experts_ms: float) -> dict:
+  def row(name: str, layer_ms: float, train_ms: float, experts_ms: float | None) -> dict:
+    stages = {}  # none for a client layer timed whole
+    if experts_ms is not None:
+      stages = dict(experts_ms=experts_ms, routing_ms=layer_ms - experts_ms,
+                    glue_ms=experts_ms - dense_ms)  # fmt: skip
     return dict(
-      base, path=name, layer_ms=layer_ms, train_ms=train_ms,
-      dense_fraction=dense_ms / layer_ms,
-      train_dense_fraction=None if train_ms is None else dense_train_ms / train_ms,
-      experts_ms=experts_ms, routing_ms=layer_ms - experts_ms, glue_ms=experts_ms - dense_ms,
+      base, path=name, layer_ms=layer_ms, train_ms=train_ms, dense_fraction=dense_ms / layer_ms,
+      train_dense_fraction=dense_train_ms / train_ms, **stages,
     )  # fmt: skip
 
   layer = lambda p, x: moe_apply(p, x, config=config)[0]
@@ -186,6 +228,17 @@ def measure(shape_name: str, tokens: int, smoke: bool, record: Callable[[dict], 
       record(row(name, routing_ms + peer_ms, routing_ms + peer_train_ms, peer_ms))
     except ImportError as error:  # a backend needing what is not installed (grug's sonic)
       record(dict(base, path=name, skipped=str(error)[:300]))
+    except Exception as error:
+      record(dict(base, path=name, error=f"{type(error).__name__}: {error}"[:300]))
+  for name, client in _client_layers(config).items():
+    if isinstance(client, str):
+      record(dict(base, path=name, skipped=client))
+      continue
+    apply, client_params = client
+    try:
+      layer_ms = time(jax.jit(apply), client_params, x) * 1e3
+      train_ms = time(jax.jit(forward_backward(apply)), client_params, x, cotangent) * 1e3
+      record(row(name, layer_ms, train_ms, experts_ms=None))
     except Exception as error:
       record(dict(base, path=name, error=f"{type(error).__name__}: {error}"[:300]))
 

@@ -63,11 +63,13 @@ def test_gpu_check_smoke_runs_every_part(tmp_path):
   whole = json.loads((tmp_path / "whole_layer.json").read_text())["rows"]
   timed = {r["path"]: r for r in whole if "layer_ms" in r}
   assert set(timed) >= {"tile_loop", "ragged_dot", "pallas:triton", "fused"}, whole
+  clients = {"tunix qwen3 dense", "maxtext routedmoe ragged_dot"}  # timed whole, no stages
   for r in timed.values():  # the stages add up to the layer
     assert r["status"] == "ok" and r["dense_fraction"] > 0 and r["train_dense_fraction"] > 0
-    assert r["routing_ms"] + r["experts_ms"] == pytest.approx(r["layer_ms"])
+    if r["path"] not in clients:
+      assert r["routing_ms"] + r["experts_ms"] == pytest.approx(r["layer_ms"])
   peers = {r["path"] for r in whole} - set(timed) | {r["path"] for r in whole if "skipped" in r}
-  assert {"jax ragged_dot_mgpu", "levanter grug scatter"} <= peers | set(timed)
+  assert {"jax ragged_dot_mgpu", "levanter grug scatter"} | clients <= peers | set(timed)
   decode = json.loads((tmp_path / "decode.json").read_text())["rows"]
   assert {r["path"] for r in decode} >= {"ragged_dot", "tile_loop"}
   assert all(r["status"] == "ok" and r["floor_gb_per_s"] > 0 for r in decode)
