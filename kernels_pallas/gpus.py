@@ -47,6 +47,12 @@ class Gpu:
   peak_bf16_flops: float
   nvlink_bandwidth: float
 
+  @property
+  def peak_f32_flops(self) -> float:
+    """The float32 FMA rate of the SMs' CUDA cores (no tensor cores), FLOP/s: what a float32
+    matmul at full precision runs at."""
+    return 2 * self.sm_count * self.fpus_per_sm * self.clock_ghz * 1e9
+
   def description(self) -> str:
     """The target description XLA compiles for (`GpuTargetConfigProto` text format)."""
     major, minor = self.compute_capability

@@ -8,6 +8,7 @@ import shlex
 import types
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 
@@ -16,7 +17,7 @@ from kernels_pallas.gpus import GPUS
 from moejax import fit as planner
 from moejax import hf, plan_call, targets, tuning
 from moejax.apps import fit_cli, fit_search
-from moejax.apps.cli import main
+from moejax.apps.cli import main, parser
 from tests.gpu_tier import GPU_COMPILE_TIER, no_persistent_compilation_cache  # noqa: F401
 
 # A Qwen3-MoE of small width: 4 decoder layers, the first dense (mlp_only_layers).
@@ -59,6 +60,8 @@ def test_a_2026_preset_holds_its_names_parameters(preset, layers, total):
     (dict(model="mixtral-8x22b", expert_parallel=16), "expert_parallel=16 must divide both"),
     (dict(model="qwen3-30b-a3b", expert_quant="int3"), "expert_quant='int3'; expected"),
     (dict(model="qwen3-30b-a3b", remat="some"), "remat='some'; expected"),
+    # its released experts are fp8 blocks: a recipe quantizes float ones
+    (dict(model="deepseek-v3", compute_quant="fp8_deepseek"), "stores them quantized: choose"),
   ],
 )
 def test_what_cannot_be_planned_is_refused_naming_it(arguments, message):
@@ -256,7 +259,10 @@ def test_find_tries_the_fewest_nodes_first_and_stops_at_the_first_plan_that_fits
     return types.SimpleNamespace(fits=fits, per_device_bytes={"total": 100 // nodes}, nodes=nodes)
 
   monkeypatch.setattr(fit_search, "fit", planner_stand_in)
-  search = fit_search.find("qwen3-30b-a3b", "h100", max_nodes=8, job="train", expert_quant=None)
+  fp8 = dict(compute_quant="fp8_deepseek", dispatch_quant="fp8")
+  search = fit_search.find(
+    "qwen3-30b-a3b", "h100", max_nodes=8, job="train", expert_quant=None, **fp8
+  )
   # 128 experts: 8, 16 and 32 devices put every device on the expert axis first.
   assert calls == [
     (1, 8, False), (1, 4, True), (1, 2, True),
@@ -267,12 +273,36 @@ def test_find_tries_the_fewest_nodes_first_and_stops_at_the_first_plan_that_fits
   assert search.command == (
     "python -m moejax fit --model qwen3-30b-a3b --gpu h100 --nodes 4 --gpus-per-node 8 "
     "--expert-parallel 16 --expert-fsdp --shared-fsdp --dispatch all_to_all --remat full "
-    "--job train --expert-quant none"
+    "--job train --expert-quant none --compute-quant fp8_deepseek --dispatch-quant fp8"
   )
+  assert vars(parser().parse_args(shlex.split(search.command)[3:])).items() >= fp8.items()
   never = lambda *args, **kwargs: types.SimpleNamespace(fits=False, per_device_bytes={"total": 1})
   monkeypatch.setattr(fit_search, "fit", never)
   search = fit_search.find("qwen3-30b-a3b", "h100", max_nodes=2)
   assert search.found is None and search.command is None and len(search.tried) == 6
+
+
+def test_the_estimate_counts_the_emulated_fp8_compute_and_the_fp8_exchange():
+  """`compute_quant` runs emulated (float32 products at full precision): its compute term is
+  at the float32 rate; `dispatch_quant` sends the forward's rows as e4m3 values with a float32
+  scale each 128 (1 + 4/128 bytes a value, not bf16's 2), the other legs as they were."""
+  config = planner._config(TINY, "train", None, 16)
+  mesh_shape = {"data": 1, "expert": 8}
+  call = plan_call(
+    config, (8 * 256, config.hidden_size), mesh=jax.make_mesh((1, 8), ("data", "expert"))
+  )
+  h200 = GPUS["h200"]
+  estimate = lambda **quant: planner.estimate_step(
+    dataclasses.replace(config, **quant), h200, "train", mesh_shape, 1, 8, 256, call, 3
+  )
+  base, fp8 = estimate(), estimate(compute_quant="fp8_deepseek", dispatch_quant="fp8")
+  assert fp8.compute_s / base.compute_s == pytest.approx(h200.peak_bf16_flops / h200.peak_f32_flops)
+  assert h200.peak_f32_flops == pytest.approx(2 * 132 * 128 * h200.clock_ghz * 1e9)
+  for scheme, seconds in base.exchange_s_by_scheme.items():  # training: 4 legs of bf16 rows
+    ratio = fp8.exchange_s_by_scheme[scheme] / seconds
+    assert ratio == pytest.approx((3 * 2 + 1 + 4 / 128) / (4 * 2))
+  told = " ".join(fp8.assumptions)
+  assert "float32 peak (fp8_deepseek, emulated)" in told and "forward rows in fp8" in told
 
 
 @pytest.mark.usefixtures("no_persistent_compilation_cache")
@@ -289,6 +319,22 @@ def test_find_prints_a_command_whose_own_report_fits(tmp_path, capsys):
   assert out.splitlines()[1].split()[-2] == "yes"  # the first plan tried fits
   main(shlex.split(command)[3:])  # `fit ...`: exits 1 unless it fits
   assert "fits: " in capsys.readouterr().out
+
+
+@pytest.mark.usefixtures("no_persistent_compilation_cache")
+@GPU_COMPILE_TIER[0]
+@GPU_COMPILE_TIER[1]
+def test_a_training_job_in_fp8_is_compiled_as_moejax_runs_it(tmp_path, capsys):
+  """--compute-quant and --dispatch-quant reach the compiled program: training on the tile
+  loop (the recipe's one path) with the fp8 exchange between the 8 devices."""
+  path = tmp_path / "config.json"
+  path.write_text(json.dumps(TINY))
+  flags = ["--config", str(path), "--job", "train", "--expert-quant", "none"]
+  flags += ["--compute-quant", "fp8_deepseek", "--dispatch-quant", "fp8"]
+  main(["fit", *flags, "--tokens-per-device", "256"])  # exits 1 unless it fits
+  out = capsys.readouterr().out
+  assert "experts bf16, computed in fp8_deepseek, dispatched in fp8, on 1 x 8 h200" in out
+  assert "experts by tile_loop" in out and "(the forward rows in fp8 with their scales)" in out
 
 
 def test_a_family_with_per_layer_clamps_plans_with_its_first_moe_layers_config():

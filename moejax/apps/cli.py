@@ -61,6 +61,26 @@ def _layer_flags(flags: argparse.ArgumentParser, *, experts: int, hidden: int, i
   )
 
 
+def _fp8_flags(flags: argparse.ArgumentParser) -> None:
+  """--compute-quant and --dispatch-quant: `MoEConfig`'s compute_quant and dispatch_quant."""
+  from moejax.compute_quant import RECIPES
+
+  flags.add_argument(
+    "--compute-quant",
+    choices=RECIPES,
+    default=None,
+    help="quantize the expert matmuls' operands to fp8 on the fly, from the float weights "
+    "(compute_quant); default: unquantized",
+  )
+  flags.add_argument(
+    "--dispatch-quant",
+    choices=["fp8"],
+    default=None,
+    help="send the dispatched rows over the expert axis as fp8 with 1x128 scales "
+    "(dispatch_quant); default: in the compute dtype",
+  )
+
+
 def parser() -> argparse.ArgumentParser:
   """The command line's parser: its commands and their flags (`bench`'s are the suite's)."""
   # The choices come from the tables that define them. Importing JAX starts no backend: the
@@ -68,7 +88,6 @@ def parser() -> argparse.ArgumentParser:
   from kernels_pallas.formats import FORMATS
   from kernels_pallas.gpus import GPUS
   from moejax.apps.fit import JOBS, PRESETS
-  from moejax.compute_quant import RECIPES
   from moejax.config import BACKENDS, DISPATCHES
   from moejax.remat import REMAT_POLICIES
 
@@ -134,20 +153,7 @@ def parser() -> argparse.ArgumentParser:
     help="quantized, frozen experts (e.g. under LoRA adapters), in the format's own block; "
     "default float",
   )
-  train_flags.add_argument(
-    "--compute-quant",
-    choices=RECIPES,
-    default=None,
-    help="quantize the expert matmuls' operands to fp8 on the fly, from the float weights "
-    "(compute_quant); default: unquantized",
-  )
-  train_flags.add_argument(
-    "--dispatch-quant",
-    choices=["fp8"],
-    default=None,
-    help="send the dispatched rows over the expert axis as fp8 with 1x128 scales "
-    "(dispatch_quant); default: in the compute dtype",
-  )
+  _fp8_flags(train_flags)
   train_flags.add_argument(
     "--checkpoint", default="checkpoints/moe_transformer", help="the checkpoint folder"
   )
@@ -187,6 +193,7 @@ def parser() -> argparse.ArgumentParser:
   fit_flags.add_argument(
     "--lora-rank", type=positive_int, default=16, help="the adapters' rank (job lora)"
   )
+  _fp8_flags(fit_flags)
   fit_flags.add_argument(
     "--tokens-per-device", type=positive_int, default=4096, help="tokens each device holds"
   )

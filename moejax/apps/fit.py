@@ -29,6 +29,7 @@ from kernels_pallas.gpus import GPUS, Gpu
 from moejax import hf, targets
 from moejax.apps import fit_model
 from moejax.call_plan import CallPlan, plan_call
+from moejax.compute_quant import GROUP
 from moejax.config import MoEConfig
 from moejax.forward import moe_apply
 from moejax.params import ADAPTER_PARAMS, EXPERT_PARAMS, MoEParams
@@ -184,9 +185,9 @@ class FitReport:
   compiler's figures, gradients within temp, the rest arguments; total = arguments + temp +
   outputs_not_aliased + kv_cache), the GPU's memory, whether it fits and with
   what headroom, the mesh, chunk and expert path the program used (its `moejax.plan_call`),
-  the step estimate, the KV cache's `context_tokens` (0 for a job that trains), and
-  `warnings`: settings that changed nothing (e.g. `expert_fsdp` with no data axis to split
-  over)."""
+  the step estimate, the KV cache's `context_tokens` (0 for a job that trains), `warnings`:
+  settings that changed nothing (e.g. `expert_fsdp` with no data axis to split over), and
+  the job's fp8 recipe and exchange (`compute_quant`, `dispatch_quant`: `MoEConfig`'s)."""
 
   model: str
   gpu: str
@@ -212,6 +213,8 @@ class FitReport:
   shared_fsdp: bool = False
   context_tokens: int = 0
   warnings: tuple[str, ...] = ()
+  compute_quant: str | None = None
+  dispatch_quant: str | None = None
 
   def to_json(self) -> dict[str, Any]:
     return dataclasses.asdict(self)
@@ -226,6 +229,8 @@ def fit(
   job: str = "infer",
   expert_quant: str | None = "released",
   lora_rank: int = 16,
+  compute_quant: str | None = None,
+  dispatch_quant: str | None = None,
   tokens_per_device: int = 4096,
   expert_parallel: int | None = None,
   expert_fsdp: bool = False,
@@ -249,6 +254,11 @@ def fit(
       Adam; the experts frozen) or "train" (Adam over every float MoE parameter).
     expert_quant: "released" (the checkpoint's format), None (bf16) or a format of
       `kernels_pallas.formats.FORMATS`.
+    compute_quant, dispatch_quant: `MoEConfig`'s: the expert matmuls' operands quantized to
+      fp8 on the fly (a recipe of `moejax.compute_quant`), the dispatched rows sent as fp8.
+      The program compiled is the one moejax runs: the recipe emulated on the XLA tile loop
+      (float32 products of the dequantized operands; the backward keeps the bf16 rows, as
+      without it, and quantizes again), so its memory is the compiled figures.
     tokens_per_device: tokens each device holds per step.
     expert_parallel: devices of the expert axis (default: the most that divide both the
       devices and the experts); the rest form the data axis.
@@ -263,7 +273,8 @@ def fit(
 
   Raises:
     ValueError: an unknown preset, GPU or job, a mesh that does not divide, a job the
-      config cannot run (training quantized experts).
+      config cannot run (training quantized experts, a recipe over quantized experts or
+      widths not a multiple of its group).
     RuntimeError: JAX's CUDA plugin is missing (`moejax.targets`).
   """
   name, config_json = model_json(model)
@@ -284,6 +295,8 @@ def fit(
     chunk_size=chunk_size,
     expert_fsdp=expert_fsdp,
     shared_fsdp=shared_fsdp,
+    compute_quant=compute_quant,
+    dispatch_quant=dispatch_quant,
   )
   ep = _expert_parallel(expert_parallel, devices, config.num_experts)
   mesh_shape = {"data": devices // ep, "expert": ep}
@@ -346,6 +359,8 @@ def fit(
     estimate=estimate,
     shared_fsdp=shared_fsdp,
     context_tokens=context_tokens,
+    compute_quant=compute_quant,
+    dispatch_quant=dispatch_quant,
     warnings=_ineffective_settings(expert_fsdp, shared_fsdp, mesh_shape),
     notes=(
       *_whole_weights_note(config_json, devices),
@@ -407,12 +422,13 @@ def model_json(model: str | Path | dict[str, Any]) -> tuple[str, dict[str, Any]]
   )
 
 
-def _config(config_json, job, expert_quant, lora_rank, **settings):
+def _config(config_json, job, expert_quant, lora_rank, compute_quant=None, **settings):
   """The MoEConfig of the job: bf16, the experts in the chosen format, `settings` (dispatch,
-  receive_capacity_factor, chunk_size, expert_fsdp, shared_fsdp) as given. A family whose
-  layers differ only in their activations' clamps (Step-3.7) is planned with its first MoE
-  layer's config: the clamps change no shape. Blocks with parts (ERNIE-4.5-VL) and layers
-  without a router of their own (ZAYA) are refused, named."""
+  receive_capacity_factor, chunk_size, expert_fsdp, shared_fsdp, dispatch_quant) as given,
+  then `compute_quant`. A family whose layers differ only in their activations' clamps
+  (Step-3.7) is planned with its first MoE layer's config: the clamps change no shape. Blocks
+  with parts (ERNIE-4.5-VL) and layers without a router of their own (ZAYA) are refused,
+  named."""
   family = hf.family_of(config_json.get("model_type"))
   if family.parts:
     raise NotImplementedError(
@@ -445,7 +461,8 @@ def _config(config_json, job, expert_quant, lora_rank, **settings):
       f"job='train' trains every expert weight: quantized experts ({config.expert_quant!r}) "
       "are frozen; train in bf16 (expert_quant=None) or tune adapters (job='lora')"
     )
-  return config
+  # after the experts' format: a recipe quantizes float experts (MoEConfig says so)
+  return dataclasses.replace(config, compute_quant=compute_quant)
 
 
 def _expert_parallel(chosen: int | None, devices: int, experts: int) -> int:
@@ -652,22 +669,23 @@ def estimate_step(
   passes = {"infer": 1, "lora": 2, "train": 3}[job]  # forward; + input gradient; + weight gradient
   per_token = 2 * k * 3 * w * f + 2 * 3 * d * config.shared_intermediate_size
   flops = passes * tokens_per_device * per_token
-  compute = flops / (gpu.peak_bf16_flops * efficiency)
+  peak, peak_words = gpu.peak_bf16_flops, "bf16 peak"
+  if config.compute_quant is not None:  # emulated: float32 products at full precision
+    peak, peak_words = gpu.peak_f32_flops, f"float32 peak ({config.compute_quant}, emulated)"
+  compute = flops / (peak * efficiency)
   weights = _expert_bytes_per_device(config, ep)
   chunks = -(-tokens_per_device // chunk)
   memory = passes * chunks * weights / gpu.memory_bandwidth
   across = max(0, ep - gpus_per_node) / max(ep - 1, 1) if nodes > 1 else 0.0
   bandwidth = 1 / ((1 - across) / gpu.nvlink_bandwidth + across / NETWORK)
   copies_by_scheme = {"all_gather": ep - 1, "all_to_all": min(k, ep)}
+  row_bytes = w * jnp.dtype(config.dtype).itemsize
+  legs = 2 * (2 if job != "infer" else 1)  # there and back; the backward's too
+  sent = legs * row_bytes  # per token and copy; the fp8 exchange: the forward's rows in fp8
+  if config.dispatch_quant is not None:
+    sent += w * (1 + 4 / GROUP) - row_bytes  # e4m3 values, a float32 scale each 128
   exchange_by_scheme = {
-    name: (2 if job != "infer" else 1)
-    * 2
-    * tokens_per_device
-    * copies
-    * w
-    * jnp.dtype(config.dtype).itemsize
-    / bandwidth
-    for name, copies in copies_by_scheme.items()
+    name: tokens_per_device * copies * sent / bandwidth for name, copies in copies_by_scheme.items()
   }
   copies, exchange = copies_by_scheme[scheme], exchange_by_scheme[scheme]
   other = next(name for name in copies_by_scheme if name != scheme)
@@ -683,12 +701,13 @@ def estimate_step(
     tokens_per_s_per_gpu=tokens_per_device / (layer * layers),
     assumptions=(
       f"compute: {passes} pass(es) of the routed and shared experts' matmuls at the "
-      f"{gpu.name} bf16 peak ({gpu.peak_bf16_flops / 1e12:.0f} TFLOP/s) times {efficiency:.3f}, "
+      f"{gpu.name} {peak_words} ({peak / 1e12:.0f} TFLOP/s) times {efficiency:.3f}, "
       f"the fraction of its peak reached by {source} (routing balanced); the layer's "
       f"path: {call.expert.path} ({call.expert_reason})",
       f"HBM: each chunk ({chunks} of {chunk} tokens) reads the device's expert weights "
       f"({weights / 2**30:.2f} GiB) once per pass at {gpu.memory_bandwidth / 1e12:.1f} TB/s",
-      f"exchange: {scheme} sends each token to {copies} other device(s) and back, at "
+      f"exchange: {scheme} sends each token to {copies} other device(s) and back"
+      f"{' (the forward rows in fp8 with their scales)' if config.dispatch_quant else ''}, at "
       f"{gpu.nvlink_bandwidth / 1e9:.0f} GB/s NVLink within a node and {NETWORK / 1e9:.0f} GB/s "
       f"across nodes ({other} would send each to {copies_by_scheme[other]}: "
       f"{exchange_by_scheme[other] * 1e3:.2f} ms per layer against {exchange * 1e3:.2f} ms)",

@@ -69,7 +69,8 @@ def text(report: FitReport) -> str:
   bytes_ = report.per_device_bytes
   mesh = " x ".join(f"{name} {size}" for name, size in report.mesh.items())
   lines = [
-    f"{report.model}, job {report.job}, experts {report.expert_quant or 'bf16'}, on "
+    f"{report.model}, job {report.job}, experts {report.expert_quant or 'bf16'}"
+    f"{_fp8_words(report)}, on "
     f"{report.nodes} x {report.gpus_per_node} {report.gpu} (mesh {mesh}, chunk "
     f"{report.chunk_size}, experts by {report.expert_path}, {report.tokens_per_device} "
     "tokens per device, "
@@ -89,12 +90,21 @@ def text(report: FitReport) -> str:
   return "\n".join(lines)
 
 
+def _fp8_words(report: FitReport) -> str:
+  """How the report's job computes and sends in fp8, as words after the experts' format."""
+  words = [f"computed in {report.compute_quant}"] if report.compute_quant else []
+  words += [f"dispatched in {report.dispatch_quant}"] if report.dispatch_quant else []
+  return "".join(f", {w}" for w in words)
+
+
 def _job(args: argparse.Namespace) -> dict:
   """`fit`'s arguments that describe the job, the same whether planned or searched."""
   return dict(
     job=args.job,
     expert_quant=None if args.expert_quant == "none" else args.expert_quant,
     lora_rank=args.lora_rank,
+    compute_quant=args.compute_quant,
+    dispatch_quant=args.dispatch_quant,
     tokens_per_device=args.tokens_per_device,
     chunk_size=args.chunk_size,
   )

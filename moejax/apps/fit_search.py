@@ -102,8 +102,8 @@ def find(
     model, gpu, gpus_per_node: as `fit`'s.
     max_nodes: the most nodes to try.
     report: called with each plan as it is tried (the command line prints them).
-    fixed: `fit`'s other arguments (job, expert_quant, lora_rank, tokens_per_device,
-      chunk_size), the same for every plan.
+    fixed: `fit`'s other arguments (job, expert_quant, lora_rank, compute_quant,
+      dispatch_quant, tokens_per_device, chunk_size), the same for every plan.
 
   Returns:
     The `Search`.
@@ -150,6 +150,11 @@ def command(model, gpu: str, nodes: int, gpus_per_node: int, plan: dict, fixed: 
   flags += [f"{names[key]} {value}" for key, value in fixed.items() if key in names]
   if "expert_quant" in fixed:
     flags.append(f"--expert-quant {fixed['expert_quant'] or 'none'}")
+  flags += [
+    f"--{key.replace('_', '-')} {fixed[key]}"
+    for key in ("compute_quant", "dispatch_quant")
+    if fixed.get(key) is not None
+  ]
   if fixed.get("chunk_size", "auto") != "auto":
     flags.append(f"--chunk-size {fixed['chunk_size']}")
   return " ".join(flags)
