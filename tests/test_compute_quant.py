@@ -15,9 +15,11 @@ from moejax import MoEConfig, moe_apply, reference_moe
 from moejax.apps import train
 from moejax.apps.cli import parser as main_parser
 from moejax.compute_quant import fake_quantized
+from moejax.lora import ExpertLoRA
 from moejax.plan import ExpertPlan, plan_experts
+from moejax.remat import REMAT_POLICIES
 from moejax.testing import poison, random_params, rank_mask
-from tests.helpers import assert_close, mesh_of, slow
+from tests.helpers import assert_close, mesh_of, random_adapters, slow
 
 T, D, F = 64, 128, 256
 CONFIG = MoEConfig(num_experts=8, top_k=2, hidden_size=D, intermediate_size=F)
@@ -131,9 +133,40 @@ def test_quantized_and_sane_forward_and_gradients(recipe, mesh_shape, dispatch, 
     # the router computes unquantized: its gradient differs through the experts' outputs
     "d/drouter_kernel": (grads[0].router_kernel, grads_ref[0].router_kernel),
   }
+  assert_quantized_and_sane(checked)
+
+
+def assert_quantized_and_sane(checked: dict) -> None:
+  """Each (got, want) pair's relative error (Frobenius) above 1e-3 and below 8e-2."""
   for what, (got, want) in checked.items():
     error = np.linalg.norm(np.asarray(got) - want) / np.linalg.norm(want)
     assert 1e-3 < error < 8e-2, (what, error)
+
+
+@pytest.mark.slow
+def test_lora_adapters_train_over_fp8_compute_under_remat():
+  """Adapters (computed unquantized) over fp8_deepseek base products, the layer under the
+  "names" remat policy: the output and the gradients of x and every adapter matrix against
+  the unquantized reference with W + s·A·B per expert, padding poisoned."""
+  params, x, _, _ = _inputs(6)
+  config = dataclasses.replace(CONFIG, lora_rank=4, lora_alpha=8.0, chunk_size=16)
+  adapters, _ = random_adapters(config, jax.random.key(6), scale=0.05)
+  params = params._replace(lora=adapters)
+  quantized_config = dataclasses.replace(config, compute_quant="fp8_deepseek")
+  mask = jax.random.bernoulli(jax.random.key(7), 0.75, (T,))
+  probe = jax.random.normal(jax.random.key(8), x.shape)
+  layer = lambda p, x: moe_apply(p, poison(x, mask), config=quantized_config, token_mask=mask)[0]
+  ours = jax.checkpoint(layer, policy=REMAT_POLICIES["names"])
+  theirs = lambda p, x: reference_moe(p, x, config, mask)
+  valid = np.asarray(mask)[:, None]
+  loss = lambda f: lambda p, x: (jnp.sum(jnp.where(valid, f(p, x), 0.0) * probe), f(p, x))
+  (_, y), grads = jax.value_and_grad(loss(ours), (0, 1), has_aux=True)(params, x)
+  (_, y_ref), grads_ref = jax.value_and_grad(loss(theirs), (0, 1), has_aux=True)(params, x)
+  checked = {"y": (np.where(valid, y, 0.0), np.where(valid, y_ref, 0.0))}
+  checked["d/dx"] = (np.where(valid, grads[1], 0.0), grads_ref[1])
+  for name in ExpertLoRA._fields:
+    checked[f"d/d{name}"] = (getattr(grads[0].lora, name), getattr(grads_ref[0].lora, name))
+  assert_quantized_and_sane(checked)
 
 
 def test_a_group_of_zeros_and_the_largest_value_survive():
