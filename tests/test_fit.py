@@ -2,6 +2,7 @@
 compiles (fast tier), and reports read off programs compiled for compile-only H200s (the
 GPU-compile tier: JAX's CUDA plugin, no GPU)."""
 
+import contextlib
 import dataclasses
 import json
 import shlex
@@ -19,6 +20,7 @@ from moejax import hf, plan_call, targets, tuning
 from moejax.apps import fit_cli, fit_search
 from moejax.apps.cli import main, parser
 from tests.gpu_tier import GPU_COMPILE_TIER, no_persistent_compilation_cache  # noqa: F401
+from tests.helpers import expect_triton_deprecation
 
 # A Qwen3-MoE of small width: 4 decoder layers, the first dense (mlp_only_layers).
 TINY = dict(
@@ -119,19 +121,23 @@ def test_the_rest_of_the_model_is_counted_by_its_formula():
     (dict(), "tile_loop"),  # 2 local experts on a GPU, 2048 rows per chunk: ragged_dot's too many
     (dict(expert_quant="fp8_block", tokens_per_device=1), "tile_loop"),  # ragged_dot: no fp8
     (dict(expert_parallel=1, tokens_per_device=1), "ragged_dot"),  # decode-size: 2 rows, El 16
+    (dict(expert_backend="fused", job="train"), "fused"),  # its Triton kernels, fwd and bwd
   ],
-  ids=["float", "quantized", "decode"],
+  ids=["float", "quantized", "decode", "fused"],
 )
 @pytest.mark.usefixtures("no_persistent_compilation_cache")
 @GPU_COMPILE_TIER[0]
 @GPU_COMPILE_TIER[1]
 def test_the_estimate_takes_the_layers_expert_path(arguments, path):
   """The estimate's rate is the path the layer's call plan takes (`moejax.plan_call`, what
-  `moe_apply` runs), not a rule of its own: the rows of the call and the quantized format
-  decide, not the local experts alone."""
-  report = planner.fit(TINY, "h200", **{"tokens_per_device": 256, **arguments})
+  `moe_apply` runs), not a rule of its own: the rows of the call, the quantized format and
+  the backend asked for decide, not the local experts alone."""
+  with expect_triton_deprecation() if path == "fused" else contextlib.nullcontext():
+    report = planner.fit(TINY, "h200", **{"tokens_per_device": 256, **arguments})
   assert report.expert_path == path
   assert f"the layer's path: {path}" in " ".join(report.estimate.assumptions)
+  # no kernel's layer rate is recorded: the fused path is estimated at the tile loop's
+  assert ("no fused kernel rate" in report.estimate.rate_source) == (path == "fused")
 
 
 @pytest.mark.parametrize("job", ["infer", "lora", "train"])
@@ -276,6 +282,11 @@ def test_find_tries_the_fewest_nodes_first_and_stops_at_the_first_plan_that_fits
     "--job train --expert-quant none --compute-quant fp8_deepseek --dispatch-quant fp8"
   )
   assert vars(parser().parse_args(shlex.split(search.command)[3:])).items() >= fp8.items()
+  plan = dict(
+    expert_parallel=8, expert_fsdp=False, shared_fsdp=False, dispatch="auto", remat="none"
+  )
+  fused = fit_search.command("qwen3-30b-a3b", "h200", 1, 8, plan, dict(expert_backend="fused"))
+  assert parser().parse_args(shlex.split(fused)[3:]).backend == "fused"
   never = lambda *args, **kwargs: types.SimpleNamespace(fits=False, per_device_bytes={"total": 1})
   monkeypatch.setattr(fit_search, "fit", never)
   search = fit_search.find("qwen3-30b-a3b", "h100", max_nodes=2)

@@ -195,6 +195,13 @@ def parser() -> argparse.ArgumentParser:
   )
   _fp8_flags(fit_flags)
   fit_flags.add_argument(
+    "--backend",
+    default="auto",
+    choices=BACKENDS,
+    help="the experts' backend (expert_backend): auto takes XLA on a GPU without a tuning "
+    "entry; fused compiles the fused path's kernels",
+  )
+  fit_flags.add_argument(
     "--tokens-per-device", type=positive_int, default=4096, help="tokens each device holds"
   )
   fit_flags.add_argument(

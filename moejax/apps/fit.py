@@ -231,6 +231,7 @@ def fit(
   lora_rank: int = 16,
   compute_quant: str | None = None,
   dispatch_quant: str | None = None,
+  expert_backend: str = "auto",
   tokens_per_device: int = 4096,
   expert_parallel: int | None = None,
   expert_fsdp: bool = False,
@@ -259,6 +260,9 @@ def fit(
       The program compiled is the one moejax runs: the recipe emulated on the XLA tile loop
       (float32 products of the dequantized operands; the backward keeps the bf16 rows, as
       without it, and quantizes again), so its memory is the compiled figures.
+    expert_backend: `MoEConfig`'s: "auto" (what a GPU takes without a tuning entry: XLA),
+      "xla", "pallas" (the grouped-matmul kernels) or "fused" (`kernels_pallas.fused_moe`,
+      its Triton kernels compiled for the target).
     tokens_per_device: tokens each device holds per step.
     expert_parallel: devices of the expert axis (default: the most that divide both the
       devices and the experts); the rest form the data axis.
@@ -297,6 +301,7 @@ def fit(
     shared_fsdp=shared_fsdp,
     compute_quant=compute_quant,
     dispatch_quant=dispatch_quant,
+    expert_backend=expert_backend,
   )
   ep = _expert_parallel(expert_parallel, devices, config.num_experts)
   mesh_shape = {"data": devices // ep, "expert": ep}
@@ -424,7 +429,8 @@ def model_json(model: str | Path | dict[str, Any]) -> tuple[str, dict[str, Any]]
 
 def _config(config_json, job, expert_quant, lora_rank, compute_quant=None, **settings):
   """The MoEConfig of the job: bf16, the experts in the chosen format, `settings` (dispatch,
-  receive_capacity_factor, chunk_size, expert_fsdp, shared_fsdp, dispatch_quant) as given,
+  receive_capacity_factor, chunk_size, expert_fsdp, shared_fsdp, dispatch_quant,
+  expert_backend) as given,
   then `compute_quant`. A family whose layers differ only in their activations' clamps
   (Step-3.7) is planned with its first MoE layer's config: the clamps change no shape. Blocks
   with parts (ERNIE-4.5-VL) and layers without a router of their own (ZAYA) are refused,
@@ -624,8 +630,9 @@ def _efficiency(call: CallPlan, config: MoEConfig, gpu: Gpu) -> tuple[str, float
   call plan took: the forward a tuning file measured for the call on this GPU kind (its
   winner's, at its rows: each device's local (row, choice) assignments, 6·D·F FLOPs each),
   else the recorded H200 run's: ragged_dot's forward at 8 local experts (its best: the rate
-  falls as they grow), else the tile loop's at 32. The Pallas kernels have no recorded layer
-  rate: without a tuning entry they are estimated at the tile loop's, and the report says so."""
+  falls as they grow), else the tile loop's at 32. The Pallas kernels (the fused path's too)
+  have no recorded layer rate: without a tuning entry they are estimated at the tile loop's,
+  and the report says so."""
   tuned = call.tuned
   if tuned is not None and tuned.candidate.forward_ms:
     devices = config.num_physical_experts // tuned.entry.case["local_experts"]
@@ -635,7 +642,9 @@ def _efficiency(call: CallPlan, config: MoEConfig, gpu: Gpu) -> tuple[str, float
     return source, rate / gpu.peak_bf16_flops
   path = call.expert.path
   key = ("ragged_dot", 8) if path == "ragged_dot" else ("tile loop", 32)
-  source = f"the XLA {key[0]} path" if path != "pallas" else "the tile loop (no kernel rate)"
+  source = f"the XLA {key[0]} path"
+  if path in ("pallas", "fused"):
+    source = f"the tile loop (no {path} kernel rate)"
   recorded = _RECORDED_FLOPS / (RECORDED_H200_MS[key] * 1e-3) / GPUS["h200"].peak_bf16_flops
   return f"{source} in the recorded H200 run", recorded
 

@@ -105,6 +105,7 @@ def _job(args: argparse.Namespace) -> dict:
     lora_rank=args.lora_rank,
     compute_quant=args.compute_quant,
     dispatch_quant=args.dispatch_quant,
+    expert_backend=args.backend,
     tokens_per_device=args.tokens_per_device,
     chunk_size=args.chunk_size,
   )

@@ -103,7 +103,8 @@ def find(
     max_nodes: the most nodes to try.
     report: called with each plan as it is tried (the command line prints them).
     fixed: `fit`'s other arguments (job, expert_quant, lora_rank, compute_quant,
-      dispatch_quant, tokens_per_device, chunk_size), the same for every plan.
+      dispatch_quant, expert_backend, tokens_per_device, chunk_size), the same for every
+      plan.
 
   Returns:
     The `Search`.
@@ -155,6 +156,8 @@ def command(model, gpu: str, nodes: int, gpus_per_node: int, plan: dict, fixed: 
     for key in ("compute_quant", "dispatch_quant")
     if fixed.get(key) is not None
   ]
+  if fixed.get("expert_backend", "auto") != "auto":
+    flags.append(f"--backend {fixed['expert_backend']}")
   if fixed.get("chunk_size", "auto") != "auto":
     flags.append(f"--chunk-size {fixed['chunk_size']}")
   return " ".join(flags)
