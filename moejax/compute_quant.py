@@ -3,26 +3,32 @@ fly to float8_e4m3fn with float32 scales, from the float master weights, in trai
 inference.
 
 Every product an expert computes is one of three kinds, and each recipe says how its two
-operands are grouped (a group shares one scale; scale = amax(|group|) / 448, a group of zeros
-takes scale 1; values x / scale rounded to nearest even in e4m3fn; the products of the
-dequantized values summed in float32):
+operands are grouped (a group shares one scale; values x / scale rounded to nearest even in
+e4m3fn; the products of the dequantized values summed in float32). "fp8_deepseek" and
+"fp8_rowwise" scale each group by amax(|group|) / 448 (float32); "mxfp8", the block-scaled
+format of Blackwell's tensor cores (OCP MX), by a power of two (e8m0): 2^ceil(log2(amax /
+448)), the smallest that keeps every value within e4m3's 448, as NVIDIA's MXFP8 training
+recipe rounds it (no value saturates). A group of zeros takes scale 1.
 
-================  =============================  ==============================================
-product           "fp8_deepseek" (DeepSeek-V3)   "fp8_rowwise"
-================  =============================  ==============================================
-forward  a @ W    a: 1x128 along the contraction a: one scale per row
-                  W: 128x128 blocks of [in, out]  W: one scale per output column
-dgrad    g @ W^T  g: 1x128 along the contraction g: one scale per row
-                  W: the forward's blocks         W: the forward's scales (per W's column)
-wgrad    a^T @ g  a, g: 128x1 along the tokens   a, g: one scale per column, over the tokens
-================  =============================  ==============================================
+================  =============================  ============================  =================
+product           "fp8_deepseek" (DeepSeek-V3)   "fp8_rowwise"                 "mxfp8"
+================  =============================  ============================  =================
+forward  a @ W    a: 1x128 along the contraction a: one scale per row          a: 1x32 along the
+                  W: 128x128 blocks of [in, out]  W: one scale per output       contraction
+                                                 column                        W: 32x1 along it
+dgrad    g @ W^T  g: 1x128 along the contraction g: one scale per row          g: 1x32, W: 1x32
+                  W: the forward's blocks         W: the forward's scales (per  (W quantized
+                                                 W's column)                   again, along out)
+wgrad    a^T @ g  a, g: 128x1 along the tokens   a, g: one scale per column,   a, g: 32x1 along
+                                                 over the tokens               the tokens
+================  =============================  ============================  =================
 
 (forward: x @ W_gate_up and hidden @ W_down; dgrad: the cotangents through W_down and
 W_gate_up; wgrad: the weights' gradients, whose token axis is the rows of one tile of the
-tile loop, B <= 128 of one expert's rows: one group each.) The master weights and their
-gradients stay in their float dtypes; the router, the shared experts and adapters compute
-unquantized. `fp8_deepseek` needs D and F to be multiples of 128 (its groups): `MoEConfig`
-says so.
+tile loop: whole groups of the recipe's, or one group where the tile is shorter.) The master
+weights and their gradients stay in their float dtypes; the router, the shared experts and
+adapters compute unquantized. `fp8_deepseek` needs D and F to be multiples of 128, `mxfp8` of
+32 (their groups): `MoEConfig` says so.
 
 On the XLA paths the quantization is emulated: dequantized values multiplied in float32 at
 full precision, the numerics a Hopper kernel that promotes its fp8 sums to float32 every 128
@@ -36,29 +42,40 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
-ComputeQuant = Literal["fp8_deepseek", "fp8_rowwise"]
-RECIPES: tuple[str, ...] = ("fp8_deepseek", "fp8_rowwise")
+ComputeQuant = Literal["fp8_deepseek", "fp8_rowwise", "mxfp8"]
+RECIPES: tuple[str, ...] = ("fp8_deepseek", "fp8_rowwise", "mxfp8")
 GROUP = 128  # fp8_deepseek's group along an axis
+MX_GROUP = 32  # mxfp8's
 E4M3_MAX = 448.0
 Product = Literal["forward", "dgrad", "wgrad"]
 
 
-def fake_quantized(x: jax.Array, group_shape: tuple[int | None, int | None]) -> jax.Array:
+def fake_quantized(
+  x: jax.Array, group_shape: tuple[int | None, int | None], power_of_two: bool = False
+) -> jax.Array:
   """x [M, N] quantized to float8_e4m3fn in groups and dequantized, in float32.
 
   Args:
     x: [M, N] float.
     group_shape: (rows, cols) of a group; None for the whole axis, and the whole axis where
       it is shorter than the group (a tile of fewer than 128 tokens is one group).
+    power_of_two: each scale rounded up to a power of two (mxfp8's e8m0 scales), else
+      amax / 448 as it is.
 
   >>> fake_quantized(jnp.array([[448.0, 1.0, 1.1], [0.0, 0.0, 0.0]]), (1, None)).tolist()
   [[448.0, 1.0, 1.125], [0.0, 0.0, 0.0]]
+  >>> fake_quantized(jnp.array([[500.0, 1.1, 0.3]]), (1, None), power_of_two=True).tolist()
+  [[512.0, 1.125, 0.3125]]
+
+  (500 / 448 rounds up to the scale 2; 250, 0.55 and 0.15 are then rounded in e4m3.)
   """
   rows, cols = x.shape
   gr, gc = (min(g or size, size) for g, size in zip(group_shape, x.shape, strict=True))
   grouped = x.astype(jnp.float32).reshape(rows // gr, gr, cols // gc, gc)
   amax = jnp.max(jnp.abs(grouped), axis=(1, 3), keepdims=True)
   scale = jnp.where(amax > 0, amax / E4M3_MAX, 1.0)
+  if power_of_two:
+    scale = jnp.exp2(jnp.ceil(jnp.log2(scale)))
   values = (grouped / scale).astype(jnp.float8_e4m3fn)
   return (values.astype(jnp.float32) * scale).reshape(rows, cols)
 
@@ -66,6 +83,8 @@ def fake_quantized(x: jax.Array, group_shape: tuple[int | None, int | None]) -> 
 def _groups(recipe: str, product: Product) -> tuple[tuple, tuple]:
   """(lhs group, rhs group) of a product `lhs @ rhs` as it is multiplied: forward a @ W,
   dgrad g @ W^T (rhs = W^T, W's groups transposed), wgrad a^T @ g (lhs = a^T)."""
+  if recipe == "mxfp8":  # along each product's contraction; W^T quantized along W's out
+    return ((1, MX_GROUP), (MX_GROUP, 1))
   if recipe == "fp8_deepseek":
     return {
       "forward": ((1, GROUP), (GROUP, GROUP)),
@@ -86,18 +105,26 @@ def matmul(lhs: jax.Array, rhs: jax.Array, recipe: str | None, product: Product)
   if recipe is None:
     return jnp.dot(lhs, rhs, preferred_element_type=jnp.float32)
   lhs_group, rhs_group = _groups(recipe, product)
-  lhs_q, rhs_q = fake_quantized(lhs, lhs_group), fake_quantized(rhs, rhs_group)
+  power_of_two = recipe == "mxfp8"
+  lhs_q = fake_quantized(lhs, lhs_group, power_of_two)
+  rhs_q = fake_quantized(rhs, rhs_group, power_of_two)
   return jnp.dot(lhs_q, rhs_q, precision=jax.lax.Precision.HIGHEST)
+
+
+def token_group(recipe: str | None) -> int | None:
+  """The recipe's group along an axis (its wgrad's along the tokens), or None (whole axes)."""
+  return {"fp8_deepseek": GROUP, "mxfp8": MX_GROUP}.get(recipe)
 
 
 def size_reason(recipe: str | None, hidden_size: int, intermediate_size: int) -> str | None:
   """Why the recipe cannot quantize these widths (not multiples of its group), or None."""
-  if recipe != "fp8_deepseek":
+  group = token_group(recipe)
+  if group is None:
     return None
   for name, size in (("hidden_size", hidden_size), ("intermediate_size", intermediate_size)):
-    if size % GROUP:
+    if size % group:
       return (
-        f"compute_quant='fp8_deepseek' quantizes in groups of {GROUP}: {name}={size} must be "
-        f"a multiple of {GROUP}"
+        f"compute_quant={recipe!r} quantizes in groups of {group}: {name}={size} must be "
+        f"a multiple of {group}"
       )
   return None

@@ -229,10 +229,11 @@ class MoEConfig:
     compute_quant: None (the expert matmuls multiply their operands as they are) or a recipe
       that quantizes both operands of every expert product to float8_e4m3fn on the fly, in
       training and inference, from the float master weights: "fp8_deepseek" (DeepSeek-V3's
-      1x128 activation groups and 128x128 weight blocks; D and F multiples of 128) or
-      "fp8_rowwise" (a scale per row of activations, per output column of weights). The
-      scales, product by product: `moejax.compute_quant`. Runs on the tile loop; not with
-      `expert_quant`.
+      1x128 activation groups and 128x128 weight blocks; D and F multiples of 128),
+      "fp8_rowwise" (a scale per row of activations, per output column of weights) or
+      "mxfp8" (Blackwell's block-scaled format: power-of-two scales per 32 values along each
+      product's contraction; D and F multiples of 32). The scales, product by product:
+      `moejax.compute_quant`. Runs on the tile loop; not with `expert_quant`.
     dispatch_quant: None, or "fp8": the rows the expert axis exchanges travel as
       float8_e4m3fn values with a float32 scale per 1x128 group (half bf16's bytes),
       dequantized on arrival; their cotangents return unquantized (`moejax.fp8_exchange`).

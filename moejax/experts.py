@@ -63,8 +63,9 @@ def tile_rows_for(config: MoEConfig, num_rows: int) -> int:
   if config.batch_invariant:
     return invariance.TILE_ROWS
   rows = default_tile_rows(num_rows, config.num_physical_experts)
-  if config.compute_quant == "fp8_deepseek" and rows > compute_quant.GROUP:
-    return -(-rows // compute_quant.GROUP) * compute_quant.GROUP  # whole wgrad groups
+  group = compute_quant.token_group(config.compute_quant)
+  if group is not None and rows > group:
+    return -(-rows // group) * group  # whole wgrad groups
   return rows
 
 

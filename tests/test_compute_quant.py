@@ -4,6 +4,7 @@ products in float64), and against the unquantized layer: the quantization happen
 sane, forward and gradients, on one device and a 2x4 mesh with both dispatch schemes."""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -25,34 +26,42 @@ T, D, F = 64, 128, 256
 CONFIG = MoEConfig(num_experts=8, top_k=2, hidden_size=D, intermediate_size=F)
 
 
-def quantized(x: np.ndarray, group: tuple[int, int]) -> np.ndarray:
+def quantized(x: np.ndarray, group: tuple[int, int], power_of_two: bool = False) -> np.ndarray:
   """x [M, N] through float8_e4m3fn in groups of `group` (0: the whole axis), dequantized:
-  scale = amax / 448, 1 for a group of zeros, values rounded to nearest even."""
+  scale = amax / 448 (`power_of_two`: the next power of two up from it), 1 for a group of
+  zeros, values rounded to nearest even."""
   rows, cols = x.shape
   gr, gc = group[0] or rows, group[1] or cols
   grouped = x.reshape(rows // gr, gr, cols // gc, gc)
   amax = np.abs(grouped).max(axis=(1, 3), keepdims=True)
   scale = np.where(amax > 0, amax / 448.0, 1.0).astype(np.float32)
+  if power_of_two:
+    scale = 2.0 ** np.ceil(np.log2(scale))
   values = (grouped / scale).astype(np.float32).astype(ml_dtypes.float8_e4m3fn)
   return (values.astype(np.float64) * scale).reshape(rows, cols)
 
 
 # (activation groups, weight groups) of the forward products, per recipe (0: whole axis)
-FORWARD_GROUPS = {"fp8_deepseek": ((1, 128), (128, 128)), "fp8_rowwise": ((1, 0), (0, 1))}
+FORWARD_GROUPS = {
+  "fp8_deepseek": ((1, 128), (128, 128)),
+  "fp8_rowwise": ((1, 0), (0, 1)),
+  "mxfp8": ((1, 32), (32, 1)),
+}
 
 
 def recipe_in_numpy(params, x, ids, weights, recipe: str) -> np.ndarray:
   """sum_k w[n,k] * expert_{e[n,k]}(x[n]) with both forward products quantized by `recipe`."""
   rows, weight_groups = FORWARD_GROUPS[recipe]
+  quantized_ = functools.partial(quantized, power_of_two=recipe == "mxfp8")
   x, ids, weights = (np.asarray(a) for a in (x, ids, weights))
   w_gate_up, w_down = np.asarray(params.w_gate_up), np.asarray(params.w_down)
   out = np.zeros((len(x), D))
   for n, k in np.ndindex(ids.shape):
     e = ids[n, k]
-    gate_up = quantized(x[n : n + 1], rows) @ quantized(w_gate_up[e], weight_groups)
+    gate_up = quantized_(x[n : n + 1], rows) @ quantized_(w_gate_up[e], weight_groups)
     gate, up = gate_up[:, :F], gate_up[:, F:]
     hidden = (gate / (1 + np.exp(-gate)) * up).astype(np.float32)  # silu, compute dtype
-    out[n] += weights[n, k] * (quantized(hidden, rows) @ quantized(w_down[e], weight_groups))[0]
+    out[n] += weights[n, k] * (quantized_(hidden, rows) @ quantized_(w_down[e], weight_groups))[0]
   return out
 
 
@@ -71,7 +80,7 @@ def _inputs(seed: int):
   return params, x, ids.astype(jnp.int32), weights
 
 
-@pytest.mark.parametrize("recipe", ["fp8_deepseek", "fp8_rowwise"])
+@pytest.mark.parametrize("recipe", ["fp8_deepseek", "fp8_rowwise", "mxfp8"])
 def test_the_forward_is_the_recipe_written_out(recipe):
   params, x, ids, weights = _inputs(1)
   config = dataclasses.replace(CONFIG, compute_quant=recipe)
@@ -88,6 +97,7 @@ def test_the_forward_is_the_recipe_written_out(recipe):
   [
     ("fp8_deepseek", None, "all_gather", False),
     ("fp8_rowwise", None, "all_gather", False),
+    ("mxfp8", None, "all_gather", False),
     slow("fp8_deepseek", (2, 4), "all_gather", False),
     slow("fp8_deepseek", (2, 4), "all_to_all", False),
     slow("fp8_deepseek", (2, 4), "all_to_all", True),
@@ -95,6 +105,7 @@ def test_the_forward_is_the_recipe_written_out(recipe):
   ids=[
     "deepseek one device",
     "rowwise one device",
+    "mxfp8 one device",
     "2x4 all_gather",
     "2x4 all_to_all",
     "2x4 all_to_all fp8 exchange",
@@ -181,6 +192,10 @@ def test_a_group_of_zeros_and_the_largest_value_survive():
     (
       dict(compute_quant="fp8_deepseek", intermediate_size=192),
       r"quantizes in groups of 128: intermediate_size=192 must be a multiple of 128",
+    ),
+    (
+      dict(compute_quant="mxfp8", hidden_size=144),
+      r"'mxfp8' quantizes in groups of 32: hidden_size=144 must be a multiple of 32",
     ),
     (
       dict(compute_quant="fp8_rowwise", expert_quant="fp8_block"),

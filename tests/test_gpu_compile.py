@@ -206,6 +206,7 @@ PATHS = {
   ),
   # fp8 compute: every product's operands quantized, forward and backward (emulated in XLA)
   "compute-quant-fp8-deepseek": (dict(compute_quant="fp8_deepseek"), EXPERT_MESH),
+  "compute-quant-mxfp8": (dict(compute_quant="mxfp8"), EXPERT_MESH),  # power-of-two scales
   # the fp8 exchange: fp8 rows and scales over all_gather / ragged_all_to_all
   **{
     f"fp8-exchange-{scheme}": (
