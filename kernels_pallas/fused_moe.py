@@ -8,8 +8,8 @@ tokens through the aligned rows' index (`row_assignment // K`), never a permuted
 
 forward (`fused_moe_mlp`)::
 
-  hidden[r] = act(x[source(r)] @ W_gate_up[e(r)])          # gathered loads, gated epilogue
-  y[r]      = w[r] * hidden[r] @ W_down[e(r)]              # routing weight in the epilogue
+  hidden[r] = act(x[source(r)] @ W_gate_up[e(r)] + b_gate_up[e(r)])  # gathered loads, gated
+  y[r]      = w[r] * (hidden[r] @ W_down[e(r)] + b_down[e(r)])    # epilogues (biases if any)
   out[n]    = sum_k y[slot[n, k]]                          # a gather and sum over K, no scatter
 
 backward (`jax.custom_vjp`; the differentiated forward also stores gate|up, [rows, 2F])::
@@ -19,6 +19,8 @@ backward (`jax.custom_vjp`; the differentiated forward also stores gate|up, [row
   dW_down[e] = hidden[rows of e]^T @ (w dout[source])[rows of e]   # gathered rhs
   dW_gate_up[e] = x[source(rows of e)]^T @ d(gate|up)[rows of e]   # gathered lhs
   dx[n]      = sum_k (d(gate|up) @ W_gate_up[e]^T)[slot[n, k]]
+  db_gate_up[e] = sum of d(gate|up)[rows of e]; db_down[e] = sum_n (sum_k w [e(n,k) = e]) dout[n]
+  dw[r]     += dout[source(r)] . b_down[e(r)]              # the biases' terms, in XLA
 
 Every activation is a `(gate, up) -> hidden` function traced into the epilogues (its
 derivative by `jax.vjp` there), so any elementwise activation Triton lowers is fused. The
@@ -207,11 +209,17 @@ def _gathered_products(
   )  # fmt: skip
 
 
+def _expert_bias(bias_ref, expert, col, width: int) -> jax.Array:
+  """[1, width] float32 bias[expert, col:col+width]."""
+  return plgpu.load(bias_ref.at[expert, pl.ds(col, width)]).astype(jnp.float32)[None, :]
+
+
 def _up_kernel(
-  tile_expert_ref, num_tiles_ref, row_assignment_ref, x_ref, w_ref, hidden_ref, *pre_refs,
-  top_k, settings,
+  tile_expert_ref, num_tiles_ref, row_assignment_ref, x_ref, w_ref, bias_ref, hidden_ref,
+  *pre_refs, top_k, biased, settings,
 ):  # fmt: skip
-  """One (tile, F block): hidden = act(x[rows] @ W_gate_up[e]); gate|up kept with `pre_refs`."""
+  """One (tile, F block): hidden = act(x[rows] @ W_gate_up[e] (+ b_gate_up[e] if `biased`));
+  gate|up kept with `pre_refs`."""
   bm, bn = settings.blocks.block_m, settings.blocks.block_n
   tile, block = pl.program_id(0), pl.program_id(1)
   hidden_width = hidden_ref.shape[1]
@@ -223,6 +231,10 @@ def _up_kernel(
       (block * bn, hidden_width + block * bn), top_k=top_k, transpose_rhs=False,
       settings=settings,
     )  # fmt: skip
+    if biased:
+      expert = tile_expert_ref[tile]
+      gate = gate + _expert_bias(bias_ref, expert, block * bn, bn)
+      up = up + _expert_bias(bias_ref, expert, hidden_width + block * bn, bn)
     out_rows = pl.ds(tile * bm, bm)
     hidden = settings.activation(gate, up)
     plgpu.store(hidden_ref.at[out_rows, pl.ds(block * bn, bn)], hidden.astype(hidden_ref.dtype))
@@ -233,11 +245,11 @@ def _up_kernel(
 
 
 def _aligned_kernel(
-  tile_expert_ref, num_tiles_ref, row_weight_ref, lhs_ref, w_ref, out_ref, *, transpose_rhs,
-  weighted, settings,
+  tile_expert_ref, num_tiles_ref, row_weight_ref, lhs_ref, w_ref, bias_ref, out_ref, *,
+  transpose_rhs, weighted, biased, settings,
 ):  # fmt: skip
   """One (tile, output block) of out = lhs @ W[e] (W[e]^T with `transpose_rhs`) on aligned
-  rows, times each row's weight when `weighted`."""
+  rows, plus bias[e] when `biased`, times each row's weight when `weighted`."""
   bm, bn = settings.blocks.block_m, settings.blocks.block_n
   tile, block = pl.program_id(0), pl.program_id(1)
 
@@ -249,6 +261,8 @@ def _aligned_kernel(
       w_ref, tile_expert_ref[tile], (block * bn,),
       k_size=lhs_ref.shape[1], transpose_rhs=transpose_rhs, settings=settings,
     )  # fmt: skip
+    if biased:
+      out = out + _expert_bias(bias_ref, tile_expert_ref[tile], block * bn, bn)
     if weighted:
       out = out * plgpu.load(row_weight_ref.at[rows])[:, None]
     plgpu.store(out_ref.at[rows, pl.ds(block * bn, bn)], out.astype(out_ref.dtype))
@@ -328,28 +342,38 @@ def _call(kernel, out_shapes, grid, settings: FusedSettings, name: str, *operand
   )(*operands)
 
 
-def _up(x, w_gate_up, layout: FusedLayout, settings: FusedSettings, *, keep_pre: bool):
-  """hidden [Ma, F] (and gate|up [Ma, 2F] with `keep_pre`), in x's dtype."""
+def _unread_if_none(bias: jax.Array | None) -> jax.Array:
+  """The bias operand of a kernel: itself, or a stand-in the kernel never reads."""
+  return jnp.zeros((1, 1), jnp.float32) if bias is None else bias
+
+
+def _up(x, w_gate_up, b_gate_up, layout: FusedLayout, settings: FusedSettings, *, keep_pre: bool):
+  """hidden [Ma, F] (and gate|up [Ma, 2F], biases added, with `keep_pre`), in x's dtype."""
   top_k = layout.slot.shape[1]
   aligned, hidden_width = layout.row_assignment.shape[0], w_gate_up.shape[2] // 2
   shapes = [out_struct((aligned, hidden_width), x.dtype, like=x)]
   if keep_pre:
     shapes.append(out_struct((aligned, 2 * hidden_width), x.dtype, like=x))
-  kernel = functools.partial(_up_kernel, top_k=top_k, settings=settings)
+  kernel = functools.partial(
+    _up_kernel, top_k=top_k, biased=b_gate_up is not None, settings=settings
+  )
   grid = (layout.tile_expert.shape[0], hidden_width // settings.blocks.block_n)
   return _call(
     kernel, shapes, grid, settings, "fused_moe_up",
     layout.tile_expert, layout.num_tiles, layout.row_assignment, x, w_gate_up,
+    _unread_if_none(b_gate_up),
   )  # fmt: skip
 
 
-def _aligned(lhs, w, row_weight, layout: FusedLayout, settings, *, transpose_rhs, out_dtype):
-  """[Ma, N] = lhs @ W[e] per tile (W[e]^T with `transpose_rhs`), rows times `row_weight`
-  unless it is None."""
+def _aligned(
+  lhs, w, row_weight, layout: FusedLayout, settings, *, transpose_rhs, out_dtype, bias=None
+):
+  """[Ma, N] = lhs @ W[e] per tile (W[e]^T with `transpose_rhs`), plus `bias[e]` unless it is
+  None, rows times `row_weight` unless it is None."""
   width = w.shape[1] if transpose_rhs else w.shape[2]
   kernel = functools.partial(
     _aligned_kernel, transpose_rhs=transpose_rhs, weighted=row_weight is not None,
-    settings=settings,
+    biased=bias is not None, settings=settings,
   )  # fmt: skip
   if row_weight is None:
     row_weight = jnp.zeros(lhs.shape[0], jnp.float32)
@@ -357,7 +381,7 @@ def _aligned(lhs, w, row_weight, layout: FusedLayout, settings, *, transpose_rhs
   grid = (layout.tile_expert.shape[0], width // settings.blocks.block_n)
   return _call(
     kernel, shape, grid, settings, "fused_moe_aligned",
-    layout.tile_expert, layout.num_tiles, row_weight, lhs, w,
+    layout.tile_expert, layout.num_tiles, row_weight, lhs, w, _unread_if_none(bias),
   )  # fmt: skip
 
 
@@ -388,28 +412,59 @@ def _sum_over_choices(rows: jax.Array, layout: FusedLayout) -> jax.Array:
   return jnp.sum(picked.astype(jnp.float32), axis=1)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _fused(x, weights, w_gate_up, w_down, layout, settings):
-  out, _ = _fused_forward(x, weights, w_gate_up, w_down, layout, settings, keep_pre=False)
+class Experts(NamedTuple):
+  """The local experts' float weights: w_gate_up [El, D, 2F], w_down [El, F, D], and biases
+  b_gate_up [El, 2F] and b_down [El, D], or None."""
+
+  w_gate_up: jax.Array
+  w_down: jax.Array
+  b_gate_up: jax.Array | None
+  b_down: jax.Array | None
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _fused(x, weights, experts: Experts, layout, settings):
+  out, _ = _fused_forward(x, weights, experts, layout, settings, keep_pre=False)
   return out
 
 
-def _fused_forward(x, weights, w_gate_up, w_down, layout, settings, *, keep_pre):
+def _fused_forward(x, weights, experts: Experts, layout, settings, *, keep_pre):
   row_weight = _row_weight(weights, layout)
-  hidden, *pre = _up(x, w_gate_up, layout, settings, keep_pre=keep_pre)
-  y = _aligned(hidden, w_down, row_weight, layout, settings, transpose_rhs=False, out_dtype=x.dtype)
+  hidden, *pre = _up(x, experts.w_gate_up, experts.b_gate_up, layout, settings, keep_pre=keep_pre)
+  y = _aligned(
+    hidden, experts.w_down, row_weight, layout, settings, transpose_rhs=False, out_dtype=x.dtype,
+    bias=experts.b_down,
+  )  # fmt: skip
   return _sum_over_choices(y, layout), (pre[0] if pre else None, row_weight)
 
 
-def _fused_fwd(x, weights, w_gate_up, w_down, layout, settings):
-  out, (pre, row_weight) = _fused_forward(
-    x, weights, w_gate_up, w_down, layout, settings, keep_pre=True
-  )
-  return out, (x, weights, w_gate_up, w_down, layout, pre, row_weight)
+def _fused_fwd(x, weights, experts: Experts, layout, settings):
+  out, (pre, row_weight) = _fused_forward(x, weights, experts, layout, settings, keep_pre=True)
+  return out, (x, weights, experts, layout, pre, row_weight)
+
+
+def _bias_grads(d_pre, d_out, row_weight, b_down, layout: FusedLayout, block_m: int):
+  """(d b_gate_up [El, 2F], d b_down [El, D], the routing weights' bias term [Ma]), float32,
+  in XLA: sums over each expert's aligned rows, read where they hold an assignment."""
+  (tokens, top_k), experts = layout.slot.shape, b_down.shape[0]
+  held = layout.row_assignment < tokens * top_k  # [Ma]
+  row_expert = jnp.repeat(layout.tile_expert, block_m)  # [Ma]
+  source = jnp.minimum(layout.row_assignment // top_k, tokens - 1)
+  d_pre = jnp.where(held[:, None], d_pre.astype(jnp.float32), 0.0)
+  d_b_gate_up = jax.ops.segment_sum(d_pre, row_expert, num_segments=experts)
+  d_out = d_out.astype(jnp.float32)
+  # [El, N]: each token's routing weights toward each expert, then times its cotangent
+  token_weights = jnp.zeros((experts, tokens), jnp.float32)
+  token_weights = token_weights.at[row_expert, source].add(jnp.where(held, row_weight, 0.0))
+  d_b_down = token_weights @ d_out
+  # dout[source(r)] . b_down[e(r)], from [N, El] products of every token with every bias
+  per_expert = d_out @ b_down.astype(jnp.float32).T
+  return d_b_gate_up, d_b_down, jnp.where(held, per_expert[source, row_expert], 0.0)
 
 
 def _fused_bwd(settings, residuals, d_out):
-  x, weights, w_gate_up, w_down, layout, pre, row_weight = residuals
+  x, weights, experts, layout, pre, row_weight = residuals
+  w_gate_up, w_down = experts.w_gate_up, experts.w_down
   num_experts, hidden_width = w_down.shape[:2]
   d_out = d_out.astype(x.dtype)
   d_blocks = hidden_width // settings.blocks.block_n
@@ -436,20 +491,22 @@ def _fused_bwd(settings, residuals, d_out):
   )
   d_x = _sum_over_choices(d_x_rows, layout).astype(x.dtype)
   d_row_weight = jnp.sum(d_weight_parts, axis=0)  # [Ma]
+  d_biases = (None, None)
+  if experts.b_down is not None:  # biases come in pairs (`fused_moe_mlp`)
+    d_b_gate_up, d_b_down, bias_term = _bias_grads(
+      d_pre, d_out, row_weight, experts.b_down, layout, settings.blocks.block_m
+    )
+    d_row_weight = d_row_weight + bias_term
+    d_biases = (d_b_gate_up.astype(experts.b_gate_up.dtype), d_b_down.astype(experts.b_down.dtype))
   d_weights = jnp.take(d_row_weight, layout.slot, mode="fill", fill_value=0)  # [N, K]
-  return (
-    d_x,
-    d_weights.astype(weights.dtype),
-    d_w_gate_up.astype(w_gate_up.dtype),
-    d_w_down.astype(w_down.dtype),
-    None,
-  )
+  d_experts = Experts(d_w_gate_up.astype(w_gate_up.dtype), d_w_down.astype(w_down.dtype), *d_biases)
+  return (d_x, d_weights.astype(weights.dtype), d_experts, None)
 
 
 _fused.defvjp(_fused_fwd, _fused_bwd)
 
 
-def _check_shapes(x, expert_ids, weights, w_gate_up, w_down) -> None:
+def _check_shapes(x, expert_ids, weights, w_gate_up, w_down, b_gate_up, b_down) -> None:
   """Raises ValueError naming the first argument whose shape disagrees with the others."""
   if x.ndim != 2 or w_down.ndim != 3:
     raise ValueError(f"x must be [N, D] and w_down [El, F, D], got {x.shape} and {w_down.shape}")
@@ -460,6 +517,11 @@ def _check_shapes(x, expert_ids, weights, w_gate_up, w_down) -> None:
     "w_gate_up": (w_gate_up.shape, (experts, dim, 2 * hidden)),
     "w_down": (w_down.shape, (experts, hidden, dim)),
   }
+  if (b_gate_up is None) != (b_down is None):
+    raise ValueError("b_gate_up and b_down are given together or not at all")
+  if b_gate_up is not None:
+    expected["b_gate_up"] = (b_gate_up.shape, (experts, 2 * hidden))
+    expected["b_down"] = (b_down.shape, (experts, dim))
   for name, (got, want) in expected.items():
     if tuple(got) != tuple(want):
       raise ValueError(f"{name} has shape {tuple(got)}; expected {tuple(want)}")
@@ -471,6 +533,8 @@ def fused_moe_mlp(
   weights: jax.Array,
   w_gate_up: jax.Array,
   w_down: jax.Array,
+  b_gate_up: jax.Array | None = None,
+  b_down: jax.Array | None = None,
   *,
   activation: Activation,
   blocks: TritonBlocks | None = None,
@@ -478,7 +542,7 @@ def fused_moe_mlp(
   interpret: bool = False,
 ) -> jax.Array:
   """y[n] = sum_k weights[n, k] * down_{e[n,k]}(act(gate_up_{e[n,k]}(x[n]))), differentiable
-  in x, weights and both weight arrays.
+  in x, weights, both weight arrays and the biases.
 
   Args:
     x: [N, D] tokens in the compute dtype.
@@ -486,6 +550,8 @@ def fused_moe_mlp(
     weights: [N, K] float32 combine weights.
     w_gate_up: [El, D, 2F] gate | up columns, x's dtype.
     w_down: [El, F, D], x's dtype.
+    b_gate_up, b_down: [El, 2F] and [El, D] biases added before the activation and before the
+      routing weight (GPT-OSS's experts), both or neither.
     activation: (gate, up) -> hidden on [bm, bn] float32 tiles, hashable; traced into the
       kernels (Triton must lower it: no erf).
     blocks: `TritonBlocks` (None: `default_blocks`); D and F multiples of block_n and block_k.
@@ -499,7 +565,7 @@ def fused_moe_mlp(
     ValueError: an argument's shape that disagrees with the others, named.
     NotImplementedError: the widths or this JAX cannot run the kernels (`unsupported_reason`).
   """
-  _check_shapes(x, expert_ids, weights, w_gate_up, w_down)
+  _check_shapes(x, expert_ids, weights, w_gate_up, w_down, b_gate_up, b_down)
   dim = x.shape[1]
   hidden_width = w_down.shape[1]
   blocks = blocks or default_blocks(expert_ids.size, dim, hidden_width)
@@ -508,4 +574,5 @@ def fused_moe_mlp(
     raise NotImplementedError(reason)
   layout = counted_layout(expert_ids, w_down.shape[0], blocks.block_m)
   settings = FusedSettings(activation, blocks, precision, interpret)
-  return _fused(x, weights.astype(jnp.float32), w_gate_up, w_down, layout, settings)
+  experts = Experts(w_gate_up, w_down, b_gate_up, b_down)
+  return _fused(x, weights.astype(jnp.float32), experts, layout, settings)

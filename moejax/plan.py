@@ -7,7 +7,8 @@ on an H200 (docs/performance.md, "GPU"):
 
 - "tile_loop" (`experts.tile_loop_mlp`): one dense MLP per tile of an expert's rows. On a CPU
   it runs near the dense-matmul rate, where `jax.lax.ragged_dot` is an order of magnitude
-  slower; it is also the only path with expert biases and GPT-OSS's activation.
+  slower; it is also, with the fused path, the only one with expert biases (GPT-OSS's
+  experts).
 - "ragged_dot" (`experts.grouped_matmul_mlp` on XLA): XLA's GPU lowering expands it densely over the
   groups (it reads every local expert), so it wins only on small calls: on the H200 (bf16,
   2026-12-04) 3.7-6.5x the tile loop's speed at 2-512 (row, choice) assignments over 32
@@ -18,9 +19,9 @@ on an H200 (docs/performance.md, "GPU"):
 - "pallas" (`experts.grouped_matmul_mlp` on a kernel): the fused `kernels_pallas.moe_mlp`; the
   registry picks the kernel (`kernels_pallas.backends.select_kernel`).
 - "fused" (`experts.fused_mlp`): `kernels_pallas.fused_moe`, the whole MLP on rows read by
-  index (Pallas Triton), for float experts without biases, adapters or output norms, and not
-  batch-invariant (`fused_unsupported_reason`); only when asked (`expert_backend="fused"`) or
-  where a tuning file measured it fastest.
+  index (Pallas Triton), for float experts (with or without biases) without adapters or
+  output norms, and not batch-invariant (`fused_unsupported_reason`); only when asked
+  (`expert_backend="fused"`) or where a tuning file measured it fastest.
 
 `expert_backend="xla"` takes the better XLA path; "pallas" the device's kernel (interpreted on
 a CPU, for testing); "fused" the fused path where it runs the case (else the tile loop, with a
@@ -174,7 +175,6 @@ def fused_unsupported_reason(config: MoEConfig) -> str | None:
   """Why the fused path cannot run the config's experts, or None."""
   for field, value, what in (
     ("expert_quant", config.expert_quant, "float experts"),
-    ("expert_bias", config.expert_bias, "experts without biases"),
     ("lora_rank", config.lora_rank, "experts without adapters"),
     ("expert_output_norm_eps", config.expert_output_norm_eps, "unnormalized expert outputs"),
     # its tiles follow the call's size; nothing has shown a token's output independent of it

@@ -23,29 +23,38 @@ BLOCKS = TritonBlocks(block_m=16, block_n=16, block_k=16)
 LOCAL_EXPERTS, D, F = 4, 32, 32
 
 
-def per_assignment(x, expert_ids, weights, w_gate_up, w_down, activation):
-  """sum_k w[n,k] * mlp_{e[n,k]}(x[n]) one assignment at a time, float32 at full precision;
-  ids outside [0, El) contribute nothing."""
+def per_assignment(activation, x, expert_ids, weights, w_gate_up, w_down, b_gate_up=0, b_down=0):
+  """sum_k w[n,k] * mlp_{e[n,k]}(x[n]) one assignment at a time, float32 at full precision,
+  the biases (where given) added before the activation and the weight; ids outside [0, El)
+  contribute nothing."""
+  bias = lambda b, experts: b[experts] if isinstance(b, jax.Array) else b
   out = jnp.zeros(x.shape, jnp.float32)
   for k in range(expert_ids.shape[1]):
     expert = expert_ids[:, k]
     local = (expert >= 0) & (expert < w_down.shape[0])
     clipped = jnp.clip(expert, 0, w_down.shape[0] - 1)
     gate_up = jnp.einsum("nd,ndf->nf", x, w_gate_up[clipped], precision="highest")
-    hidden = activation(*jnp.split(gate_up.astype(jnp.float32), 2, axis=-1)).astype(x.dtype)
+    gate_up = gate_up.astype(jnp.float32) + bias(b_gate_up, clipped)
+    hidden = activation(*jnp.split(gate_up, 2, axis=-1)).astype(x.dtype)
     y = jnp.einsum("nf,nfd->nd", hidden, w_down[clipped], precision="highest")
+    y = y + bias(b_down, clipped)
     out += jnp.where(local[:, None], y * weights[:, k : k + 1], 0.0)
   return out
 
 
-def _operands(seed: int, tokens: int, top_k: int, ids, dtype=jnp.float32):
-  keys = jax.random.split(jax.random.key(seed), 5)
+def _operands(seed: int, tokens: int, top_k: int, ids, dtype=jnp.float32, biased=False):
+  """(x, weights, w_gate_up, w_down (, b_gate_up, b_down with `biased`)), ids, a probe."""
+  keys = jax.random.split(jax.random.key(seed), 7)
   x = jax.random.normal(keys[0], (tokens, D), dtype)
   weights = jax.random.uniform(keys[1], (tokens, top_k), minval=0.1)
   w_gate_up = (jax.random.normal(keys[2], (LOCAL_EXPERTS, D, 2 * F)) / 4).astype(dtype)
   w_down = (jax.random.normal(keys[3], (LOCAL_EXPERTS, F, D)) / 4).astype(dtype)
   probe = jax.random.normal(keys[4], (tokens, D))
-  return (x, weights, w_gate_up, w_down), ids, probe
+  biases = (
+    jax.random.normal(keys[5], (LOCAL_EXPERTS, 2 * F)) / 2,
+    jax.random.normal(keys[6], (LOCAL_EXPERTS, D)) / 2,
+  )
+  return (x, weights, w_gate_up, w_down, *(biases if biased else ())), ids, probe
 
 
 def _uneven_ids(tokens: int, top_k: int, seed: int) -> jax.Array:
@@ -63,20 +72,22 @@ CASES = {
   "gelu top-8": ("gelu", 8, 24),
   "own function top-2": slow((relu_squared, 2, 24)),
   "nothing local": ("silu", 2, 0),
+  "gpt-oss biases top-2": ("swiglu_oai", 2, 24, "biased"),
   **{f"{name} top-3": slow((name, 3, 24)) for name in GATED if name not in ("silu", "gelu")},
 }
 
 
 @pytest.mark.parametrize("case", list(CASES.values()), ids=list(CASES))
 def test_the_kernels_match_the_per_assignment_mlp_and_its_gradients(case):
-  """Forward and the gradients of x, the weights and both matrices, float32: uneven loads, an
-  expert no token chooses, assignments held elsewhere; "nothing local": every id elsewhere."""
-  name, top_k, tokens = case
+  """Forward and the gradients of x, the weights and both matrices (and the biases, GPT-OSS's
+  experts), float32: uneven loads, an expert no token chooses, assignments held elsewhere;
+  "nothing local": every id elsewhere."""
+  name, top_k, tokens, *biased = case
   activation = GatedActivation(name, limit=1.5)
   ids = _uneven_ids(tokens or 16, top_k, seed=top_k)
   if not tokens:
     ids = ids % 2 + LOCAL_EXPERTS  # every assignment held elsewhere
-  operands, ids, probe = _operands(top_k, ids.shape[0], top_k, ids)
+  operands, ids, probe = _operands(top_k, ids.shape[0], top_k, ids, biased=bool(biased))
 
   def fused(*operands):
     return fused_moe_mlp(
@@ -85,14 +96,15 @@ def test_the_kernels_match_the_per_assignment_mlp_and_its_gradients(case):
     )  # fmt: skip
 
   def reference(*operands):
-    return per_assignment(operands[0], ids, *operands[1:], activation)
+    return per_assignment(activation, operands[0], ids, *operands[1:])
 
   loss = lambda fn: lambda *args: jnp.sum(fn(*args) * probe)
-  argnums = tuple(range(4))
+  argnums = tuple(range(len(operands)))
   grads = jax.grad(loss(fused), argnums)(*operands)
   want_grads = jax.grad(loss(reference), argnums)(*operands)
   assert_close(fused(*operands), reference(*operands), what="y")
-  for what, g, w in zip(("x", "weights", "w_gate_up", "w_down"), grads, want_grads, strict=True):
+  names = ("x", "weights", "w_gate_up", "w_down", "b_gate_up", "b_down")
+  for what, g, w in zip(names[: len(operands)], grads, want_grads, strict=True):
     assert_close(g, w, what=f"d/d {what}")
   if not tokens:
     assert not np.any(fused(*operands)) and not np.any(grads[0])
@@ -106,8 +118,8 @@ def test_bfloat16_within_its_tolerance():
     interpret=True,
   )  # fmt: skip
   want = per_assignment(
-    *(o.astype(jnp.float32) for o in operands[:1]), ids, operands[1],
-    *(o.astype(jnp.float32) for o in operands[2:]), GatedActivation("silu"),
+    GatedActivation("silu"), *(o.astype(jnp.float32) for o in operands[:1]), ids, operands[1],
+    *(o.astype(jnp.float32) for o in operands[2:]),
   )  # fmt: skip
   assert got.dtype == jnp.float32
   assert_close(got, want, jnp.bfloat16, what="y")
@@ -128,8 +140,11 @@ def test_the_layout_counts_without_sorting():
 CONFIG = MoEConfig(
   num_experts=8, top_k=2, hidden_size=16, intermediate_size=32, expert_backend="fused"
 )
-# Beside the fused experts: zero-computation experts and a shared expert, both outside them.
-AROUND = dict(num_zero_experts=2, num_shared_experts=1, shared_intermediate_size=16)
+# Beside the fused experts: zero-computation experts and a shared expert, both outside them;
+# the experts' biases inside.
+AROUND = dict(
+  num_zero_experts=2, num_shared_experts=1, shared_intermediate_size=16, expert_bias=True
+)
 
 
 @pytest.mark.parametrize(
@@ -138,9 +153,9 @@ AROUND = dict(num_zero_experts=2, num_shared_experts=1, shared_intermediate_size
   ids=["one device", "2x4 all_gather", "2x4 all_to_all"],
 )
 def test_the_layer_matches_the_reference(mesh_shape, dispatch):
-  """The layer on the fused path, with zero experts and a shared expert, padding poisoned with
-  NaN (a rank with no tokens: chunks all padding): output and the gradients of x and every
-  parameter against `reference_moe`."""
+  """The layer on the fused path, with zero experts, a shared expert and the experts' biases,
+  padding poisoned with NaN (a rank with no tokens: chunks all padding): output and the
+  gradients of x and every parameter against `reference_moe`."""
   config = dataclasses.replace(CONFIG, **AROUND, chunk_size=4, dispatch=dispatch)
   keys = jax.random.split(jax.random.key(3))
   params = random_params(config, keys[0])
@@ -152,7 +167,6 @@ def test_the_layer_matches_the_reference(mesh_shape, dispatch):
 @pytest.mark.parametrize(
   "overrides, message",
   [
-    (dict(expert_bias=True), "it takes experts without biases, not expert_bias=True"),
     (dict(lora_rank=2), "it takes experts without adapters, not lora_rank=2"),
     (dict(expert_quant="fp8_block"), "it takes float experts, not expert_quant='fp8_block'"),
     (dict(batch_invariant=True), "it takes calls without batch invariance, not batch_invariant"),
@@ -187,3 +201,7 @@ def test_a_shape_that_disagrees_is_named():
     ValueError, match=r"^w_gate_up has shape \(4, 32, 32\); expected \(4, 32, 64\)$"
   ):
     call(w_gate_up=w_gate_up[..., :32])
+  with pytest.raises(ValueError, match=r"^b_down has shape \(4, 16\); expected \(4, 32\)$"):
+    call(b_gate_up=jnp.zeros((4, 64)), b_down=jnp.zeros((4, 16)))
+  with pytest.raises(ValueError, match="b_gate_up and b_down are given together or not at all"):
+    call(b_down=jnp.zeros((4, 32)))

@@ -151,10 +151,10 @@ def test_the_pallas_layer_compiles_its_gradient(gpu, kernel_call):
 
 @pytest.mark.parametrize("gpu", ["h100", "h200", "b200"])
 def test_the_fused_layer_compiles_forward_and_gradient(gpu):
-  """expert_backend="fused": its Triton kernels (gathered loads, the activation and its
-  derivative in the epilogues), forward and gradient, on 8 GPUs of each target."""
+  """expert_backend="fused": its Triton kernels (gathered loads, the biases, the activation
+  and its derivative in the epilogues), forward and gradient, on 8 GPUs of each target."""
   mesh = targets.target_mesh(gpu, (1, 8))
-  config = MoEConfig(**LAYER, **BF16, expert_backend="fused")
+  config = MoEConfig(**LAYER, **BF16, expert_backend="fused", expert_bias=True)
   for gradient in (False, True):
     with expect_triton_deprecation():
       compiled = compile_layer(config, mesh, gradient)
