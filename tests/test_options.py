@@ -213,8 +213,9 @@ def test_pallas_backend_without_any_kernel_runs_the_tile_loop_checked(monkeypatc
 @pytest.mark.parametrize("capability", [None, "8.0", "9.0"])
 @pytest.mark.parametrize("backend", ["xla", "pallas", "auto"])
 def test_expert_biases_always_plan_the_tile_loop(backend, capability, monkeypatch):
-  """Only the tile loop has expert biases: every backend on every device plans it for them
-  (the kernels and ragged_dot would drop them), with a warning where kernels were asked."""
+  """Only the tile loop and the fused path have expert biases: every other backend on every
+  device plans the tile loop for them (the grouped-matmul kernels and ragged_dot would drop
+  them), with a warning where kernels were asked."""
   import warnings
 
   from kernels_pallas import api, platform
