@@ -445,15 +445,18 @@ def _fused_fwd(x, weights, experts: Experts, layout, settings):
 
 def _bias_grads(d_pre, d_out, row_weight, b_down, layout: FusedLayout, block_m: int):
   """(d b_gate_up [El, 2F], d b_down [El, D], the routing weights' bias term [Ma]), float32,
-  in XLA: sums over each expert's aligned rows, read where they hold an assignment."""
+  in XLA: sums over each expert's aligned rows, read where they hold an assignment, as
+  products with one-hot matrices (no scatter-add of many rows into one: the same sums every
+  run)."""
   (tokens, top_k), experts = layout.slot.shape, b_down.shape[0]
   held = layout.row_assignment < tokens * top_k  # [Ma]
   row_expert = jnp.repeat(layout.tile_expert, block_m)  # [Ma]
   source = jnp.minimum(layout.row_assignment // top_k, tokens - 1)
   d_pre = jnp.where(held[:, None], d_pre.astype(jnp.float32), 0.0)
-  d_b_gate_up = jax.ops.segment_sum(d_pre, row_expert, num_segments=experts)
+  d_b_gate_up = jax.nn.one_hot(row_expert, experts, dtype=jnp.float32).T @ d_pre
   d_out = d_out.astype(jnp.float32)
-  # [El, N]: each token's routing weights toward each expert, then times its cotangent
+  # [El, N]: each token's routing weights toward each expert (one row per (expert, token) of
+  # distinct choices: no two adds meet), then times its cotangent
   token_weights = jnp.zeros((experts, tokens), jnp.float32)
   token_weights = token_weights.at[row_expert, source].add(jnp.where(held, row_weight, 0.0))
   d_b_down = token_weights @ d_out
