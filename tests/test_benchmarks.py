@@ -262,6 +262,7 @@ def test_call_overhead_compares_a_commit_with_this_checkout_in_one_run(tmp_path)
   assert worktrees.stdout.count("\n") == 1  # the temporary worktree is gone
 
 
+@pytest.mark.extras
 def test_clients_benchmark_times_each_installed_client(tmp_path):
   """benchmarks/clients.py --smoke: a row per client, each timed beside its drop-in (ratios)
   where the client is installed, else saying it is not."""

@@ -21,6 +21,7 @@ peft = pytest.importorskip("peft")
 
 pytestmark = [
   pytest.mark.slow,  # transformers' models and PEFT
+  pytest.mark.extras,
   # PEFT's own use of transformers' deprecated names, and its notices
   pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning"),
   pytest.mark.filterwarnings("ignore::UserWarning:peft"),

@@ -47,10 +47,18 @@ from tests.hf_checkpoints import (
   save_raw_or_numpy,
 )
 
-needs_hf = pytest.mark.skipif(
-  not all(importlib.util.find_spec(m) for m in ("torch", "transformers", "compressed_tensors")),
-  reason="needs the hf extra (torch, transformers, compressed-tensors)",
+_HF_MISSING = not all(
+  importlib.util.find_spec(m) for m in ("torch", "transformers", "compressed_tensors")
 )
+
+
+def needs_hf(test):
+  """Marks a test that compares with transformers: skipped without the hf extra, and in the
+  `extras` tier (CI runs it where the extra is installed)."""
+  skip = pytest.mark.skipif(
+    _HF_MISSING, reason="needs the hf extra (torch, transformers, compressed-tensors)"
+  )
+  return pytest.mark.extras(skip(test))
 
 
 def pytest_generate_tests(metafunc):

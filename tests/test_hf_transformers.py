@@ -21,7 +21,7 @@ from tests.transformers_models import BESIDE_BLOCK, FAMILIES, LAYERS, OUTPUT_NOR
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-pytestmark = pytest.mark.slow  # transformers' models
+pytestmark = [pytest.mark.slow, pytest.mark.extras]  # transformers' models
 
 
 @pytest.mark.parametrize("model_type", FAMILIES)

@@ -17,6 +17,7 @@ from tests.peers import grug_modules
 grug_moe, Activation = grug_modules()
 pytestmark = [
   pytest.mark.slow,  # grug's programs beside moejax's, each compiled for this module alone
+  pytest.mark.extras,
   pytest.mark.skipif(grug_moe is None, reason="needs marin-levanter (see .ci/run)"),
   pytest.mark.filterwarnings("ignore::DeprecationWarning"),  # haliax's, as above
 ]

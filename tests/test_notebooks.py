@@ -51,8 +51,16 @@ def text_of(notebook: nbformat.NotebookNode) -> str:
   return "".join(o.get("text", "") for o in outputs_of(notebook) if o.output_type == "stream")
 
 
+def with_extras_marked(paths: list[Path]) -> list:
+  """`paths` as parameters, those that need the hf extra or the clients marked `extras`."""
+  extras = pytest.mark.extras
+  return [
+    pytest.param(p, marks=extras) if p.name in (FROM_TRANSFORMERS, CLIENTS) else p for p in paths
+  ]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+@pytest.mark.parametrize("path", with_extras_marked(NOTEBOOKS), ids=lambda p: p.name)
 def test_notebook_runs(path):
   if path.name == MAXTEXT and missing_clients(path):
     pytest.skip("needs maxtext (Python >= 3.12; .ci/run's GPU venv)")

@@ -17,6 +17,7 @@ from tests.peers import flax_as_tunix_runs, tunix_qwen3
 qwen3 = tunix_qwen3()
 pytestmark = [
   pytest.mark.slow,  # tunix's dense layer beside moejax's, compiled for this module alone
+  pytest.mark.extras,
   pytest.mark.skipif(qwen3 is None, reason="needs google-tunix (see .ci/run)"),
   # tunix's own code: the Param metadata name and the mesh it reads
   pytest.mark.filterwarnings("ignore:'sharding' is deprecated:DeprecationWarning"),
