@@ -110,7 +110,7 @@ def unsupported_reason(dtype, activation: str | None, precision=None) -> str | N
   return None
 
 
-def _store_tile(value: jax.Array, out_gmem_tile) -> None:
+def store_tile(value: jax.Array, out_gmem_tile) -> None:
   """Writes a [rows, cols] register tile to global memory through shared memory (TMA)."""
 
   @functools.partial(pl.run_scoped, out_smem=plgpu.SMEM(value.shape, out_gmem_tile.dtype))
@@ -121,12 +121,32 @@ def _store_tile(value: jax.Array, out_gmem_tile) -> None:
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def _tile_group(tile_ends_gmem, tile: jax.Array, num_groups: int) -> jax.Array:
+def tile_group(tile_ends_gmem, tile: jax.Array, num_groups: int) -> jax.Array:
   """Group of an aligned tile: how many groups end at or before it (unrolled over G)."""
   group = jnp.int32(0)
   for g in range(num_groups - 1):
     group += (tile >= tile_ends_gmem[g]).astype(jnp.int32)
   return group
+
+
+def each_used_tile(tile_ends_gmem, num_tiles: int, col_blocks: int):
+  """Decorator: runs body(tile, col_block, group) for every (aligned row tile, column block)
+  of the used tiles (`tile_ends_gmem` [G]: each group's end), the pairs spread over the SMs
+  (a persistent loop over the static bound `num_tiles`)."""
+  num_groups = tile_ends_gmem.shape[0]
+  used_tiles = tile_ends_gmem[num_groups - 1]
+
+  def loop(body) -> None:
+    @plgpu.nd_loop((num_tiles * col_blocks,), collective_axes="sm")
+    def _tile_loop(loop_info: plgpu.NDLoopInfo):
+      (index,) = loop_info.index
+      tile, col_block = index // col_blocks, index % col_blocks
+
+      @pl.when(tile < used_tiles)
+      def _():
+        body(tile, col_block, tile_group(tile_ends_gmem, tile, num_groups))
+
+  return loop
 
 
 @dataclasses.dataclass(frozen=True)
@@ -253,24 +273,15 @@ def _gmm_aligned_kernel(tile_ends_gmem, lhs_gmem, rhs_gmem, *refs, call: _Aligne
   scales_gmem = refs[0] if call.quant else None
   out_gmem = refs[-1]
   bm, bn = call.blocks.block_m, call.blocks.block_n
-  num_groups = rhs_gmem.shape[0]
   out_cols = out_gmem.shape[1]
-  col_blocks = out_cols // bn
-  used_tiles = tile_ends_gmem[num_groups - 1]
 
-  @plgpu.nd_loop((call.num_tiles * col_blocks,), collective_axes="sm")
-  def _tile_loop(loop_info: plgpu.NDLoopInfo):
-    (index,) = loop_info.index
-    tile, col_block = index // col_blocks, index % col_blocks
-
-    @pl.when(tile < used_tiles)
-    def _():
-      group = _tile_group(tile_ends_gmem, tile, num_groups)
-      specs = _tile_specs(call, tile, col_block, lhs_gmem, out_cols)
-      accs = _accumulate(call, specs, group, (lhs_gmem, rhs_gmem, scales_gmem))
-      # Step 4, the epilogue: silu(gate) * up, or the product, stored through shared memory.
-      out = accs[0] / (1.0 + jnp.exp(-accs[0])) * accs[1] if call.gated else accs[0]
-      _store_tile(out, out_gmem.at[pl.ds(tile * bm, bm), pl.ds(col_block * bn, bn)])
+  @each_used_tile(tile_ends_gmem, call.num_tiles, out_cols // bn)
+  def _(tile, col_block, group):
+    specs = _tile_specs(call, tile, col_block, lhs_gmem, out_cols)
+    accs = _accumulate(call, specs, group, (lhs_gmem, rhs_gmem, scales_gmem))
+    # Step 4, the epilogue: silu(gate) * up, or the product, stored through shared memory.
+    out = accs[0] / (1.0 + jnp.exp(-accs[0])) * accs[1] if call.gated else accs[0]
+    store_tile(out, out_gmem.at[pl.ds(tile * bm, bm), pl.ds(col_block * bn, bn)])
 
 
 @functools.partial(
@@ -329,7 +340,7 @@ def gmm_mosaic(
   out_dtype = jnp.dtype(out_dtype or lhs.dtype)
   rows = aligned_rows(group_sizes, num_rows, blocks.block_m)
   num_tiles = max_visits(num_rows, groups, blocks.block_m)
-  lhs_aligned = _gather_rows(lhs, rows.row_source)
+  lhs_aligned = gather_rows(lhs, rows.row_source)
   quant = None
   if quantized is not None:
     quant = QuantTiles(
@@ -348,19 +359,19 @@ def gmm_mosaic(
       call=_AlignedCall(blocks, num_tiles, activation is not None, transpose_rhs, quant),
     ),
     out_type=out_struct((num_tiles * blocks.block_m, out_cols), out_dtype, like=lhs_aligned),
-    **_launch(interpret),
+    **launch(interpret),
   )
   rhs_operands = (rhs,) if quantized is None else (quantized.bits, quantized.scales)
   out = vary_like(kernel(rows.tile_ends, lhs_aligned, *rhs_operands), lhs_aligned)
   if quant and quant.paired and not transpose_rhs:  # output columns came by parity
     out = from_parity(out, blocks.block_n)
-  out = _gather_rows(out, rows.source_row)
+  out = gather_rows(out, rows.source_row)
   if row_weights is not None:
     out = (out.astype(jnp.float32) * row_weights[:, None].astype(jnp.float32)).astype(out_dtype)
   return out
 
 
-def _gather_rows(x: jax.Array, rows: jax.Array) -> jax.Array:
+def gather_rows(x: jax.Array, rows: jax.Array) -> jax.Array:
   """x[rows], where row index len(x) reads a zero row (empty aligned rows, rows in no group)."""
   return jnp.concatenate([x, jnp.zeros((1, x.shape[1]), x.dtype)])[rows]
 
@@ -374,7 +385,7 @@ def _num_sms(interpret: bool) -> int:
   return platform.gpu_sm_count() or target_num_sms() or 132
 
 
-def _launch(interpret: bool) -> dict:
+def launch(interpret: bool) -> dict:
   """`plgpu.kernel` arguments shared by both kernels: one program per SM, warpgroup lowering."""
   return dict(
     grid=(_num_sms(interpret),),
@@ -452,7 +463,7 @@ def _tgmm_aligned_kernel(
       return acc_ref[...]
 
     acc = pl.run_scoped(accumulate, plgpu.ACC((bm, bn), jnp.float32))
-    _store_tile(acc, out_gmem.at[group, pl.ds(k_block * bm, bm), pl.ds(n_block * bn, bn)])
+    store_tile(acc, out_gmem.at[group, pl.ds(k_block * bm, bm), pl.ds(n_block * bn, bn)])
 
 
 @functools.partial(jax.jit, static_argnames=("blocks", "out_dtype", "precision", "interpret"))
@@ -491,7 +502,7 @@ def tgmm_mosaic(
     raise ValueError(f"K={k} and N={n} must be multiples of {blocks.block_m=}, {blocks.block_n=}")
   rows = aligned_rows(group_sizes, num_rows, blocks.block_k)
   tile_counts = -(-group_sizes.astype(jnp.int32) // blocks.block_k)  # [G]
-  lhs_aligned = _gather_rows(lhs, rows.row_source)  # [Ma, K]
+  lhs_aligned = gather_rows(lhs, rows.row_source)  # [Ma, K]
   lhs_transposed = not mosaic_operands_transposed_in_smem(interpret)
   if lhs_transposed:
     lhs_aligned = lhs_aligned.T  # [K, Ma]
@@ -500,8 +511,8 @@ def tgmm_mosaic(
       _tgmm_aligned_kernel, blocks=blocks, num_groups=groups, lhs_transposed=lhs_transposed
     ),
     out_type=out_struct((groups, k, n), jnp.dtype(out_dtype), like=lhs_aligned),
-    **_launch(interpret),
+    **launch(interpret),
   )
-  dout_aligned = _gather_rows(dout, rows.row_source)  # [Ma, N]
+  dout_aligned = gather_rows(dout, rows.row_source)  # [Ma, N]
   out = kernel(rows.tile_ends - tile_counts, tile_counts, lhs_aligned, dout_aligned)
   return vary_like(out, lhs_aligned)

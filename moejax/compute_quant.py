@@ -42,18 +42,19 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
+from kernels_pallas.fp8_groups import GROUP, dequantize_groups, quantize_groups
+
 ComputeQuant = Literal["fp8_deepseek", "fp8_rowwise", "mxfp8"]
 RECIPES: tuple[str, ...] = ("fp8_deepseek", "fp8_rowwise", "mxfp8")
-GROUP = 128  # fp8_deepseek's group along an axis
-MX_GROUP = 32  # mxfp8's
-E4M3_MAX = 448.0
+MX_GROUP = 32  # mxfp8's group along an axis (fp8_deepseek's: GROUP, 128)
 Product = Literal["forward", "dgrad", "wgrad"]
 
 
 def fake_quantized(
   x: jax.Array, group_shape: tuple[int | None, int | None], power_of_two: bool = False
 ) -> jax.Array:
-  """x [M, N] quantized to float8_e4m3fn in groups and dequantized, in float32.
+  """x [M, N] quantized to float8_e4m3fn in groups and dequantized, in float32
+  (`kernels_pallas.fp8_groups.quantize_groups`, which the fp8 kernels share).
 
   Args:
     x: [M, N] float.
@@ -69,15 +70,7 @@ def fake_quantized(
 
   (500 / 448 rounds up to the scale 2; 250, 0.55 and 0.15 are then rounded in e4m3.)
   """
-  rows, cols = x.shape
-  gr, gc = (min(g or size, size) for g, size in zip(group_shape, x.shape, strict=True))
-  grouped = x.astype(jnp.float32).reshape(rows // gr, gr, cols // gc, gc)
-  amax = jnp.max(jnp.abs(grouped), axis=(1, 3), keepdims=True)
-  scale = jnp.where(amax > 0, amax / E4M3_MAX, 1.0)
-  if power_of_two:
-    scale = jnp.exp2(jnp.ceil(jnp.log2(scale)))
-  values = (grouped / scale).astype(jnp.float8_e4m3fn)
-  return (values.astype(jnp.float32) * scale).reshape(rows, cols)
+  return dequantize_groups(*quantize_groups(x, group_shape, power_of_two))
 
 
 def _groups(recipe: str, product: Product) -> tuple[tuple, tuple]:

@@ -17,7 +17,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from moejax.compute_quant import E4M3_MAX, GROUP
+from kernels_pallas.fp8_groups import E4M3_MAX, GROUP
 
 # A row map that moves rows between devices and is linear in them: (rows [N, W], *index
 # arrays) -> rows [M, W], for any dtype and width W (the exchange's collective and gathers).

@@ -22,6 +22,7 @@ from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 from kernels_pallas import autotune, platform
 from kernels_pallas.backends import BACKENDS
 from kernels_pallas.formats import FORMATS
+from kernels_pallas.gmm_fp8 import Fp8Blocks, gmm_fp8_vjp
 from kernels_pallas.gpus import GPUS
 from kernels_pallas.ops import KernelSettings, grouped_matmul, transposed_grouped_matmul
 from moejax import (
@@ -161,6 +162,28 @@ def test_the_fused_layer_compiles_forward_and_gradient(gpu):
     calls = custom_calls(compiled)
     assert "__gpu$xla.gpu.triton" in calls and not any("callback" in c for c in calls), calls
     assert 0 < compiled.memory_analysis().temp_size_in_bytes < GPUS[gpu].memory_bytes
+
+
+@pytest.mark.parametrize("gpu", ["h100", "h200"])
+def test_the_fp8_kernels_compile_for_hopper(gpu):
+  """kernels_pallas/gmm_fp8.py's forward, and its VJP's dgrad and wgrad (wgmma on e4m3 tiles
+  read K-major, the sums promoted every 128): three Mosaic GPU kernels that compile and fit
+  the target's shared memory, at DeepSeek-V3's expert widths over 4096 rows."""
+  mesh = targets.target_mesh(gpu, (1,), ("gpu",), gpus_per_node=1)
+  device = mesh.devices.flat[0]
+  spec = lambda shape, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(
+    shape, dtype, sharding=SingleDeviceSharding(device)
+  )
+  rows, hidden, intermediate, groups = 4096, 7168, 2048, 8
+  product = lambda x, w, sizes: gmm_fp8_vjp(x, w, sizes, Fp8Blocks(), False).sum()
+  with platform.running_on(device), jax.set_mesh(mesh):
+    compiled = (
+      jax.jit(jax.value_and_grad(product, argnums=(0, 1)))
+      .lower(spec((rows, hidden)), spec((groups, hidden, intermediate)), spec((groups,), jnp.int32))
+      .compile()
+    )
+  kernels = re.findall(r'custom_call_target="mosaic_gpu_v2"', compiled.as_text())
+  assert len(kernels) == 3, custom_calls(compiled)
 
 
 @pytest.mark.parametrize(
