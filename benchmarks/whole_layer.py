@@ -22,12 +22,18 @@ is a layer with its own router, whole (their router and top-k included; no stage
 Qwen3 `MoELayer` (its dense path: its megablox kernel is TPU-only) and MaxText's `RoutedMoE`
 (`sparse_matmul`, `jax.lax.ragged_dot`), each where installed, else a row saying why.
 
+FP8 (`measure_fp8`, DeepSeek-V3's shard at 4096 tokens): the layer with
+compute_quant="fp8_deepseek" beside the bf16 layer on expert_backend "xla" (the tile loop's
+emulation) and "pallas" (the Hopper fp8 kernels), forward and forward+backward, and fp8's
+speedup over bf16 on each.
+
   python benchmarks/whole_layer.py [--smoke]        # or gpu_check.py's `whole_layer` part
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import sys
@@ -60,6 +66,7 @@ SHAPES = {
 TOKENS = (4096, 16384)
 SMOKE_SHAPES = {"smoke": (4, 2, 32, 32)}
 SMOKE_TOKENS = (64,)
+FP8_SMOKE_SHAPES = {"smoke fp8": (4, 2, 128, 128)}  # fp8_deepseek's groups of 128
 
 
 def _config(shape: tuple[int, int, int, int], tokens: int) -> MoEConfig:
@@ -168,14 +175,18 @@ def _client_layers(config: MoEConfig) -> dict[str, tuple[Callable, Any] | str]:
   return found
 
 
+def _inputs(config: MoEConfig, tokens: int) -> tuple:
+  """(params, x [T, D] bf16, a float32 cotangent of x's shape), drawn afresh per token count."""
+  keys = jax.random.split(jax.random.key(tokens), 3)
+  x = jax.random.normal(keys[1], (tokens, config.hidden_size), jnp.bfloat16)
+  return random_params(config, keys[0]), x, jax.random.normal(keys[2], x.shape, jnp.float32)
+
+
 def measure(shape_name: str, tokens: int, smoke: bool, record: Callable[[dict], None]) -> None:
   """Every path and peer at one shape and token count; one row each, handed to `record`."""
   config = _config((SMOKE_SHAPES | SHAPES)[shape_name], tokens)
   repeats = 1 if smoke else 5
-  keys = jax.random.split(jax.random.key(tokens), 3)
-  params = random_params(config, keys[0])
-  x = jax.random.normal(keys[1], (tokens, config.hidden_size), jnp.bfloat16)
-  cotangent = jax.random.normal(keys[2], x.shape, jnp.float32)
+  params, x, cotangent = _inputs(config, tokens)
   ids, weights = _routing(params, x, config.top_k)
   rows = tokens * config.top_k
   time = functools.partial(median_seconds, repeats=repeats)
@@ -243,6 +254,33 @@ def measure(shape_name: str, tokens: int, smoke: bool, record: Callable[[dict], 
       record(dict(base, path=name, error=f"{type(error).__name__}: {error}"[:300]))
 
 
+def measure_fp8(shape_name: str, tokens: int, smoke: bool, record: Callable[[dict], None]) -> None:
+  """The layer with compute_quant="fp8_deepseek" beside the bf16 layer, on the same
+  expert_backend: "xla" (the tile loop emulates the recipe: numerics, no speed) and "pallas"
+  (the Hopper fp8 kernels; interpreted on a CPU). One row per backend: both layers' forward
+  and forward+backward times, and fp8's speedup over bf16 (bf16 time / fp8 time)."""
+  bf16 = _config((FP8_SMOKE_SHAPES | SHAPES)[shape_name], tokens)
+  repeats = 1 if smoke else 5
+  params, x, cotangent = _inputs(bf16, tokens)
+  time = lambda fn, *args: median_seconds(jax.jit(fn), *args, repeats=repeats) * 1e3
+  for backend in ("xla", "pallas"):
+    row = dict(shape=shape_name, tokens=tokens, path=f"fp8_deepseek {backend}")
+    try:
+      for name, config in (
+        ("bf16", dataclasses.replace(bf16, expert_backend=backend)),
+        ("fp8", dataclasses.replace(bf16, expert_backend=backend, compute_quant="fp8_deepseek")),
+      ):
+        layer = lambda p, x, config=config: moe_apply(p, x, config=config)[0]
+        jax.clear_caches()  # the other config's program has the same signature
+        row[f"{name}_layer_ms"] = time(layer, params, x)
+        row[f"{name}_train_ms"] = time(forward_backward(layer), params, x, cotangent)
+      row["speedup"] = row["bf16_layer_ms"] / row["fp8_layer_ms"]
+      row["train_speedup"] = row["bf16_train_ms"] / row["fp8_train_ms"]
+    except Exception as error:  # a path that fails here is a result, with its reason
+      row["error"] = f"{type(error).__name__}: {error}"[:300]
+    record(row)
+
+
 def _expert_path(config: MoEConfig, plan: ExpertPlan, x, ids, weights, params):
   experts = ExpertWeights(params.w_gate_up, params.w_down)
   return routed_mlp(x, ids, weights, experts, config=config, plan=plan)
@@ -254,6 +292,8 @@ def run(smoke: bool, record: Callable[[dict], None]) -> None:
   for shape_name in shapes:
     for tokens in SMOKE_TOKENS if smoke else TOKENS:
       measure(shape_name, tokens, smoke, record)
+  for shape_name in FP8_SMOKE_SHAPES if smoke else ("DeepSeek-V3 shard",):
+    measure_fp8(shape_name, SMOKE_TOKENS[0] if smoke else TOKENS[0], smoke, record)
 
 
 def main() -> None:

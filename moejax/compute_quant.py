@@ -30,9 +30,11 @@ weights and their gradients stay in their float dtypes; the router, the shared e
 adapters compute unquantized. `fp8_deepseek` needs D and F to be multiples of 128, `mxfp8` of
 32 (their groups): `MoEConfig` says so.
 
-On the XLA paths the quantization is emulated: dequantized values multiplied in float32 at
+On the tile loop the quantization is emulated: dequantized values multiplied in float32 at
 full precision, the numerics a Hopper kernel that promotes its fp8 sums to float32 every 128
-of the contraction computes.
+of the contraction computes; with `expert_backend="pallas"`, "fp8_deepseek" runs on such
+kernels (`kernels_pallas.gmm_fp8`, `moejax.plan.fp8_kernel_reason`), quantizing with the same
+function.
 """
 
 from __future__ import annotations

@@ -8,7 +8,8 @@
   skipping unused tiles with `lax.cond`.
 - "ragged_dot" and "pallas" (`grouped_matmul_mlp`): `kernels_pallas.moe_mlp` on the plan's backend
   (XLA's two `jax.lax.ragged_dot`s, or the fused kernels); with LoRA adapters, unfused
-  `kernels_pallas.gmm`s on that backend (`adapted_mlp`).
+  `kernels_pallas.gmm`s on that backend (`adapted_mlp`); with `compute_quant="fp8_deepseek"`,
+  the Hopper fp8 kernels' products (`kernels_pallas.gmm_fp8_vjp`) in `adapted_mlp`.
 
 Every path sorts the assignments with `sort_by_expert`, and takes the experts' weights as one
 `moejax.params.ExpertWeights`.
@@ -23,6 +24,7 @@ import jax.numpy as jnp
 
 import kernels_pallas
 from kernels_pallas import fused_moe
+from kernels_pallas.gmm_fp8 import Fp8Blocks, gmm_fp8_vjp
 from kernels_pallas.metadata import aligned_rows
 from kernels_pallas.quantized import is_block_scaled
 from moejax import compute_quant, id_spaces, invariance, tokamax_experts
@@ -164,6 +166,7 @@ def grouped_matmul_mlp(
   interpret: bool = False,
   blocks=None,
   output_norm_eps: float | None = None,
+  recipe: str | None = None,
 ) -> jax.Array:
   """`tile_loop_mlp`'s contract on `kernels_pallas.moe_mlp` (fused kernels, or XLA ragged_dot).
 
@@ -174,8 +177,9 @@ def grouped_matmul_mlp(
 
   Args and returns: as `tile_loop_mlp` (without biases, `tile_rows` and seeds; `activation`
   silu or gelu), plus `backend`, a `kernels_pallas` backend name, `interpret`, to run a
-  kernel in its interpreter, and `blocks`, the forward kernels' block sizes (None: the
-  backend's choice).
+  kernel in its interpreter, `blocks`, the forward kernels' block sizes (None: the
+  backend's choice), and `recipe`, "fp8_deepseek" to run every product on the Hopper fp8
+  kernels (`kernels_pallas.gmm_fp8_vjp`; the activation between them in XLA).
   """
   rows, top_k = expert_ids.shape
   order, group_sizes = sort_by_expert(expert_ids, experts.w_gate_up.shape[0])  # [N*K], [El]
@@ -185,6 +189,9 @@ def grouped_matmul_mlp(
   if backend == TOKAMAX:
     gmm = functools.partial(tokamax_experts.ragged_dot, group_sizes=group_sizes)
     out_sorted = adapted_mlp(x_sorted, experts, row_weights, activation, gmm)
+  elif recipe is not None:  # products in float32
+    fp8 = lambda rows, w, **_: gmm_fp8_vjp(rows, w, group_sizes, Fp8Blocks(), interpret)
+    out_sorted = adapted_mlp(x_sorted, experts, row_weights, activation, fp8)
   elif experts.lora is None:
     out_sorted = kernels_pallas.moe_mlp(
       x_sorted,
@@ -334,6 +341,7 @@ def routed_mlp(
     interpret=plan.interpret,
     blocks=plan.blocks,
     output_norm_eps=config.expert_output_norm_eps,
+    recipe=config.compute_quant,
   )
 
 

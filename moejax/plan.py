@@ -28,7 +28,9 @@ a CPU, for testing); "fused" the fused path where it runs the case (else the til
 warning); "auto" the path a tuning file measured fastest for the call on its device
 kind (`moejax.tuning`: the user's, then the shipped table; `python -m moejax tune` writes
 one), else the XLA path. With `batch_invariant=True` every backend but "pallas" takes the tile
-loop, whatever the call's size. LoRA adapters change no choice: every path
+loop, whatever the call's size. With `compute_quant` the tile loop emulates every recipe;
+"pallas" takes the Hopper fp8 kernels (`kernels_pallas.gmm_fp8`) for "fp8_deepseek" where they
+run the config (`fp8_kernel_reason`). LoRA adapters change no choice: every path
 adds their products (the sorted paths in unfused grouped matmuls, `experts.adapted_mlp`).
 """
 
@@ -186,10 +188,40 @@ def fused_unsupported_reason(config: MoEConfig) -> str | None:
   return fused_moe.unsupported_reason(width, hidden, fused_moe.default_blocks(0, width, hidden))
 
 
+def fp8_kernel_reason(config: MoEConfig) -> str | None:
+  """Why the Hopper fp8 kernels (`kernels_pallas.gmm_fp8`, on the pallas path) cannot run the
+  config's quantized compute, or None."""
+  if config.compute_quant != "fp8_deepseek":
+    return f"they run 'fp8_deepseek', not compute_quant={config.compute_quant!r}"
+  for field, value, what in (
+    ("lora_rank", config.lora_rank, "experts without adapters"),
+    ("expert_bias", config.expert_bias, "experts without biases"),
+    ("batch_invariant", config.batch_invariant, "calls without batch invariance"),
+  ):
+    if value:
+      return f"they take {what}, not {field}={value!r}"
+  capability = platform.gpu_compute_capability()
+  if capability is not None and not BACKENDS["mosaic"].made_for(capability):
+    return f"they are made for Hopper (wgmma), not GPU capability {capability}"
+  return None
+
+
 def _quantized_compute_choice(config: MoEConfig) -> ExpertChoice:
-  """The tile loop, the one path whose products quantize their operands (`compute_quant`);
-  a warning where kernels were asked for."""
-  why = f"compute_quant={config.compute_quant!r} runs on the tile loop alone"
+  """For `compute_quant`: the Hopper fp8 kernels where `expert_backend="pallas"` asks and
+  they run the config (interpreted on a CPU), else the tile loop, the path that emulates
+  every recipe; a warning where kernels were asked for and not taken."""
+  why = f"compute_quant={config.compute_quant!r} runs on the tile loop"
+  if config.expert_backend == "pallas":
+    reason = fp8_kernel_reason(config)
+    if reason is None:
+      plan = ExpertPlan(path="pallas", backend="mosaic", interpret=platform.on_cpu())
+      warning = (
+        "expert_backend='pallas' on a CPU runs the fp8 kernels in the Mosaic GPU interpreter: "
+        "slow, for testing only"
+      )
+      says = "expert_backend='pallas' with compute_quant='fp8_deepseek': the Hopper fp8 kernels"
+      return ExpertChoice(plan, warning if plan.interpret else None, says)
+    why += f" (the fp8 kernels: {reason})"
   warning = None
   if config.expert_backend in ("pallas", "fused"):
     warning = f"expert_backend={config.expert_backend!r} falls back to the XLA tile loop: {why}"

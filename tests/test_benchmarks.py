@@ -68,7 +68,13 @@ def test_gpu_check_smoke_runs_every_part(tmp_path):
     assert r["status"] == "ok" and r["dense_fraction"] > 0 and r["train_dense_fraction"] > 0
     if r["path"] not in clients:
       assert r["routing_ms"] + r["experts_ms"] == pytest.approx(r["layer_ms"])
-  peers = {r["path"] for r in whole} - set(timed) | {r["path"] for r in whole if "skipped" in r}
+  fp8 = {r["path"]: r for r in whole if r["path"].startswith("fp8_deepseek")}
+  assert set(fp8) == {"fp8_deepseek xla", "fp8_deepseek pallas"}, fp8
+  assert all(
+    r["status"] == "ok" and r["speedup"] > 0 and r["train_speedup"] > 0 for r in fp8.values()
+  )
+  peers = {r["path"] for r in whole} - set(timed) - set(fp8)
+  peers |= {r["path"] for r in whole if "skipped" in r}
   assert {"jax ragged_dot_mgpu", "levanter grug scatter"} | clients <= peers | set(timed)
   decode = json.loads((tmp_path / "decode.json").read_text())["rows"]
   assert {r["path"] for r in decode} >= {"ragged_dot", "tile_loop"}

@@ -209,10 +209,68 @@ def test_a_bad_recipe_is_named(fields, message):
     dataclasses.replace(CONFIG, **fields)
 
 
-def test_kernels_asked_for_fall_back_to_the_tile_loop_with_the_reason():
-  config = dataclasses.replace(CONFIG, compute_quant="fp8_rowwise", expert_backend="fused")
-  with pytest.warns(UserWarning, match="compute_quant='fp8_rowwise' runs on the tile loop alone"):
+@pytest.mark.parametrize(
+  "fields, reason",
+  [
+    (dict(compute_quant="fp8_rowwise", expert_backend="fused"), ""),
+    (
+      dict(compute_quant="fp8_rowwise", expert_backend="pallas"),
+      r" \(the fp8 kernels: they run 'fp8_deepseek', not compute_quant='fp8_rowwise'\)",
+    ),
+    (
+      dict(compute_quant="fp8_deepseek", expert_backend="pallas", lora_rank=4),
+      r" \(the fp8 kernels: they take experts without adapters, not lora_rank=4\)",
+    ),
+  ],
+  ids=["fused", "pallas rowwise", "pallas lora"],
+)
+def test_kernels_asked_for_fall_back_to_the_tile_loop_with_the_reason(fields, reason):
+  config = dataclasses.replace(CONFIG, **fields)
+  recipe = fields["compute_quant"]
+  with pytest.warns(UserWarning, match=f"compute_quant='{recipe}' runs on the tile loop{reason}"):
     assert plan_experts(config, num_rows=64, local_experts=8) == ExpertPlan(path="tile_loop")
+
+
+@pytest.mark.slow  # the layer's fp8 kernels in the Mosaic GPU interpreter: 35-70 s
+def test_the_fp8_kernels_compute_the_emulating_tile_loops_products():
+  """fp8_deepseek with expert_backend="pallas": the Hopper fp8 kernels (interpreted) give the
+  tile loop's emulated output and down-projection gradient (the same quantized operands, sums
+  in another order: 1e-5), its gate|up gradient up to the rounding of a cotangent quantized
+  with its routing weight in it (the tile loop applies it after: 1e-3), and x's and the
+  router's gradients quantized and sane against the unquantized reference: the routing
+  weights' gradient is <d_out, the forward's fp8 output> here, <the dgrad's fp8 d(hidden),
+  hidden> on the tile loop, both the recipe's (3.8 % apart). Padding poisoned."""
+  params, x, _, _ = _inputs(9)
+  mask = rank_mask([8, 3, 0, 8, 5, 8, 1, 8], 8)
+  probe = jax.random.normal(jax.random.key(10), x.shape)
+  config = dataclasses.replace(CONFIG, compute_quant="fp8_deepseek")
+  kernels = dataclasses.replace(config, expert_backend="pallas")
+  with pytest.warns(UserWarning, match="runs the fp8 kernels in the Mosaic GPU interpreter"):
+    assert plan_experts(kernels, num_rows=64, local_experts=8) == ExpertPlan(
+      path="pallas", backend="mosaic", interpret=True
+    )
+  valid = np.asarray(mask)[:, None]
+
+  def gradients(layer):
+    def f(params, x):
+      y = jnp.where(valid, layer(params, x), 0.0)
+      return jnp.sum(y * probe), y
+
+    (_, y), (d_params, d_x) = jax.value_and_grad(f, (0, 1), has_aux=True)(params, x)
+    return dict(
+      y=y, x=np.where(valid, d_x, 0.0), w_gate_up=d_params.w_gate_up, w_down=d_params.w_down,
+      router=d_params.router_kernel,
+    )  # fmt: skip
+
+  on = lambda config: lambda p, x: moe_apply(p, poison(x, mask), config=config, token_mask=mask)[0]
+  with pytest.warns(UserWarning, match="Mosaic GPU interpreter"):
+    ours = gradients(on(kernels))
+  emulated = gradients(on(config))
+  unquantized = gradients(lambda p, x: reference_moe(p, x, CONFIG, mask))
+  error = lambda name: np.linalg.norm(ours[name] - emulated[name]) / np.linalg.norm(emulated[name])
+  assert error("y") <= 1e-5 and error("w_down") <= 1e-5, (error("y"), error("w_down"))
+  assert error("w_gate_up") <= 1e-3, error("w_gate_up")
+  assert_quantized_and_sane({name: (ours[name], unquantized[name]) for name in ("x", "router")})
 
 
 @pytest.mark.slow

@@ -19,6 +19,7 @@ from moejax import fit as planner
 from moejax import hf, plan_call, targets, tuning
 from moejax.apps import fit_cli, fit_search
 from moejax.apps.cli import main, parser
+from moejax.plan import ExpertPlan
 from tests.gpu_tier import GPU_COMPILE_TIER, no_persistent_compilation_cache  # noqa: F401
 from tests.helpers import expect_triton_deprecation
 
@@ -295,8 +296,9 @@ def test_find_tries_the_fewest_nodes_first_and_stops_at_the_first_plan_that_fits
 
 def test_the_estimate_counts_the_emulated_fp8_compute_and_the_fp8_exchange():
   """`compute_quant` runs emulated (float32 products at full precision): its compute term is
-  at the float32 rate; `dispatch_quant` sends the forward's rows as e4m3 values with a float32
-  scale each 128 (1 + 4/128 bytes a value, not bf16's 2), the other legs as they were."""
+  at the float32 rate (on the fp8 kernels, bf16's: no fp8 rate is measured); `dispatch_quant`
+  sends the forward's rows as e4m3 values with a float32 scale each 128 (1 + 4/128 bytes a
+  value, not bf16's 2), the other legs as they were."""
   config = planner._config(TINY, "train", None, 16)
   mesh_shape = {"data": 1, "expert": 8}
   call = plan_call(
@@ -314,6 +316,14 @@ def test_the_estimate_counts_the_emulated_fp8_compute_and_the_fp8_exchange():
     assert ratio == pytest.approx((3 * 2 + 1 + 4 / 128) / (4 * 2))
   told = " ".join(fp8.assumptions)
   assert "float32 peak (fp8_deepseek, emulated)" in told and "forward rows in fp8" in told
+  on_kernels = dataclasses.replace(call, expert=ExpertPlan(path="pallas", backend="mosaic"))
+  kernels = planner.estimate_step(
+    dataclasses.replace(config, compute_quant="fp8_deepseek"), h200, "train", mesh_shape, 1, 8,
+    256, on_kernels, 3,
+  )  # fmt: skip
+  assert "bf16 peak (fp8_deepseek on the fp8 kernels: no fp8 rate measured)" in " ".join(
+    kernels.assumptions
+  )
 
 
 @pytest.mark.usefixtures("no_persistent_compilation_cache")

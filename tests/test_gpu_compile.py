@@ -186,6 +186,25 @@ def test_the_fp8_kernels_compile_for_hopper(gpu):
   assert len(kernels) == 3, custom_calls(compiled)
 
 
+def test_the_layer_takes_the_fp8_kernels_on_hopper_alone():
+  """compute_quant="fp8_deepseek" with expert_backend="pallas": on 8 H200s the layer compiles
+  its products to the fp8 kernels (forward: gate|up and down; the gradient adds each one's
+  dgrad and wgrad), within the GPU's memory; a B200 (no wgmma) keeps the tile loop and says
+  why."""
+  config = MoEConfig(**LAYER, **BF16, expert_backend="pallas", compute_quant="fp8_deepseek")
+  mesh = targets.target_mesh("h200", (1, 8))
+  for gradient, kernels in ((False, 2), (True, 6)):
+    compiled = compile_layer(config, mesh, gradient)
+    found = re.findall(r'custom_call_target="mosaic_gpu_v2"', compiled.as_text())
+    assert len(found) == kernels, custom_calls(compiled)
+    assert 0 < compiled.memory_analysis().temp_size_in_bytes < GPUS["h200"].memory_bytes
+  with (
+    platform.running_on(targets.compile_only_devices("b200")[0]),
+    pytest.warns(UserWarning, match=r"they are made for Hopper \(wgmma\), not GPU capability 10"),
+  ):
+    assert plan_experts(config, num_rows=4096, local_experts=4) == ExpertPlan(path="tile_loop")
+
+
 @pytest.mark.parametrize(
   "scheme",
   [dict(dispatch="all_gather"), dict(dispatch="all_to_all", receive_capacity_factor=1.0)],

@@ -679,7 +679,9 @@ def estimate_step(
   per_token = 2 * k * 3 * w * f + 2 * 3 * d * config.shared_intermediate_size
   flops = passes * tokens_per_device * per_token
   peak, peak_words = gpu.peak_bf16_flops, "bf16 peak"
-  if config.compute_quant is not None:  # emulated: float32 products at full precision
+  if config.compute_quant is not None and call.expert.path == "pallas":  # the fp8 kernels
+    peak_words = f"bf16 peak ({config.compute_quant} on the fp8 kernels: no fp8 rate measured)"
+  elif config.compute_quant is not None:  # emulated: float32 products at full precision
     peak, peak_words = gpu.peak_f32_flops, f"float32 peak ({config.compute_quant}, emulated)"
   compute = flops / (peak * efficiency)
   weights = _expert_bytes_per_device(config, ep)
