@@ -55,10 +55,11 @@ class Fp8Blocks:
   """Block sizes of the fp8 kernels (the contraction step is the recipe's group, 128).
 
   Attributes:
-    block_m: output rows per tile (a multiple of 64, one warpgroup's wgmma M); tgmm: rows of
+    block_m: output rows per tile, 64 or 128 (one warpgroup's accumulator); tgmm: rows of
       the weight gradient (K) per tile.
     block_n: output columns per tile, dividing 128 (one weight scale block per tile).
-    max_concurrent_steps: TMA pipeline depth, >= 1.
+    max_concurrent_steps: TMA pipeline depth, 1 to 4 (4 at the largest blocks: ~194 KiB of
+      shared memory with the output tile).
   """
 
   block_m: int = 128
@@ -66,18 +67,22 @@ class Fp8Blocks:
   max_concurrent_steps: int = 3
 
   def __post_init__(self) -> None:
-    if self.block_m % 64 or not 64 <= self.block_m <= 256:
-      raise ValueError(f"block_m={self.block_m} must be a multiple of 64 in [64, 256]")
+    if self.block_m not in (64, 128):
+      raise ValueError(f"block_m={self.block_m} must be 64 or 128 (one warpgroup's rows)")
     if self.block_n not in (32, 64, 128):
       raise ValueError(
         f"block_n={self.block_n} must divide the 128-wide scale blocks: 32, 64 or 128"
       )
-    if self.max_concurrent_steps < 1:
-      raise ValueError(f"max_concurrent_steps={self.max_concurrent_steps} must be >= 1")
+    if not 1 <= self.max_concurrent_steps <= 4:  # 4 fit a Hopper's shared memory
+      raise ValueError(f"max_concurrent_steps={self.max_concurrent_steps} must be in [1, 4]")
 
 
-# Every e4m3 tile's minor axis is one 128-wide group: 128 bytes, the widest swizzle.
-_E4M3_TILE = swizzled(jnp.float8_e4m3fn, GROUP)
+def _e4m3_tile(shape: tuple[int, int]) -> tuple:
+  """The shared-memory transforms of an e4m3 tile: swizzled by its minor axis (one 128-wide
+  group, 128 bytes, the widest swizzle; the interpreter's [K, N] tiles: block_n)."""
+  return swizzled(jnp.float8_e4m3fn, shape[1])
+
+
 _ROW, _COLUMN = 0, 1  # which axis of a [bm, bn] tile a vector of scales runs along
 
 
@@ -144,9 +149,9 @@ def _gmm_fp8_kernel(
       step,
       grid=(lhs_gmem.shape[1] // GROUP,),
       in_specs=[
-        plgpu.BlockSpec((bm, GROUP), lambda k: (tile, k), transforms=_E4M3_TILE),
+        plgpu.BlockSpec((bm, GROUP), lambda k: (tile, k), transforms=_e4m3_tile((bm, GROUP))),
         plgpu.BlockSpec((1, bm), lambda k: (k, tile)),
-        plgpu.BlockSpec(rhs_block, rhs_index, transforms=_E4M3_TILE),
+        plgpu.BlockSpec(rhs_block, rhs_index, transforms=_e4m3_tile(rhs_block)),
       ],
       max_concurrent_steps=blocks.max_concurrent_steps,
       init_carry=_zeros((bm, bn), interpret),
@@ -260,9 +265,11 @@ def _tgmm_fp8_kernel(
       step,
       grid=(group_tiles,),
       in_specs=[
-        plgpu.BlockSpec((bm, GROUP), lambda t: (k_block, first_tile + t), transforms=_E4M3_TILE),
+        plgpu.BlockSpec(
+          (bm, GROUP), lambda t: (k_block, first_tile + t), transforms=_e4m3_tile((bm, GROUP))
+        ),
         plgpu.BlockSpec((1, bm), lambda t: (first_tile + t, k_block)),
-        plgpu.BlockSpec(dout_block, dout_index, transforms=_E4M3_TILE),
+        plgpu.BlockSpec(dout_block, dout_index, transforms=_e4m3_tile(dout_block)),
         plgpu.BlockSpec((1, bn), lambda t: (first_tile + t, n_block)),
       ],
       max_concurrent_steps=blocks.max_concurrent_steps,

@@ -168,14 +168,16 @@ def test_the_fused_layer_compiles_forward_and_gradient(gpu):
 def test_the_fp8_kernels_compile_for_hopper(gpu):
   """kernels_pallas/gmm_fp8.py's forward, and its VJP's dgrad and wgrad (wgmma on e4m3 tiles
   read K-major, the sums promoted every 128): three Mosaic GPU kernels that compile and fit
-  the target's shared memory, at DeepSeek-V3's expert widths over 4096 rows."""
+  the target's shared memory at the largest blocks `Fp8Blocks` allows, at DeepSeek-V3's
+  expert widths over 4096 rows."""
   mesh = targets.target_mesh(gpu, (1,), ("gpu",), gpus_per_node=1)
   device = mesh.devices.flat[0]
   spec = lambda shape, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(
     shape, dtype, sharding=SingleDeviceSharding(device)
   )
   rows, hidden, intermediate, groups = 4096, 7168, 2048, 8
-  product = lambda x, w, sizes: gmm_fp8_vjp(x, w, sizes, Fp8Blocks(), False).sum()
+  largest = Fp8Blocks(block_m=128, block_n=128, max_concurrent_steps=4)
+  product = lambda x, w, sizes: gmm_fp8_vjp(x, w, sizes, largest, False).sum()
   with platform.running_on(device), jax.set_mesh(mesh):
     compiled = (
       jax.jit(jax.value_and_grad(product, argnums=(0, 1)))

@@ -1,6 +1,8 @@
 """The fp8 grouped matmuls (kernels_pallas/gmm_fp8.py) in the Mosaic GPU interpreter, against
 the emulated fp8_deepseek recipe (`moejax.compute_quant.matmul`) group by group."""
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -8,28 +10,40 @@ import pytest
 
 from kernels_pallas.gmm_fp8 import Fp8Blocks, gmm_fp8, gmm_fp8_vjp
 from moejax.compute_quant import matmul
-from tests.helpers import seed_of
-
-# A group longer than a row tile and than a token group (150 > 128), an empty one, rows past
-# the sum (NaN: never read); K = N = 256 (two scale groups each, two column tiles).
-SIZES = (70, 0, 150, 20)
-ROWS, K, N = 256, 256, 256
-BLOCKS = Fp8Blocks(block_m=64, block_n=128, max_concurrent_steps=2)
+from tests.helpers import seed_of, slow
 
 
-def poisoned(rng, shape) -> jnp.ndarray:
+class Case(NamedTuple):
+  sizes: tuple[int, ...]  # rows of each group; rows past their sum are NaN (never read)
+  rows: int
+  k: int
+  n: int
+  blocks: Fp8Blocks
+
+
+CASES = [
+  # A group longer than a row tile and a token group (150 > 128), an empty one; K = N = 256
+  # (two scale groups each, two column tiles).
+  Case((70, 0, 150, 20), 256, 256, 256, Fp8Blocks(64, 128, 2)),
+  # Past those sizes: 8 skewed groups over 1024 rows (one of 600: five token groups), 128-row
+  # tiles, three scale groups along K and N, 64-column tiles.
+  slow(Case((600, 1, 0, 129, 64, 0, 127, 31), 1024, 384, 384, Fp8Blocks(128, 64, 3))),
+]
+
+
+def poisoned(rng, case: Case, width: int) -> jnp.ndarray:
   """Fresh normal rows, NaN past the groups' rows."""
-  x = rng.standard_normal(shape).astype(np.float32)
-  x[sum(SIZES) :] = np.nan
+  x = rng.standard_normal((case.rows, width)).astype(np.float32)
+  x[sum(case.sizes) :] = np.nan
   return jnp.asarray(x)
 
 
-def by_group(product, empty) -> list:
+def by_group(sizes, product, empty) -> list:
   """product(g, rows of g) for each group, `empty` for an empty one."""
-  ends = np.cumsum(SIZES)
+  ends = np.cumsum(sizes)
   return [
     product(g, slice(end - size, end)) if size else empty
-    for g, (size, end) in enumerate(zip(SIZES, ends, strict=True))
+    for g, (size, end) in enumerate(zip(sizes, ends, strict=True))
   ]
 
 
@@ -42,48 +56,46 @@ def relative_error(out, ref) -> float:
   return float(np.abs(np.asarray(out) - ref).max() / np.abs(ref).max())
 
 
-def test_each_product_equals_the_emulated_recipe(request):
+@pytest.mark.parametrize("case", CASES, ids=["4 groups", "8 skewed groups"])
+def test_each_product_equals_the_emulated_recipe(case, request):
   """Forward a @ W, and through its VJP the dgrad g @ W^T and wgrad a^T @ g, equal the
   recipe's products emulated in XLA to 1e-5 (the kernels sum each 128-group in fp8 and
   promote it to float32), differ from the unquantized products by the quantization (1e-3 to
-  5e-2), and rows outside the groups stay 0 (their NaN never read)."""
+  5e-2), and rows outside the groups and empty groups stay 0 (their NaN never read)."""
   rng = np.random.default_rng(seed_of(request.node.name))
-  lhs, dout = poisoned(rng, (ROWS, K)), poisoned(rng, (ROWS, N))
-  w = jnp.asarray(rng.standard_normal((len(SIZES), K, N)), jnp.float32)
-  sizes = jnp.array(SIZES, jnp.int32)
-  used = sum(SIZES)
+  k, n, used = case.k, case.n, sum(case.sizes)
+  lhs, dout = poisoned(rng, case, k), poisoned(rng, case, n)
+  w = jnp.asarray(rng.standard_normal((len(case.sizes), k, n)), jnp.float32)
+  group = lambda product, empty=None: by_group(case.sizes, product, empty)
 
   def rows_of(products, width):
     blocks = [p for p in products if p is not None]
-    return np.concatenate([*blocks, np.zeros((ROWS - used, width), np.float32)])
+    return np.concatenate([*blocks, np.zeros((case.rows - used, width), np.float32)])
 
-  forward, pullback = jax.vjp(lambda lhs, w: gmm_fp8_vjp(lhs, w, sizes, BLOCKS, True), lhs, w)
+  sizes = jnp.array(case.sizes, jnp.int32)
+  product = lambda lhs, w: gmm_fp8_vjp(lhs, w, sizes, case.blocks, True)
+  forward, pullback = jax.vjp(product, lhs, w)
   dgrad, wgrad = pullback(dout)
-  emulated = rows_of(
-    by_group(lambda g, r: matmul(lhs[r], w[g], "fp8_deepseek", "forward"), None), N
-  )
-  exact = rows_of(by_group(lambda g, r: lhs[r] @ w[g], None), N)
+  emulated = rows_of(group(lambda g, r: matmul(lhs[r], w[g], "fp8_deepseek", "forward")), n)
+  exact = rows_of(group(lambda g, r: lhs[r] @ w[g]), n)
   w_t = jnp.swapaxes(w, 1, 2)
-  emulated_dgrad = rows_of(
-    by_group(lambda g, r: matmul(dout[r], w_t[g], "fp8_deepseek", "dgrad"), None), K
-  )
-  zero_grad = np.zeros((K, N), np.float32)
+  emulated_dgrad = rows_of(group(lambda g, r: matmul(dout[r], w_t[g], "fp8_deepseek", "dgrad")), k)
+  zero_grad = np.zeros((k, n), np.float32)
+  tokens = lambda x: whole_token_groups(x)
   emulated_wgrad = np.stack(
-    by_group(
-      lambda g, r: matmul(
-        whole_token_groups(lhs[r]).T, whole_token_groups(dout[r]), "fp8_deepseek", "wgrad"
-      ),
-      zero_grad,
+    group(
+      lambda g, r: matmul(tokens(lhs[r]).T, tokens(dout[r]), "fp8_deepseek", "wgrad"), zero_grad
     )
   )
-  exact_wgrad = np.stack(by_group(lambda g, r: lhs[r].T @ dout[r], zero_grad))
+  exact_wgrad = np.stack(group(lambda g, r: lhs[r].T @ dout[r], zero_grad))
 
   assert relative_error(forward, emulated) <= 1e-5
   assert relative_error(dgrad, emulated_dgrad) <= 1e-5
   assert relative_error(wgrad, emulated_wgrad) <= 1e-5
   assert 1e-3 <= relative_error(forward, exact) <= 5e-2
   assert 1e-3 <= relative_error(wgrad, exact_wgrad) <= 5e-2
-  assert not np.asarray(forward[used:]).any() and not np.asarray(wgrad[1]).any()
+  empty = [g for g, size in enumerate(case.sizes) if not size]
+  assert not np.asarray(forward[used:]).any() and not np.asarray(wgrad[np.array(empty)]).any()
 
 
 def test_sizes_off_the_recipes_groups_are_refused():
