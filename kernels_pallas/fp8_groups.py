@@ -35,14 +35,20 @@ def quantize_groups(
   gr, gc = (min(g or size, size) for g, size in zip(group_shape, (rows, cols), strict=True))
   grouped = x.astype(jnp.float32).reshape(*lead, rows // gr, gr, cols // gc, gc)
   amax = jnp.max(jnp.abs(grouped), axis=(-3, -1), keepdims=True)
-  scale = jnp.where(amax > 0, amax / E4M3_MAX, 1.0)
+  scale = jnp.where(amax > 0, _divided(amax, E4M3_MAX), 1.0)
   if power_of_two:
     scale = jnp.exp2(jnp.ceil(jnp.log2(scale)))
-  # An opaque full-shape divisor: XLA would otherwise multiply by the reciprocal, an ulp off
-  # in some cases, and a value on a rounding boundary would round the other way.
-  divisor = jax.lax.optimization_barrier(jnp.broadcast_to(scale, grouped.shape))
-  values = (grouped / divisor).astype(jnp.float8_e4m3fn).reshape(x.shape)
+  values = _divided(grouped, scale).astype(jnp.float8_e4m3fn).reshape(x.shape)
   return values, scale.reshape(*lead, rows // gr, cols // gc)
+
+
+def _divided(a: jax.Array, b) -> jax.Array:
+  """a / b (b broadcast to a's shape), one IEEE division wherever it is compiled. XLA may
+  multiply by the reciprocal of a constant or broadcast divisor instead, an ulp off in some
+  cases: a scale an ulp off rounds a value on a boundary the other way, and the kernels and
+  the emulation, compiled apart, would disagree. An opaque full-shape divisor keeps the
+  division."""
+  return a / jax.lax.optimization_barrier(jnp.broadcast_to(jnp.float32(b), a.shape))
 
 
 def dequantize_groups(values: jax.Array, scales: jax.Array) -> jax.Array:
