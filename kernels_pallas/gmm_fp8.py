@@ -195,11 +195,14 @@ def gmm_fp8(
     [M, N]; rows outside every group are 0.
 
   Raises:
-    ValueError: K or N not a multiple of 128.
+    ValueError: lhs and rhs of other contractions, or K or N not a multiple of 128.
   """
   num_rows, k = lhs.shape
   groups = rhs.shape[0]
-  n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+  n, rhs_k = (rhs.shape[1], rhs.shape[2]) if transpose_rhs else (rhs.shape[2], rhs.shape[1])
+  if rhs_k != k:
+    layout = "[G, N, K] (transpose_rhs)" if transpose_rhs else "[G, K, N]"
+    raise ValueError(f"lhs {lhs.shape} is [M, K] and rhs {rhs.shape} must be {layout}: K differs")
   _check_sizes(K=k, N=n)
   rows = aligned_rows(group_sizes, num_rows, blocks.block_m)
   num_tiles = max_visits(num_rows, groups, blocks.block_m)
@@ -309,9 +312,14 @@ def tgmm_fp8(
 
   Returns:
     [G, K, N]; groups of size 0 give 0.
+
+  Raises:
+    ValueError: lhs and dout of other row counts, or K and N off the blocks.
   """
   num_rows, k = lhs.shape
   n = dout.shape[1]
+  if dout.shape[0] != num_rows:
+    raise ValueError(f"lhs {lhs.shape} and dout {dout.shape} must have the same rows [M, .]")
   if k % blocks.block_m or n % blocks.block_n:
     raise ValueError(f"K={k} and N={n} must be multiples of {blocks.block_m=}, {blocks.block_n=}")
   groups = group_sizes.shape[0]

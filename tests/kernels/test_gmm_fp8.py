@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernels_pallas.gmm_fp8 import Fp8Blocks, gmm_fp8, gmm_fp8_vjp
+from kernels_pallas.gmm_fp8 import Fp8Blocks, gmm_fp8, gmm_fp8_vjp, tgmm_fp8
 from moejax.compute_quant import matmul
 from tests.helpers import seed_of, slow
 
@@ -98,9 +98,13 @@ def test_each_product_equals_the_emulated_recipe(case, request):
   assert not np.asarray(forward[used:]).any() and not np.asarray(wgrad[np.array(empty)]).any()
 
 
-def test_sizes_off_the_recipes_groups_are_refused():
+def test_shapes_off_the_recipes_groups_or_each_other_are_refused():
   sizes = jnp.array([4], jnp.int32)
   with pytest.raises(ValueError, match="groups of 128: K=192 must be a multiple of 128"):
     gmm_fp8(jnp.ones((8, 192)), jnp.ones((1, 192, 128)), sizes, interpret=True)
   with pytest.raises(ValueError, match="block_n=96 must divide the 128-wide scale blocks"):
     Fp8Blocks(block_n=96)
+  with pytest.raises(ValueError, match=r"rhs \(1, 256, 128\) must be \[G, K, N\]: K differs"):
+    gmm_fp8(jnp.ones((8, 128)), jnp.ones((1, 256, 128)), sizes, interpret=True)
+  with pytest.raises(ValueError, match=r"dout \(4, 128\) must have the same rows"):
+    tgmm_fp8(jnp.ones((8, 128)), jnp.ones((4, 128)), sizes, interpret=True)
