@@ -19,6 +19,10 @@ memory tiles), so each kernel takes its operands laid out that way:
   groups of 128 tokens of one group (the aligned row tiles: a group's last tile holds its
   remaining rows), handed over transposed (tokens minor).
 
+A weight can be quantized once for many calls (`fp8_weight`: both products' layouts, as a
+chunked layer's pass uses them for every chunk) and handed to `gmm_fp8` / `gmm_fp8_vjp`
+instead of the float weight.
+
 Rows are regrouped into tile-aligned buffers as in `gmm_mosaic` (`metadata.aligned_rows`).
 The Mosaic GPU interpreter cannot hand wgmma a transposed tile
 (`compat.mosaic_operands_transposed_in_smem`): there the B operands are given [K, N].
@@ -32,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -159,6 +164,49 @@ def _gmm_fp8_kernel(
     store_tile(total, out_gmem.at[pl.ds(tile * bm, bm), pl.ds(col_block * bn, bn)])
 
 
+class KernelRhs(NamedTuple):
+  """A product's weight operand quantized in 128x128 blocks, laid out as `gmm_fp8`'s kernel
+  reads it: [G, N, K] where wgmma takes fp8 operands K-major (on a GPU), else [G, K, N].
+
+  Attributes:
+    values: the e4m3 values as their bits, uint8 (an integer array: a constant for autodiff,
+      which a chunked layer's backward pass carries no gradient for).
+    scales: [G, N/128, K/128] float32, one per block (in either layout).
+  """
+
+  values: jax.Array
+  scales: jax.Array
+
+
+class Fp8Weight(NamedTuple):
+  """A weight W [G, K, N] quantized once (128x128 blocks of the stored W) in the layouts both
+  of its products read: `forward` for a @ W, `dgrad` for g @ W^T (`fp8_weight`)."""
+
+  forward: KernelRhs
+  dgrad: KernelRhs
+
+
+def kernel_rhs(rhs: jax.Array, *, transpose_rhs: bool, interpret: bool) -> KernelRhs:
+  """rhs [G, K, N] ([G, N, K] with `transpose_rhs`) quantized in 128x128 blocks of the stored
+  array and laid out for `gmm_fp8`'s kernel (the same values either way: a dgrad reads the
+  forward's blocks)."""
+  values, scales = quantize_groups(rhs, (GROUP, GROUP))
+  if not transpose_rhs:  # the forward's W [G, K, N]: as [G, N, K], the contraction minor
+    values, scales = jnp.swapaxes(values, 1, 2), jnp.swapaxes(scales, 1, 2)
+  if not mosaic_operands_transposed_in_smem(interpret):  # the interpreter's [K, N] tiles
+    values = jnp.swapaxes(values, 1, 2)
+  return KernelRhs(jax.lax.bitcast_convert_type(values, jnp.uint8), scales)
+
+
+def fp8_weight(w: jax.Array, *, interpret: bool = False) -> Fp8Weight:
+  """W [G, K, N] quantized once for both of its products (`Fp8Weight`), for a caller that
+  multiplies by it many times (each chunk of a layer's pass)."""
+  return Fp8Weight(
+    kernel_rhs(w, transpose_rhs=False, interpret=interpret),
+    kernel_rhs(w, transpose_rhs=True, interpret=interpret),
+  )
+
+
 def _check_sizes(**sizes: int) -> None:
   for name, size in sizes.items():
     if size % GROUP:
@@ -170,7 +218,7 @@ def _check_sizes(**sizes: int) -> None:
 @functools.partial(jax.jit, static_argnames=("blocks", "transpose_rhs", "out_dtype", "interpret"))
 def gmm_fp8(
   lhs: jax.Array,
-  rhs: jax.Array,
+  rhs: jax.Array | KernelRhs,
   group_sizes: jax.Array,
   *,
   blocks: Fp8Blocks = Fp8Blocks(),
@@ -184,7 +232,8 @@ def gmm_fp8(
   Args:
     lhs: [M, K] float; quantized in 1x128 groups along K.
     rhs: [G, K, N] float ([G, N, K] with `transpose_rhs`: the weight W [G, in, out] of a dgrad);
-      quantized in 128x128 blocks of the stored weight.
+      quantized in 128x128 blocks of the stored weight. Or those blocks already quantized,
+      `kernel_rhs(rhs, transpose_rhs=..., interpret=...)` with this call's flags.
     group_sizes: [G] int32, sum <= M.
     blocks: `Fp8Blocks`.
     transpose_rhs: multiply by rhs[g]^T.
@@ -198,21 +247,24 @@ def gmm_fp8(
     ValueError: lhs and rhs of other contractions, or K or N not a multiple of 128.
   """
   num_rows, k = lhs.shape
-  groups = rhs.shape[0]
-  n, rhs_k = (rhs.shape[1], rhs.shape[2]) if transpose_rhs else (rhs.shape[2], rhs.shape[1])
-  if rhs_k != k:
+  k_major = mosaic_operands_transposed_in_smem(interpret)
+  prepared = isinstance(rhs, KernelRhs)
+  shape = rhs.values.shape if prepared else rhs.shape
+  if prepared:  # [G, N, K] K-major, else [G, K, N]
+    groups, n, rhs_k = shape if k_major else (shape[0], shape[2], shape[1])
+    layout = "laid out by kernel_rhs"
+  else:
+    groups, n, rhs_k = (shape[0], *shape[1:][:: 1 if transpose_rhs else -1])
     layout = "[G, N, K] (transpose_rhs)" if transpose_rhs else "[G, K, N]"
-    raise ValueError(f"lhs {lhs.shape} is [M, K] and rhs {rhs.shape} must be {layout}: K differs")
+  if rhs_k != k:
+    raise ValueError(f"lhs {lhs.shape} is [M, K] and rhs {shape} must be {layout}: K differs")
   _check_sizes(K=k, N=n)
+  if not prepared:
+    rhs = kernel_rhs(rhs, transpose_rhs=transpose_rhs, interpret=interpret)
   rows = aligned_rows(group_sizes, num_rows, blocks.block_m)
   num_tiles = max_visits(num_rows, groups, blocks.block_m)
   lhs_values, lhs_scales = quantize_groups(gather_rows(lhs, rows.row_source), (1, GROUP))
-  values, scales = quantize_groups(rhs, (GROUP, GROUP))  # the stored weight's blocks
-  if not transpose_rhs:  # [G, N, K]: the contraction minor
-    values, scales = jnp.swapaxes(values, 1, 2), jnp.swapaxes(scales, 1, 2)
-  k_major = mosaic_operands_transposed_in_smem(interpret)
-  if not k_major:
-    values = jnp.swapaxes(values, 1, 2)
+  values = jax.lax.bitcast_convert_type(rhs.values, jnp.float8_e4m3fn)
   kernel = plgpu.kernel(
     functools.partial(
       _gmm_fp8_kernel, blocks=blocks, num_tiles=num_tiles, k_major=k_major, interpret=interpret
@@ -220,7 +272,7 @@ def gmm_fp8(
     out_type=out_struct((num_tiles * blocks.block_m, n), jnp.dtype(out_dtype), like=lhs_values),
     **launch(interpret),
   )
-  out = kernel(rows.tile_ends, lhs_values, lhs_scales.T, values, scales)
+  out = kernel(rows.tile_ends, lhs_values, lhs_scales.T, values, rhs.scales)
   return gather_rows(vary_like(out, lhs_values), rows.source_row)
 
 
@@ -343,27 +395,39 @@ def tgmm_fp8(
   return vary_like(out, lhs_values)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
 def gmm_fp8_vjp(
-  lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, blocks: Fp8Blocks, interpret: bool
+  lhs: jax.Array,
+  rhs: jax.Array,
+  group_sizes: jax.Array,
+  rhs_fp8: Fp8Weight | None,
+  blocks: Fp8Blocks,
+  interpret: bool,
 ) -> jax.Array:
   """Differentiable fp8 grouped matmul, the whole recipe: [M, K] x [G, K, N] -> [M, N] float32
   by `gmm_fp8`; d(lhs) its dgrad (`gmm_fp8` reading the weights' blocks transposed), d(rhs)
-  `tgmm_fp8` (both operands in groups of 128 tokens), each in its input's dtype."""
-  return gmm_fp8(lhs, rhs, group_sizes, blocks=blocks, interpret=interpret)
+  `tgmm_fp8` (both operands in groups of 128 tokens), each in its input's dtype.
+
+  `rhs_fp8`: `fp8_weight(rhs, interpret=interpret)`, quantized once by a caller that
+  multiplies by rhs many times (the products then read it, and rhs only gives d(rhs) its
+  dtype), or None to quantize rhs here.
+  """
+  return _gmm_fp8_fwd(lhs, rhs, group_sizes, rhs_fp8, blocks, interpret)[0]
 
 
-def _gmm_fp8_fwd(lhs, rhs, group_sizes, blocks, interpret):
-  out = gmm_fp8(lhs, rhs, group_sizes, blocks=blocks, interpret=interpret)
-  return out, (lhs, rhs, group_sizes)
+def _gmm_fp8_fwd(lhs, rhs, group_sizes, rhs_fp8, blocks, interpret):
+  forward = rhs if rhs_fp8 is None else rhs_fp8.forward
+  out = gmm_fp8(lhs, forward, group_sizes, blocks=blocks, interpret=interpret)
+  return out, (lhs, rhs, group_sizes, rhs_fp8)
 
 
 def _gmm_fp8_bwd(blocks, interpret, residuals, dout):
-  lhs, rhs, group_sizes = residuals
+  lhs, rhs, group_sizes, rhs_fp8 = residuals
   kernels = dict(blocks=blocks, interpret=interpret)
-  d_lhs = gmm_fp8(dout, rhs, group_sizes, transpose_rhs=True, **kernels)
+  transposed = rhs if rhs_fp8 is None else rhs_fp8.dgrad
+  d_lhs = gmm_fp8(dout, transposed, group_sizes, transpose_rhs=True, **kernels)
   d_rhs = tgmm_fp8(lhs, dout, group_sizes, **kernels)
-  return d_lhs.astype(lhs.dtype), d_rhs.astype(rhs.dtype), None
+  return d_lhs.astype(lhs.dtype), d_rhs.astype(rhs.dtype), None, None
 
 
 gmm_fp8_vjp.defvjp(_gmm_fp8_fwd, _gmm_fp8_bwd)

@@ -354,7 +354,7 @@ def _chunk_scan_bwd(stages, chunk_size, lockstep_axis, pipelined, saved, residua
         (chunk_d_seeded, chunk_d_rest), d_direct, d_sent = vjp(d_out[rows])
         (d_via_send,) = jax.vjp(lambda chunk: stages.send(weights, chunk), chunk)[1](d_sent)
         chunk_d_inputs = jax.tree.map(_add_tangents, d_direct, d_via_send)
-      # An integer weight (int4 values) has float0 cotangents; the carry holds zeros of its type.
+      # An integer weight (int4 values, fp8 bits) has no gradient: the carry holds None for it.
       chunk_d_seeded, chunk_d_rest = jax.tree.map(_carried, weights, (chunk_d_seeded, chunk_d_rest))
       chunk_d_inputs = [
         c
@@ -368,9 +368,12 @@ def _chunk_scan_bwd(stages, chunk_size, lockstep_axis, pipelined, saved, residua
 
     return jax.lax.cond(live[i], accumulate, lambda carry: carry, carry), None
 
-  init = (jax.tree.map(jnp.zeros_like, weights), [jnp.zeros_like(a) for a in float_inputs])
+  init = (
+    jax.tree.map(lambda w: jnp.zeros_like(w) if is_float(w) else None, weights),
+    [jnp.zeros_like(a) for a in float_inputs],
+  )
   (d_weights, d_float_inputs), _ = jax.lax.scan(step, init, jnp.arange(order.shape[0]))
-  (d_given,) = unprepare(jax.tree.map(_tangent_of, weights, d_weights))
+  (d_given,) = unprepare(jax.tree.map(_tangent_of, d_weights, weights, is_leaf=_is_none))
   d_float_inputs = iter(d_float_inputs)
   d_inputs = jax.tree.map(
     lambda a: next(d_float_inputs) if is_float(a) else np.zeros(a.shape, jax.dtypes.float0),
@@ -379,9 +382,10 @@ def _chunk_scan_bwd(stages, chunk_size, lockstep_axis, pipelined, saved, residua
   return d_given, d_inputs, np.zeros(token_mask.shape, jax.dtypes.float0)
 
 
-def _carried(primal: jax.Array, cotangent: jax.Array) -> jax.Array:
-  """`cotangent` as the backward loop carries it: zeros of the primal's type for float0."""
-  return jnp.zeros_like(primal) if cotangent.dtype == jax.dtypes.float0 else cotangent
+def _carried(primal: jax.Array, cotangent: jax.Array) -> jax.Array | None:
+  """`cotangent` as the backward loop carries it: None for an integer primal (no gradient, and
+  no weight-sized zeros written per chunk)."""
+  return cotangent if jnp.issubdtype(primal.dtype, jnp.inexact) else None
 
 
 def _add_tangents(a: jax.Array, b: jax.Array) -> jax.Array:
@@ -389,11 +393,16 @@ def _add_tangents(a: jax.Array, b: jax.Array) -> jax.Array:
   return a if a.dtype == jax.dtypes.float0 else a + b
 
 
-def _tangent_of(primal: jax.Array, cotangent: jax.Array) -> jax.Array:
-  """`cotangent` as `jax.vjp` takes it for `primal`: float0 zeros for an integer array."""
-  if jnp.issubdtype(primal.dtype, jnp.inexact):
-    return cotangent
-  return np.zeros(primal.shape, jax.dtypes.float0)
+def _is_none(value) -> bool:
+  return value is None
+
+
+def _tangent_of(carried: jax.Array | None, primal: jax.Array | None) -> jax.Array | None:
+  """A `carried` cotangent as `jax.vjp` takes it for `primal`: float0 zeros for an integer
+  array (None in the carry); None where there is no weight."""
+  if carried is None and primal is not None:
+    return np.zeros(primal.shape, jax.dtypes.float0)
+  return carried
 
 
 _chunk_scan.defvjp(_chunk_scan_fwd, _chunk_scan_bwd)

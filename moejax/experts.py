@@ -9,7 +9,8 @@
 - "ragged_dot" and "pallas" (`grouped_matmul_mlp`): `kernels_pallas.moe_mlp` on the plan's backend
   (XLA's two `jax.lax.ragged_dot`s, or the fused kernels); with LoRA adapters, unfused
   `kernels_pallas.gmm`s on that backend (`adapted_mlp`); with `compute_quant="fp8_deepseek"`,
-  the Hopper fp8 kernels' products (`kernels_pallas.gmm_fp8_vjp`) in `adapted_mlp`.
+  the Hopper fp8 kernels' products (`kernels_pallas.gmm_fp8_vjp`, `_fp8_mlp`), on matrices
+  quantized once per pass (`with_fp8_blocks`, from the chunk loop's `prepare`).
 
 Every path sorts the assignments with `sort_by_expert`, and takes the experts' weights as one
 `moejax.params.ExpertWeights`.
@@ -24,7 +25,7 @@ import jax.numpy as jnp
 
 import kernels_pallas
 from kernels_pallas import fused_moe
-from kernels_pallas.gmm_fp8 import Fp8Blocks, gmm_fp8_vjp
+from kernels_pallas.gmm_fp8 import Fp8Blocks, fp8_weight, gmm_fp8_vjp
 from kernels_pallas.metadata import aligned_rows
 from kernels_pallas.quantized import is_block_scaled
 from moejax import compute_quant, id_spaces, invariance, tokamax_experts
@@ -190,8 +191,7 @@ def grouped_matmul_mlp(
     gmm = functools.partial(tokamax_experts.ragged_dot, group_sizes=group_sizes)
     out_sorted = adapted_mlp(x_sorted, experts, row_weights, activation, gmm)
   elif recipe is not None:  # products in float32
-    fp8 = lambda rows, w, **_: gmm_fp8_vjp(rows, w, group_sizes, Fp8Blocks(), interpret)
-    out_sorted = adapted_mlp(x_sorted, experts, row_weights, activation, fp8)
+    out_sorted = _fp8_mlp(x_sorted, experts, row_weights, activation, group_sizes, interpret)
   elif experts.lora is None:
     out_sorted = kernels_pallas.moe_mlp(
       x_sorted,
@@ -289,6 +289,39 @@ def adapted_mlp(
   return project(hidden, experts.w_down, *down_adapter) * row_weights[:, None]
 
 
+def _fp8_mlp(
+  x_sorted: jax.Array,
+  experts: ExpertWeights,
+  row_weights: jax.Array,
+  activation: GatedActivation,
+  group_sizes: jax.Array,
+  interpret: bool,
+) -> jax.Array:
+  """`adapted_mlp` (without adapters) on the Hopper fp8 kernels: each product by
+  `gmm_fp8_vjp`, on the matrices' fp8 blocks where `experts.fp8` holds them (quantized once
+  per pass, `with_fp8_blocks`), else quantizing the matrices here."""
+  gate_up_fp8, down_fp8 = experts.fp8 or (None, None)
+  product = lambda rows, w, w_fp8: gmm_fp8_vjp(rows, w, group_sizes, w_fp8, Fp8Blocks(), interpret)
+  gate_up = product(x_sorted, experts.w_gate_up, gate_up_fp8)  # [M, 2F] float32
+  hidden = activation(*jnp.split(gate_up, 2, axis=-1)).astype(x_sorted.dtype)  # [M, F]
+  return product(hidden, experts.w_down, down_fp8) * row_weights[:, None]
+
+
+def runs_fp8_kernels(config: MoEConfig, plan: ExpertPlan) -> bool:
+  """Whether the plan's expert path multiplies on the Hopper fp8 kernels (`compute_quant` on
+  `grouped_matmul_mlp`'s own kernels: `moejax.plan.fp8_kernel_reason` chose them)."""
+  grouped = plan.path in ("pallas", "ragged_dot") and plan.backend != TOKAMAX
+  return grouped and config.compute_quant is not None
+
+
+def with_fp8_blocks(experts: ExpertWeights, *, interpret: bool) -> ExpertWeights:
+  """`experts` holding their matrices' fp8 blocks (`ExpertWeights.fp8`), for a pass whose
+  every chunk multiplies by them on the fp8 kernels: quantized here, once, not per chunk and
+  product. Constants for autodiff: the kernels' VJP gives the float matrices their gradients."""
+  blocks = lambda w: fp8_weight(jax.lax.stop_gradient(w), interpret=interpret)
+  return experts._replace(fp8=(blocks(experts.w_gate_up), blocks(experts.w_down)))
+
+
 def routed_mlp(
   x: jax.Array,
   expert_ids: jax.Array,
@@ -359,7 +392,8 @@ def rms_normalized(rows: jax.Array, eps: float) -> jax.Array:
 def with_seeds(experts: ExpertWeights, grad_seeds: ExpertWeights) -> ExpertWeights:
   """`experts` whose gradient gets `grad_seeds` added (`moejax.chunking.seed_gradient`): the
   `ChunkStages` promise, for a path that does not accumulate in place."""
-  return ExpertWeights(*map(_seeded, experts, grad_seeds))
+  seeds = grad_seeds._replace(fp8=None)  # the fp8 blocks are constants
+  return ExpertWeights(*map(_seeded, experts, seeds))
 
 
 def _seeded(weight, seed):

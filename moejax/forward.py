@@ -37,7 +37,9 @@ from moejax.experts import (
   latent_projection,
   rms_normalized,
   routed_mlp,
+  runs_fp8_kernels,
   shared_mlp,
+  with_fp8_blocks,
   with_seeds,
   zero_experts,
 )
@@ -462,7 +464,9 @@ def local_forward(
   # Expert weights already vary over the expert axis; they are the same on every data rank.
   data_axes = tuple(a for a in all_axes if a not in (exchange.axis or ()))
   stages = ChunkStages(
-    prepare=functools.partial(_prepare_weights, config=config, axes=(data_axes, all_axes)),
+    prepare=functools.partial(
+      _prepare_weights, config=config, plan=plan, axes=(data_axes, all_axes)
+    ),
     send=functools.partial(_send_chunk, exchange=exchange),
     finish=functools.partial(_finish_chunk, exchange=exchange, config=config, plan=plan),
   )
@@ -518,11 +522,16 @@ ChunkWeights = tuple[ExpertWeights, TokenSideWeights]  # (seeded, rest): `ChunkS
 
 
 def _prepare_weights(
-  params: MoEParams, *, config: MoEConfig, axes: tuple[tuple[str, ...], tuple[str, ...]]
+  params: MoEParams,
+  *,
+  config: MoEConfig,
+  plan: ExpertPlan,
+  axes: tuple[tuple[str, ...], tuple[str, ...]],
 ) -> ChunkWeights:
   """The weights in their compute form (`compute_weights`), marked per-device where they are
   the same on several devices: the expert weights over the data axes `axes[0]`, the shared
-  ones over all axes `axes[1]` (`vary_over`: before any chunk's cond).
+  ones over all axes `axes[1]` (`vary_over`: before any chunk's cond). For the fp8 kernels
+  (`runs_fp8_kernels`), the expert matrices' fp8 blocks too, quantized here once per pass.
 
   With `expert_fsdp` the expert weights arrive split over the data axes along dim 1, with
   `shared_fsdp` the shared experts' matrices over all axes along dim 0; they are gathered
@@ -537,6 +546,8 @@ def _prepare_weights(
   experts, side = compute_weights(params, config)
   if not config.expert_fsdp:
     experts = vary_over(experts, data_axes)
+  if runs_fp8_kernels(config, plan):
+    experts = with_fp8_blocks(experts, interpret=plan.interpret)
   if side.shared is not None and config.shared_fsdp:  # only the adapters are still the same
     shared = side.shared._replace(lora=vary_over(side.shared.lora, all_axes))
     return experts, TokenSideWeights(shared, vary_over(side.latent_out, all_axes))

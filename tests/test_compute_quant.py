@@ -239,6 +239,39 @@ def test_kernels_asked_for_fall_back_to_the_tile_loop_with_the_reason(fields, re
     assert plan_experts(config, num_rows=64, local_experts=8) == ExpertPlan(path="tile_loop")
 
 
+def weight_casts(jaxpr, shapes: set[tuple], in_loop: bool = False) -> list[bool]:
+  """For each cast to float8_e4m3fn of an array of one of `shapes` in `jaxpr` and the jaxprs
+  in its equations' parameters: whether it runs inside a scan or while loop."""
+  found = []
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "convert_element_type":
+      out = eqn.outvars[0].aval
+      found += [in_loop] if out.dtype == jnp.float8_e4m3fn and out.shape in shapes else []
+    looped = in_loop or eqn.primitive.name in ("scan", "while")
+    for value in eqn.params.values():
+      for sub in value if isinstance(value, tuple | list) else (value,):
+        sub = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr's
+        if hasattr(sub, "eqns"):
+          found += weight_casts(sub, shapes, looped)
+  return found
+
+
+def test_the_fp8_kernels_weights_are_quantized_once_per_pass_not_per_chunk():
+  """On the fp8 kernels, the gradient of a layer of 4 chunks quantizes its expert matrices
+  outside the chunk loops (forward and backward: `prepare`), never inside one (each chunk's
+  products, recomputed forward and dgrad, read those blocks)."""
+  params, x, _, _ = _inputs(11)
+  config = dataclasses.replace(
+    CONFIG, compute_quant="fp8_deepseek", expert_backend="pallas", chunk_size=16
+  )
+  loss = lambda p, x: jnp.sum(moe_apply(p, x, config=config)[0])
+  with pytest.warns(UserWarning, match="Mosaic GPU interpreter"):
+    jaxpr = jax.make_jaxpr(jax.grad(loss, (0, 1)))(params, x).jaxpr
+  blocks = lambda e, k, n: (e, k // 128, 128, n // 128, 128)  # `quantize_groups`' 128x128 view
+  in_loop = weight_casts(jaxpr, {blocks(*params.w_gate_up.shape), blocks(*params.w_down.shape)})
+  assert len(in_loop) >= 4 and not any(in_loop), in_loop
+
+
 @pytest.mark.slow  # the layer's fp8 kernels in the Mosaic GPU interpreter: 35-70 s
 def test_the_fp8_kernels_compute_the_emulating_tile_loops_products():
   """fp8_deepseek with expert_backend="pallas": the Hopper fp8 kernels (interpreted) give the

@@ -177,7 +177,7 @@ def test_the_fp8_kernels_compile_for_hopper(gpu):
   )
   rows, hidden, intermediate, groups = 4096, 7168, 2048, 8
   largest = Fp8Blocks(block_m=128, block_n=128, max_concurrent_steps=4)
-  product = lambda x, w, sizes: gmm_fp8_vjp(x, w, sizes, largest, False).sum()
+  product = lambda x, w, sizes: gmm_fp8_vjp(x, w, sizes, None, largest, False).sum()
   with platform.running_on(device), jax.set_mesh(mesh):
     compiled = (
       jax.jit(jax.value_and_grad(product, argnums=(0, 1)))

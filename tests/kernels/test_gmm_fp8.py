@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernels_pallas.gmm_fp8 import Fp8Blocks, gmm_fp8, gmm_fp8_vjp, tgmm_fp8
+from kernels_pallas.gmm_fp8 import Fp8Blocks, fp8_weight, gmm_fp8, gmm_fp8_vjp, tgmm_fp8
 from moejax.compute_quant import matmul
 from tests.helpers import seed_of, slow
 
@@ -19,15 +19,16 @@ class Case(NamedTuple):
   k: int
   n: int
   blocks: Fp8Blocks
+  prepared: bool  # the weight quantized once beforehand (`fp8_weight`), as the layer does
 
 
 CASES = [
   # A group longer than a row tile and a token group (150 > 128), an empty one; K = N = 256
   # (two scale groups each, two column tiles).
-  Case((70, 0, 150, 20), 256, 256, 256, Fp8Blocks(64, 128, 2)),
+  Case((70, 0, 150, 20), 256, 256, 256, Fp8Blocks(64, 128, 2), prepared=True),
   # Past those sizes: 8 skewed groups over 1024 rows (one of 600: five token groups), 128-row
   # tiles, three scale groups along K and N, 64-column tiles.
-  slow(Case((600, 1, 0, 129, 64, 0, 127, 31), 1024, 384, 384, Fp8Blocks(128, 64, 3))),
+  slow(Case((600, 1, 0, 129, 64, 0, 127, 31), 1024, 384, 384, Fp8Blocks(128, 64, 3), False)),
 ]
 
 
@@ -56,7 +57,9 @@ def relative_error(out, ref) -> float:
   return float(np.abs(np.asarray(out) - ref).max() / np.abs(ref).max())
 
 
-@pytest.mark.parametrize("case", CASES, ids=["4 groups", "8 skewed groups"])
+@pytest.mark.parametrize(
+  "case", CASES, ids=["4 groups, weight quantized beforehand", "8 skewed groups"]
+)
 def test_each_product_equals_the_emulated_recipe(case, request):
   """Forward a @ W, and through its VJP the dgrad g @ W^T and wgrad a^T @ g, equal the
   recipe's products emulated in XLA to 1e-5 (the kernels sum each 128-group in fp8 and
@@ -73,7 +76,8 @@ def test_each_product_equals_the_emulated_recipe(case, request):
     return np.concatenate([*blocks, np.zeros((case.rows - used, width), np.float32)])
 
   sizes = jnp.array(case.sizes, jnp.int32)
-  product = lambda lhs, w: gmm_fp8_vjp(lhs, w, sizes, case.blocks, True)
+  w_fp8 = lambda w: fp8_weight(jax.lax.stop_gradient(w), interpret=True) if case.prepared else None
+  product = lambda lhs, w: gmm_fp8_vjp(lhs, w, sizes, w_fp8(w), case.blocks, True)
   forward, pullback = jax.vjp(product, lhs, w)
   dgrad, wgrad = pullback(dout)
   emulated = rows_of(group(lambda g, r: matmul(lhs[r], w[g], "fp8_deepseek", "forward")), n)
@@ -106,5 +110,8 @@ def test_shapes_off_the_recipes_groups_or_each_other_are_refused():
     Fp8Blocks(block_n=96)
   with pytest.raises(ValueError, match=r"rhs \(1, 256, 128\) must be \[G, K, N\]: K differs"):
     gmm_fp8(jnp.ones((8, 128)), jnp.ones((1, 256, 128)), sizes, interpret=True)
+  prepared = fp8_weight(jnp.ones((1, 256, 128)), interpret=True).forward
+  with pytest.raises(ValueError, match=r"rhs \(1, 256, 128\) must be laid out by kernel_rhs"):
+    gmm_fp8(jnp.ones((8, 128)), prepared, sizes, interpret=True)
   with pytest.raises(ValueError, match=r"dout \(4, 128\) must have the same rows"):
     tgmm_fp8(jnp.ones((8, 128)), jnp.ones((4, 128)), sizes, interpret=True)
