@@ -1,5 +1,6 @@
 """The fp8 exchange (`MoEConfig.dispatch_quant="fp8"`): dispatched rows cross the expert axis as
-float8_e4m3fn values with a float32 scale per 1x128 group (amax / 448; 1 for a group of zeros),
+float8_e4m3fn values with a float32 scale per 1x128 group (amax / 448; 1 for a group of zeros:
+`kernels_pallas.fp8_groups`, the function the fp8 recipes quantize with),
 about half the bytes of bf16, and are dequantized to the compute dtype on arrival (what an fp8
 matmul would read; `compute_quant="fp8_deepseek"` quantizes them again to the same values).
 
@@ -15,28 +16,12 @@ import functools
 from collections.abc import Callable
 
 import jax
-import jax.numpy as jnp
 
-from kernels_pallas.fp8_groups import E4M3_MAX, GROUP
+from kernels_pallas.fp8_groups import GROUP, dequantize_groups, quantize_groups
 
 # A row map that moves rows between devices and is linear in them: (rows [N, W], *index
 # arrays) -> rows [M, W], for any dtype and width W (the exchange's collective and gathers).
 Move = Callable[..., jax.Array]
-
-
-def quantized_rows(rows: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """rows [N, D] -> (values [N, D] float8_e4m3fn, scales [N, D/128] float32)."""
-  grouped = rows.astype(jnp.float32).reshape(rows.shape[0], -1, GROUP)
-  amax = jnp.max(jnp.abs(grouped), axis=-1)
-  scales = jnp.where(amax > 0, amax / E4M3_MAX, 1.0)
-  values = (grouped / scales[..., None]).astype(jnp.float8_e4m3fn)
-  return values.reshape(rows.shape), scales
-
-
-def dequantized_rows(values: jax.Array, scales: jax.Array, dtype) -> jax.Array:
-  """`quantized_rows`' inverse: [N, D] in `dtype`."""
-  grouped = values.astype(jnp.float32).reshape(values.shape[0], -1, GROUP)
-  return (grouped * scales[..., None]).reshape(values.shape).astype(dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -49,8 +34,8 @@ def moved_in_fp8(move: Move, rows: jax.Array, *indices: jax.Array) -> jax.Array:
     rows: [N, D] rows to send, D a multiple of 128.
     indices: the arrays `move` takes after the rows (offsets, sizes), never differentiated.
   """
-  values, scales = quantized_rows(rows)
-  return dequantized_rows(move(values, *indices), move(scales, *indices), rows.dtype)
+  values, scales = quantize_groups(rows, (1, GROUP))  # [N, D] e4m3, [N, D/128] float32
+  return dequantize_groups(move(values, *indices), move(scales, *indices)).astype(rows.dtype)
 
 
 def _moved_fwd(move, rows, *indices):
