@@ -27,13 +27,11 @@ os.environ["XLA_FLAGS"] = (
 import argparse
 import json
 import math
-import subprocess
-import sys
-import tempfile
 import time
 from pathlib import Path
 
 import jax
+from commits import checkouts, measured_in, table
 
 from moejax import MoEConfig, moe_apply
 from moejax.testing import random_params
@@ -42,7 +40,6 @@ CONFIG = MoEConfig(num_experts=8, top_k=2, hidden_size=64, intermediate_size=128
 TOKENS = 16
 EAGER_CALLS = 200
 TRACES = 5
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def measure() -> dict[str, float]:
@@ -78,19 +75,6 @@ def _eager(call) -> float:
   return best * 1e6
 
 
-def _in_process(checkout: Path) -> dict[str, float]:
-  """`measure()` run by `checkout`'s code in a process of its own."""
-  done = subprocess.run(
-    [sys.executable, str(ROOT / "benchmarks" / "call_overhead.py"), "--rounds", "1", "--json"],
-    cwd=checkout,
-    env={**os.environ, "PYTHONPATH": str(checkout)},
-    capture_output=True,
-    text=True,
-    check=True,
-  )
-  return json.loads(done.stdout.splitlines()[-1])
-
-
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--against", metavar="REV", help="also measure this commit, alternating")
@@ -101,33 +85,13 @@ def main() -> None:
   if args.json:
     print(json.dumps(measure()))
     return
-  checkouts = {"this checkout": ROOT}
-  with tempfile.TemporaryDirectory() as scratch:
-    if args.against:
-      base = Path(scratch) / "base"
-      subprocess.run(
-        ["git", "-C", str(ROOT), "worktree", "add", "--detach", str(base), args.against],
-        check=True,
-        capture_output=True,
-      )
-      checkouts = {args.against: base, **checkouts}
-    try:
-      best: dict[str, dict[str, float]] = {name: {} for name in checkouts}
-      for _ in range(args.rounds):
-        for name, checkout in checkouts.items():
-          for row, micros in _in_process(checkout).items():
-            best[name][row] = min(best[name].get(row, math.inf), micros)
-    finally:
-      if args.against:
-        subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(base)])
-  names = list(checkouts)
-  print(
-    f"{'row':16}" + "".join(f"{name[:14]:>16}" for name in names) + ("  ratio" * (len(names) > 1))
-  )
-  for row in best[names[-1]]:
-    cells = "".join(f"{best[name][row]:>14.0f}us" for name in names)
-    ratio = f"  {best[names[-1]][row] / best[names[0]][row]:.2f}" if len(names) > 1 else ""
-    print(f"{row:16}{cells}{ratio}")
+  with checkouts(args.against) as measured:
+    best: dict[str, dict[str, float]] = {name: {} for name in measured}
+    for _ in range(args.rounds):
+      for name, checkout in measured.items():
+        for row, micros in measured_in(checkout, "call_overhead.py").items():
+          best[name][row] = min(best[name].get(row, math.inf), micros)
+  print(table(best, ".0f"))
   args.out.mkdir(parents=True, exist_ok=True)
   (args.out / "call_overhead.json").write_text(json.dumps(best, indent=1))
 

@@ -374,6 +374,7 @@ def _shard(
   )(params, placement, tokens)
 
 
+@jax.checkpoint  # its gradient keeps the [L] mask, not the [L, ...] predicate `where` makes
 def _zero_padding(x: jax.Array, token_mask: jax.Array) -> jax.Array:
   """`x` with padding rows set to 0: whatever padding holds (NaN, Inf) goes no further."""
   return jnp.where(token_mask.reshape(-1, *[1] * (x.ndim - 1)), x, jnp.zeros((), x.dtype))
@@ -447,6 +448,8 @@ def local_forward(
   """
   token_mask = tokens.token_mask
   x = _zero_padding(tokens.x, token_mask)
+  if x.dtype == config.dtype:  # the chunk loop's rows (or the latent's tokens): named here,
+    x = remat.named(x, remat.ROUTED_ROWS)  # the one copy the router's gradient keeps too
   router_kernel = params.router_kernel
   if config.shared_fsdp and router_kernel is not None:
     router_kernel = gather_along(router_kernel, all_axes, dim=0)
@@ -483,7 +486,7 @@ def local_forward(
   y, chunks_run = chunk_scan(
     stages,
     params,
-    remat.named(routed_rows, remat.ROUTED_ROWS),
+    jax.tree.map(lambda a: a if a is x else remat.named(a, remat.ROUTED_ROWS), routed_rows),
     token_mask,
     chunk_size=chunk_size,
     lockstep_axis=exchange.axis,

@@ -16,6 +16,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from moejax.collectives import summed_to_type_of
 from moejax.config import MoEConfig
 from moejax.id_spaces import padding_id
 
@@ -69,14 +70,42 @@ def router_logits(
   router_bias: jax.Array | None = None,
 ) -> jax.Array:
   """The router: [T, D] tokens x [D, E + Z] kernel (+ [E + Z] bias) -> [T, E + Z] float32
-  logits, at full precision.
+  logits, at full precision (`float32_product`).
+  """
+  logits = float32_product(x, router_kernel)
+  return logits if router_bias is None else logits + router_bias.astype(jnp.float32)[None, :]
+
+
+@jax.custom_vjp
+def float32_product(x: jax.Array, kernel: jax.Array) -> jax.Array:
+  """x [T, D] @ kernel [D, N] -> [T, N], both cast to float32, at full precision; its
+  gradient keeps x and the kernel as given (x's float32 copy would be twice bf16's bytes).
 
   HIGHEST, because a GPU's default float32 matmul rounds its inputs to TF32, which flips the
   top-k between near-tied experts (measured on an H200: 7% output error vs the reference).
   """
-  kernel = router_kernel.astype(jnp.float32)
-  logits = jnp.dot(x.astype(jnp.float32), kernel, precision=jax.lax.Precision.HIGHEST)
-  return logits if router_bias is None else logits + router_bias.astype(jnp.float32)[None, :]
+  return _float32_dot(x, kernel)
+
+
+def _float32_dot(a: jax.Array, b: jax.Array) -> jax.Array:
+  f32 = jnp.float32
+  return jnp.dot(a.astype(f32), b.astype(f32), precision=jax.lax.Precision.HIGHEST)
+
+
+def _float32_product_fwd(x, kernel):
+  return _float32_dot(x, kernel), (x, kernel)
+
+
+def _float32_product_bwd(residuals, d_out):
+  x, kernel = residuals  # kernel as given: the same on every device (`shard_map`), kept once
+  d_x, d_kernel = _float32_dot(d_out, kernel.T), _float32_dot(x.T, d_out)
+  return (
+    summed_to_type_of(d_x, x).astype(x.dtype),
+    summed_to_type_of(d_kernel, kernel).astype(kernel.dtype),
+  )
+
+
+float32_product.defvjp(_float32_product_fwd, _float32_product_bwd)
 
 
 def route(

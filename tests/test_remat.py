@@ -98,3 +98,22 @@ def test_kept_dispatched_rows_spare_the_backward_its_exchange(dispatch, mesh_sha
   spared = 0 if mesh is None else 3
   assert found[True][0] == found[False][0] - spared, (found[False][0], found[True][0])
   chex.assert_trees_all_close(found[True][1], found[False][1], **tolerance())
+
+
+def test_without_remat_the_layer_keeps_its_tokens_width_once():
+  """Without a remat policy, the pullback of a bf16 layer on the 2x4 mesh keeps one [L, D]
+  array: the chunk loop's rows, which the router's gradient reads as well. It keeps no
+  float32 copy of x for the router, no [L, D] masks of the padding's `where`, and no second
+  copy of the rows (the layer used to keep six such arrays, 12 bytes per token value)."""
+  config = dataclasses.replace(
+    CONFIG, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, save_dispatched_rows=False
+  )
+  key = jax.random.key(seed_of("test_remat_width"))
+  params = random_params(config, key)
+  x = jax.random.normal(jax.random.fold_in(key, 1), (TOKENS, 16), jnp.bfloat16)
+  mesh = mesh_of(2, 4)
+  layer = lambda params, x: moe_apply(params, x, config=config, mesh=mesh)[0]
+  _, pullback = jax.vjp(layer, params, x)
+  made = [a for a in jax.tree.leaves(pullback) if a is not x]  # x: the caller's own array
+  token_wide = [(a.shape, str(a.dtype)) for a in made if a.shape in ((64, 16), (TOKENS, 16))]
+  assert token_wide == [((64, 16), "bfloat16")], token_wide  # the rows, [L = 64, D]
