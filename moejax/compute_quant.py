@@ -111,12 +111,13 @@ def token_group(recipe: str | None) -> int | None:
   return {"fp8_deepseek": GROUP, "mxfp8": MX_GROUP}.get(recipe)
 
 
-def size_reason(recipe: str | None, hidden_size: int, intermediate_size: int) -> str | None:
-  """Why the recipe cannot quantize these widths (not multiples of its group), or None."""
+def size_reason(recipe: str | None, **widths: int) -> str | None:
+  """Why the recipe cannot quantize the experts' `widths` (by their config names: not
+  multiples of its group), or None."""
   group = token_group(recipe)
   if group is None:
     return None
-  for name, size in (("hidden_size", hidden_size), ("intermediate_size", intermediate_size)):
+  for name, size in widths.items():
     if size % group:
       return (
         f"compute_quant={recipe!r} quantizes in groups of {group}: {name}={size} must be "

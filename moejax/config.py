@@ -560,7 +560,10 @@ class MoEConfig:
         f"compute_quant={recipe!r} quantizes float master weights on the fly; "
         f"expert_quant={self.expert_quant!r} stores them quantized: choose one"
       )
-    reason = size_reason(recipe, self.expert_width, self.intermediate_size)
+    width = "latent_size" if self.latent_size else "hidden_size"  # what the experts take
+    reason = size_reason(
+      recipe, **{width: self.expert_width, "intermediate_size": self.intermediate_size}
+    )
     if reason is not None:
       raise ValueError(reason)
 

@@ -206,6 +206,10 @@ def test_a_group_of_zeros_and_the_largest_value_survive():
       r"'mxfp8' quantizes in groups of 32: hidden_size=144 must be a multiple of 32",
     ),
     (
+      dict(compute_quant="fp8_deepseek", latent_size=96),  # the experts' width, not D's
+      r"quantizes in groups of 128: latent_size=96 must be a multiple of 128",
+    ),
+    (
       dict(compute_quant="fp8_rowwise", expert_quant="fp8_block"),
       r"compute_quant='fp8_rowwise' quantizes float master weights on the fly; "
       r"expert_quant='fp8_block' stores them quantized: choose one",
