@@ -293,7 +293,9 @@ def test_the_fp8_kernels_compute_the_emulating_tile_loops_products():
   params, x, _, _ = _inputs(9)
   mask = rank_mask([8, 3, 0, 8, 5, 8, 1, 8], 8)
   probe = jax.random.normal(jax.random.key(10), x.shape)
-  config = dataclasses.replace(CONFIG, compute_quant="fp8_deepseek")
+  # Two chunks: the kernels read the weights' fp8 blocks quantized once for both, and the
+  # weights' gradients accumulate over them.
+  config = dataclasses.replace(CONFIG, compute_quant="fp8_deepseek", chunk_size=T // 2)
   kernels = dataclasses.replace(config, expert_backend="pallas")
   with pytest.warns(UserWarning, match="runs the fp8 kernels in the Mosaic GPU interpreter"):
     assert plan_experts(kernels, num_rows=64, local_experts=8) == ExpertPlan(
