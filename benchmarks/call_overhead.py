@@ -24,14 +24,11 @@ os.environ["XLA_FLAGS"] = (
   os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 
-import argparse
-import json
 import math
 import time
-from pathlib import Path
 
 import jax
-from commits import checkouts, measured_in, table
+from commits import compare_main
 
 from moejax import MoEConfig, moe_apply
 from moejax.testing import random_params
@@ -76,24 +73,7 @@ def _eager(call) -> float:
 
 
 def main() -> None:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--against", metavar="REV", help="also measure this commit, alternating")
-  parser.add_argument("--rounds", type=int, default=5)
-  parser.add_argument("--out", type=Path, default=Path("results"))
-  parser.add_argument("--json", action="store_true", help="print one JSON line of the rows")
-  args = parser.parse_args()
-  if args.json:
-    print(json.dumps(measure()))
-    return
-  with checkouts(args.against) as measured:
-    best: dict[str, dict[str, float]] = {name: {} for name in measured}
-    for _ in range(args.rounds):
-      for name, checkout in measured.items():
-        for row, micros in measured_in(checkout, "call_overhead.py").items():
-          best[name][row] = min(best[name].get(row, math.inf), micros)
-  print(table(best, ".0f"))
-  args.out.mkdir(parents=True, exist_ok=True)
-  (args.out / "call_overhead.json").write_text(json.dumps(best, indent=1))
+  compare_main("call_overhead.py", measure, __doc__.split("\n")[0], ".0f", rounds=5)
 
 
 if __name__ == "__main__":

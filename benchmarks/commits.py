@@ -5,20 +5,22 @@ machine or another JAX cache affects both alike.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
+import math
 import os
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 @contextlib.contextmanager
-def checkouts(against: str | None) -> Iterator[dict[str, Path]]:
+def _checkouts(against: str | None) -> Iterator[dict[str, Path]]:
   """{name: checkout}: a worktree of the commit `against` first, if given (removed on exit),
   then "this checkout"."""
   with tempfile.TemporaryDirectory() as scratch:
@@ -37,11 +39,11 @@ def checkouts(against: str | None) -> Iterator[dict[str, Path]]:
       subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(base)])
 
 
-def measured_in(checkout: Path, script: str, *args: str) -> dict:
-  """The JSON line `benchmarks/<script> --json *args` prints last, run by `checkout`'s code in
-  a process of its own."""
+def _measured_in(checkout: Path, script: str) -> dict:
+  """The JSON line `benchmarks/<script> --json` (this checkout's script) prints last, run on
+  `checkout`'s library in a process of its own."""
   done = subprocess.run(
-    [sys.executable, str(ROOT / "benchmarks" / script), *args, "--json"],
+    [sys.executable, str(ROOT / "benchmarks" / script), "--json"],
     cwd=checkout,
     env={**os.environ, "PYTHONPATH": str(checkout)},
     capture_output=True,
@@ -51,9 +53,9 @@ def measured_in(checkout: Path, script: str, *args: str) -> dict:
   return json.loads(done.stdout.splitlines()[-1])
 
 
-def table(columns: dict[str, dict[str, float]], cell: str) -> str:
+def _table(columns: dict[str, dict[str, float]], cell: str) -> str:
   """Rows of `columns` ({column: {row: value}}), one column each, and with two columns the
-  ratio of the last to the first; `cell` formats a value (a format spec, 14 wide)."""
+  ratio of the last to the first; `cell` formats a value (a format spec; 16 wide)."""
   names = list(columns)
   two = len(names) > 1
   lines = [f"{'row':24}" + "".join(f"{name[:14]:>16}" for name in names) + "  ratio" * two]
@@ -62,3 +64,35 @@ def table(columns: dict[str, dict[str, float]], cell: str) -> str:
     ratio = f"  {columns[names[-1]][row] / columns[names[0]][row]:.2f}" if two else ""
     lines.append(f"{row:24}{cells}{ratio}")
   return "\n".join(lines)
+
+
+def compare_main(
+  script: str,
+  measure: Callable[[], dict[str, float]],
+  description: str,
+  cell: str,
+  rounds: int | None = None,
+) -> None:
+  """A comparing benchmark's command line: `--json` prints `measure()`'s rows as one JSON
+  line (what `_measured_in` reads); else each checkout (this one, and `--against REV`'s) runs
+  `script --json`, `--rounds` times where `rounds` gives a default (each row's smallest kept,
+  the checkouts alternating), and the table is printed and written to OUT/<script>.json."""
+  parser = argparse.ArgumentParser(description=description)
+  parser.add_argument("--against", metavar="REV", help="also measure this commit")
+  if rounds is not None:
+    parser.add_argument("--rounds", type=int, default=rounds, help="alternating rounds")
+  parser.add_argument("--out", type=Path, default=Path("results"))
+  parser.add_argument("--json", action="store_true", help="print one JSON line of the rows")
+  args = parser.parse_args()
+  if args.json:
+    print(json.dumps(measure()))
+    return
+  with _checkouts(args.against) as measured:
+    best: dict[str, dict[str, float]] = {name: {} for name in measured}
+    for _ in range(getattr(args, "rounds", 1)):
+      for name, checkout in measured.items():
+        for row, value in _measured_in(checkout, script).items():
+          best[name][row] = min(best[name].get(row, math.inf), value)
+  print(_table(best, cell))
+  args.out.mkdir(parents=True, exist_ok=True)
+  (args.out / f"{Path(script).stem}.json").write_text(json.dumps(best, indent=1))

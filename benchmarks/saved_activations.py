@@ -25,16 +25,13 @@ os.environ["XLA_FLAGS"] = (
   os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 
-import argparse
 import collections
 import dataclasses
-import json
 import warnings
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-from commits import checkouts, measured_in, table
+from commits import compare_main
 
 from moejax import MoEConfig, moe_apply
 from moejax.testing import random_params
@@ -81,21 +78,7 @@ def measure() -> dict[str, float]:
 
 
 def main() -> None:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--against", metavar="REV", help="also measure this commit")
-  parser.add_argument("--out", type=Path, default=Path("results"))
-  parser.add_argument("--json", action="store_true", help="print one JSON line of the rows")
-  args = parser.parse_args()
-  if args.json:
-    print(json.dumps(measure()))
-    return
-  with checkouts(args.against) as measured:
-    columns = {
-      name: measured_in(checkout, "saved_activations.py") for name, checkout in measured.items()
-    }
-  print(table(columns, ".2f"))
-  args.out.mkdir(parents=True, exist_ok=True)
-  (args.out / "saved_activations.json").write_text(json.dumps(columns, indent=1))
+  compare_main("saved_activations.py", measure, __doc__.split("\n")[0], ".2f")
 
 
 if __name__ == "__main__":
