@@ -27,6 +27,7 @@ os.environ["XLA_FLAGS"] = (
 
 import collections
 import dataclasses
+import math
 import warnings
 
 import jax
@@ -61,7 +62,7 @@ def kept_bytes_per_token(config: MoEConfig, mesh: jax.sharding.Mesh | None) -> f
   kind = lambda a: (a.shape, str(a.dtype))
   kept = collections.Counter(kind(a) for a in jax.tree.leaves(pullback))
   kept -= collections.Counter(kind(a) for a in jax.tree.leaves(params))
-  size = lambda shape, dtype: jnp.zeros((), dtype).itemsize * jnp.prod(jnp.array(shape)).item()
+  size = lambda shape, dtype: jnp.dtype(dtype).itemsize * math.prod(shape)
   return sum(size(*k) * n for k, n in kept.items()) / TOKENS
 
 
