@@ -14,7 +14,6 @@ import jax
 import jax.numpy as jnp
 
 from kernels_pallas import platform
-from kernels_pallas.compat import varying_axes
 from moejax.axis_groups import AxisGroup
 
 # Platforms whose XLA backend implements the `ragged-all-to-all` collective.
@@ -29,14 +28,6 @@ def platform_has_ragged_all_to_all() -> bool:
 def sum_over(x: jax.Array, axes: Sequence[str]) -> jax.Array:
   """`x` summed over the named mesh axes (identity for no axes)."""
   return jax.lax.psum(x, tuple(axes)) if axes else x
-
-
-def summed_to_type_of(cotangent: jax.Array, primal: jax.Array) -> jax.Array:
-  """A custom VJP's `cotangent`, summed over the `shard_map` axes it varies over and its
-  `primal` does not: the transpose of the implicit per-device cast (pvary) the forward applied
-  to an operand that was the same on those devices. Outside `shard_map`, or without its
-  varying-axes check, no axis differs and it is the identity."""
-  return sum_over(cotangent, tuple(sorted(varying_axes(cotangent) - varying_axes(primal))))
 
 
 def vary_over(x: jax.Array, axes: Sequence[str]) -> jax.Array:

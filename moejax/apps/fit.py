@@ -31,6 +31,7 @@ from moejax.apps import fit_model
 from moejax.call_plan import CallPlan, plan_call
 from moejax.compute_quant import GROUP
 from moejax.config import MoEConfig
+from moejax.experts import runs_fp8_kernels
 from moejax.forward import moe_apply
 from moejax.params import ADAPTER_PARAMS, EXPERT_PARAMS, MoEParams
 from moejax.remat import REMAT_POLICIES
@@ -679,7 +680,7 @@ def estimate_step(
   per_token = 2 * k * 3 * w * f + 2 * 3 * d * config.shared_intermediate_size
   flops = passes * tokens_per_device * per_token
   peak, peak_words = gpu.peak_bf16_flops, "bf16 peak"
-  if config.compute_quant is not None and call.expert.path == "pallas":  # the fp8 kernels
+  if runs_fp8_kernels(config, call.expert):
     peak_words = f"bf16 peak ({config.compute_quant} on the fp8 kernels: no fp8 rate measured)"
   elif config.compute_quant is not None:  # emulated: float32 products at full precision
     peak, peak_words = gpu.peak_f32_flops, f"float32 peak ({config.compute_quant}, emulated)"
