@@ -43,13 +43,20 @@ PAIRED = tuple(name for name, form in FORMATS.items() if form.paired)
 _INT4_KERNEL_ROWS = 32  # rows of an int4_group scale as the kernels load it
 
 
+def kernel_block(format: str, block: tuple[int, int]) -> tuple[int, int]:
+  """The scale block (bi, bo) kernels load a weight of `format` and `block` in
+  (`kernel_form`): int4_group's coarser groups as 32 rows, every other block as it is."""
+  return (_INT4_KERNEL_ROWS, 1) if format == "int4_group" else tuple(block)
+
+
 def kernel_form(w: BlockScaled) -> BlockScaled:
   """`w` as the kernels take it: an int4_group weight with groups coarser than 32 rows gets
   each scale repeated over its group's 32-row blocks (the same weight); others as they are."""
-  if format_of(w) != "int4_group" or w.block[0] == _INT4_KERNEL_ROWS:
+  block = kernel_block(format_of(w), w.block)
+  if block == w.block:
     return w
-  scales = jnp.repeat(w.scales, w.block[0] // _INT4_KERNEL_ROWS, axis=-2)
-  return BlockScaled(w.values, scales, (_INT4_KERNEL_ROWS, 1))
+  scales = jnp.repeat(w.scales, w.block[0] // block[0], axis=-2)
+  return BlockScaled(w.values, scales, block)
 
 
 class KernelRhs(NamedTuple):

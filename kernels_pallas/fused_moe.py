@@ -26,6 +26,13 @@ Every activation is a `(gate, up) -> hidden` function traced into the epilogues 
 derivative by `jax.vjp` there), so any elementwise activation Triton lowers is fused. The
 kernels run on any CUDA GPU Triton targets (Hopper's wgmma included) and in the Pallas
 interpreter on a CPU. Rows past a tile's assignments read zeros and are never read back.
+
+Quantized matrices (`BlockScaled`: constants, no dW) reach the kernels as their bits and
+scales; every weight tile is decoded before its dot (`gmm_triton.decoded_tiles`). A 4-bit
+byte pairs neighbouring columns: read forward, the even and odd columns are multiplied and
+stored apart (strided columns, so every output keeps its natural order); read transposed,
+lhs's even and odd columns are loaded apart. Each kernel's blocks fit its scale blocks
+(`fitted`).
 """
 
 from __future__ import annotations
@@ -40,8 +47,10 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from kernels_pallas.compat import out_struct, pallas_triton, triton_missing_reason
-from kernels_pallas.gmm_triton import TritonBlocks
+from kernels_pallas.dequant import PAIRED, kernel_block, kernel_rhs
+from kernels_pallas.gmm_triton import TritonBlocks, decoded_tiles, fit_blocks_to
 from kernels_pallas.metadata import max_visits
+from kernels_pallas.quantized import BlockScaled, format_of, is_block_scaled
 
 plgpu = pallas_triton()  # None once JAX has removed the backend
 
@@ -129,15 +138,55 @@ class FusedSettings:
   interpret: bool = False
 
 
+class WeightForm(NamedTuple):
+  """How a kernel reads one expert matrix: its float values (`format` None), or the uint8
+  bits and float32 scales of a `BlockScaled` one (`dequant.KernelRhs`), decoded tile by tile.
+
+  Attributes:
+    format: None, or the `FORMATS` name.
+    block: its scale block (bi, bo) as the kernels load it (`dequant.kernel_block`).
+  """
+
+  format: str | None = None
+  block: tuple[int, int] | None = None
+
+  @property
+  def parts(self) -> int:
+    """The column sets a forward read multiplies apart: 2 for a paired format (the even and
+    the odd stored columns: a byte holds one of each), else 1."""
+    return 2 if self.format in PAIRED else 1
+
+
+def weight_form(w: jax.Array | BlockScaled) -> WeightForm:
+  """The form a kernel reads `w` in."""
+  name = format_of(w)
+  return WeightForm() if name is None else WeightForm(name, kernel_block(name, w.block))
+
+
+def fitted(blocks: TritonBlocks, form: WeightForm, *, transpose_rhs: bool) -> TritonBlocks:
+  """The blocks of a kernel reading a `form` matrix (`transpose_rhs`: as W^T, the backward
+  pass): `blocks`, each tile within one scale block (`gmm_triton.fit_blocks`)."""
+  if form.format is None:
+    return blocks
+  return fit_blocks_to(blocks, form.format, form.block, transpose_rhs)
+
+
 def unsupported_reason(
-  hidden_size: int, intermediate_size: int, blocks: TritonBlocks
+  hidden_size: int, intermediate_size: int, blocks: TritonBlocks, forms: tuple[WeightForm, ...] = ()
 ) -> str | None:
-  """Why the fused kernels cannot run these widths with `blocks` (or at all here), or None."""
+  """Why the fused kernels cannot run these widths with `blocks` on matrices read in `forms`
+  (none: float), or at all here; None if they can."""
   missing = triton_missing_reason()
   if missing is not None:
     return missing
+  every = [blocks]
+  for form, transpose_rhs in ((f, t) for f in forms for t in (False, True)):
+    try:
+      every.append(fitted(blocks, form, transpose_rhs=transpose_rhs))
+    except NotImplementedError as error:
+      return f"the fused kernels read {form.format} weights in tiles: {error}"
   for name, size in (("hidden_size", hidden_size), ("intermediate_size", intermediate_size)):
-    for block in (blocks.block_n, blocks.block_k):
+    for block in (b for call in every for b in (call.block_n, call.block_k)):
       if size % block:
         return f"the fused kernels need {name}={size} to be a multiple of {block} (the blocks)"
   return None
@@ -165,58 +214,99 @@ def _tile_rows(row_assignment_ref, tile, bm: int, top_k: int, num_tokens: int):
   return jnp.minimum(token, num_tokens - 1), token < num_tokens
 
 
-def _gathered(ref, rows, valid, col, width: int) -> jax.Array:
-  """ref[rows, col:col+width], zero where not `valid`: a load by row index."""
-  cols = col + jnp.arange(width)
+def _columns(col, width: int, parity: int | None):
+  """`width` columns from `col`: contiguous (`parity` None: a slice), or one parity's of a
+  paired read, col + parity + 2j (an index)."""
+  if parity is None:
+    return pl.ds(col, width)
+  return col + parity + 2 * jnp.arange(width)
+
+
+def _block(ref, row, num_rows: int, col, width: int, parity: int | None = None):
+  """ref[row:row+num_rows, `_columns(col, width, parity)`], to load or store."""
+  columns = _columns(col, width, parity)
+  if parity is None:
+    return ref.at[pl.ds(row, num_rows), columns]
+  return ref.at[(row + jnp.arange(num_rows))[:, None], columns[None, :]]
+
+
+def _gathered(ref, rows, valid, col, width: int, parity: int | None = None) -> jax.Array:
+  """ref[rows, `_columns(col, width, parity)`], zero where not `valid`: a load by row index."""
+  cols = col + jnp.arange(width) if parity is None else _columns(col, width, parity)
   mask = jnp.broadcast_to(valid[:, None], (rows.shape[0], width))
   return plgpu.load(ref.at[rows[:, None], cols[None, :]], mask=mask, other=0)
 
 
-def _products(load_lhs, rhs_ref, expert, columns, *, k_size, transpose_rhs, settings):
-  """[bm, bn] float32 products load_lhs(k0) @ rhs[expert][k0:k0+bk, col:col+bn] summed over
-  k0, one per col of `columns` (read as rhs[expert][col:col+bn, k0:k0+bk]^T when
-  `transpose_rhs`), the lhs tile loaded once per step for all of them."""
+def _products(load_lhs, w_refs, expert, columns, *, k_size, transpose_rhs, form, settings):
+  """The float32 products load_lhs(k0, bk) @ W[expert][k0:k0+bk, col:col+bn] summed over
+  k0, for each col of `columns` (read as W[expert][col:col+bn, k0:k0+bk]^T when
+  `transpose_rhs`), the lhs tile loaded once per step for all of them.
+
+  W is `w_refs` (values, scales) read in `form`. Read forward, a paired format gives each
+  product as its even and odd columns apart; read transposed, its pairs run along the
+  contraction, so lhs's even and odd columns are loaded apart (`load_lhs(k0, bk/2, parity)`).
+
+  Returns:
+    per col, a tuple of its parts: ([bm, bn],), or (even, odd) columns [bm, bn/2] each.
+  """
   bm, bn, bk = settings.blocks.block_m, settings.blocks.block_n, settings.blocks.block_k
+  dot = functools.partial(plgpu.dot, trans_b=transpose_rhs, precision=settings.precision)
+  parts = 1 if transpose_rhs else form.parts
 
   def step(k_block, accs):
     k0 = k_block * bk
-    lhs = load_lhs(k0, bk)
-    new = []
-    for acc, col in zip(accs, columns, strict=True):
-      if transpose_rhs:
-        rhs = plgpu.load(rhs_ref.at[expert, pl.ds(col, bn), pl.ds(k0, bk)])
+    if transpose_rhs and form.parts == 2:
+      lhs = [load_lhs(k0, bk // 2, parity) for parity in (0, 1)]
+    else:
+      lhs = [load_lhs(k0, bk, None)]
+    products = []
+    for col in columns:
+      rows, cols = ((col, bn), (k0, bk)) if transpose_rhs else ((k0, bk), (col, bn))
+      tiles = decoded_tiles(
+        *w_refs, expert, rows, cols, rhs_format=form.format, quant_block=form.block,
+        dtype=lhs[0].dtype,
+      )  # fmt: skip
+      if transpose_rhs:  # one product: the lhs parts times the tile's
+        part_products = [dot(part, tile) for part, tile in zip(lhs, tiles, strict=True)]
+        products.append(sum(part_products[1:], part_products[0]))
       else:
-        rhs = plgpu.load(rhs_ref.at[expert, pl.ds(k0, bk), pl.ds(col, bn)])
-      new.append(acc + plgpu.dot(lhs, rhs, trans_b=transpose_rhs, precision=settings.precision))
-    return tuple(new)
+        products.extend(dot(lhs[0], tile) for tile in tiles)
+    return tuple(acc + p for acc, p in zip(accs, products, strict=True))
 
-  zero = jnp.zeros((bm, bn), jnp.float32)
-  return jax.lax.fori_loop(0, k_size // bk, step, (zero,) * len(columns))
+  zero = jnp.zeros((bm, bn // parts), jnp.float32)
+  accs = jax.lax.fori_loop(0, k_size // bk, step, (zero,) * (len(columns) * parts))
+  return [accs[i : i + parts] for i in range(0, len(accs), parts)]
 
 
 def _gathered_products(
-  row_assignment_ref, tile_expert_ref, tile, lhs_ref, w_ref, columns, *, top_k, transpose_rhs,
-  settings,
+  row_assignment_ref, tile_expert_ref, tile, lhs_ref, w_refs, columns, *, top_k, transpose_rhs,
+  form, settings,
 ):  # fmt: skip
   """`_products` of `tile`, its lhs rows read by index from lhs [N, K]."""
   rows, valid = _tile_rows(
     row_assignment_ref, tile, settings.blocks.block_m, top_k, lhs_ref.shape[0]
   )
   return _products(
-    lambda k0, bk: _gathered(lhs_ref, rows, valid, k0, bk),
-    w_ref, tile_expert_ref[tile], columns,
-    k_size=lhs_ref.shape[1], transpose_rhs=transpose_rhs, settings=settings,
+    lambda k0, width, parity: _gathered(lhs_ref, rows, valid, k0, width, parity),
+    w_refs, tile_expert_ref[tile], columns,
+    k_size=lhs_ref.shape[1], transpose_rhs=transpose_rhs, form=form, settings=settings,
   )  # fmt: skip
 
 
-def _expert_bias(bias_ref, expert, col, width: int) -> jax.Array:
-  """[1, width] float32 bias[expert, col:col+width]."""
-  return plgpu.load(bias_ref.at[expert, pl.ds(col, width)]).astype(jnp.float32)[None, :]
+def _expert_bias(bias_ref, expert, col, width: int, parity: int | None) -> jax.Array:
+  """[1, width] float32 bias[expert, `_columns(col, width, parity)`]."""
+  columns = _columns(col, width, parity)
+  return plgpu.load(bias_ref.at[expert, columns]).astype(jnp.float32)[None, :]
+
+
+def _parity(part: int, parts: int) -> int | None:
+  """The parity of a product's `part` of `parts` (None: all its columns, contiguous)."""
+  return None if parts == 1 else part
 
 
 def _up_kernel(
-  tile_expert_ref, num_tiles_ref, row_assignment_ref, x_ref, w_ref, bias_ref, hidden_ref,
-  *pre_refs, top_k, biased, settings,
+  tile_expert_ref, num_tiles_ref, row_assignment_ref, x_ref, w_ref, w_scales_ref, bias_ref,
+  hidden_ref, *pre_refs, top_k, biased, form, settings,
 ):  # fmt: skip
   """One (tile, F block): hidden = act(x[rows] @ W_gate_up[e] (+ b_gate_up[e] if `biased`));
   gate|up kept with `pre_refs`."""
@@ -226,27 +316,31 @@ def _up_kernel(
 
   @pl.when(tile < num_tiles_ref[0])
   def _():
-    gate, up = _gathered_products(
-      row_assignment_ref, tile_expert_ref, tile, x_ref, w_ref,
-      (block * bn, hidden_width + block * bn), top_k=top_k, transpose_rhs=False,
+    gates, ups = _gathered_products(
+      row_assignment_ref, tile_expert_ref, tile, x_ref, (w_ref, w_scales_ref),
+      (block * bn, hidden_width + block * bn), top_k=top_k, transpose_rhs=False, form=form,
       settings=settings,
     )  # fmt: skip
-    if biased:
-      expert = tile_expert_ref[tile]
-      gate = gate + _expert_bias(bias_ref, expert, block * bn, bn)
-      up = up + _expert_bias(bias_ref, expert, hidden_width + block * bn, bn)
-    out_rows = pl.ds(tile * bm, bm)
-    hidden = settings.activation(gate, up)
-    plgpu.store(hidden_ref.at[out_rows, pl.ds(block * bn, bn)], hidden.astype(hidden_ref.dtype))
-    for pre_ref in pre_refs:  # the differentiated forward keeps gate|up for the backward
-      plgpu.store(pre_ref.at[out_rows, pl.ds(block * bn, bn)], gate.astype(pre_ref.dtype))
-      up_cols = pl.ds(hidden_width + block * bn, bn)
-      plgpu.store(pre_ref.at[out_rows, up_cols], up.astype(pre_ref.dtype))
+    width = bn // form.parts
+
+    def store(ref, col, parity, value):
+      plgpu.store(_block(ref, tile * bm, bm, col, width, parity), value.astype(ref.dtype))
+
+    for part, (gate, up) in enumerate(zip(gates, ups, strict=True)):
+      parity = _parity(part, form.parts)
+      if biased:
+        expert = tile_expert_ref[tile]
+        gate = gate + _expert_bias(bias_ref, expert, block * bn, width, parity)
+        up = up + _expert_bias(bias_ref, expert, hidden_width + block * bn, width, parity)
+      store(hidden_ref, block * bn, parity, settings.activation(gate, up))
+      for pre_ref in pre_refs:  # the differentiated forward keeps gate|up for the backward
+        store(pre_ref, block * bn, parity, gate)
+        store(pre_ref, hidden_width + block * bn, parity, up)
 
 
 def _aligned_kernel(
-  tile_expert_ref, num_tiles_ref, row_weight_ref, lhs_ref, w_ref, bias_ref, out_ref, *,
-  transpose_rhs, weighted, biased, settings,
+  tile_expert_ref, num_tiles_ref, row_weight_ref, lhs_ref, w_ref, w_scales_ref, bias_ref, out_ref,
+  *, transpose_rhs, weighted, biased, form, settings,
 ):  # fmt: skip
   """One (tile, output block) of out = lhs @ W[e] (W[e]^T with `transpose_rhs`) on aligned
   rows, plus bias[e] when `biased`, times each row's weight when `weighted`."""
@@ -256,21 +350,25 @@ def _aligned_kernel(
   @pl.when(tile < num_tiles_ref[0])
   def _():
     rows = pl.ds(tile * bm, bm)
-    (out,) = _products(
-      lambda k0, bk: plgpu.load(lhs_ref.at[rows, pl.ds(k0, bk)]),
-      w_ref, tile_expert_ref[tile], (block * bn,),
-      k_size=lhs_ref.shape[1], transpose_rhs=transpose_rhs, settings=settings,
+    (outs,) = _products(
+      lambda k0, width, parity: plgpu.load(_block(lhs_ref, tile * bm, bm, k0, width, parity)),
+      (w_ref, w_scales_ref), tile_expert_ref[tile], (block * bn,),
+      k_size=lhs_ref.shape[1], transpose_rhs=transpose_rhs, form=form, settings=settings,
     )  # fmt: skip
-    if biased:
-      out = out + _expert_bias(bias_ref, tile_expert_ref[tile], block * bn, bn)
-    if weighted:
-      out = out * plgpu.load(row_weight_ref.at[rows])[:, None]
-    plgpu.store(out_ref.at[rows, pl.ds(block * bn, bn)], out.astype(out_ref.dtype))
+    width = bn // len(outs)
+    for part, out in enumerate(outs):
+      parity = _parity(part, len(outs))
+      if biased:
+        out = out + _expert_bias(bias_ref, tile_expert_ref[tile], block * bn, width, parity)
+      if weighted:
+        out = out * plgpu.load(row_weight_ref.at[rows])[:, None]
+      out_block = _block(out_ref, tile * bm, bm, block * bn, width, parity)
+      plgpu.store(out_block, out.astype(out_ref.dtype))
 
 
 def _down_backward_kernel(
   tile_expert_ref, num_tiles_ref, row_assignment_ref, row_weight_ref, dout_ref, w_down_ref,
-  pre_ref, d_pre_ref, hidden_ref, d_weight_ref, *, top_k, settings,
+  w_down_scales_ref, pre_ref, d_pre_ref, hidden_ref, d_weight_ref, *, top_k, form, settings,
 ):  # fmt: skip
   """One (tile, F block) of d_raw = dout[rows] @ W_down[e]^T, with the activation's backward
   in the epilogue: hidden recomputed from gate|up, the routing weight's partial gradient
@@ -281,9 +379,9 @@ def _down_backward_kernel(
 
   @pl.when(tile < num_tiles_ref[0])
   def _():
-    (d_raw,) = _gathered_products(
-      row_assignment_ref, tile_expert_ref, tile, dout_ref, w_down_ref, (block * bn,), top_k=top_k,
-      transpose_rhs=True, settings=settings,
+    ((d_raw,),) = _gathered_products(
+      row_assignment_ref, tile_expert_ref, tile, dout_ref, (w_down_ref, w_down_scales_ref),
+      (block * bn,), top_k=top_k, transpose_rhs=True, form=form, settings=settings,
     )  # fmt: skip
     out_rows = pl.ds(tile * bm, bm)
     gate_cols, up_cols = pl.ds(block * bn, bn), pl.ds(hidden_width + block * bn, bn)
@@ -347,6 +445,20 @@ def _unread_if_none(bias: jax.Array | None) -> jax.Array:
   return jnp.zeros((1, 1), jnp.float32) if bias is None else bias
 
 
+def _weight_operands(
+  w: jax.Array | BlockScaled, settings: FusedSettings, *, transpose_rhs: bool
+) -> tuple[tuple[jax.Array, jax.Array], WeightForm, FusedSettings]:
+  """A matrix as a kernel takes it: its two operands (values and float32 scales; a float
+  matrix's scales are a stand-in never read), the form it reads them in, and the settings
+  of a kernel reading it so (its blocks `fitted`)."""
+  form = weight_form(w)
+  if form.format is None:
+    return (w, jnp.zeros((1, 1, 1), jnp.float32)), form, settings
+  rhs = kernel_rhs(w)
+  blocks = fitted(settings.blocks, form, transpose_rhs=transpose_rhs)
+  return (rhs.bits, rhs.scales), form, dataclasses.replace(settings, blocks=blocks)
+
+
 def _up(x, w_gate_up, b_gate_up, layout: FusedLayout, settings: FusedSettings, *, keep_pre: bool):
   """hidden [Ma, F] (and gate|up [Ma, 2F], biases added, with `keep_pre`), in x's dtype."""
   top_k = layout.slot.shape[1]
@@ -354,13 +466,14 @@ def _up(x, w_gate_up, b_gate_up, layout: FusedLayout, settings: FusedSettings, *
   shapes = [out_struct((aligned, hidden_width), x.dtype, like=x)]
   if keep_pre:
     shapes.append(out_struct((aligned, 2 * hidden_width), x.dtype, like=x))
+  w_operands, form, settings = _weight_operands(w_gate_up, settings, transpose_rhs=False)
   kernel = functools.partial(
-    _up_kernel, top_k=top_k, biased=b_gate_up is not None, settings=settings
+    _up_kernel, top_k=top_k, biased=b_gate_up is not None, form=form, settings=settings
   )
   grid = (layout.tile_expert.shape[0], hidden_width // settings.blocks.block_n)
   return _call(
     kernel, shapes, grid, settings, "fused_moe_up",
-    layout.tile_expert, layout.num_tiles, layout.row_assignment, x, w_gate_up,
+    layout.tile_expert, layout.num_tiles, layout.row_assignment, x, *w_operands,
     _unread_if_none(b_gate_up),
   )  # fmt: skip
 
@@ -371,9 +484,10 @@ def _aligned(
   """[Ma, N] = lhs @ W[e] per tile (W[e]^T with `transpose_rhs`), plus `bias[e]` unless it is
   None, rows times `row_weight` unless it is None."""
   width = w.shape[1] if transpose_rhs else w.shape[2]
+  w_operands, form, settings = _weight_operands(w, settings, transpose_rhs=transpose_rhs)
   kernel = functools.partial(
     _aligned_kernel, transpose_rhs=transpose_rhs, weighted=row_weight is not None,
-    biased=bias is not None, settings=settings,
+    biased=bias is not None, form=form, settings=settings,
   )  # fmt: skip
   if row_weight is None:
     row_weight = jnp.zeros(lhs.shape[0], jnp.float32)
@@ -381,7 +495,7 @@ def _aligned(
   grid = (layout.tile_expert.shape[0], width // settings.blocks.block_n)
   return _call(
     kernel, shape, grid, settings, "fused_moe_aligned",
-    layout.tile_expert, layout.num_tiles, row_weight, lhs, w, _unread_if_none(bias),
+    layout.tile_expert, layout.num_tiles, row_weight, lhs, *w_operands, _unread_if_none(bias),
   )  # fmt: skip
 
 
@@ -413,11 +527,11 @@ def _sum_over_choices(rows: jax.Array, layout: FusedLayout) -> jax.Array:
 
 
 class Experts(NamedTuple):
-  """The local experts' float weights: w_gate_up [El, D, 2F], w_down [El, F, D], and biases
-  b_gate_up [El, 2F] and b_down [El, D], or None."""
+  """The local experts' weights: w_gate_up [El, D, 2F], w_down [El, F, D] (float, or both
+  `BlockScaled`: constants), and biases b_gate_up [El, 2F] and b_down [El, D], or None."""
 
-  w_gate_up: jax.Array
-  w_down: jax.Array
+  w_gate_up: jax.Array | BlockScaled
+  w_down: jax.Array | BlockScaled
   b_gate_up: jax.Array | None
   b_down: jax.Array | None
 
@@ -470,9 +584,12 @@ def _fused_bwd(settings, residuals, d_out):
   w_gate_up, w_down = experts.w_gate_up, experts.w_down
   num_experts, hidden_width = w_down.shape[:2]
   d_out = d_out.astype(x.dtype)
-  d_blocks = hidden_width // settings.blocks.block_n
+  w_down_operands, form, down_settings = _weight_operands(w_down, settings, transpose_rhs=True)
+  d_blocks = hidden_width // down_settings.blocks.block_n
   aligned = layout.row_assignment.shape[0]
-  kernel = functools.partial(_down_backward_kernel, top_k=layout.slot.shape[1], settings=settings)
+  kernel = functools.partial(
+    _down_backward_kernel, top_k=layout.slot.shape[1], form=form, settings=down_settings
+  )
   d_pre, hidden, d_weight_parts = _call(
     kernel,
     [
@@ -480,15 +597,19 @@ def _fused_bwd(settings, residuals, d_out):
       out_struct((aligned, hidden_width), x.dtype, like=x),
       out_struct((d_blocks, aligned), jnp.float32, like=x),
     ],
-    (layout.tile_expert.shape[0], d_blocks), settings, "fused_moe_down_backward",
-    layout.tile_expert, layout.num_tiles, layout.row_assignment, row_weight, d_out, w_down, pre,
+    (layout.tile_expert.shape[0], d_blocks), down_settings, "fused_moe_down_backward",
+    layout.tile_expert, layout.num_tiles, layout.row_assignment, row_weight, d_out,
+    *w_down_operands, pre,
   )  # fmt: skip
-  d_w_down = _weight_grad(
-    hidden, d_out, row_weight, layout, settings, gather_lhs=False, num_experts=num_experts
-  )
-  d_w_gate_up = _weight_grad(
-    x, d_pre, row_weight, layout, settings, gather_lhs=True, num_experts=num_experts
-  )
+  d_matrices = (None, None)  # quantized matrices are constants
+  if not is_block_scaled(w_down):
+    d_w_down = _weight_grad(
+      hidden, d_out, row_weight, layout, settings, gather_lhs=False, num_experts=num_experts
+    )
+    d_w_gate_up = _weight_grad(
+      x, d_pre, row_weight, layout, settings, gather_lhs=True, num_experts=num_experts
+    )
+    d_matrices = (d_w_gate_up.astype(w_gate_up.dtype), d_w_down.astype(w_down.dtype))
   d_x_rows = _aligned(
     d_pre, w_gate_up, None, layout, settings, transpose_rhs=True, out_dtype=jnp.float32
   )
@@ -502,7 +623,7 @@ def _fused_bwd(settings, residuals, d_out):
     d_row_weight = d_row_weight + bias_term
     d_biases = (d_b_gate_up.astype(experts.b_gate_up.dtype), d_b_down.astype(experts.b_down.dtype))
   d_weights = jnp.take(d_row_weight, layout.slot, mode="fill", fill_value=0)  # [N, K]
-  d_experts = Experts(d_w_gate_up.astype(w_gate_up.dtype), d_w_down.astype(w_down.dtype), *d_biases)
+  d_experts = Experts(*d_matrices, *d_biases)
   return (d_x, d_weights.astype(weights.dtype), d_experts, None)
 
 
@@ -534,8 +655,8 @@ def fused_moe_mlp(
   x: jax.Array,
   expert_ids: jax.Array,
   weights: jax.Array,
-  w_gate_up: jax.Array,
-  w_down: jax.Array,
+  w_gate_up: jax.Array | BlockScaled,
+  w_down: jax.Array | BlockScaled,
   b_gate_up: jax.Array | None = None,
   b_down: jax.Array | None = None,
   *,
@@ -545,14 +666,17 @@ def fused_moe_mlp(
   interpret: bool = False,
 ) -> jax.Array:
   """y[n] = sum_k weights[n, k] * down_{e[n,k]}(act(gate_up_{e[n,k]}(x[n]))), differentiable
-  in x, weights, both weight arrays and the biases.
+  in x, weights, both float weight arrays and the biases.
 
   Args:
     x: [N, D] tokens in the compute dtype.
     expert_ids: [N, K] int local expert ids; ids outside [0, El) contribute nothing.
     weights: [N, K] float32 combine weights.
     w_gate_up: [El, D, 2F] gate | up columns, x's dtype.
-    w_down: [El, F, D], x's dtype.
+    w_down: [El, F, D], x's dtype. Both may be `BlockScaled` (fp8_block, mxfp4, int4_group,
+      nvfp4; both or neither): each tile is decoded in registers to x's dtype before its dot
+      (`gmm_triton.decoded_tiles`), the kernels' blocks shrunk to fit the scale blocks
+      (`fitted`); constants, with no gradient.
     b_gate_up, b_down: [El, 2F] and [El, D] biases added before the activation and before the
       routing weight (GPT-OSS's experts), both or neither.
     activation: (gate, up) -> hidden on [bm, bn] float32 tiles, hashable; traced into the
@@ -572,7 +696,10 @@ def fused_moe_mlp(
   dim = x.shape[1]
   hidden_width = w_down.shape[1]
   blocks = blocks or default_blocks(expert_ids.size, dim, hidden_width)
-  reason = unsupported_reason(dim, hidden_width, blocks)
+  if is_block_scaled(w_gate_up) != is_block_scaled(w_down):
+    raise ValueError("w_gate_up and w_down are BlockScaled together or not at all")
+  forms = (weight_form(w_gate_up), weight_form(w_down))
+  reason = unsupported_reason(dim, hidden_width, blocks, forms)
   if reason is not None:
     raise NotImplementedError(reason)
   layout = counted_layout(expert_ids, w_down.shape[0], blocks.block_m)

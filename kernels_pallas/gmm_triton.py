@@ -29,7 +29,7 @@ from jax.experimental import pallas as pl
 
 from kernels_pallas.activations import activate, erf_in_kernel
 from kernels_pallas.compat import out_struct, pallas_triton, triton_missing_reason
-from kernels_pallas.dequant import PAIRED, by_parity, decode, from_parity, kernel_form, kernel_rhs
+from kernels_pallas.dequant import PAIRED, by_parity, decode, from_parity, kernel_block, kernel_rhs
 from kernels_pallas.metadata import GroupTiles, group_tiles, max_visits
 from kernels_pallas.quantized import BlockScaled, format_of, is_block_scaled
 
@@ -86,16 +86,22 @@ def fit_blocks(blocks: TritonBlocks, rhs: BlockScaled, transpose_rhs: bool = Fal
   Raises:
     NotImplementedError: no power-of-two tile of at least 16 (32 paired) fits the block.
   """
-  rhs = kernel_form(rhs)
-  bi, bo = rhs.block
-  smallest_columns = 32 if format_of(rhs) in PAIRED else 16
+  return fit_blocks_to(blocks, format_of(rhs), rhs.block, transpose_rhs)
+
+
+def fit_blocks_to(
+  blocks: TritonBlocks, format: str, block: tuple[int, int], transpose_rhs: bool = False
+) -> TritonBlocks:
+  """`fit_blocks` for a weight of `format` stored in scale blocks `block`."""
+  bi, bo = kernel_block(format, block)
+  smallest_columns = 32 if format in PAIRED else 16
   tile_rows = _dividing(max(blocks.block_n if transpose_rhs else blocks.block_k, 16), bi)
   tile_columns = max(blocks.block_k if transpose_rhs else blocks.block_n, smallest_columns)
   tile_columns = _dividing(tile_columns, bo) if bo > 1 else tile_columns
   if tile_rows < 16 or tile_columns < smallest_columns:
     raise NotImplementedError(
       f"triton needs tiles of >= 16 rows and >= {smallest_columns} columns within a "
-      f"{rhs.block} scale block"
+      f"{tuple(block)} scale block"
     )
   k, n = (tile_columns, tile_rows) if transpose_rhs else (tile_rows, tile_columns)
   return dataclasses.replace(blocks, block_k=k, block_n=n)
@@ -144,22 +150,49 @@ def _rhs_products(
   (even and odd output columns, as its bytes pack them).
   """
   bm, bn, bk = call.blocks.block_m, call.blocks.block_n, call.blocks.block_k
-  rhs_format, quant_block, transpose_rhs = call.rhs_format, call.quant_block, call.transpose_rhs
+  rhs_format, transpose_rhs = call.rhs_format, call.transpose_rhs
   dot = functools.partial(plgpu.dot, trans_b=transpose_rhs, precision=call.precision)
   # The stored [in, out] tile: (bk, bn) read forward, (bn, bk) read transposed.
   (in0, in_size), (out0, out_size) = (
     ((col, bn), (k0, bk)) if transpose_rhs else ((k0, bk), (col, bn))
   )
+  tiles = decoded_tiles(
+    rhs_ref, scales_ref, group, (in0, in_size), (out0, out_size), rhs_format=rhs_format,
+    quant_block=call.quant_block, dtype=dtype,
+  )  # fmt: skip
+  if rhs_format not in PAIRED or not transpose_rhs:
+    return [dot(lhs, tile) for tile in tiles]
+  even, odd = tiles
+  # Read transposed, the pairs run along the contraction: lhs's columns come by parity
+  # (`by_parity` over all K), the even ones in the first half.
+  half = bk // 2
+  mask = jnp.broadcast_to(in_group[:, None], (bm, half))
+  lhs_half = lambda parity: plgpu.load(
+    lhs_ref.at[rows, pl.ds(parity * (lhs_ref.shape[1] // 2) + k0 // 2, half)], mask=mask, other=0
+  )  # [bm, bk/2]
+  return [dot(lhs_half(0), even) + dot(lhs_half(1), odd)]
+
+
+def decoded_tiles(
+  rhs_ref, scales_ref, group, rows, columns, *, rhs_format, quant_block, dtype
+) -> list[jax.Array]:
+  """The stored [in, out] tile rhs[group][rows, columns] in `dtype`, `rows` and `columns`
+  each (start, size) within one scale block (`fit_blocks`).
+
+  Returns a list: the tile [rows, columns] (a float or fp8_block rhs), or a paired format's
+  (mxfp4, int4_group, nvfp4: `dequant.PAIRED`) two halves [rows, columns/2], the even
+  stored columns then the odd ones: byte j holds columns start + 2j (its low nibble) and
+  start + 2j + 1 (its high one), one scale per column, kept by parity (`KernelRhs.scales`
+  [G, in/bi, 2, out/2]).
+  """
+  (in0, in_size), (out0, out_size) = rows, columns
   if rhs_format is None:
-    return [dot(lhs, plgpu.load(rhs_ref.at[group, pl.ds(in0, in_size), pl.ds(out0, out_size)]))]
+    return [plgpu.load(rhs_ref.at[group, pl.ds(in0, in_size), pl.ds(out0, out_size)])]
   scale_row = in0 // quant_block[0]
   if rhs_format == "fp8_block":
     bits = plgpu.load(rhs_ref.at[group, pl.ds(in0, in_size), pl.ds(out0, out_size)])
     scale = scales_ref[group, scale_row, out0 // quant_block[1]]  # one per tile
-    return [dot(lhs, (decode(bits, rhs_format) * scale).astype(dtype))]
-  # mxfp4, int4_group, nvfp4 (`dequant.PAIRED`): byte j holds stored columns out0 + 2j (low
-  # nibble) and out0 + 2j + 1 (high), one scale per column, kept by parity
-  # (`KernelRhs.scales` [G, in/bi, 2, out/2]).
+    return [(decode(bits, rhs_format) * scale).astype(dtype)]
   half = out_size // 2
   bits = plgpu.load(rhs_ref.at[group, pl.ds(in0, in_size), pl.ds(out0 // 2, half)])
 
@@ -167,16 +200,7 @@ def _rhs_products(
     scales = scales_ref.at[group, scale_row, jnp.int32(parity), pl.ds(out0 // 2, half)]
     return (values * plgpu.load(scales)[None, :]).astype(dtype)
 
-  even, odd = (scaled(v, parity) for parity, v in enumerate(decode(bits, rhs_format)))
-  if not transpose_rhs:
-    return [dot(lhs, even), dot(lhs, odd)]
-  # Read transposed, the pairs run along the contraction: lhs's columns come by parity
-  # (`by_parity` over all K), the even ones in the first half.
-  mask = jnp.broadcast_to(in_group[:, None], (bm, half))
-  lhs_half = lambda parity: plgpu.load(
-    lhs_ref.at[rows, pl.ds(parity * (lhs_ref.shape[1] // 2) + k0 // 2, half)], mask=mask, other=0
-  )  # [bm, bk/2]
-  return [dot(lhs_half(0), even) + dot(lhs_half(1), odd)]
+  return [scaled(v, parity) for parity, v in enumerate(decode(bits, rhs_format))]
 
 
 def _gmm_kernel(

@@ -19,8 +19,9 @@ on an H200 (docs/performance.md, "GPU"):
 - "pallas" (`experts.grouped_matmul_mlp` on a kernel): the fused `kernels_pallas.moe_mlp`; the
   registry picks the kernel (`kernels_pallas.backends.select_kernel`).
 - "fused" (`experts.fused_mlp`): `kernels_pallas.fused_moe`, the whole MLP on rows read by
-  index (Pallas Triton), for float experts (with or without biases) without adapters or
-  output norms, and not batch-invariant (`fused_unsupported_reason`); only when asked
+  index (Pallas Triton), for float or quantized experts (`expert_quant`: each tile decoded in
+  the kernels), with or without biases, without adapters or output norms, and not
+  batch-invariant (`fused_unsupported_reason`); only when asked
   (`expert_backend="fused"`) or where a tuning file measured it fastest.
 
 `expert_backend="xla"` takes the better XLA path; "pallas" the device's kernel (interpreted on
@@ -52,6 +53,7 @@ from kernels_pallas.backends import (
   select_kernel,
   unsupported_reason,
 )
+from kernels_pallas.dequant import kernel_block
 from moejax import tokamax_experts, tuning
 from moejax.config import ExpertPath, MoEConfig
 
@@ -176,7 +178,6 @@ def choose_plan(config: MoEConfig, num_rows: int, local_experts: int) -> ExpertC
 def fused_unsupported_reason(config: MoEConfig) -> str | None:
   """Why the fused path cannot run the config's experts, or None."""
   for field, value, what in (
-    ("expert_quant", config.expert_quant, "float experts"),
     ("lora_rank", config.lora_rank, "experts without adapters"),
     ("expert_output_norm_eps", config.expert_output_norm_eps, "unnormalized expert outputs"),
     # its tiles follow the call's size; nothing has shown a token's output independent of it
@@ -185,7 +186,12 @@ def fused_unsupported_reason(config: MoEConfig) -> str | None:
     if value:
       return f"it takes {what}, not {field}={value!r}"
   width, hidden = config.expert_width, config.intermediate_size
-  return fused_moe.unsupported_reason(width, hidden, fused_moe.default_blocks(0, width, hidden))
+  forms = ()
+  if config.expert_quant is not None:
+    block = kernel_block(config.expert_quant, config.quant_block)
+    forms = (fused_moe.WeightForm(config.expert_quant, block),)
+  blocks = fused_moe.default_blocks(0, width, hidden)
+  return fused_moe.unsupported_reason(width, hidden, blocks, forms)
 
 
 def fp8_kernel_reason(config: MoEConfig) -> str | None:

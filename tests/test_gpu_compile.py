@@ -164,6 +164,25 @@ def test_the_fused_layer_compiles_forward_and_gradient(gpu):
     assert 0 < compiled.memory_analysis().temp_size_in_bytes < GPUS[gpu].memory_bytes
 
 
+@pytest.mark.parametrize(
+  "gpu, quantized",
+  [
+    ("h100", dict(expert_quant="mxfp4", activation="swiglu_oai", expert_bias=True)),
+    ("h200", dict(expert_quant="fp8_block")),
+  ],
+  ids=["h100-gpt-oss-mxfp4", "h200-fp8_block"],
+)
+def test_the_fused_layer_compiles_quantized_experts(gpu, quantized):
+  """expert_backend="fused" on quantized experts: the kernels decode each tile of the bits
+  (paired nibbles by parity, stored by strided columns), forward and gradient."""
+  mesh = targets.target_mesh(gpu, (1, 8))
+  config = MoEConfig(**LAYER, **BF16, **quantized, expert_backend="fused")
+  for gradient in (False, True):
+    with expect_triton_deprecation():
+      calls = custom_calls(compile_layer(config, mesh, gradient))
+    assert "__gpu$xla.gpu.triton" in calls and not any("callback" in c for c in calls), calls
+
+
 @pytest.mark.parametrize("gpu", ["h100", "h200"])
 def test_the_fp8_kernels_compile_for_hopper(gpu):
   """kernels_pallas/gmm_fp8.py's forward, and its VJP's dgrad and wgrad (wgmma on e4m3 tiles

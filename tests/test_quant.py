@@ -31,6 +31,14 @@ FP8 = dict(expert_quant="fp8_block", quant_block_size=(32, 32))
 MXFP4 = dict(expert_quant="mxfp4")
 INT4 = dict(expert_quant="int4_group", quant_block_size=(32, 1))
 NVFP4 = dict(expert_quant="nvfp4")
+GPT_OSS = dict(
+  **MXFP4,
+  activation="swiglu_oai",
+  swiglu_limit=1.0,
+  expert_bias=True,
+  router_bias=True,
+  renormalize=True,
+)
 
 
 def numpy_quantize(w: np.ndarray, expert_quant: str, block):
@@ -221,17 +229,7 @@ class TestLayer:
     self.check(config, (2, 4), request.node.name, gradients=False)
 
   def test_gpt_oss_mxfp4_with_biases_and_shared_experts(self, request):
-    config = MoEConfig(
-      **BASE,
-      **MXFP4,
-      activation="swiglu_oai",
-      swiglu_limit=1.0,
-      expert_bias=True,
-      router_bias=True,
-      renormalize=True,
-      num_shared_experts=1,
-      shared_intermediate_size=32,
-    )
+    config = MoEConfig(**BASE, **GPT_OSS, num_shared_experts=1, shared_intermediate_size=32)
     self.check(config, (2, 4), request.node.name)
 
   @pytest.mark.filterwarnings("ignore:expert_backend='pallas' on a CPU:UserWarning")
@@ -259,6 +257,30 @@ class TestLayer:
       pytest.skip(str(triton_missing_reason()))
     with pytest.warns(UserWarning, match="in the interpreter"):
       assert plan_experts(config, num_rows=64, local_experts=2).path == "pallas"
+    self.check(config, mesh_shape, request.node.name, gradients=dtype == jnp.float32)
+
+  @pytest.mark.filterwarnings("ignore:expert_backend='fused' on a CPU:UserWarning")
+  @pytest.mark.parametrize(
+    "expert_quant, mesh_shape, dtype",
+    [
+      (GPT_OSS, None, jnp.float32),
+      slow(FP8, (2, 4), jnp.float32),
+      slow({**INT4, "quant_block_size": (64, 1)}, None, jnp.bfloat16),
+      slow(NVFP4, (2, 4), jnp.float32),
+    ],
+    ids=["gpt-oss-mxfp4-biases", "fp8_block-2x4", "int4_group-64-bf16", "nvfp4-2x4"],
+  )
+  def test_the_fused_path_decodes_tile_by_tile(self, expert_quant, mesh_shape, dtype, request):
+    """expert_backend="fused" runs quantized experts in its kernels (interpreted here), not
+    the tile loop: y (and in float32 the gradients of x, the router and the biases) match
+    the reference."""
+    from moejax.plan import plan_experts
+
+    config = MoEConfig(**BASE, **expert_quant, expert_backend="fused", dtype=dtype)
+    if triton_missing_reason() is not None:
+      pytest.skip(str(triton_missing_reason()))
+    with pytest.warns(UserWarning, match="in the interpreter"):
+      assert plan_experts(config, num_rows=64, local_experts=2).path == "fused"
     self.check(config, mesh_shape, request.node.name, gradients=dtype == jnp.float32)
 
 
