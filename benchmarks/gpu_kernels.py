@@ -6,8 +6,8 @@ matmul (`gmm`, [T*K, D] x [E, D, 2F]) forward and forward+backward, the whole fu
 own Hopper `ragged_dot_mgpu` (a peer baseline) and a dense matmul of the same FLOPs (the
 measured ceiling, forward and forward+backward). Group sizes are balanced or skewed (half
 the rows to one expert). Then gmm and moe_mlp on quantized (`BlockScaled`) weights against
-bf16 at 128, 512 and 4096 tokens (`run_quant`). Times are medians of device-synchronised
-calls after a compile call.
+bf16 at 128, 512 and 4096 tokens, per backend and on the fused path (`run_quant`). Times are
+medians of device-synchronised calls after a compile call.
 
   python benchmarks/gpu_kernels.py            # on a GPU: the table, JSON under results/
   python benchmarks/gpu_kernels.py --tune     # also autotune Mosaic block sizes (cached JSON)
@@ -29,9 +29,12 @@ import numpy as np
 
 from kernels_pallas import MosaicBlocks, TritonBlocks, autotune, gmm, moe_mlp
 from kernels_pallas.backends import BACKENDS
+from kernels_pallas.compat import triton_missing_reason
 from kernels_pallas.formats import FORMATS
+from kernels_pallas.fused_moe import fused_moe_mlp
 from kernels_pallas.ops import KernelSettings, transposed_grouped_matmul
 from moejax import files
+from moejax.activations import GatedActivation
 
 
 @dataclasses.dataclass(frozen=True)
@@ -225,24 +228,30 @@ def run_case(
 
 def run_quant(smoke: bool, record: Callable[[dict], None]) -> None:
   """gmm and moe_mlp forward on `BlockScaled` weights against bf16 ones, per backend and
-  format the backend takes (`Backend.quant_formats`), balanced groups. Each row's
-  `of_bf16_time` is its time over the same backend's bf16 time (below 1: faster)."""
+  format the backend takes (`Backend.quant_formats`), balanced groups; then the fused path
+  (`kernels_pallas.fused_moe`, backend "fused": the whole MLP on token rows read by index,
+  uniform random ids) on every format. Each row's `of_bf16_time` is its time over the same
+  backend's bf16 time (below 1: faster)."""
   from moejax.quant import quantize
 
   shape, token_counts = (SMOKE, (64,)) if smoke else (DEEPSEEK, QUANT_TOKENS)
   # Each format's own block (fp8_block's 128x128 cut to 32x32 for the smoke run's sizes).
   block = lambda fmt: (32, 32) if smoke and fmt == "fp8_block" else FORMATS[fmt].block_for(shape.f)
-  keys = jax.random.split(jax.random.key(7), 3)
+  keys = jax.random.split(jax.random.key(7), 5)
   floats = dict(
     w_gate_up=jax.random.normal(keys[0], (shape.experts, shape.d, 2 * shape.f)) / shape.d**0.5,
     w_down=jax.random.normal(keys[1], (shape.experts, shape.f, shape.d)) / shape.f**0.5,
   )
-  for name, kw in backend_kwargs(smoke).items():
-    formats = BACKENDS[name].quant_formats
+
+  def weights_in(formats) -> dict:
     weights = {None: {k: w.astype(jnp.bfloat16) for k, w in floats.items()}}
-    weights |= {
+    return weights | {
       fmt: {k: quantize(w, fmt, block(fmt)) for k, w in floats.items()} for fmt in formats
     }
+
+  for name, kw in backend_kwargs(smoke).items():
+    formats = BACKENDS[name].quant_formats
+    weights = weights_in(formats)
     for tokens in token_counts if formats else ():
       rows = tokens * shape.top_k
       x = jax.random.normal(keys[2], (rows, shape.d), jnp.bfloat16)
@@ -254,17 +263,40 @@ def run_quant(smoke: bool, record: Callable[[dict], None]) -> None:
         ),
       )
       for op, fn in ops.items():
-        bf16_seconds = None
-        for fmt, w in weights.items():
-          row = dict(section="quant", shape=shape.name, tokens=tokens, op=op, backend=name)
-          row["weights"] = fmt or "bf16"
-          try:
-            seconds = median_seconds(jax.jit(fn), w, repeats=1 if smoke else 10)
-            bf16_seconds = bf16_seconds or seconds
-            row.update(ms=seconds * 1e3, of_bf16_time=seconds / bf16_seconds)
-          except Exception as error:  # a failing case is a result to report
-            row.update(error=f"{type(error).__name__}: {str(error)[:300]}")
-          record(row)
+        row = dict(section="quant", shape=shape.name, tokens=tokens, op=op, backend=name)
+        _rows_by_format(record, row, fn, weights, smoke)
+  if triton_missing_reason() is not None:
+    return
+  weights = weights_in(tuple(FORMATS))
+  fused_kwargs = dict(
+    activation=GatedActivation("silu").in_kernel,
+    blocks=TritonBlocks(16, 16, 16) if smoke else None,
+    interpret=smoke,
+  )
+  for tokens in token_counts:
+    x = jax.random.normal(keys[2], (tokens, shape.d), jnp.bfloat16)
+    ids = jax.random.randint(keys[3], (tokens, shape.top_k), 0, shape.experts)
+    combine = jax.random.uniform(keys[4], (tokens, shape.top_k))
+    fn = lambda w, x=x, ids=ids, combine=combine: fused_moe_mlp(
+      x, ids, combine, w["w_gate_up"], w["w_down"], **fused_kwargs
+    )
+    row = dict(section="quant", shape=shape.name, tokens=tokens, op="moe_mlp", backend="fused")
+    _rows_by_format(record, row, fn, weights, smoke)
+
+
+def _rows_by_format(record, row: dict, fn: Callable, weights: dict, smoke: bool) -> None:
+  """Records `row` once per weights format of `weights` (None: bf16, first) with the time
+  of `fn(weights[format])` and its ratio to the bf16 time, or the error it raised."""
+  bf16_seconds = None
+  for fmt, w in weights.items():
+    measured = dict(row, weights=fmt or "bf16")
+    try:
+      seconds = median_seconds(jax.jit(fn), w, repeats=1 if smoke else 10)
+      bf16_seconds = bf16_seconds or seconds
+      measured.update(ms=seconds * 1e3, of_bf16_time=seconds / bf16_seconds)
+    except Exception as error:  # a failing case is a result to report
+      measured.update(error=f"{type(error).__name__}: {str(error)[:300]}")
+    record(measured)
 
 
 def tune(cases) -> None:

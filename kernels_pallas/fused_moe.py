@@ -33,6 +33,12 @@ byte pairs neighbouring columns: read forward, the even and odd columns are mult
 stored apart (strided columns, so every output keeps its natural order); read transposed,
 lhs's even and odd columns are loaded apart. Each kernel's blocks fit its scale blocks
 (`fitted`).
+
+LoRA adapters (`Adapters`) add each projection's rank-r product in the same kernels: the
+[Ma, r] rows of its first factor come from the aligned-rows kernel (x's by index), and the
+up, down, down-backward and dx kernels add `rows @ B` (or its transpose) to their
+accumulators (`_plus_low_rank`); the adapters' gradients are per-expert products of the
+weight-gradient kernel.
 """
 
 from __future__ import annotations
@@ -47,7 +53,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from kernels_pallas.compat import out_struct, pallas_triton, triton_missing_reason
-from kernels_pallas.dequant import PAIRED, kernel_block, kernel_rhs
+from kernels_pallas.dequant import PAIRED, by_parity, kernel_block, kernel_rhs
 from kernels_pallas.gmm_triton import TritonBlocks, decoded_tiles, fit_blocks_to
 from kernels_pallas.metadata import max_visits
 from kernels_pallas.quantized import BlockScaled, format_of, is_block_scaled
@@ -179,17 +185,40 @@ def unsupported_reason(
   missing = triton_missing_reason()
   if missing is not None:
     return missing
-  every = [blocks]
-  for form, transpose_rhs in ((f, t) for f in forms for t in (False, True)):
-    try:
-      every.append(fitted(blocks, form, transpose_rhs=transpose_rhs))
-    except NotImplementedError as error:
-      return f"the fused kernels read {form.format} weights in tiles: {error}"
+  try:
+    every = _every_blocks(blocks, forms)
+  except NotImplementedError as error:
+    return f"the fused kernels read quantized weights in tiles: {error}"
   for name, size in (("hidden_size", hidden_size), ("intermediate_size", intermediate_size)):
     for block in (b for call in every for b in (call.block_n, call.block_k)):
       if size % block:
         return f"the fused kernels need {name}={size} to be a multiple of {block} (the blocks)"
   return None
+
+
+def _every_blocks(blocks: TritonBlocks, forms: tuple[WeightForm, ...]) -> list[TritonBlocks]:
+  """The blocks of every kernel of a call: `blocks`, and them `fitted` to each form's reads.
+
+  Raises:
+    NotImplementedError: no tile fits a form's scale blocks.
+  """
+  reads = ((form, transpose_rhs) for form in forms for transpose_rhs in (False, True))
+  return [blocks, *(fitted(blocks, form, transpose_rhs=t) for form, t in reads)]
+
+
+def _padded_rank(lora, blocks: TritonBlocks, forms: tuple[WeightForm, ...]) -> Adapters:
+  """`Adapters` of the (gate_up_a, gate_up_b, down_a, down_b) `lora`, the rank padded with
+  zeros (which add nothing) to a multiple of every kernel's block_n and block_k: the rank is
+  an output width and a contraction of the kernels."""
+  multiple = max(b for call in _every_blocks(blocks, forms) for b in (call.block_n, call.block_k))
+  rank = lora[0].shape[-1]
+  pad = -rank % multiple
+  a_pad, b_pad = [(0, 0), (0, 0), (0, pad)], [(0, 0), (0, pad), (0, 0)]
+  gate_up_a, gate_up_b, down_a, down_b = lora
+  return Adapters(
+    jnp.pad(gate_up_a, a_pad), jnp.pad(gate_up_b, b_pad), jnp.pad(down_a, a_pad),
+    jnp.pad(down_b, b_pad),
+  )  # fmt: skip
 
 
 def default_blocks(num_rows: int, hidden_size: int, intermediate_size: int) -> TritonBlocks:
@@ -304,12 +333,39 @@ def _parity(part: int, parts: int) -> int | None:
   return None if parts == 1 else part
 
 
+def _plus_low_rank(products, low_ref, low_w_ref, tile, expert, columns, *, transpose_rhs, settings):
+  """`products` (per col, its parts: `_products`'s) plus the adapters' share of each:
+  low[tile's rows] @ B[expert][:, col:col+bn] over the whole rank r (B[expert][col:col+bn,
+  :]^T when `transpose_rhs`). In two parts (a paired base read forward), B's columns come
+  by parity in each block_n (`dequant.by_parity`), so that each part is a contiguous half."""
+  bm, bn, bk = settings.blocks.block_m, settings.blocks.block_n, settings.blocks.block_k
+  parts = len(products[0])
+  width = bn // parts
+
+  def step(k_block, accs):
+    k0 = k_block * bk
+    lhs = plgpu.load(low_ref.at[pl.ds(tile * bm, bm), pl.ds(k0, bk)])
+    added = []
+    for col in columns:
+      for part in range(parts):
+        if transpose_rhs:
+          rhs = plgpu.load(low_w_ref.at[expert, pl.ds(col, bn), pl.ds(k0, bk)])
+        else:
+          rhs = plgpu.load(low_w_ref.at[expert, pl.ds(k0, bk), pl.ds(col + part * width, width)])
+        added.append(plgpu.dot(lhs, rhs, trans_b=transpose_rhs, precision=settings.precision))
+    return tuple(acc + a for acc, a in zip(accs, added, strict=True))
+
+  flat = tuple(p for col_parts in products for p in col_parts)
+  flat = jax.lax.fori_loop(0, low_ref.shape[1] // bk, step, flat)
+  return [flat[i : i + parts] for i in range(0, len(flat), parts)]
+
+
 def _up_kernel(
-  tile_expert_ref, num_tiles_ref, row_assignment_ref, x_ref, w_ref, w_scales_ref, bias_ref,
-  hidden_ref, *pre_refs, top_k, biased, form, settings,
+  tile_expert_ref, num_tiles_ref, row_assignment_ref, x_ref, w_ref, w_scales_ref, low_ref,
+  low_w_ref, bias_ref, hidden_ref, *pre_refs, top_k, biased, low_rank, form, settings,
 ):  # fmt: skip
-  """One (tile, F block): hidden = act(x[rows] @ W_gate_up[e] (+ b_gate_up[e] if `biased`));
-  gate|up kept with `pre_refs`."""
+  """One (tile, F block): hidden = act(x[rows] @ W_gate_up[e] (+ x_low[rows] @ B[e] with
+  `low_rank`, + b_gate_up[e] if `biased`)); gate|up kept with `pre_refs`."""
   bm, bn = settings.blocks.block_m, settings.blocks.block_n
   tile, block = pl.program_id(0), pl.program_id(1)
   hidden_width = hidden_ref.shape[1]
@@ -321,6 +377,11 @@ def _up_kernel(
       (block * bn, hidden_width + block * bn), top_k=top_k, transpose_rhs=False, form=form,
       settings=settings,
     )  # fmt: skip
+    if low_rank:
+      gates, ups = _plus_low_rank(
+        (gates, ups), low_ref, low_w_ref, tile, tile_expert_ref[tile],
+        (block * bn, hidden_width + block * bn), transpose_rhs=False, settings=settings,
+      )  # fmt: skip
     width = bn // form.parts
 
     def store(ref, col, parity, value):
@@ -339,22 +400,36 @@ def _up_kernel(
 
 
 def _aligned_kernel(
-  tile_expert_ref, num_tiles_ref, row_weight_ref, lhs_ref, w_ref, w_scales_ref, bias_ref, out_ref,
-  *, transpose_rhs, weighted, biased, form, settings,
+  tile_expert_ref, num_tiles_ref, row_assignment_ref, row_weight_ref, lhs_ref, w_ref,
+  w_scales_ref, low_ref, low_w_ref, bias_ref, out_ref, *, transpose_rhs, weighted, biased,
+  gather_top_k, low_rank, form, settings,
 ):  # fmt: skip
   """One (tile, output block) of out = lhs @ W[e] (W[e]^T with `transpose_rhs`) on aligned
-  rows, plus bias[e] when `biased`, times each row's weight when `weighted`."""
+  rows (lhs [N, K] read by index for `gather_top_k` K choices a token), plus low[rows] @ B[e]
+  with `low_rank`, plus bias[e] when `biased`, times each row's weight when `weighted`."""
   bm, bn = settings.blocks.block_m, settings.blocks.block_n
   tile, block = pl.program_id(0), pl.program_id(1)
 
   @pl.when(tile < num_tiles_ref[0])
   def _():
     rows = pl.ds(tile * bm, bm)
-    (outs,) = _products(
-      lambda k0, width, parity: plgpu.load(_block(lhs_ref, tile * bm, bm, k0, width, parity)),
-      (w_ref, w_scales_ref), tile_expert_ref[tile], (block * bn,),
-      k_size=lhs_ref.shape[1], transpose_rhs=transpose_rhs, form=form, settings=settings,
-    )  # fmt: skip
+    if gather_top_k:
+      (outs,) = _gathered_products(
+        row_assignment_ref, tile_expert_ref, tile, lhs_ref, (w_ref, w_scales_ref),
+        (block * bn,), top_k=gather_top_k, transpose_rhs=transpose_rhs, form=form,
+        settings=settings,
+      )  # fmt: skip
+    else:
+      (outs,) = _products(
+        lambda k0, width, parity: plgpu.load(_block(lhs_ref, tile * bm, bm, k0, width, parity)),
+        (w_ref, w_scales_ref), tile_expert_ref[tile], (block * bn,),
+        k_size=lhs_ref.shape[1], transpose_rhs=transpose_rhs, form=form, settings=settings,
+      )  # fmt: skip
+    if low_rank:
+      (outs,) = _plus_low_rank(
+        [outs], low_ref, low_w_ref, tile, tile_expert_ref[tile], (block * bn,),
+        transpose_rhs=transpose_rhs, settings=settings,
+      )  # fmt: skip
     width = bn // len(outs)
     for part, out in enumerate(outs):
       parity = _parity(part, len(outs))
@@ -368,21 +443,29 @@ def _aligned_kernel(
 
 def _down_backward_kernel(
   tile_expert_ref, num_tiles_ref, row_assignment_ref, row_weight_ref, dout_ref, w_down_ref,
-  w_down_scales_ref, pre_ref, d_pre_ref, hidden_ref, d_weight_ref, *, top_k, form, settings,
+  w_down_scales_ref, low_ref, low_w_ref, pre_ref, d_pre_ref, hidden_ref, d_weight_ref, *, top_k,
+  low_rank, form, settings,
 ):  # fmt: skip
-  """One (tile, F block) of d_raw = dout[rows] @ W_down[e]^T, with the activation's backward
-  in the epilogue: hidden recomputed from gate|up, the routing weight's partial gradient
-  <d_raw, hidden> over this block's columns, and d(gate|up) of w * d_raw."""
+  """One (tile, F block) of d_raw = dout[rows] @ W_down[e]^T (+ d_low[rows] @ A_down[e]^T
+  with `low_rank`), with the activation's backward in the epilogue: hidden recomputed from
+  gate|up, the routing weight's partial gradient <d_raw, hidden> over this block's columns,
+  and d(gate|up) of w * d_raw."""
   bm, bn = settings.blocks.block_m, settings.blocks.block_n
   tile, block = pl.program_id(0), pl.program_id(1)
   hidden_width = hidden_ref.shape[1]
 
   @pl.when(tile < num_tiles_ref[0])
   def _():
-    ((d_raw,),) = _gathered_products(
+    d_raw_parts = _gathered_products(
       row_assignment_ref, tile_expert_ref, tile, dout_ref, (w_down_ref, w_down_scales_ref),
       (block * bn,), top_k=top_k, transpose_rhs=True, form=form, settings=settings,
     )  # fmt: skip
+    if low_rank:
+      d_raw_parts = _plus_low_rank(
+        d_raw_parts, low_ref, low_w_ref, tile, tile_expert_ref[tile], (block * bn,),
+        transpose_rhs=True, settings=settings,
+      )  # fmt: skip
+    ((d_raw,),) = d_raw_parts
     out_rows = pl.ds(tile * bm, bm)
     gate_cols, up_cols = pl.ds(block * bn, bn), pl.ds(hidden_width + block * bn, bn)
     gate = plgpu.load(pre_ref.at[out_rows, gate_cols]).astype(jnp.float32)
@@ -397,12 +480,12 @@ def _down_backward_kernel(
 
 
 def _weight_grad_kernel(
-  tile_ends_ref, row_assignment_ref, row_weight_ref, lhs_ref, rhs_ref, out_ref, *, gather_lhs,
+  tile_ends_ref, row_assignment_ref, row_weight_ref, lhs_ref, rhs_ref, out_ref, *, gather,
   top_k, num_tokens, settings,
 ):  # fmt: skip
   """One (expert, K block, N block) of out[e] = L[rows of e]^T @ R[rows of e], over the
-  expert's tiles: L = lhs[source] and R = rhs (`gather_lhs`), else L = lhs and R = w *
-  rhs[source]."""
+  expert's tiles: `gather` "lhs": L = lhs[source] and R = rhs; "rhs": L = lhs and R = w *
+  rhs[source]; "neither": L = lhs and R = rhs (both on aligned rows)."""
   bm, bn, bk = settings.blocks.block_m, settings.blocks.block_n, settings.blocks.block_k
   expert, k_block, n_block = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   first_tile = jnp.where(expert > 0, tile_ends_ref[jnp.maximum(expert - 1, 0)], 0)
@@ -410,14 +493,16 @@ def _weight_grad_kernel(
   def step(tile, acc):
     rows = pl.ds(tile * bm, bm)
     source, valid = _tile_rows(row_assignment_ref, tile, bm, top_k, num_tokens)
-    if gather_lhs:
+    if gather == "lhs":
       lhs = _gathered(lhs_ref, source, valid, k_block * bk, bk)
-      rhs = plgpu.load(rhs_ref.at[rows, pl.ds(n_block * bn, bn)])
     else:
       lhs = plgpu.load(lhs_ref.at[rows, pl.ds(k_block * bk, bk)])
+    if gather == "rhs":
       rhs = _gathered(rhs_ref, source, valid, n_block * bn, bn)
       weight = plgpu.load(row_weight_ref.at[rows])
       rhs = (rhs.astype(jnp.float32) * weight[:, None]).astype(lhs.dtype)
+    else:
+      rhs = plgpu.load(rhs_ref.at[rows, pl.ds(n_block * bn, bn)])
     return acc + plgpu.dot(lhs, rhs, trans_a=True, precision=settings.precision)
 
   acc = jax.lax.fori_loop(first_tile, tile_ends_ref[expert], step, jnp.zeros((bk, bn), jnp.float32))
@@ -459,7 +544,31 @@ def _weight_operands(
   return (rhs.bits, rhs.scales), form, dataclasses.replace(settings, blocks=blocks)
 
 
-def _up(x, w_gate_up, b_gate_up, layout: FusedLayout, settings: FusedSettings, *, keep_pre: bool):
+class LowRank(NamedTuple):
+  """An adapter's share of a product: `rows` [Ma, r] (aligned, the compute dtype) @ `w`
+  [El, r, N] per tile's expert (read as [El, N, r], transposed, in the backward pass)."""
+
+  rows: jax.Array
+  w: jax.Array
+
+
+def _low_rank_operands(
+  low_rank: LowRank | None, form: WeightForm, settings: FusedSettings, *, transpose_rhs: bool
+) -> tuple[jax.Array, jax.Array]:
+  """A kernel's two low-rank operands (stand-ins it never reads without `low_rank`); read
+  forward beside a paired base, w's columns by parity in each block_n (`_plus_low_rank`)."""
+  if low_rank is None:
+    return jnp.zeros((1, 1), jnp.float32), jnp.zeros((1, 1, 1), jnp.float32)
+  w = low_rank.w
+  if form.parts == 2 and not transpose_rhs:
+    w = by_parity(w.reshape(-1, w.shape[-1]), settings.blocks.block_n).reshape(w.shape)
+  return low_rank.rows, w
+
+
+def _up(
+  x, w_gate_up, b_gate_up, layout: FusedLayout, settings: FusedSettings, *, keep_pre: bool,
+  low_rank: LowRank | None = None,
+):  # fmt: skip
   """hidden [Ma, F] (and gate|up [Ma, 2F], biases added, with `keep_pre`), in x's dtype."""
   top_k = layout.slot.shape[1]
   aligned, hidden_width = layout.row_assignment.shape[0], w_gate_up.shape[2] // 2
@@ -467,44 +576,51 @@ def _up(x, w_gate_up, b_gate_up, layout: FusedLayout, settings: FusedSettings, *
   if keep_pre:
     shapes.append(out_struct((aligned, 2 * hidden_width), x.dtype, like=x))
   w_operands, form, settings = _weight_operands(w_gate_up, settings, transpose_rhs=False)
+  low_operands = _low_rank_operands(low_rank, form, settings, transpose_rhs=False)
   kernel = functools.partial(
-    _up_kernel, top_k=top_k, biased=b_gate_up is not None, form=form, settings=settings
-  )
+    _up_kernel, top_k=top_k, biased=b_gate_up is not None, low_rank=low_rank is not None,
+    form=form, settings=settings,
+  )  # fmt: skip
   grid = (layout.tile_expert.shape[0], hidden_width // settings.blocks.block_n)
   return _call(
     kernel, shapes, grid, settings, "fused_moe_up",
-    layout.tile_expert, layout.num_tiles, layout.row_assignment, x, *w_operands,
+    layout.tile_expert, layout.num_tiles, layout.row_assignment, x, *w_operands, *low_operands,
     _unread_if_none(b_gate_up),
   )  # fmt: skip
 
 
 def _aligned(
-  lhs, w, row_weight, layout: FusedLayout, settings, *, transpose_rhs, out_dtype, bias=None
-):
-  """[Ma, N] = lhs @ W[e] per tile (W[e]^T with `transpose_rhs`), plus `bias[e]` unless it is
-  None, rows times `row_weight` unless it is None."""
+  lhs, w, row_weight, layout: FusedLayout, settings, *, transpose_rhs, out_dtype, bias=None,
+  gather: bool = False, low_rank: LowRank | None = None,
+):  # fmt: skip
+  """[Ma, N] = lhs @ W[e] per tile (W[e]^T with `transpose_rhs`; with `gather`, lhs [N, K]
+  is read by index, else it is [Ma, K] aligned), plus `low_rank` and `bias[e]` unless None,
+  rows times `row_weight` unless it is None."""
   width = w.shape[1] if transpose_rhs else w.shape[2]
   w_operands, form, settings = _weight_operands(w, settings, transpose_rhs=transpose_rhs)
+  low_operands = _low_rank_operands(low_rank, form, settings, transpose_rhs=transpose_rhs)
   kernel = functools.partial(
     _aligned_kernel, transpose_rhs=transpose_rhs, weighted=row_weight is not None,
-    biased=bias is not None, form=form, settings=settings,
+    biased=bias is not None, gather_top_k=layout.slot.shape[1] if gather else None,
+    low_rank=low_rank is not None, form=form, settings=settings,
   )  # fmt: skip
   if row_weight is None:
-    row_weight = jnp.zeros(lhs.shape[0], jnp.float32)
-  shape = out_struct((lhs.shape[0], width), out_dtype, like=lhs)
+    row_weight = jnp.zeros(layout.row_assignment.shape[0], jnp.float32)
+  shape = out_struct((layout.row_assignment.shape[0], width), out_dtype, like=lhs)
   grid = (layout.tile_expert.shape[0], width // settings.blocks.block_n)
   return _call(
     kernel, shape, grid, settings, "fused_moe_aligned",
-    layout.tile_expert, layout.num_tiles, row_weight, lhs, *w_operands, _unread_if_none(bias),
+    layout.tile_expert, layout.num_tiles, layout.row_assignment, row_weight, lhs, *w_operands,
+    *low_operands, _unread_if_none(bias),
   )  # fmt: skip
 
 
-def _weight_grad(lhs, rhs, row_weight, layout: FusedLayout, settings, *, gather_lhs, num_experts):
+def _weight_grad(lhs, rhs, row_weight, layout: FusedLayout, settings, *, gather, num_experts):
   """[El, K, N] per-expert L^T @ R (see `_weight_grad_kernel`), float32."""
   blocks = settings.blocks
   k, n = lhs.shape[1], rhs.shape[1]
   kernel = functools.partial(
-    _weight_grad_kernel, gather_lhs=gather_lhs, top_k=layout.slot.shape[1],
+    _weight_grad_kernel, gather=gather, top_k=layout.slot.shape[1],
     num_tokens=layout.slot.shape[0], settings=settings,
   )  # fmt: skip
   shape = out_struct((num_experts, k, n), jnp.float32, like=lhs)
@@ -526,14 +642,27 @@ def _sum_over_choices(rows: jax.Array, layout: FusedLayout) -> jax.Array:
   return jnp.sum(picked.astype(jnp.float32), axis=1)
 
 
+class Adapters(NamedTuple):
+  """Each expert's LoRA pair per projection (its scale folded into B), of a rank r that is a
+  multiple of the kernels' blocks (`fused_moe_mlp` pads it): gate_up_a [El, D, r],
+  gate_up_b [El, r, 2F], down_a [El, F, r], down_b [El, r, D]."""
+
+  gate_up_a: jax.Array
+  gate_up_b: jax.Array
+  down_a: jax.Array
+  down_b: jax.Array
+
+
 class Experts(NamedTuple):
   """The local experts' weights: w_gate_up [El, D, 2F], w_down [El, F, D] (float, or both
-  `BlockScaled`: constants), and biases b_gate_up [El, 2F] and b_down [El, D], or None."""
+  `BlockScaled`: constants), biases b_gate_up [El, 2F] and b_down [El, D], or None, and
+  `Adapters` or None."""
 
   w_gate_up: jax.Array | BlockScaled
   w_down: jax.Array | BlockScaled
   b_gate_up: jax.Array | None
   b_down: jax.Array | None
+  lora: Adapters | None = None
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
@@ -544,12 +673,34 @@ def _fused(x, weights, experts: Experts, layout, settings):
 
 def _fused_forward(x, weights, experts: Experts, layout, settings, *, keep_pre):
   row_weight = _row_weight(weights, layout)
-  hidden, *pre = _up(x, experts.w_gate_up, experts.b_gate_up, layout, settings, keep_pre=keep_pre)
+  lora = experts.lora
+  gate_up_low = None if lora is None else LowRank(_x_low(x, lora, layout, settings), lora.gate_up_b)
+  hidden, *pre = _up(
+    x, experts.w_gate_up, experts.b_gate_up, layout, settings, keep_pre=keep_pre,
+    low_rank=gate_up_low,
+  )  # fmt: skip
+  down_low = None
+  if lora is not None:
+    down_low = LowRank(_hidden_low(hidden, lora, layout, settings), lora.down_b)
   y = _aligned(
     hidden, experts.w_down, row_weight, layout, settings, transpose_rhs=False, out_dtype=x.dtype,
-    bias=experts.b_down,
+    bias=experts.b_down, low_rank=down_low,
   )  # fmt: skip
   return _sum_over_choices(y, layout), (pre[0] if pre else None, row_weight)
+
+
+def _x_low(x, lora: Adapters, layout, settings) -> jax.Array:
+  """[Ma, r] x[source] @ A_gate_up[e] in x's dtype, the tokens read by index."""
+  return _aligned(
+    x, lora.gate_up_a, None, layout, settings, transpose_rhs=False, out_dtype=x.dtype, gather=True
+  )
+
+
+def _hidden_low(hidden, lora: Adapters, layout, settings) -> jax.Array:
+  """[Ma, r] hidden @ A_down[e] in hidden's dtype."""
+  return _aligned(
+    hidden, lora.down_a, None, layout, settings, transpose_rhs=False, out_dtype=hidden.dtype
+  )
 
 
 def _fused_fwd(x, weights, experts: Experts, layout, settings):
@@ -581,15 +732,24 @@ def _bias_grads(d_pre, d_out, row_weight, b_down, layout: FusedLayout, block_m: 
 
 def _fused_bwd(settings, residuals, d_out):
   x, weights, experts, layout, pre, row_weight = residuals
-  w_gate_up, w_down = experts.w_gate_up, experts.w_down
+  w_gate_up, w_down, lora = experts.w_gate_up, experts.w_down, experts.lora
   num_experts, hidden_width = w_down.shape[:2]
   d_out = d_out.astype(x.dtype)
+  # the down adapter's share of d(hidden): (dout[source] @ B_down^T) @ A_down^T
+  d_down_low = d_low = None
+  if lora is not None:
+    d_down_low = _aligned(
+      d_out, lora.down_b, None, layout, settings, transpose_rhs=True, out_dtype=jnp.float32,
+      gather=True,
+    )  # fmt: skip
+    d_low = LowRank(d_down_low.astype(x.dtype), lora.down_a)
   w_down_operands, form, down_settings = _weight_operands(w_down, settings, transpose_rhs=True)
   d_blocks = hidden_width // down_settings.blocks.block_n
   aligned = layout.row_assignment.shape[0]
   kernel = functools.partial(
-    _down_backward_kernel, top_k=layout.slot.shape[1], form=form, settings=down_settings
-  )
+    _down_backward_kernel, top_k=layout.slot.shape[1], low_rank=lora is not None, form=form,
+    settings=down_settings,
+  )  # fmt: skip
   d_pre, hidden, d_weight_parts = _call(
     kernel,
     [
@@ -599,20 +759,27 @@ def _fused_bwd(settings, residuals, d_out):
     ],
     (layout.tile_expert.shape[0], d_blocks), down_settings, "fused_moe_down_backward",
     layout.tile_expert, layout.num_tiles, layout.row_assignment, row_weight, d_out,
-    *w_down_operands, pre,
+    *w_down_operands, *_low_rank_operands(d_low, form, down_settings, transpose_rhs=True), pre,
   )  # fmt: skip
+  weight_grad = functools.partial(
+    _weight_grad, layout=layout, settings=settings, num_experts=num_experts
+  )
   d_matrices = (None, None)  # quantized matrices are constants
   if not is_block_scaled(w_down):
-    d_w_down = _weight_grad(
-      hidden, d_out, row_weight, layout, settings, gather_lhs=False, num_experts=num_experts
-    )
-    d_w_gate_up = _weight_grad(
-      x, d_pre, row_weight, layout, settings, gather_lhs=True, num_experts=num_experts
-    )
+    d_w_down = weight_grad(hidden, d_out, row_weight, gather="rhs")
+    d_w_gate_up = weight_grad(x, d_pre, row_weight, gather="lhs")
     d_matrices = (d_w_gate_up.astype(w_gate_up.dtype), d_w_down.astype(w_down.dtype))
+  # the gate|up adapter's share of dx: (d(gate|up) @ B_gate_up^T) @ A_gate_up^T
+  d_gate_up_low = d_x_low = None
+  if lora is not None:
+    d_gate_up_low = _aligned(
+      d_pre, lora.gate_up_b, None, layout, settings, transpose_rhs=True, out_dtype=jnp.float32
+    ).astype(x.dtype)
+    d_x_low = LowRank(d_gate_up_low, lora.gate_up_a)
   d_x_rows = _aligned(
-    d_pre, w_gate_up, None, layout, settings, transpose_rhs=True, out_dtype=jnp.float32
-  )
+    d_pre, w_gate_up, None, layout, settings, transpose_rhs=True, out_dtype=jnp.float32,
+    low_rank=d_x_low,
+  )  # fmt: skip
   d_x = _sum_over_choices(d_x_rows, layout).astype(x.dtype)
   d_row_weight = jnp.sum(d_weight_parts, axis=0)  # [Ma]
   d_biases = (None, None)
@@ -622,15 +789,28 @@ def _fused_bwd(settings, residuals, d_out):
     )
     d_row_weight = d_row_weight + bias_term
     d_biases = (d_b_gate_up.astype(experts.b_gate_up.dtype), d_b_down.astype(experts.b_down.dtype))
+  d_lora = None
+  if lora is not None:
+    d_lora = Adapters(
+      gate_up_a=weight_grad(x, d_gate_up_low, row_weight, gather="lhs"),
+      gate_up_b=weight_grad(_x_low(x, lora, layout, settings), d_pre, row_weight, gather="neither"),
+      down_a=weight_grad(
+        hidden, (d_down_low * row_weight[:, None]).astype(x.dtype), row_weight, gather="neither"
+      ),
+      down_b=weight_grad(
+        _hidden_low(hidden, lora, layout, settings), d_out, row_weight, gather="rhs"
+      ),
+    )
+    d_lora = Adapters(*(d.astype(a.dtype) for d, a in zip(d_lora, lora, strict=True)))
   d_weights = jnp.take(d_row_weight, layout.slot, mode="fill", fill_value=0)  # [N, K]
-  d_experts = Experts(*d_matrices, *d_biases)
+  d_experts = Experts(*d_matrices, *d_biases, d_lora)
   return (d_x, d_weights.astype(weights.dtype), d_experts, None)
 
 
 _fused.defvjp(_fused_fwd, _fused_bwd)
 
 
-def _check_shapes(x, expert_ids, weights, w_gate_up, w_down, b_gate_up, b_down) -> None:
+def _check_shapes(x, expert_ids, weights, w_gate_up, w_down, b_gate_up, b_down, lora) -> None:
   """Raises ValueError naming the first argument whose shape disagrees with the others."""
   if x.ndim != 2 or w_down.ndim != 3:
     raise ValueError(f"x must be [N, D] and w_down [El, F, D], got {x.shape} and {w_down.shape}")
@@ -646,6 +826,20 @@ def _check_shapes(x, expert_ids, weights, w_gate_up, w_down, b_gate_up, b_down) 
   if b_gate_up is not None:
     expected["b_gate_up"] = (b_gate_up.shape, (experts, 2 * hidden))
     expected["b_down"] = (b_down.shape, (experts, dim))
+  if lora is not None:
+    rank = lora[0].shape[-1]
+    for name, got, want in zip(
+      ("gate_up_a", "gate_up_b", "down_a", "down_b"),
+      lora,
+      (
+        (experts, dim, rank),
+        (experts, rank, 2 * hidden),
+        (experts, hidden, rank),
+        (experts, rank, dim),
+      ),
+      strict=True,
+    ):
+      expected[f"lora.{name}"] = (got.shape, want)
   for name, (got, want) in expected.items():
     if tuple(got) != tuple(want):
       raise ValueError(f"{name} has shape {tuple(got)}; expected {tuple(want)}")
@@ -659,6 +853,7 @@ def fused_moe_mlp(
   w_down: jax.Array | BlockScaled,
   b_gate_up: jax.Array | None = None,
   b_down: jax.Array | None = None,
+  lora: tuple[jax.Array, jax.Array, jax.Array, jax.Array] | None = None,
   *,
   activation: Activation,
   blocks: TritonBlocks | None = None,
@@ -679,6 +874,11 @@ def fused_moe_mlp(
       (`fitted`); constants, with no gradient.
     b_gate_up, b_down: [El, 2F] and [El, D] biases added before the activation and before the
       routing weight (GPT-OSS's experts), both or neither.
+    lora: None, or each expert's LoRA adapters (gate_up_a [El, D, r], gate_up_b [El, r, 2F],
+      down_a [El, F, r], down_b [El, r, D]; x's dtype, the scale folded into the B's; a
+      `moejax.lora.ExpertLoRA` is one): each projection adds (rows @ A) @ B, the rank-r rows
+      rounded to x's dtype between the two (as `moejax.tiles` does), the rank padded with zeros
+      to the kernels' blocks. Differentiable.
     activation: (gate, up) -> hidden on [bm, bn] float32 tiles, hashable; traced into the
       kernels (Triton must lower it: no erf).
     blocks: `TritonBlocks` (None: `default_blocks`); D and F multiples of block_n and block_k.
@@ -692,7 +892,7 @@ def fused_moe_mlp(
     ValueError: an argument's shape that disagrees with the others, named.
     NotImplementedError: the widths or this JAX cannot run the kernels (`unsupported_reason`).
   """
-  _check_shapes(x, expert_ids, weights, w_gate_up, w_down, b_gate_up, b_down)
+  _check_shapes(x, expert_ids, weights, w_gate_up, w_down, b_gate_up, b_down, lora)
   dim = x.shape[1]
   hidden_width = w_down.shape[1]
   blocks = blocks or default_blocks(expert_ids.size, dim, hidden_width)
@@ -704,5 +904,6 @@ def fused_moe_mlp(
     raise NotImplementedError(reason)
   layout = counted_layout(expert_ids, w_down.shape[0], blocks.block_m)
   settings = FusedSettings(activation, blocks, precision, interpret)
-  experts = Experts(w_gate_up, w_down, b_gate_up, b_down)
+  adapters = None if lora is None else _padded_rank(lora, blocks, forms)
+  experts = Experts(w_gate_up, w_down, b_gate_up, b_down, adapters)
   return _fused(x, weights.astype(jnp.float32), experts, layout, settings)

@@ -229,8 +229,9 @@ def fused_mlp(
   interpret: bool = False,
 ) -> jax.Array:
   """`tile_loop_mlp`'s contract on `kernels_pallas.fused_moe_mlp`: rows read by index, the
-  activation, the biases and the routing weight in the kernels' epilogues, each row's K
-  results gathered and summed (float experts without adapters or output norms; `moejax.plan`).
+  activation, the biases and the routing weight in the kernels' epilogues, the adapters'
+  products in the same kernels, each row's K results gathered and summed (experts without
+  output norms; `moejax.plan`).
 
   Args and returns: as `tile_loop_mlp` (without `tile_rows`, seeds and the norm), plus
   `interpret`, to run the kernels in their interpreter.
@@ -243,6 +244,7 @@ def fused_mlp(
     experts.w_down,
     experts.b_gate_up,
     experts.b_down,
+    experts.lora,
     activation=activation.in_kernel,
     interpret=interpret,
   )

@@ -20,9 +20,9 @@ on an H200 (docs/performance.md, "GPU"):
   registry picks the kernel (`kernels_pallas.backends.select_kernel`).
 - "fused" (`experts.fused_mlp`): `kernels_pallas.fused_moe`, the whole MLP on rows read by
   index (Pallas Triton), for float or quantized experts (`expert_quant`: each tile decoded in
-  the kernels), with or without biases, without adapters or output norms, and not
-  batch-invariant (`fused_unsupported_reason`); only when asked
-  (`expert_backend="fused"`) or where a tuning file measured it fastest.
+  the kernels), with or without biases and LoRA adapters (their rank-r products in the same
+  kernels), without output norms, and not batch-invariant (`fused_unsupported_reason`); only
+  when asked (`expert_backend="fused"`) or where a tuning file measured it fastest.
 
 `expert_backend="xla"` takes the better XLA path; "pallas" the device's kernel (interpreted on
 a CPU, for testing); "fused" the fused path where it runs the case (else the tile loop, with a
@@ -32,7 +32,8 @@ one), else the XLA path. With `batch_invariant=True` every backend but "pallas" 
 loop, whatever the call's size. With `compute_quant` the tile loop emulates every recipe;
 "pallas" takes the Hopper fp8 kernels (`kernels_pallas.gmm_fp8`) for "fp8_deepseek" where they
 run the config (`fp8_kernel_reason`). LoRA adapters change no choice: every path
-adds their products (the sorted paths in unfused grouped matmuls, `experts.adapted_mlp`).
+adds their products (the sorted paths in unfused grouped matmuls, `experts.adapted_mlp`; the
+fused path in its own kernels).
 """
 
 from __future__ import annotations
@@ -178,7 +179,6 @@ def choose_plan(config: MoEConfig, num_rows: int, local_experts: int) -> ExpertC
 def fused_unsupported_reason(config: MoEConfig) -> str | None:
   """Why the fused path cannot run the config's experts, or None."""
   for field, value, what in (
-    ("lora_rank", config.lora_rank, "experts without adapters"),
     ("expert_output_norm_eps", config.expert_output_norm_eps, "unnormalized expert outputs"),
     # its tiles follow the call's size; nothing has shown a token's output independent of it
     ("batch_invariant", config.batch_invariant, "calls without batch invariance"),

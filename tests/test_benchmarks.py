@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from kernels_pallas import compat
+from kernels_pallas.formats import FORMATS
 from tests.helpers import user_env
 
 ROOT = Path(__file__).parent.parent
@@ -85,7 +86,7 @@ def test_gpu_check_smoke_runs_every_part(tmp_path):
   quant = json.loads((tmp_path / "quant.json").read_text())["rows"]
   assert {(r["op"], r["backend"], r["weights"]) for r in quant if r["status"] == "ok"} >= set(
     itertools.product(("gmm", "moe_mlp"), ("triton", "mosaic"), ("bf16", "fp8_block", "mxfp4"))
-  )
+  ) | {("moe_mlp", "fused", weights) for weights in ("bf16", *FORMATS)}
   (tune,) = json.loads((tmp_path / "tune.json").read_text())["rows"]
   assert tune["status"] == "ok" and Path(tune["file"]).parent == tmp_path / "tuning"
   for entry in tune["entries"]:

@@ -14,7 +14,7 @@ from kernels_pallas.gmm_triton import TritonBlocks
 from moejax import MoEConfig
 from moejax.activations import GATED, GatedActivation
 from moejax.plan import ExpertPlan, plan_experts
-from moejax.testing import random_params, rank_mask
+from moejax.testing import random_params, rank_mask, relative_error
 from tests.helpers import assert_close, check_against_reference, mesh_of, slow
 from tests.kernels.test_backends import QUANTIZED, random_block_scaled
 
@@ -24,20 +24,33 @@ BLOCKS = TritonBlocks(block_m=16, block_n=16, block_k=16)
 LOCAL_EXPERTS, D, F = 4, 32, 32
 
 
-def per_assignment(activation, x, expert_ids, weights, w_gate_up, w_down, b_gate_up=0, b_down=0):
+def per_assignment(
+  activation, x, expert_ids, weights, w_gate_up, w_down, b_gate_up=0, b_down=0, lora=None
+):
   """sum_k w[n,k] * mlp_{e[n,k]}(x[n]) one assignment at a time, float32 at full precision,
-  the biases (where given) added before the activation and the weight; ids outside [0, El)
-  contribute nothing."""
+  the biases (where given) added before the activation and the weight, and with `lora`
+  (gate_up_a, gate_up_b, down_a, down_b) each projection plus (rows @ A) @ B; ids outside
+  [0, El) contribute nothing."""
   bias = lambda b, experts: b[experts] if isinstance(b, jax.Array) else b
+  product = lambda rows, w: jnp.einsum("nd,ndf->nf", rows, w, precision="highest")
+
+  def project(rows, w, adapter, experts):
+    out = product(rows, w[experts])
+    if adapter is None:
+      return out
+    a, b = adapter
+    return out + product(product(rows, a[experts]).astype(rows.dtype), b[experts])
+
+  gate_up_adapter, down_adapter = (None, None) if lora is None else (lora[:2], lora[2:])
   out = jnp.zeros(x.shape, jnp.float32)
   for k in range(expert_ids.shape[1]):
     expert = expert_ids[:, k]
     local = (expert >= 0) & (expert < w_down.shape[0])
     clipped = jnp.clip(expert, 0, w_down.shape[0] - 1)
-    gate_up = jnp.einsum("nd,ndf->nf", x, w_gate_up[clipped], precision="highest")
+    gate_up = project(x, w_gate_up, gate_up_adapter, clipped)
     gate_up = gate_up.astype(jnp.float32) + bias(b_gate_up, clipped)
     hidden = activation(*jnp.split(gate_up, 2, axis=-1)).astype(x.dtype)
-    y = jnp.einsum("nf,nfd->nd", hidden, w_down[clipped], precision="highest")
+    y = project(hidden, w_down, down_adapter, clipped)
     y = y + bias(b_down, clipped)
     out += jnp.where(local[:, None], y * weights[:, k : k + 1], 0.0)
   return out
@@ -149,6 +162,79 @@ def test_quantized_matrices_are_decoded_tile_by_tile(rhs_format, block):
     assert_close(g, w, what=f"d/d {what}")
 
 
+def _adapters(seed: int, rank: int) -> tuple[jax.Array, ...]:
+  """Random (gate_up_a, gate_up_b, down_a, down_b) of `rank`, none zero."""
+  keys = jax.random.split(jax.random.key(seed), 4)
+  shapes = ((D, rank), (rank, 2 * F), (F, rank), (rank, D))
+  return tuple(
+    jax.random.normal(key, (LOCAL_EXPERTS, *shape)) / 4
+    for key, shape in zip(keys, shapes, strict=True)
+  )
+
+
+@pytest.mark.parametrize("quantized", [False, True], ids=["float", "mxfp4 base"])
+def test_adapters_in_the_kernels_match_and_train(quantized):
+  """LoRA adapters of rank 4 (padded to the blocks inside): forward and the gradients of x,
+  the routing weights, the biases, the adapters (and the float matrices) against the
+  per-assignment MLP; on an mxfp4 base (QLoRA), the adapters' forward columns come by
+  parity beside the base's."""
+  ids = _uneven_ids(24, 2, seed=8)
+  operands, ids, probe = _operands(8, 24, 2, ids, biased=True)
+  x, weights, w_gate_up, w_down, b_gate_up, b_down = operands
+  base_values = (w_gate_up, w_down)
+  if quantized:
+    keys = jax.random.split(jax.random.key(9))
+    w_gate_up, gate_up_values = random_block_scaled(keys[0], w_gate_up.shape, "mxfp4", (32, 1))
+    w_down, down_values = random_block_scaled(keys[1], w_down.shape, "mxfp4", (32, 1))
+    base_values = (jnp.asarray(gate_up_values), jnp.asarray(down_values))
+  activation = GatedActivation("silu")
+  trained = (x, weights, b_gate_up, b_down, _adapters(10, rank=4))
+  trained += () if quantized else (w_gate_up, w_down)
+
+  def fused(x, weights, b_gate_up, b_down, lora, *matrices):
+    w = matrices or (w_gate_up, w_down)
+    return fused_moe_mlp(
+      x, ids, weights, *w, b_gate_up, b_down, lora, activation=activation.in_kernel,
+      blocks=BLOCKS, interpret=True,
+    )  # fmt: skip
+
+  def reference(x, weights, b_gate_up, b_down, lora, *matrices):
+    w = matrices or base_values
+    return per_assignment(activation, x, ids, weights, *w, b_gate_up, b_down, lora)
+
+  loss = lambda fn: lambda *args: jnp.sum(fn(*args) * probe)
+  assert_close(fused(*trained), reference(*trained), what="y")
+  argnums = tuple(range(len(trained)))
+  grads = jax.grad(loss(fused), argnums)(*trained)
+  want_grads = jax.grad(loss(reference), argnums)(*trained)
+  names = ("x", "weights", "b_gate_up", "b_down", "lora", "w_gate_up", "w_down")
+  for what, g, w in zip(names, grads, want_grads, strict=False):
+    jax.tree.map(lambda g, w, what=what: assert_close(g, w, what=f"d/d {what}"), g, w)
+
+
+@pytest.mark.slow
+def test_a_call_past_the_largest_tiles_default_blocks():
+  """1100 tokens of 4 choices (4400 assignments: `default_blocks`' 64-row tiles, ~70 of them)
+  with the blocks the kernels pick: forward and every gradient against the per-assignment
+  MLP, float32 (the gradients relative to their largest value: the weights' sum ~1100 rows
+  each, in another order)."""
+  tokens, top_k = 1100, 4
+  ids = _uneven_ids(tokens, top_k, seed=11)
+  operands, ids, probe = _operands(11, tokens, top_k, ids)
+  activation = GatedActivation("silu")
+  fused = lambda *a: fused_moe_mlp(
+    a[0], ids, *a[1:], activation=activation.in_kernel, interpret=True
+  )
+  reference = lambda *a: per_assignment(activation, a[0], ids, *a[1:])
+  assert_close(fused(*operands), reference(*operands), what="y")
+  loss = lambda fn: lambda *args: jnp.sum(fn(*args) * probe)
+  argnums = tuple(range(len(operands)))
+  grads = jax.grad(loss(fused), argnums)(*operands)
+  want_grads = jax.grad(loss(reference), argnums)(*operands)
+  for what, g, w in zip(("x", "weights", "w_gate_up", "w_down"), grads, want_grads, strict=True):
+    assert relative_error(g, w) <= 1e-5, (what, relative_error(g, w))
+
+
 @pytest.mark.slow
 def test_bfloat16_within_its_tolerance():
   operands, ids, _ = _operands(7, 40, 2, _uneven_ids(40, 2, seed=7), jnp.bfloat16)
@@ -206,7 +292,10 @@ def test_the_layer_matches_the_reference(mesh_shape, dispatch):
 @pytest.mark.parametrize(
   "overrides, message",
   [
-    (dict(lora_rank=2), "it takes experts without adapters, not lora_rank=2"),
+    (
+      dict(expert_output_norm_eps=1e-6),
+      "it takes unnormalized expert outputs, not expert_output_norm_eps=1e-06",
+    ),
     (
       dict(expert_quant="nvfp4"),  # paired columns: 32 a tile
       "the fused kernels need hidden_size=16 to be a multiple of 32",

@@ -167,14 +167,15 @@ def test_the_fused_layer_compiles_forward_and_gradient(gpu):
 @pytest.mark.parametrize(
   "gpu, quantized",
   [
-    ("h100", dict(expert_quant="mxfp4", activation="swiglu_oai", expert_bias=True)),
+    ("h100", dict(expert_quant="mxfp4", activation="swiglu_oai", expert_bias=True, lora_rank=8)),
     ("h200", dict(expert_quant="fp8_block")),
   ],
-  ids=["h100-gpt-oss-mxfp4", "h200-fp8_block"],
+  ids=["h100-gpt-oss-mxfp4-lora", "h200-fp8_block"],
 )
 def test_the_fused_layer_compiles_quantized_experts(gpu, quantized):
   """expert_backend="fused" on quantized experts: the kernels decode each tile of the bits
-  (paired nibbles by parity, stored by strided columns), forward and gradient."""
+  (paired nibbles by parity, stored by strided columns), forward and gradient; with LoRA
+  adapters (QLoRA), their rank-r products in the same kernels."""
   mesh = targets.target_mesh(gpu, (1, 8))
   config = MoEConfig(**LAYER, **BF16, **quantized, expert_backend="fused")
   for gradient in (False, True):

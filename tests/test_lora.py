@@ -45,6 +45,7 @@ from tests.helpers import (
   mesh_of,
   random_adapters,
   seed_of,
+  slow,
   tolerance,
 )
 from tests.lowering import block_scaled_spec, cuda_custom_calls
@@ -85,6 +86,7 @@ def expect_path(config: MoEConfig, path: str, monkeypatch) -> None:
 
 
 @pytest.mark.filterwarnings("ignore:expert_backend='pallas' on a CPU:UserWarning")
+@pytest.mark.filterwarnings("ignore:expert_backend='fused' on a CPU:UserWarning")
 @pytest.mark.parametrize(
   "options, mesh_shape, path",
   [
@@ -92,8 +94,17 @@ def expect_path(config: MoEConfig, path: str, monkeypatch) -> None:
     (dict(dispatch="all_to_all", expert_fsdp=True, lora_rslora=True), (2, 4), "tile_loop"),
     (dict(expert_backend="xla", activation="gelu"), None, "ragged_dot"),
     (dict(expert_backend="pallas", dispatch="all_to_all"), (2, 4), "pallas"),
+    (dict(expert_backend="fused", expert_bias=True), None, "fused"),
+    slow(dict(expert_backend="fused", dispatch="all_to_all"), (2, 4), "fused"),
   ],
-  ids=["biases-no mesh", "2x4-all_to_all-fsdp-rslora", "ragged_dot-gelu", "pallas-2x4"],
+  ids=[
+    "biases-no mesh",
+    "2x4-all_to_all-fsdp-rslora",
+    "ragged_dot-gelu",
+    "pallas-2x4",
+    "fused-biases",
+    "fused-2x4",
+  ],
 )
 def test_adapters_match_the_reference(options, mesh_shape, path, request, monkeypatch):
   """Output and every gradient (base, adapters, router, x) as the reference computes them
@@ -109,7 +120,10 @@ def test_adapters_match_the_reference(options, mesh_shape, path, request, monkey
 
 
 @pytest.mark.filterwarnings("ignore:expert_backend='pallas' on a CPU:UserWarning")
-@pytest.mark.parametrize("backend, path", [("xla", "tile_loop"), ("pallas", "pallas")])
+@pytest.mark.filterwarnings("ignore:expert_backend='fused' on a CPU:UserWarning")
+@pytest.mark.parametrize(
+  "backend, path", [("xla", "tile_loop"), ("pallas", "pallas"), slow("fused", "fused")]
+)
 def test_adapters_over_a_quantized_base(backend, path, request, monkeypatch):
   """fp8_block experts stay quantized (sliced per tile, or in the kernels): the output is the
   reference's on the dequantized weights plus the adapters, and the adapters, router and x
