@@ -221,6 +221,14 @@ def _padded_rank(lora, blocks: TritonBlocks, forms: tuple[WeightForm, ...]) -> A
   )  # fmt: skip
 
 
+def batch_invariant_blocks(hidden_size: int, intermediate_size: int) -> TritonBlocks:
+  """The blocks of every call whose tokens' outputs must not depend on the rest of the call
+  (`MoEConfig.batch_invariant`): `default_blocks`' widths and 64 rows a tile, whatever the
+  call's size, so that every row goes through the same program (a row's products, its
+  activation and its K results' sum involve no other row)."""
+  return dataclasses.replace(default_blocks(0, hidden_size, intermediate_size), block_m=64)
+
+
 def default_blocks(num_rows: int, hidden_size: int, intermediate_size: int) -> TritonBlocks:
   """The largest of 16/32/64 rows per tile that is at most the rows per expert would fill, and
   the widest 64/32/16 columns and contraction step that divide both widths."""

@@ -227,6 +227,7 @@ def fused_mlp(
   *,
   activation: GatedActivation,
   interpret: bool = False,
+  blocks=None,
 ) -> jax.Array:
   """`tile_loop_mlp`'s contract on `kernels_pallas.fused_moe_mlp`: rows read by index, the
   activation, the biases and the routing weight in the kernels' epilogues, the adapters'
@@ -234,7 +235,8 @@ def fused_mlp(
   output norms; `moejax.plan`).
 
   Args and returns: as `tile_loop_mlp` (without `tile_rows`, seeds and the norm), plus
-  `interpret`, to run the kernels in their interpreter.
+  `interpret`, to run the kernels in their interpreter, and `blocks`, the kernels'
+  `TritonBlocks` (None: their choice by the call's size).
   """
   return fused_moe.fused_moe_mlp(
     x,
@@ -246,6 +248,7 @@ def fused_mlp(
     experts.b_down,
     experts.lora,
     activation=activation.in_kernel,
+    blocks=blocks,
     interpret=interpret,
   )
 
@@ -364,8 +367,9 @@ def routed_mlp(
     experts = with_seeds(experts, grad_seeds)
   if plan.path == "fused":
     return fused_mlp(
-      x, expert_ids, weights, experts, activation=config.gated_activation, interpret=plan.interpret
-    )
+      x, expert_ids, weights, experts, activation=config.gated_activation,
+      interpret=plan.interpret, blocks=plan.blocks,
+    )  # fmt: skip
   return grouped_matmul_mlp(
     x,
     expert_ids,

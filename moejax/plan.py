@@ -21,19 +21,20 @@ on an H200 (docs/performance.md, "GPU"):
 - "fused" (`experts.fused_mlp`): `kernels_pallas.fused_moe`, the whole MLP on rows read by
   index (Pallas Triton), for float or quantized experts (`expert_quant`: each tile decoded in
   the kernels), with or without biases and LoRA adapters (their rank-r products in the same
-  kernels), without output norms, and not batch-invariant (`fused_unsupported_reason`); only
-  when asked (`expert_backend="fused"`) or where a tuning file measured it fastest.
+  kernels), without output norms (`fused_unsupported_reason`); with `batch_invariant`, its
+  blocks fixed whatever the call's size; only when asked (`expert_backend="fused"`) or where a
+  tuning file measured it fastest.
 
 `expert_backend="xla"` takes the better XLA path; "pallas" the device's kernel (interpreted on
 a CPU, for testing); "fused" the fused path where it runs the case (else the tile loop, with a
 warning); "auto" the path a tuning file measured fastest for the call on its device
 kind (`moejax.tuning`: the user's, then the shipped table; `python -m moejax tune` writes
-one), else the XLA path. With `batch_invariant=True` every backend but "pallas" takes the tile
-loop, whatever the call's size. With `compute_quant` the tile loop emulates every recipe;
-"pallas" takes the Hopper fp8 kernels (`kernels_pallas.gmm_fp8`) for "fp8_deepseek" where they
-run the config (`fp8_kernel_reason`). LoRA adapters change no choice: every path
-adds their products (the sorted paths in unfused grouped matmuls, `experts.adapted_mlp`; the
-fused path in its own kernels).
+one), else the XLA path. With `batch_invariant=True` every backend but "pallas" and "fused"
+(at fixed blocks) takes the tile loop, whatever the call's size. With `compute_quant` the
+tile loop emulates every recipe; "pallas" takes the Hopper fp8 kernels
+(`kernels_pallas.gmm_fp8`) for "fp8_deepseek" where they run the config (`fp8_kernel_reason`).
+LoRA adapters change no choice: every path adds their products (the sorted paths in unfused
+grouped matmuls, `experts.adapted_mlp`; the fused path in its own kernels).
 """
 
 from __future__ import annotations
@@ -180,8 +181,6 @@ def fused_unsupported_reason(config: MoEConfig) -> str | None:
   """Why the fused path cannot run the config's experts, or None."""
   for field, value, what in (
     ("expert_output_norm_eps", config.expert_output_norm_eps, "unnormalized expert outputs"),
-    # its tiles follow the call's size; nothing has shown a token's output independent of it
-    ("batch_invariant", config.batch_invariant, "calls without batch invariance"),
   ):
     if value:
       return f"it takes {what}, not {field}={value!r}"
@@ -240,13 +239,18 @@ def _fused_choice(config: MoEConfig) -> ExpertChoice:
     warning = f"expert_backend='fused' falls back to the XLA tile loop: {why}"
     return ExpertChoice(ExpertPlan(path="tile_loop"), warning, f"expert_backend='fused', but {why}")
   reason = "expert_backend='fused': the whole expert MLP on rows read by index (Pallas Triton)"
-  if not platform.on_cpu():
-    return ExpertChoice(ExpertPlan(path="fused", backend="triton"), None, reason)
+  blocks = None  # the kernels' choice, by the call's size
+  if config.batch_invariant:
+    blocks = fused_moe.batch_invariant_blocks(config.expert_width, config.intermediate_size)
+    reason += ", its blocks fixed whatever the call's size (batch_invariant)"
+  plan = ExpertPlan(path="fused", backend="triton", interpret=platform.on_cpu(), blocks=blocks)
+  if not plan.interpret:
+    return ExpertChoice(plan, None, reason)
   warning = (
     "expert_backend='fused' on a CPU runs the Pallas kernels in the interpreter: slow, for "
     "testing only"
   )
-  return ExpertChoice(ExpertPlan(path="fused", backend="triton", interpret=True), warning, reason)
+  return ExpertChoice(plan, warning, reason)
 
 
 def _tuned_plan(found: tuning.Measured, config: MoEConfig) -> ExpertPlan:

@@ -53,7 +53,14 @@ CASES = {
     SIZES[:4],  # interpreted: slow per row
     (4,),
   ),
+  "fused-f32-one_device": (  # interpreted, in the slow tier
+    dict(expert_backend="fused", intermediate_size=32),
+    None,
+    SIZES[:4],
+    (4,),
+  ),
 }
+SLOW_CASES = ("fused-f32-one_device",)
 FORMATS = ("fp8_block", "mxfp4", "nvfp4", "int4_group")
 
 
@@ -90,7 +97,9 @@ def assert_all_identical(found: list[tuple[np.ndarray, ...]]) -> None:
       assert got.tobytes() == want.tobytes(), f"{name} not bit-identical: {got} vs {want}"
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize(
+  "case", [pytest.param(c, marks=pytest.mark.slow) if c in SLOW_CASES else c for c in CASES]
+)
 def test_a_tokens_output_does_not_depend_on_the_rest_of_the_call(case, request):
   fields, mesh_shape, sizes, chunk_sizes = CASES[case]
   config = dataclasses.replace(INVARIANT, **fields)
@@ -99,7 +108,7 @@ def test_a_tokens_output_does_not_depend_on_the_rest_of_the_call(case, request):
   params = params._replace(routing_bias=0.1 * jax.random.normal(jax.random.key(seed), (8,)))
   mesh = None if mesh_shape is None else mesh_of(*mesh_shape)
   with warnings.catch_warnings():
-    warnings.filterwarnings("ignore", "expert_backend='pallas' on a CPU")
+    warnings.filterwarnings("ignore", "expert_backend='(pallas|fused)' on a CPU")
     found = probe_results(config, params, mesh, seed, sizes, chunk_sizes)
   assert len(found) == COMPOSITIONS * (len(sizes) + 2 * (len(chunk_sizes) - 1))
   assert_all_identical(found)

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernels_pallas.fused_moe import counted_layout, fused_moe_mlp
+from kernels_pallas.fused_moe import batch_invariant_blocks, counted_layout, fused_moe_mlp
 from kernels_pallas.gmm_triton import TritonBlocks
 from moejax import MoEConfig
 from moejax.activations import GATED, GatedActivation
@@ -300,7 +300,6 @@ def test_the_layer_matches_the_reference(mesh_shape, dispatch):
       dict(expert_quant="nvfp4"),  # paired columns: 32 a tile
       "the fused kernels need hidden_size=16 to be a multiple of 32",
     ),
-    (dict(batch_invariant=True), "it takes calls without batch invariance, not batch_invariant"),
     (
       dict(intermediate_size=24),
       "the fused kernels need intermediate_size=24 to be a multiple of 16",
@@ -315,9 +314,17 @@ def test_a_case_the_kernels_lack_falls_back_with_the_reason(overrides, message):
 
 
 def test_the_plan_takes_the_fused_path():
+  """At the kernels' blocks, or with `batch_invariant` at blocks fixed whatever the call's
+  size (tests/test_batch_invariance.py checks a token's output does not change)."""
   with pytest.warns(UserWarning, match="runs the Pallas kernels in the interpreter"):
     plan = plan_experts(CONFIG, num_rows=64, local_experts=2)
   assert plan == ExpertPlan(path="fused", backend="triton", interpret=True)
+  invariant = dataclasses.replace(CONFIG, batch_invariant=True)
+  fixed = batch_invariant_blocks(CONFIG.hidden_size, CONFIG.intermediate_size)
+  for rows in (2, 64, 8192):
+    with pytest.warns(UserWarning, match="runs the Pallas kernels in the interpreter"):
+      plan = plan_experts(invariant, num_rows=rows, local_experts=2)
+    assert plan == ExpertPlan(path="fused", backend="triton", interpret=True, blocks=fixed)
 
 
 def test_a_shape_that_disagrees_is_named():
