@@ -130,8 +130,8 @@ def test_the_kernels_match_the_per_assignment_mlp_and_its_gradients(case):
   ids=[q[0] for q in QUANTIZED],
 )
 def test_quantized_matrices_are_decoded_tile_by_tile(rhs_format, block):
-  """`BlockScaled` matrices (constants): forward and the gradients of x and the weights
-  against the per-assignment MLP on their values dequantized apart (NumPy), float32, with
+  """`BlockScaled` matrices (constants): forward and the gradients of x and the routing
+  weights against the per-assignment MLP on their values dequantized apart (NumPy), float32, with
   the biases; each read's blocks fit its scale blocks (nvfp4: 16 rows, 32 paired columns,
   the other way round read transposed)."""
   top_k = 2
