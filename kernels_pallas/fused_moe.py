@@ -12,7 +12,8 @@ forward (`fused_moe_mlp`)::
   y[r]      = w[r] * (hidden[r] @ W_down[e(r)] + b_down[e(r)])    # epilogues (biases if any)
   out[n]    = sum_k y[slot[n, k]]                          # a gather and sum over K, no scatter
 
-backward (`jax.custom_vjp`; the differentiated forward also stores gate|up, [rows, 2F])::
+backward (`jax.custom_vjp`; the differentiated forward also stores gate|up, [rows, 2F], and
+with adapters their first factors, [rows, r] each)::
 
   d_raw[r]   = dout[source(r)] @ W_down[e(r)]^T            # gathered loads; epilogue: hidden
                recomputed, dw[r] = <d_raw[r], hidden[r]>, d(gate|up) = act'(w[r] d_raw[r])
@@ -680,21 +681,26 @@ def _fused(x, weights, experts: Experts, layout, settings):
 
 
 def _fused_forward(x, weights, experts: Experts, layout, settings, *, keep_pre):
+  """(out [N, D], (gate|up [Ma, 2F] with `keep_pre`, else None; the rows' weights [Ma]; the
+  adapters' first factors x_low and hidden_low [Ma, r], or None without adapters)): what the
+  backward pass keeps."""
   row_weight = _row_weight(weights, layout)
   lora = experts.lora
-  gate_up_low = None if lora is None else LowRank(_x_low(x, lora, layout, settings), lora.gate_up_b)
+  gate_up_low = down_low = None
+  if lora is not None:
+    gate_up_low = LowRank(_x_low(x, lora, layout, settings), lora.gate_up_b)
   hidden, *pre = _up(
     x, experts.w_gate_up, experts.b_gate_up, layout, settings, keep_pre=keep_pre,
     low_rank=gate_up_low,
   )  # fmt: skip
-  down_low = None
   if lora is not None:
     down_low = LowRank(_hidden_low(hidden, lora, layout, settings), lora.down_b)
   y = _aligned(
     hidden, experts.w_down, row_weight, layout, settings, transpose_rhs=False, out_dtype=x.dtype,
     bias=experts.b_down, low_rank=down_low,
   )  # fmt: skip
-  return _sum_over_choices(y, layout), (pre[0] if pre else None, row_weight)
+  lows = None if lora is None else (gate_up_low.rows, down_low.rows)
+  return _sum_over_choices(y, layout), (pre[0] if pre else None, row_weight, lows)
 
 
 def _x_low(x, lora: Adapters, layout, settings) -> jax.Array:
@@ -712,8 +718,8 @@ def _hidden_low(hidden, lora: Adapters, layout, settings) -> jax.Array:
 
 
 def _fused_fwd(x, weights, experts: Experts, layout, settings):
-  out, (pre, row_weight) = _fused_forward(x, weights, experts, layout, settings, keep_pre=True)
-  return out, (x, weights, experts, layout, pre, row_weight)
+  out, kept = _fused_forward(x, weights, experts, layout, settings, keep_pre=True)
+  return out, (x, weights, experts, layout, *kept)
 
 
 def _bias_grads(d_pre, d_out, row_weight, b_down, layout: FusedLayout, block_m: int):
@@ -739,7 +745,7 @@ def _bias_grads(d_pre, d_out, row_weight, b_down, layout: FusedLayout, block_m: 
 
 
 def _fused_bwd(settings, residuals, d_out):
-  x, weights, experts, layout, pre, row_weight = residuals
+  x, weights, experts, layout, pre, row_weight, lows = residuals
   w_gate_up, w_down, lora = experts.w_gate_up, experts.w_down, experts.lora
   num_experts, hidden_width = w_down.shape[:2]
   d_out = d_out.astype(x.dtype)
@@ -801,13 +807,11 @@ def _fused_bwd(settings, residuals, d_out):
   if lora is not None:
     d_lora = Adapters(
       gate_up_a=weight_grad(x, d_gate_up_low, row_weight, gather="lhs"),
-      gate_up_b=weight_grad(_x_low(x, lora, layout, settings), d_pre, row_weight, gather="neither"),
+      gate_up_b=weight_grad(lows[0], d_pre, row_weight, gather="neither"),
       down_a=weight_grad(
         hidden, (d_down_low * row_weight[:, None]).astype(x.dtype), row_weight, gather="neither"
       ),
-      down_b=weight_grad(
-        _hidden_low(hidden, lora, layout, settings), d_out, row_weight, gather="rhs"
-      ),
+      down_b=weight_grad(lows[1], d_out, row_weight, gather="rhs"),
     )
     d_lora = Adapters(*(d.astype(a.dtype) for d, a in zip(d_lora, lora, strict=True)))
   d_weights = jnp.take(d_row_weight, layout.slot, mode="fill", fill_value=0)  # [N, K]
