@@ -24,8 +24,8 @@ Qwen3 `MoELayer` (its dense path: its megablox kernel is TPU-only) and MaxText's
 
 FP8 (`measure_fp8`, DeepSeek-V3's shard at 4096 tokens): the layer with
 compute_quant="fp8_deepseek" beside the bf16 layer on expert_backend "xla" (the tile loop's
-emulation) and "pallas" (the Hopper fp8 kernels), forward and forward+backward, and fp8's
-speedup over bf16 on each.
+emulation), "pallas" (the Hopper fp8 kernels) and "fused" (the fused path's Triton kernels on
+e4m3 operands), forward and forward+backward, and fp8's speedup over bf16 on each.
 
   python benchmarks/whole_layer.py [--smoke]        # or gpu_check.py's `whole_layer` part
 """
@@ -256,14 +256,15 @@ def measure(shape_name: str, tokens: int, smoke: bool, record: Callable[[dict], 
 
 def measure_fp8(shape_name: str, tokens: int, smoke: bool, record: Callable[[dict], None]) -> None:
   """The layer with compute_quant="fp8_deepseek" beside the bf16 layer, on the same
-  expert_backend: "xla" (the tile loop emulates the recipe: numerics, no speed) and "pallas"
-  (the Hopper fp8 kernels; interpreted on a CPU). One row per backend: both layers' forward
-  and forward+backward times, and fp8's speedup over bf16 (bf16 time / fp8 time)."""
+  expert_backend: "xla" (the tile loop emulates the recipe: numerics, no speed), "pallas"
+  (the Hopper fp8 kernels) and "fused" (its kernels on e4m3 operands; both interpreted on a
+  CPU). One row per backend: both layers' forward and forward+backward times, and fp8's
+  speedup over bf16 (bf16 time / fp8 time)."""
   bf16 = _config((FP8_SMOKE_SHAPES | SHAPES)[shape_name], tokens)
   repeats = 1 if smoke else 5
   params, x, cotangent = _inputs(bf16, tokens)
   time = lambda fn, *args: median_seconds(jax.jit(fn), *args, repeats=repeats) * 1e3
-  for backend in ("xla", "pallas"):
+  for backend in ("xla", "pallas", "fused"):
     row = dict(shape=shape_name, tokens=tokens, path=f"fp8_deepseek {backend}")
     try:
       for name, config in (

@@ -40,6 +40,14 @@ LoRA adapters (`Adapters`) add each projection's rank-r product in the same kern
 up, down, down-backward and dx kernels add `rows @ B` (or its transpose) to their
 accumulators (`_plus_low_rank`); the adapters' gradients are per-expert products of the
 weight-gradient kernel.
+
+FP8 compute (`compute_quant="fp8_deepseek"`, `moejax.compute_quant`): XLA quantizes each
+product's operands to e4m3 with float32 scales (`fp8_groups.quantize_groups`: the tokens and
+cotangents per row in 1x128 groups, the matrices in 128x128 blocks read either way), and each
+step of a kernel's contraction multiplies one 128-wide group of e4m3 tiles and adds the
+product times its scales to a float32 sum (`_fp8_products`). The weight gradients' operands
+are quantized along the tokens, 128 aligned rows of one expert a group, on gathered e4m3
+copies (`_token_quantized`); the blocks are `FP8_BLOCKS`.
 """
 
 from __future__ import annotations
@@ -55,6 +63,7 @@ from jax.experimental import pallas as pl
 
 from kernels_pallas.compat import out_struct, pallas_triton, triton_missing_reason
 from kernels_pallas.dequant import PAIRED, by_parity, kernel_block, kernel_rhs
+from kernels_pallas.fp8_groups import GROUP, quantize_groups
 from kernels_pallas.gmm_triton import TritonBlocks, decoded_tiles, fit_blocks_to
 from kernels_pallas.metadata import max_visits
 from kernels_pallas.quantized import BlockScaled, format_of, is_block_scaled
@@ -137,12 +146,15 @@ class FusedSettings:
     blocks: `TritonBlocks` of every kernel.
     precision: `jax.lax.Precision` of the block dots, or None.
     interpret: run the kernels in the Pallas interpreter (CPU testing).
+    compute_quant: None, or "fp8_deepseek": the kernels' base products multiply e4m3
+      operands (`fp8_blocks`; the adapters' products are not quantized).
   """
 
   activation: Activation
   blocks: TritonBlocks
   precision: object = None
   interpret: bool = False
+  compute_quant: str | None = None
 
 
 class WeightForm(NamedTuple):
@@ -179,13 +191,21 @@ def fitted(blocks: TritonBlocks, form: WeightForm, *, transpose_rhs: bool) -> Tr
 
 
 def unsupported_reason(
-  hidden_size: int, intermediate_size: int, blocks: TritonBlocks, forms: tuple[WeightForm, ...] = ()
+  hidden_size: int,
+  intermediate_size: int,
+  blocks: TritonBlocks,
+  forms: tuple[WeightForm, ...] = (),
+  compute_quant: str | None = None,
 ) -> str | None:
   """Why the fused kernels cannot run these widths with `blocks` on matrices read in `forms`
-  (none: float), or at all here; None if they can."""
+  (none: float) under `compute_quant`, or at all here; None if they can."""
   missing = triton_missing_reason()
   if missing is not None:
     return missing
+  if compute_quant is not None:
+    why = _fp8_reason(blocks, forms, compute_quant)
+    if why is not None:
+      return why
   try:
     every = _every_blocks(blocks, forms)
   except NotImplementedError as error:
@@ -194,6 +214,21 @@ def unsupported_reason(
     for block in (b for call in every for b in (call.block_n, call.block_k)):
       if size % block:
         return f"the fused kernels need {name}={size} to be a multiple of {block} (the blocks)"
+  return None
+
+
+def _fp8_reason(
+  blocks: TritonBlocks, forms: tuple[WeightForm, ...], compute_quant: str
+) -> str | None:
+  if compute_quant != "fp8_deepseek":
+    return f"they run compute_quant='fp8_deepseek', not {compute_quant!r}"
+  if any(form.format is not None for form in forms):
+    return "compute_quant quantizes float matrices on the fly, not BlockScaled ones"
+  if (blocks.block_m, blocks.block_k) != (GROUP, GROUP) or GROUP % blocks.block_n:
+    return (
+      f"compute_quant={compute_quant!r} takes block_m={GROUP}, block_k={GROUP} and a "
+      f"block_n dividing {GROUP} (FP8_BLOCKS), not {blocks}"
+    )
   return None
 
 
@@ -228,6 +263,13 @@ def batch_invariant_blocks(hidden_size: int, intermediate_size: int) -> TritonBl
   call's size, so that every row goes through the same program (a row's products, its
   activation and its K results' sum involve no other row)."""
   return dataclasses.replace(default_blocks(0, hidden_size, intermediate_size), block_m=64)
+
+
+# The blocks of every call under compute_quant="fp8_deepseek": a contraction step of one
+# 128-wide group (a weight block's rows and an activation group), 128 rows a tile (each
+# expert's rows in whole groups of 128 tokens, the weight gradients' groups) and 64 columns
+# (within one 128x128 weight block).
+FP8_BLOCKS = TritonBlocks(block_m=GROUP, block_n=64, block_k=GROUP, num_warps=8)
 
 
 def default_blocks(num_rows: int, hidden_size: int, intermediate_size: int) -> TritonBlocks:
@@ -272,21 +314,52 @@ def _gathered(ref, rows, valid, col, width: int, parity: int | None = None) -> j
   """ref[rows, `_columns(col, width, parity)`], zero where not `valid`: a load by row index."""
   cols = col + jnp.arange(width) if parity is None else _columns(col, width, parity)
   mask = jnp.broadcast_to(valid[:, None], (rows.shape[0], width))
-  return plgpu.load(ref.at[rows[:, None], cols[None, :]], mask=mask, other=0)
+  return plgpu.load(ref.at[rows[:, None], cols[None, :]], mask=mask, other=0.0)
 
 
-def _products(load_lhs, w_refs, expert, columns, *, k_size, transpose_rhs, form, settings):
-  """The float32 products load_lhs(k0, bk) @ W[expert][k0:k0+bk, col:col+bn] summed over
-  k0, for each col of `columns` (read as W[expert][col:col+bn, k0:k0+bk]^T when
-  `transpose_rhs`), the lhs tile loaded once per step for all of them.
+class _Lhs(NamedTuple):
+  """How a kernel loads its tile's lhs rows: `tile(k0, width, parity)` [bm, width] (`_block`'s
+  columns), and under `compute_quant` `scales(group)` [bm, 1] float32, each row's scale of
+  its 128-wide group `group` of columns."""
+
+  tile: Callable
+  scales: Callable
+
+
+def _aligned_lhs(values_ref, scales_ref, tile, bm: int) -> _Lhs:
+  """`_Lhs` of the tile's own rows of an aligned [Ma, K] lhs (scales [Ma, K/128])."""
+  first = tile * bm
+  return _Lhs(
+    lambda k0, width, parity: plgpu.load(_block(values_ref, first, bm, k0, width, parity)),
+    lambda group: plgpu.load(scales_ref.at[pl.ds(first, bm), pl.ds(group, 1)]),
+  )
+
+
+def _gathered_lhs(values_ref, scales_ref, rows, valid) -> _Lhs:
+  """`_Lhs` of an [N, K] lhs (scales [N, K/128]) read by index, zeros where not `valid`."""
+  return _Lhs(
+    lambda k0, width, parity: _gathered(values_ref, rows, valid, k0, width, parity),
+    lambda group: _gathered(scales_ref, rows, valid, group, 1),
+  )
+
+
+def _products(lhs: _Lhs, w_refs, expert, columns, *, k_size, transpose_rhs, form, settings):
+  """The float32 products lhs(k0, bk) @ W[expert][k0:k0+bk, col:col+bn] summed over k0, for
+  each col of `columns` (read as W[expert][col:col+bn, k0:k0+bk]^T when `transpose_rhs`),
+  the lhs tile loaded once per step for all of them (`_fp8_products` under compute_quant).
 
   W is `w_refs` (values, scales) read in `form`. Read forward, a paired format gives each
   product as its even and odd columns apart; read transposed, its pairs run along the
-  contraction, so lhs's even and odd columns are loaded apart (`load_lhs(k0, bk/2, parity)`).
+  contraction, so lhs's even and odd columns are loaded apart (`lhs.tile(k0, bk/2, parity)`).
 
   Returns:
     per col, a tuple of its parts: ([bm, bn],), or (even, odd) columns [bm, bn/2] each.
   """
+  if settings.compute_quant is not None:
+    return _fp8_products(
+      lhs, w_refs, expert, columns, k_size=k_size, transpose_rhs=transpose_rhs,
+      settings=settings,
+    )  # fmt: skip
   bm, bn, bk = settings.blocks.block_m, settings.blocks.block_n, settings.blocks.block_k
   dot = functools.partial(plgpu.dot, trans_b=transpose_rhs, precision=settings.precision)
   parts = 1 if transpose_rhs else form.parts
@@ -294,21 +367,21 @@ def _products(load_lhs, w_refs, expert, columns, *, k_size, transpose_rhs, form,
   def step(k_block, accs):
     k0 = k_block * bk
     if transpose_rhs and form.parts == 2:
-      lhs = [load_lhs(k0, bk // 2, parity) for parity in (0, 1)]
+      tiles = [lhs.tile(k0, bk // 2, parity) for parity in (0, 1)]
     else:
-      lhs = [load_lhs(k0, bk, None)]
+      tiles = [lhs.tile(k0, bk, None)]
     products = []
     for col in columns:
       rows, cols = ((col, bn), (k0, bk)) if transpose_rhs else ((k0, bk), (col, bn))
-      tiles = decoded_tiles(
+      w_tiles = decoded_tiles(
         *w_refs, expert, rows, cols, rhs_format=form.format, quant_block=form.block,
-        dtype=lhs[0].dtype,
+        dtype=tiles[0].dtype,
       )  # fmt: skip
       if transpose_rhs:  # one product: the lhs parts times the tile's
-        part_products = [dot(part, tile) for part, tile in zip(lhs, tiles, strict=True)]
+        part_products = [dot(part, w_tile) for part, w_tile in zip(tiles, w_tiles, strict=True)]
         products.append(sum(part_products[1:], part_products[0]))
       else:
-        products.extend(dot(lhs[0], tile) for tile in tiles)
+        products.extend(dot(tiles[0], w_tile) for w_tile in w_tiles)
     return tuple(acc + p for acc, p in zip(accs, products, strict=True))
 
   zero = jnp.zeros((bm, bn // parts), jnp.float32)
@@ -316,18 +389,49 @@ def _products(load_lhs, w_refs, expert, columns, *, k_size, transpose_rhs, form,
   return [accs[i : i + parts] for i in range(0, len(accs), parts)]
 
 
+def _fp8_products(lhs: _Lhs, w_refs, expert, columns, *, k_size, transpose_rhs, settings):
+  """`_products` on e4m3 operands (compute_quant="fp8_deepseek"; lhs in 1x128 groups along
+  the contraction, W [El, K, N] e4m3 with scales [El, K/128, N/128] of its 128x128 blocks,
+  read either way): per 128-wide group of the contraction, the tiles' product on the tensor
+  cores (float32) times the lhs rows' scales and the weight block's, added to a float32
+  total. The sums are promoted to float32 at every 128 of the contraction, as DeepSeek-V3
+  does (Hopper's fp8 sums keep ~14 bits)."""
+  values_ref, scales_ref = w_refs
+  bm, bn = settings.blocks.block_m, settings.blocks.block_n
+
+  def step(group, totals):
+    k0 = group * GROUP
+    tile, row_scales = lhs.tile(k0, GROUP, None), lhs.scales(group)
+    added = []
+    for col in columns:
+      if transpose_rhs:
+        w = plgpu.load(values_ref.at[expert, pl.ds(col, bn), pl.ds(k0, GROUP)])
+        block_scale = scales_ref[expert, col // GROUP, group]
+      else:
+        w = plgpu.load(values_ref.at[expert, pl.ds(k0, GROUP), pl.ds(col, bn)])
+        block_scale = scales_ref[expert, group, col // GROUP]
+      part = plgpu.dot(tile, w, trans_b=transpose_rhs)
+      added.append(part * (row_scales * block_scale))
+    return tuple(total + a for total, a in zip(totals, added, strict=True))
+
+  zero = jnp.zeros((bm, bn), jnp.float32)
+  totals = jax.lax.fori_loop(0, k_size // GROUP, step, (zero,) * len(columns))
+  return [(total,) for total in totals]
+
+
 def _gathered_products(
-  row_assignment_ref, tile_expert_ref, tile, lhs_ref, w_refs, columns, *, top_k, transpose_rhs,
+  row_assignment_ref, tile_expert_ref, tile, lhs_refs, w_refs, columns, *, top_k, transpose_rhs,
   form, settings,
 ):  # fmt: skip
-  """`_products` of `tile`, its lhs rows read by index from lhs [N, K]."""
+  """`_products` of `tile`, its lhs rows read by index from `lhs_refs`: lhs [N, K] and its
+  scales [N, K/128] (read under compute_quant)."""
+  values_ref, scales_ref = lhs_refs
   rows, valid = _tile_rows(
-    row_assignment_ref, tile, settings.blocks.block_m, top_k, lhs_ref.shape[0]
+    row_assignment_ref, tile, settings.blocks.block_m, top_k, values_ref.shape[0]
   )
   return _products(
-    lambda k0, width, parity: _gathered(lhs_ref, rows, valid, k0, width, parity),
-    w_refs, tile_expert_ref[tile], columns,
-    k_size=lhs_ref.shape[1], transpose_rhs=transpose_rhs, form=form, settings=settings,
+    _gathered_lhs(values_ref, scales_ref, rows, valid), w_refs, tile_expert_ref[tile], columns,
+    k_size=values_ref.shape[1], transpose_rhs=transpose_rhs, form=form, settings=settings,
   )  # fmt: skip
 
 
@@ -370,7 +474,8 @@ def _plus_low_rank(products, low_ref, low_w_ref, tile, expert, columns, *, trans
 
 
 def _up_kernel(
-  tile_expert_ref, num_tiles_ref, row_assignment_ref, x_ref, w_ref, w_scales_ref, low_ref,
+  tile_expert_ref, num_tiles_ref, row_assignment_ref, x_ref, x_scales_ref, w_ref, w_scales_ref,
+  low_ref,
   low_w_ref, bias_ref, hidden_ref, *pre_refs, top_k, biased, low_rank, form, settings,
 ):  # fmt: skip
   """One (tile, F block): hidden = act(x[rows] @ W_gate_up[e] (+ x_low[rows] @ B[e] with
@@ -382,7 +487,7 @@ def _up_kernel(
   @pl.when(tile < num_tiles_ref[0])
   def _():
     gates, ups = _gathered_products(
-      row_assignment_ref, tile_expert_ref, tile, x_ref, (w_ref, w_scales_ref),
+      row_assignment_ref, tile_expert_ref, tile, (x_ref, x_scales_ref), (w_ref, w_scales_ref),
       (block * bn, hidden_width + block * bn), top_k=top_k, transpose_rhs=False, form=form,
       settings=settings,
     )  # fmt: skip
@@ -409,9 +514,9 @@ def _up_kernel(
 
 
 def _aligned_kernel(
-  tile_expert_ref, num_tiles_ref, row_assignment_ref, row_weight_ref, lhs_ref, w_ref,
-  w_scales_ref, low_ref, low_w_ref, bias_ref, out_ref, *, transpose_rhs, weighted, biased,
-  gather_top_k, low_rank, form, settings,
+  tile_expert_ref, num_tiles_ref, row_assignment_ref, row_weight_ref, lhs_ref, lhs_scales_ref,
+  w_ref, w_scales_ref, low_ref, low_w_ref, bias_ref, out_ref, *, transpose_rhs, weighted,
+  biased, gather_top_k, low_rank, form, settings,
 ):  # fmt: skip
   """One (tile, output block) of out = lhs @ W[e] (W[e]^T with `transpose_rhs`) on aligned
   rows (lhs [N, K] read by index for `gather_top_k` K choices a token), plus low[rows] @ B[e]
@@ -424,14 +529,15 @@ def _aligned_kernel(
     rows = pl.ds(tile * bm, bm)
     if gather_top_k:
       (outs,) = _gathered_products(
-        row_assignment_ref, tile_expert_ref, tile, lhs_ref, (w_ref, w_scales_ref),
-        (block * bn,), top_k=gather_top_k, transpose_rhs=transpose_rhs, form=form,
+        row_assignment_ref, tile_expert_ref, tile, (lhs_ref, lhs_scales_ref),
+        (w_ref, w_scales_ref), (block * bn,), top_k=gather_top_k, transpose_rhs=transpose_rhs,
+        form=form,
         settings=settings,
       )  # fmt: skip
     else:
       (outs,) = _products(
-        lambda k0, width, parity: plgpu.load(_block(lhs_ref, tile * bm, bm, k0, width, parity)),
-        (w_ref, w_scales_ref), tile_expert_ref[tile], (block * bn,),
+        _aligned_lhs(lhs_ref, lhs_scales_ref, tile, bm), (w_ref, w_scales_ref),
+        tile_expert_ref[tile], (block * bn,),
         k_size=lhs_ref.shape[1], transpose_rhs=transpose_rhs, form=form, settings=settings,
       )  # fmt: skip
     if low_rank:
@@ -451,9 +557,9 @@ def _aligned_kernel(
 
 
 def _down_backward_kernel(
-  tile_expert_ref, num_tiles_ref, row_assignment_ref, row_weight_ref, dout_ref, w_down_ref,
-  w_down_scales_ref, low_ref, low_w_ref, pre_ref, d_pre_ref, hidden_ref, d_weight_ref, *, top_k,
-  low_rank, form, settings,
+  tile_expert_ref, num_tiles_ref, row_assignment_ref, row_weight_ref, dout_ref, dout_scales_ref,
+  w_down_ref, w_down_scales_ref, low_ref, low_w_ref, pre_ref, d_pre_ref, hidden_ref,
+  d_weight_ref, *, top_k, low_rank, form, settings,
 ):  # fmt: skip
   """One (tile, F block) of d_raw = dout[rows] @ W_down[e]^T (+ d_low[rows] @ A_down[e]^T
   with `low_rank`), with the activation's backward in the epilogue: hidden recomputed from
@@ -466,8 +572,9 @@ def _down_backward_kernel(
   @pl.when(tile < num_tiles_ref[0])
   def _():
     d_raw_parts = _gathered_products(
-      row_assignment_ref, tile_expert_ref, tile, dout_ref, (w_down_ref, w_down_scales_ref),
-      (block * bn,), top_k=top_k, transpose_rhs=True, form=form, settings=settings,
+      row_assignment_ref, tile_expert_ref, tile, (dout_ref, dout_scales_ref),
+      (w_down_ref, w_down_scales_ref), (block * bn,), top_k=top_k, transpose_rhs=True, form=form,
+      settings=settings,
     )  # fmt: skip
     if low_rank:
       d_raw_parts = _plus_low_rank(
@@ -489,12 +596,14 @@ def _down_backward_kernel(
 
 
 def _weight_grad_kernel(
-  tile_ends_ref, row_assignment_ref, row_weight_ref, lhs_ref, rhs_ref, out_ref, *, gather,
-  top_k, num_tokens, settings,
+  tile_ends_ref, row_assignment_ref, row_weight_ref, lhs_ref, lhs_scales_ref, rhs_ref,
+  rhs_scales_ref, out_ref, *, gather, top_k, num_tokens, settings,
 ):  # fmt: skip
   """One (expert, K block, N block) of out[e] = L[rows of e]^T @ R[rows of e], over the
   expert's tiles: `gather` "lhs": L = lhs[source] and R = rhs; "rhs": L = lhs and R = w *
-  rhs[source]; "neither": L = lhs and R = rhs (both on aligned rows)."""
+  rhs[source]; "neither": L = lhs and R = rhs (both on aligned rows). Under compute_quant
+  both are e4m3 on aligned rows ("neither"), each tile one group of 128 tokens, its scales
+  L's [K, tiles] and R's [tiles, N]: each tile's product is scaled, then summed."""
   bm, bn, bk = settings.blocks.block_m, settings.blocks.block_n, settings.blocks.block_k
   expert, k_block, n_block = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   first_tile = jnp.where(expert > 0, tile_ends_ref[jnp.maximum(expert - 1, 0)], 0)
@@ -512,7 +621,11 @@ def _weight_grad_kernel(
       rhs = (rhs.astype(jnp.float32) * weight[:, None]).astype(lhs.dtype)
     else:
       rhs = plgpu.load(rhs_ref.at[rows, pl.ds(n_block * bn, bn)])
-    return acc + plgpu.dot(lhs, rhs, trans_a=True, precision=settings.precision)
+    if settings.compute_quant is None:
+      return acc + plgpu.dot(lhs, rhs, trans_a=True, precision=settings.precision)
+    lhs_scales = plgpu.load(lhs_scales_ref.at[pl.ds(k_block * bk, bk), pl.ds(tile, 1)])
+    rhs_scales = plgpu.load(rhs_scales_ref.at[pl.ds(tile, 1), pl.ds(n_block * bn, bn)])
+    return acc + plgpu.dot(lhs, rhs, trans_a=True) * (lhs_scales * rhs_scales)
 
   acc = jax.lax.fori_loop(first_tile, tile_ends_ref[expert], step, jnp.zeros((bk, bn), jnp.float32))
   out_block = out_ref.at[expert, pl.ds(k_block * bk, bk), pl.ds(n_block * bn, bn)]
@@ -534,23 +647,65 @@ def _call(kernel, out_shapes, grid, settings: FusedSettings, name: str, *operand
   )(*operands)
 
 
+def _stand_in() -> jax.Array:
+  """An operand a kernel never reads (of a feature the call does not use)."""
+  return jnp.zeros((1, 1), jnp.float32)
+
+
 def _unread_if_none(bias: jax.Array | None) -> jax.Array:
   """The bias operand of a kernel: itself, or a stand-in the kernel never reads."""
-  return jnp.zeros((1, 1), jnp.float32) if bias is None else bias
+  return _stand_in() if bias is None else bias
+
+
+def _unquantized(settings: FusedSettings) -> FusedSettings:
+  """The settings of the adapters' products, which compute_quant leaves unquantized."""
+  return dataclasses.replace(settings, compute_quant=None)
+
+
+def _lhs_operands(lhs: jax.Array, settings: FusedSettings) -> tuple[jax.Array, jax.Array]:
+  """A kernel's lhs and its scales: lhs as it is and a stand-in never read, or under
+  compute_quant its e4m3 values and float32 scales in 1x128 groups along its columns, the
+  contraction (`fp8_groups.quantize_groups`, the emulated recipe's own function)."""
+  if settings.compute_quant is None:
+    return lhs, _stand_in()
+  return quantize_groups(lhs, (1, GROUP))
 
 
 def _weight_operands(
-  w: jax.Array | BlockScaled, settings: FusedSettings, *, transpose_rhs: bool
+  w: jax.Array | BlockScaled | Fp8Matrix, settings: FusedSettings, *, transpose_rhs: bool
 ) -> tuple[tuple[jax.Array, jax.Array], WeightForm, FusedSettings]:
   """A matrix as a kernel takes it: its two operands (values and float32 scales; a float
   matrix's scales are a stand-in never read), the form it reads them in, and the settings
-  of a kernel reading it so (its blocks `fitted`)."""
+  of a kernel reading it so (its blocks `fitted`). An `Fp8Matrix` (compute_quant) is read as
+  [El, K, N] e4m3 either way."""
+  if isinstance(w, Fp8Matrix):
+    return tuple(w), WeightForm(), settings
   form = weight_form(w)
   if form.format is None:
     return (w, jnp.zeros((1, 1, 1), jnp.float32)), form, settings
   rhs = kernel_rhs(w)
   blocks = fitted(settings.blocks, form, transpose_rhs=transpose_rhs)
   return (rhs.bits, rhs.scales), form, dataclasses.replace(settings, blocks=blocks)
+
+
+class Fp8Matrix(NamedTuple):
+  """A matrix [El, K, N] in e4m3 for the fp8 products (compute_quant), read forward and
+  transposed: values [El, K, N] float8_e4m3fn and their scales [El, K/128, N/128] float32,
+  one per 128x128 block (`fp8_matrix`)."""
+
+  values: jax.Array
+  scales: jax.Array
+
+  @property
+  def shape(self) -> tuple[int, ...]:
+    return self.values.shape
+
+
+def fp8_matrix(w: jax.Array) -> Fp8Matrix:
+  """W [El, K, N] quantized in 128x128 blocks (`fp8_groups.quantize_groups`), a constant (no
+  gradient flows through it): for a caller that multiplies by W many times (a chunked layer's
+  every chunk) to quantize it once and pass it to `fused_moe_mlp`."""
+  return Fp8Matrix(*quantize_groups(jax.lax.stop_gradient(w), (GROUP, GROUP)))
 
 
 class LowRank(NamedTuple):
@@ -593,8 +748,8 @@ def _up(
   grid = (layout.tile_expert.shape[0], hidden_width // settings.blocks.block_n)
   return _call(
     kernel, shapes, grid, settings, "fused_moe_up",
-    layout.tile_expert, layout.num_tiles, layout.row_assignment, x, *w_operands, *low_operands,
-    _unread_if_none(b_gate_up),
+    layout.tile_expert, layout.num_tiles, layout.row_assignment, *_lhs_operands(x, settings),
+    *w_operands, *low_operands, _unread_if_none(b_gate_up),
   )  # fmt: skip
 
 
@@ -619,15 +774,35 @@ def _aligned(
   grid = (layout.tile_expert.shape[0], width // settings.blocks.block_n)
   return _call(
     kernel, shape, grid, settings, "fused_moe_aligned",
-    layout.tile_expert, layout.num_tiles, layout.row_assignment, row_weight, lhs, *w_operands,
-    *low_operands, _unread_if_none(bias),
+    layout.tile_expert, layout.num_tiles, layout.row_assignment, row_weight,
+    *_lhs_operands(lhs, settings), *w_operands, *low_operands, _unread_if_none(bias),
   )  # fmt: skip
+
+
+def _token_quantized(lhs, rhs, row_weight, layout: FusedLayout, *, gather):
+  """A weight gradient's operands under compute_quant: L and R (`_weight_grad_kernel`) on the
+  aligned rows, gathered and weighted here (in XLA: e4m3 copies, one byte a value), rows that
+  hold no assignment zero, quantized along the tokens in groups of 128 (a tile's rows):
+  (L [Ma, K] e4m3, its scales [K, Ma/128], R [Ma, N] e4m3, its scales [Ma/128, N])."""
+  tokens, top_k = layout.slot.shape
+  held = (layout.row_assignment < tokens * top_k)[:, None]
+  source = jnp.minimum(layout.row_assignment // top_k, tokens - 1)
+  if gather == "lhs":
+    lhs = jnp.take(lhs, source, axis=0)
+  if gather == "rhs":
+    rhs = jnp.take(rhs, source, axis=0).astype(jnp.float32) * row_weight[:, None]
+  lhs_values, lhs_scales = quantize_groups(jnp.where(held, lhs, 0), (GROUP, 1))
+  rhs_values, rhs_scales = quantize_groups(jnp.where(held, rhs, 0), (GROUP, 1))
+  return lhs_values, lhs_scales.T, rhs_values, rhs_scales
 
 
 def _weight_grad(lhs, rhs, row_weight, layout: FusedLayout, settings, *, gather, num_experts):
   """[El, K, N] per-expert L^T @ R (see `_weight_grad_kernel`), float32."""
   blocks = settings.blocks
   k, n = lhs.shape[1], rhs.shape[1]
+  operands = (lhs, _stand_in(), rhs, _stand_in())
+  if settings.compute_quant is not None:
+    operands, gather = _token_quantized(lhs, rhs, row_weight, layout, gather=gather), "neither"
   kernel = functools.partial(
     _weight_grad_kernel, gather=gather, top_k=layout.slot.shape[1],
     num_tokens=layout.slot.shape[0], settings=settings,
@@ -636,7 +811,7 @@ def _weight_grad(lhs, rhs, row_weight, layout: FusedLayout, settings, *, gather,
   grid = (num_experts, k // blocks.block_k, n // blocks.block_n)
   return _call(
     kernel, shape, grid, settings, "fused_moe_weight_grad",
-    layout.tile_ends, layout.row_assignment, row_weight, lhs, rhs,
+    layout.tile_ends, layout.row_assignment, row_weight, *operands,
   )  # fmt: skip
 
 
@@ -664,14 +839,21 @@ class Adapters(NamedTuple):
 
 class Experts(NamedTuple):
   """The local experts' weights: w_gate_up [El, D, 2F], w_down [El, F, D] (float, or both
-  `BlockScaled`: constants), biases b_gate_up [El, 2F] and b_down [El, D], or None, and
-  `Adapters` or None."""
+  `BlockScaled`: constants), biases b_gate_up [El, 2F] and b_down [El, D], or None,
+  `Adapters` or None, and under compute_quant both matrices' `Fp8Matrix` (constants)."""
 
   w_gate_up: jax.Array | BlockScaled
   w_down: jax.Array | BlockScaled
   b_gate_up: jax.Array | None
   b_down: jax.Array | None
   lora: Adapters | None = None
+  fp8: tuple[Fp8Matrix, Fp8Matrix] | None = None
+
+  @property
+  def multiplied(self) -> tuple:
+    """(w_gate_up, w_down) as the base products read them: their `Fp8Matrix` under
+    compute_quant, else the matrices."""
+    return self.fp8 or (self.w_gate_up, self.w_down)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
@@ -689,14 +871,14 @@ def _fused_forward(x, weights, experts: Experts, layout, settings, *, keep_pre):
   gate_up_low = down_low = None
   if lora is not None:
     gate_up_low = LowRank(_x_low(x, lora, layout, settings), lora.gate_up_b)
+  w_gate_up, w_down = experts.multiplied
   hidden, *pre = _up(
-    x, experts.w_gate_up, experts.b_gate_up, layout, settings, keep_pre=keep_pre,
-    low_rank=gate_up_low,
-  )  # fmt: skip
+    x, w_gate_up, experts.b_gate_up, layout, settings, keep_pre=keep_pre, low_rank=gate_up_low
+  )
   if lora is not None:
     down_low = LowRank(_hidden_low(hidden, lora, layout, settings), lora.down_b)
   y = _aligned(
-    hidden, experts.w_down, row_weight, layout, settings, transpose_rhs=False, out_dtype=x.dtype,
+    hidden, w_down, row_weight, layout, settings, transpose_rhs=False, out_dtype=x.dtype,
     bias=experts.b_down, low_rank=down_low,
   )  # fmt: skip
   lows = None if lora is None else (gate_up_low.rows, down_low.rows)
@@ -706,15 +888,17 @@ def _fused_forward(x, weights, experts: Experts, layout, settings, *, keep_pre):
 def _x_low(x, lora: Adapters, layout, settings) -> jax.Array:
   """[Ma, r] x[source] @ A_gate_up[e] in x's dtype, the tokens read by index."""
   return _aligned(
-    x, lora.gate_up_a, None, layout, settings, transpose_rhs=False, out_dtype=x.dtype, gather=True
-  )
+    x, lora.gate_up_a, None, layout, _unquantized(settings), transpose_rhs=False,
+    out_dtype=x.dtype, gather=True,
+  )  # fmt: skip
 
 
 def _hidden_low(hidden, lora: Adapters, layout, settings) -> jax.Array:
   """[Ma, r] hidden @ A_down[e] in hidden's dtype."""
   return _aligned(
-    hidden, lora.down_a, None, layout, settings, transpose_rhs=False, out_dtype=hidden.dtype
-  )
+    hidden, lora.down_a, None, layout, _unquantized(settings), transpose_rhs=False,
+    out_dtype=hidden.dtype,
+  )  # fmt: skip
 
 
 def _fused_fwd(x, weights, experts: Experts, layout, settings):
@@ -749,15 +933,17 @@ def _fused_bwd(settings, residuals, d_out):
   w_gate_up, w_down, lora = experts.w_gate_up, experts.w_down, experts.lora
   num_experts, hidden_width = w_down.shape[:2]
   d_out = d_out.astype(x.dtype)
+  plain = _unquantized(settings)  # the adapters'
   # the down adapter's share of d(hidden): (dout[source] @ B_down^T) @ A_down^T
   d_down_low = d_low = None
   if lora is not None:
     d_down_low = _aligned(
-      d_out, lora.down_b, None, layout, settings, transpose_rhs=True, out_dtype=jnp.float32,
+      d_out, lora.down_b, None, layout, plain, transpose_rhs=True, out_dtype=jnp.float32,
       gather=True,
     )  # fmt: skip
     d_low = LowRank(d_down_low.astype(x.dtype), lora.down_a)
-  w_down_operands, form, down_settings = _weight_operands(w_down, settings, transpose_rhs=True)
+  gate_up_read, down_read = experts.multiplied
+  w_down_operands, form, down_settings = _weight_operands(down_read, settings, transpose_rhs=True)
   d_blocks = hidden_width // down_settings.blocks.block_n
   aligned = layout.row_assignment.shape[0]
   kernel = functools.partial(
@@ -772,8 +958,9 @@ def _fused_bwd(settings, residuals, d_out):
       out_struct((d_blocks, aligned), jnp.float32, like=x),
     ],
     (layout.tile_expert.shape[0], d_blocks), down_settings, "fused_moe_down_backward",
-    layout.tile_expert, layout.num_tiles, layout.row_assignment, row_weight, d_out,
-    *w_down_operands, *_low_rank_operands(d_low, form, down_settings, transpose_rhs=True), pre,
+    layout.tile_expert, layout.num_tiles, layout.row_assignment, row_weight,
+    *_lhs_operands(d_out, down_settings), *w_down_operands,
+    *_low_rank_operands(d_low, form, down_settings, transpose_rhs=True), pre,
   )  # fmt: skip
   weight_grad = functools.partial(
     _weight_grad, layout=layout, settings=settings, num_experts=num_experts
@@ -787,11 +974,11 @@ def _fused_bwd(settings, residuals, d_out):
   d_gate_up_low = d_x_low = None
   if lora is not None:
     d_gate_up_low = _aligned(
-      d_pre, lora.gate_up_b, None, layout, settings, transpose_rhs=True, out_dtype=jnp.float32
+      d_pre, lora.gate_up_b, None, layout, plain, transpose_rhs=True, out_dtype=jnp.float32
     ).astype(x.dtype)
     d_x_low = LowRank(d_gate_up_low, lora.gate_up_a)
   d_x_rows = _aligned(
-    d_pre, w_gate_up, None, layout, settings, transpose_rhs=True, out_dtype=jnp.float32,
+    d_pre, gate_up_read, None, layout, settings, transpose_rhs=True, out_dtype=jnp.float32,
     low_rank=d_x_low,
   )  # fmt: skip
   d_x = _sum_over_choices(d_x_rows, layout).astype(x.dtype)
@@ -805,13 +992,14 @@ def _fused_bwd(settings, residuals, d_out):
     d_biases = (d_b_gate_up.astype(experts.b_gate_up.dtype), d_b_down.astype(experts.b_down.dtype))
   d_lora = None
   if lora is not None:
+    adapter_grad = functools.partial(weight_grad, settings=plain)
     d_lora = Adapters(
-      gate_up_a=weight_grad(x, d_gate_up_low, row_weight, gather="lhs"),
-      gate_up_b=weight_grad(lows[0], d_pre, row_weight, gather="neither"),
-      down_a=weight_grad(
+      gate_up_a=adapter_grad(x, d_gate_up_low, row_weight, gather="lhs"),
+      gate_up_b=adapter_grad(lows[0], d_pre, row_weight, gather="neither"),
+      down_a=adapter_grad(
         hidden, (d_down_low * row_weight[:, None]).astype(x.dtype), row_weight, gather="neither"
       ),
-      down_b=weight_grad(lows[1], d_out, row_weight, gather="rhs"),
+      down_b=adapter_grad(lows[1], d_out, row_weight, gather="rhs"),
     )
     d_lora = Adapters(*(d.astype(a.dtype) for d, a in zip(d_lora, lora, strict=True)))
   d_weights = jnp.take(d_row_weight, layout.slot, mode="fill", fill_value=0)  # [N, K]
@@ -871,6 +1059,8 @@ def fused_moe_mlp(
   blocks: TritonBlocks | None = None,
   precision=None,
   interpret: bool = False,
+  compute_quant: str | None = None,
+  fp8_matrices: tuple[Fp8Matrix, Fp8Matrix] | None = None,
 ) -> jax.Array:
   """y[n] = sum_k weights[n, k] * down_{e[n,k]}(act(gate_up_{e[n,k]}(x[n]))), differentiable
   in x, weights, both float weight arrays and the biases.
@@ -893,9 +1083,21 @@ def fused_moe_mlp(
       to the kernels' blocks. Differentiable.
     activation: (gate, up) -> hidden on [bm, bn] float32 tiles, hashable; traced into the
       kernels (Triton must lower it: no erf).
-    blocks: `TritonBlocks` (None: `default_blocks`); D and F multiples of block_n and block_k.
-    precision: of the block dots.
+    blocks: `TritonBlocks` (None: `default_blocks`, or `FP8_BLOCKS` under compute_quant); D
+      and F multiples of block_n and block_k.
+    precision: of the block dots (not the fp8 ones).
     interpret: run the kernels in the Pallas interpreter (a CPU).
+    compute_quant: None, or "fp8_deepseek" (`moejax.compute_quant`; float matrices, D and F
+      multiples of 128): every base product multiplies e4m3 operands in float32 sums
+      promoted every 128 of the contraction (`_fp8_products`). Quantized in XLA by
+      `fp8_groups.quantize_groups`: x, hidden, dout and d(gate|up) in 1x128 groups along the
+      contraction (dout before its routing weight, which the epilogue applies), each matrix
+      in 128x128 blocks, read transposed by the dgrads; the weight gradients' operands along
+      the tokens in groups of 128 rows of one expert (one tile: `FP8_BLOCKS`' block_m), on
+      gathered, weighted e4m3 copies of the aligned rows. Adapters multiply unquantized.
+    fp8_matrices: under compute_quant, (`fp8_matrix(w_gate_up)`, `fp8_matrix(w_down)`)
+      quantized once by a caller that multiplies by them many times, or None to quantize
+      them here; the float matrices still get their gradients.
 
   Returns:
     [N, D] float32.
@@ -905,17 +1107,28 @@ def fused_moe_mlp(
     NotImplementedError: the widths or this JAX cannot run the kernels (`unsupported_reason`).
   """
   _check_shapes(x, expert_ids, weights, w_gate_up, w_down, b_gate_up, b_down, lora)
+  if fp8_matrices is not None:
+    if compute_quant is None:
+      raise ValueError("fp8_matrices are read under compute_quant only; compute_quant is None")
+    for name, matrix, w in zip(
+      ("w_gate_up", "w_down"), fp8_matrices, (w_gate_up, w_down), strict=True
+    ):
+      if matrix.shape != w.shape:
+        raise ValueError(f"fp8_matrices' {name} has shape {matrix.shape}; expected {w.shape}")
+  elif compute_quant is not None:
+    fp8_matrices = (fp8_matrix(w_gate_up), fp8_matrix(w_down))
   dim = x.shape[1]
   hidden_width = w_down.shape[1]
-  blocks = blocks or default_blocks(expert_ids.size, dim, hidden_width)
+  if blocks is None:
+    blocks = FP8_BLOCKS if compute_quant else default_blocks(expert_ids.size, dim, hidden_width)
   if is_block_scaled(w_gate_up) != is_block_scaled(w_down):
     raise ValueError("w_gate_up and w_down are BlockScaled together or not at all")
   forms = (weight_form(w_gate_up), weight_form(w_down))
-  reason = unsupported_reason(dim, hidden_width, blocks, forms)
+  reason = unsupported_reason(dim, hidden_width, blocks, forms, compute_quant)
   if reason is not None:
     raise NotImplementedError(reason)
   layout = counted_layout(expert_ids, w_down.shape[0], blocks.block_m)
-  settings = FusedSettings(activation, blocks, precision, interpret)
+  settings = FusedSettings(activation, blocks, precision, interpret, compute_quant)
   adapters = None if lora is None else _padded_rank(lora, blocks, forms)
-  experts = Experts(w_gate_up, w_down, b_gate_up, b_down, adapters)
+  experts = Experts(w_gate_up, w_down, b_gate_up, b_down, adapters, fp8_matrices)
   return _fused(x, weights.astype(jnp.float32), experts, layout, settings)

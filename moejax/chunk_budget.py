@@ -31,7 +31,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from kernels_pallas import platform
+from kernels_pallas import fused_moe, platform
 from moejax.capacity import received_rows
 from moejax.config import ExpertPath, MoEConfig, Scheme
 from moejax.experts import tile_rows_for
@@ -104,15 +104,19 @@ def fused_bytes(config: MoEConfig, received: int, axis_size: int, path: ExpertPa
   """What the fused path (`kernels_pallas.fused_moe`) adds to a chunk of N = `received` rows
   on expert `path` (0 but for "fused"): per (row, choice) aligned row, its hidden [F] and
   output [D] in the compute dtype, and for the gradient the kept gate|up [2F], their
-  cotangent [2F], the recomputed hidden [F] and the rows' cotangent [D] in float32; plus a
-  tile of padding per local expert."""
+  cotangent [2F], the recomputed hidden [F] and the rows' cotangent [D] in float32; under
+  `compute_quant` the e4m3 copies of the products' operands (hidden, d(gate|up) twice, and
+  the weight gradients' x, hidden and dout rows, one byte a value); plus a tile of padding
+  per local expert."""
   if path != "fused":
     return 0
   itemsize = np.dtype(config.dtype).itemsize
   d, f = config.expert_width, config.intermediate_size
   local_experts = config.num_physical_experts // axis_size
-  aligned = received * config.top_k + local_experts * 64  # block_m <= 64
-  return aligned * ((6 * f + d) * itemsize + d * F32)
+  block_m = fused_moe.FP8_BLOCKS.block_m if config.compute_quant else 64  # else block_m <= 64
+  aligned = received * config.top_k + local_experts * block_m
+  fp8_copies = 2 * d + 6 * f if config.compute_quant else 0
+  return aligned * ((6 * f + d) * itemsize + d * F32 + fp8_copies)
 
 
 def chunk_bytes(

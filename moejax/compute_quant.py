@@ -33,8 +33,11 @@ adapters compute unquantized. `fp8_deepseek` needs D and F to be multiples of 12
 On the tile loop the quantization is emulated: dequantized values multiplied in float32 at
 full precision, the numerics a Hopper kernel that promotes its fp8 sums to float32 every 128
 of the contraction computes; with `expert_backend="pallas"`, "fp8_deepseek" runs on such
-kernels (`kernels_pallas.gmm_fp8`, `moejax.plan.fp8_kernel_reason`), quantizing with the same
-function.
+kernels (`kernels_pallas.gmm_fp8`, `moejax.plan.fp8_kernel_reason`), and with "fused" on the
+fused path's (`kernels_pallas.fused_moe`, `moejax.plan.fused_unsupported_reason`), each
+quantizing with the same function. Their wgrads' token groups are 128 rows of one expert as
+they lay its rows out (gmm_fp8: sorted by expert; fused: in token order), not the tile
+loop's tiles: the weights' gradients differ from the tile loop's by that grouping.
 """
 
 from __future__ import annotations

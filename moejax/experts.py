@@ -228,6 +228,7 @@ def fused_mlp(
   activation: GatedActivation,
   interpret: bool = False,
   blocks=None,
+  recipe: str | None = None,
 ) -> jax.Array:
   """`tile_loop_mlp`'s contract on `kernels_pallas.fused_moe_mlp`: rows read by index, the
   activation, the biases and the routing weight in the kernels' epilogues, the adapters'
@@ -236,7 +237,9 @@ def fused_mlp(
 
   Args and returns: as `tile_loop_mlp` (without `tile_rows`, seeds and the norm), plus
   `interpret`, to run the kernels in their interpreter, and `blocks`, the kernels'
-  `TritonBlocks` (None: their choice by the call's size).
+  `TritonBlocks` (None: their choice by the call's size); `recipe`, the `compute_quant` of
+  the base products ("fp8_deepseek") or None, whose matrices `experts.fp8` may hold quantized
+  once per pass (`with_fp8_blocks`).
   """
   return fused_moe.fused_moe_mlp(
     x,
@@ -250,6 +253,8 @@ def fused_mlp(
     activation=activation.in_kernel,
     blocks=blocks,
     interpret=interpret,
+    compute_quant=recipe,
+    fp8_matrices=experts.fp8,
   )
 
 
@@ -313,17 +318,23 @@ def _fp8_mlp(
 
 
 def runs_fp8_kernels(config: MoEConfig, plan: ExpertPlan) -> bool:
-  """Whether the plan's expert path multiplies on the Hopper fp8 kernels (`compute_quant` on
-  `grouped_matmul_mlp`'s own kernels: `moejax.plan.fp8_kernel_reason` chose them)."""
+  """Whether the plan's expert path multiplies on fp8 kernels (`compute_quant` on
+  `grouped_matmul_mlp`'s own kernels, which `moejax.plan.fp8_kernel_reason` chose, or on the
+  fused path)."""
   grouped = plan.path in ("pallas", "ragged_dot") and plan.backend != TOKAMAX
-  return grouped and config.compute_quant is not None
+  return (grouped or plan.path == "fused") and config.compute_quant is not None
 
 
-def with_fp8_blocks(experts: ExpertWeights, *, interpret: bool) -> ExpertWeights:
+def with_fp8_blocks(experts: ExpertWeights, *, plan: ExpertPlan) -> ExpertWeights:
   """`experts` holding their matrices' fp8 blocks (`ExpertWeights.fp8`), for a pass whose
-  every chunk multiplies by them on the fp8 kernels: quantized here, once, not per chunk and
-  product. Constants for autodiff: the kernels' VJP gives the float matrices their gradients."""
-  blocks = lambda w: fp8_weight(jax.lax.stop_gradient(w), interpret=interpret)
+  every chunk multiplies by them on the plan's fp8 kernels (the Hopper kernels' layouts,
+  `gmm_fp8.fp8_weight`, or the fused path's `fused_moe.fp8_matrix`): quantized here, once, not
+  per chunk and product. Constants for autodiff: the kernels' VJP gives the float matrices
+  their gradients."""
+  if plan.path == "fused":
+    blocks = fused_moe.fp8_matrix
+  else:
+    blocks = lambda w: fp8_weight(jax.lax.stop_gradient(w), interpret=plan.interpret)
   return experts._replace(fp8=(blocks(experts.w_gate_up), blocks(experts.w_down)))
 
 
@@ -368,7 +379,7 @@ def routed_mlp(
   if plan.path == "fused":
     return fused_mlp(
       x, expert_ids, weights, experts, activation=config.gated_activation,
-      interpret=plan.interpret, blocks=plan.blocks,
+      interpret=plan.interpret, blocks=plan.blocks, recipe=config.compute_quant,
     )  # fmt: skip
   return grouped_matmul_mlp(
     x,

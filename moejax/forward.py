@@ -534,7 +534,8 @@ def _prepare_weights(
   """The weights in their compute form (`compute_weights`), marked per-device where they are
   the same on several devices: the expert weights over the data axes `axes[0]`, the shared
   ones over all axes `axes[1]` (`vary_over`: before any chunk's cond). For the fp8 kernels
-  (`runs_fp8_kernels`), the expert matrices' fp8 blocks too, quantized here once per pass.
+  (`runs_fp8_kernels`: the Hopper kernels' or the fused path's), the expert matrices' fp8
+  blocks too, quantized here once per pass.
 
   With `expert_fsdp` the expert weights arrive split over the data axes along dim 1, with
   `shared_fsdp` the shared experts' matrices over all axes along dim 0; they are gathered
@@ -550,7 +551,7 @@ def _prepare_weights(
   if not config.expert_fsdp:
     experts = vary_over(experts, data_axes)
   if runs_fp8_kernels(config, plan):
-    experts = with_fp8_blocks(experts, interpret=plan.interpret)
+    experts = with_fp8_blocks(experts, plan=plan)
   if side.shared is not None and config.shared_fsdp:  # only the adapters are still the same
     shared = side.shared._replace(lora=vary_over(side.shared.lora, all_axes))
     return experts, TokenSideWeights(shared, vary_over(side.latent_out, all_axes))

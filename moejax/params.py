@@ -7,6 +7,7 @@ from typing import NamedTuple
 import jax
 from jax.experimental.layout import Layout, with_layout_constraint
 
+from kernels_pallas.fused_moe import Fp8Matrix
 from kernels_pallas.gmm_fp8 import Fp8Weight
 from kernels_pallas.quantized import BlockScaled, is_block_scaled
 from moejax.config import MoEConfig
@@ -104,8 +105,9 @@ class ExpertWeights(NamedTuple):
     b_down: [El, D], or None.
     lora: the `ExpertLoRA` adapters [El, ...] in the compute dtype with the scale folded
       into each B (`moejax.lora.scaled`), or None without adapters.
-    fp8: (w_gate_up's, w_down's) `kernels_pallas.gmm_fp8.Fp8Weight`, the matrices quantized
-      once per pass for the fp8 kernels (`moejax.experts.with_fp8_blocks`; constants, whose
+    fp8: (w_gate_up's, w_down's) `kernels_pallas.gmm_fp8.Fp8Weight` (the Hopper fp8 kernels)
+      or `kernels_pallas.fused_moe.Fp8Matrix` (the fused path), the matrices quantized once
+      per pass for the fp8 kernels (`moejax.experts.with_fp8_blocks`; constants, whose
       products give the float matrices their gradients), or None.
   """
 
@@ -114,7 +116,7 @@ class ExpertWeights(NamedTuple):
   b_gate_up: jax.Array | None = None
   b_down: jax.Array | None = None
   lora: ExpertLoRA | None = None
-  fp8: tuple[Fp8Weight, Fp8Weight] | None = None
+  fp8: tuple[Fp8Weight, Fp8Weight] | tuple[Fp8Matrix, Fp8Matrix] | None = None
 
   def of_expert(self, expert: jax.Array, dtype) -> ExpertWeights:
     """One expert's weights ([D, 2F], [F, D], [2F], [D], its adapters) in `dtype`: slices, a

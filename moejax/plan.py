@@ -22,8 +22,9 @@ on an H200 (docs/performance.md, "GPU"):
   index (Pallas Triton), for float or quantized experts (`expert_quant`: each tile decoded in
   the kernels), with or without biases and LoRA adapters (their rank-r products in the same
   kernels), without output norms (`fused_unsupported_reason`); with `batch_invariant`, its
-  blocks fixed whatever the call's size; only when asked (`expert_backend="fused"`) or where a
-  tuning file measured it fastest.
+  blocks fixed whatever the call's size; with `compute_quant="fp8_deepseek"`, its products
+  on e4m3 operands (`fused_moe.FP8_BLOCKS`); only when asked (`expert_backend="fused"`) or
+  where a tuning file measured it fastest.
 
 `expert_backend="xla"` takes the better XLA path; "pallas" the device's kernel (interpreted on
 a CPU, for testing); "fused" the fused path where it runs the case (else the tile loop, with a
@@ -32,7 +33,9 @@ kind (`moejax.tuning`: the user's, then the shipped table; `python -m moejax tun
 one), else the XLA path. With `batch_invariant=True` every backend but "pallas" and "fused"
 (at fixed blocks) takes the tile loop, whatever the call's size. With `compute_quant` the
 tile loop emulates every recipe; "pallas" takes the Hopper fp8 kernels
-(`kernels_pallas.gmm_fp8`) for "fp8_deepseek" where they run the config (`fp8_kernel_reason`).
+(`kernels_pallas.gmm_fp8`) for "fp8_deepseek" where they run the config (`fp8_kernel_reason`),
+"fused" the fused kernels on e4m3 operands where they run it (`fused_unsupported_reason`: not
+with `batch_invariant`).
 LoRA adapters change no choice: every path adds their products (the sorted paths in unfused
 grouped matmuls, `experts.adapted_mlp`; the fused path in its own kernels).
 """
@@ -189,8 +192,13 @@ def fused_unsupported_reason(config: MoEConfig) -> str | None:
   if config.expert_quant is not None:
     block = kernel_block(config.expert_quant, config.quant_block)
     forms = (fused_moe.WeightForm(config.expert_quant, block),)
-  blocks = fused_moe.default_blocks(0, width, hidden)
-  return fused_moe.unsupported_reason(width, hidden, blocks, forms)
+  if config.compute_quant is not None:
+    if config.batch_invariant:
+      return "they take calls without batch invariance, not batch_invariant=True"
+    blocks = fused_moe.FP8_BLOCKS
+  else:
+    blocks = fused_moe.default_blocks(0, width, hidden)
+  return fused_moe.unsupported_reason(width, hidden, blocks, forms, config.compute_quant)
 
 
 def fp8_kernel_reason(config: MoEConfig) -> str | None:
@@ -213,9 +221,15 @@ def fp8_kernel_reason(config: MoEConfig) -> str | None:
 
 def _quantized_compute_choice(config: MoEConfig) -> ExpertChoice:
   """For `compute_quant`: the Hopper fp8 kernels where `expert_backend="pallas"` asks and
-  they run the config (interpreted on a CPU), else the tile loop, the path that emulates
-  every recipe; a warning where kernels were asked for and not taken."""
+  they run the config, the fused kernels where "fused" asks and they run it (interpreted on a
+  CPU), else the tile loop, the path that emulates every recipe; a warning where kernels were
+  asked for and not taken."""
   why = f"compute_quant={config.compute_quant!r} runs on the tile loop"
+  if config.expert_backend == "fused":
+    reason = fused_unsupported_reason(config)
+    if reason is None:
+      return _fused_choice(config)
+    why += f" (the fused kernels: {reason})"
   if config.expert_backend == "pallas":
     reason = fp8_kernel_reason(config)
     if reason is None:
@@ -240,7 +254,10 @@ def _fused_choice(config: MoEConfig) -> ExpertChoice:
     return ExpertChoice(ExpertPlan(path="tile_loop"), warning, f"expert_backend='fused', but {why}")
   reason = "expert_backend='fused': the whole expert MLP on rows read by index (Pallas Triton)"
   blocks = None  # the kernels' choice, by the call's size
-  if config.batch_invariant:
+  if config.compute_quant is not None:
+    blocks = fused_moe.FP8_BLOCKS
+    reason += f", its products in fp8 (compute_quant={config.compute_quant!r})"
+  elif config.batch_invariant:
     blocks = fused_moe.batch_invariant_blocks(config.expert_width, config.intermediate_size)
     reason += ", its blocks fixed whatever the call's size (batch_invariant)"
   plan = ExpertPlan(path="fused", backend="triton", interpret=platform.on_cpu(), blocks=blocks)

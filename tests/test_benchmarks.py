@@ -70,7 +70,7 @@ def test_gpu_check_smoke_runs_every_part(tmp_path):
     if r["path"] not in clients:
       assert r["routing_ms"] + r["experts_ms"] == pytest.approx(r["layer_ms"])
   fp8 = {r["path"]: r for r in whole if r["path"].startswith("fp8_deepseek")}
-  assert set(fp8) == {"fp8_deepseek xla", "fp8_deepseek pallas"}, fp8
+  assert set(fp8) == {"fp8_deepseek xla", "fp8_deepseek pallas", "fp8_deepseek fused"}, fp8
   assert all(
     r["status"] == "ok" and r["speedup"] > 0 and r["train_speedup"] > 0 for r in fp8.values()
   )

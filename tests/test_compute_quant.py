@@ -12,6 +12,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from kernels_pallas.fused_moe import FP8_BLOCKS
 from moejax import MoEConfig, moe_apply, reference_moe
 from moejax.apps import train
 from moejax.apps.cli import parser as main_parser
@@ -100,35 +101,50 @@ def test_the_forward_is_the_recipe_written_out(recipe):
   assert np.linalg.norm(np.asarray(unquantized) - want) / np.linalg.norm(want) > 1e-3
 
 
+# the fused path (its fp8 kernels interpreted) in chunks of 32 tokens: its tiles are 128 rows
+FUSED = dict(expert_backend="fused", chunk_size=32)
+
+
 @pytest.mark.parametrize(
-  "recipe, mesh_shape, dispatch, fp8_exchange",
+  "recipe, mesh_shape, dispatch, fp8_exchange, path",
   [
-    ("fp8_deepseek", None, "all_gather", False),
-    ("fp8_rowwise", None, "all_gather", False),
-    ("mxfp8", None, "all_gather", False),
-    slow("fp8_deepseek", (2, 4), "all_gather", False),
-    slow("fp8_deepseek", (2, 4), "all_to_all", False),
-    slow("fp8_deepseek", (2, 4), "all_to_all", True),
+    ("fp8_deepseek", None, "all_gather", False, {}),
+    ("fp8_rowwise", None, "all_gather", False, {}),
+    ("mxfp8", None, "all_gather", False, {}),
+    ("fp8_deepseek", None, "all_gather", False, FUSED),
+    slow("fp8_deepseek", (2, 4), "all_gather", False, {}),
+    slow("fp8_deepseek", (2, 4), "all_to_all", False, {}),
+    slow("fp8_deepseek", (2, 4), "all_to_all", True, {}),
+    slow("fp8_deepseek", (2, 4), "all_to_all", True, FUSED),
   ],
   ids=[
     "deepseek one device",
     "rowwise one device",
     "mxfp8 one device",
+    "deepseek fused one device",
     "2x4 all_gather",
     "2x4 all_to_all",
     "2x4 all_to_all fp8 exchange",
+    "2x4 all_to_all fp8 exchange fused",
   ],
 )
-def test_quantized_and_sane_forward_and_gradients(recipe, mesh_shape, dispatch, fp8_exchange):
+@pytest.mark.filterwarnings("ignore:expert_backend='fused' on a CPU")
+def test_quantized_and_sane_forward_and_gradients(recipe, mesh_shape, dispatch, fp8_exchange, path):
   """Against the unquantized reference, the relative error (|error| / |reference|, Frobenius)
   above 1e-3 (quantized) and below 8e-2 (sane): the output and the gradients of x, the
-  experts and the router; padding poisoned. fp8 on both operands of both products costs
-  ~5-6 % on random data (one e4m3 product alone ~3.6 %); measured here 5.2-6.3 %."""
+  experts and the router; padding poisoned; on the tile loop (the recipe emulated) and the
+  fused path (its fp8 kernels: tests/test_fused.py checks them against the recipe written
+  out). fp8 on both operands of both products costs ~5-6 % on random data (one e4m3 product
+  alone ~3.6 %); measured here 5.2-6.3 %."""
   params, x, _, _ = _inputs(2)
   config = dataclasses.replace(
-    CONFIG, compute_quant=recipe, dispatch=dispatch, chunk_size=4,
-    dispatch_quant="fp8" if fp8_exchange else None,
+    CONFIG, compute_quant=recipe, dispatch=dispatch,
+    dispatch_quant="fp8" if fp8_exchange else None, **{"chunk_size": 4, **path},
   )  # fmt: skip
+  if path:
+    assert plan_experts(config, num_rows=64, local_experts=8) == ExpertPlan(
+      path="fused", backend="triton", interpret=True, blocks=FP8_BLOCKS
+    )
   mesh = mesh_shape and mesh_of(*mesh_shape)
   mask = rank_mask([8, 3, 0, 8, 5, 8, 1, 8], 8)
   probe = jax.random.normal(jax.random.key(3), x.shape)
@@ -224,7 +240,10 @@ def test_a_bad_recipe_is_named(fields, message):
 @pytest.mark.parametrize(
   "fields, reason",
   [
-    (dict(compute_quant="fp8_rowwise", expert_backend="fused"), ""),
+    (
+      dict(compute_quant="fp8_rowwise", expert_backend="fused"),
+      r" \(the fused kernels: they run compute_quant='fp8_deepseek', not 'fp8_rowwise'\)",
+    ),
     (
       dict(compute_quant="fp8_rowwise", expert_backend="pallas"),
       r" \(the fp8 kernels: they run 'fp8_deepseek', not compute_quant='fp8_rowwise'\)",
@@ -260,16 +279,18 @@ def weight_casts(jaxpr, shapes: set[tuple], in_loop: bool = False) -> list[bool]
   return found
 
 
-def test_the_fp8_kernels_weights_are_quantized_once_per_pass_not_per_chunk():
-  """On the fp8 kernels, the gradient of a layer of 4 chunks quantizes its expert matrices
-  outside the chunk loops (forward and backward: `prepare`), never inside one (each chunk's
-  products, recomputed forward and dgrad, read those blocks)."""
+@pytest.mark.parametrize("backend", ["pallas", "fused"])
+def test_the_fp8_kernels_weights_are_quantized_once_per_pass_not_per_chunk(backend):
+  """On the fp8 kernels (the Hopper ones, or the fused path's), the gradient of a layer of 4
+  chunks quantizes its expert matrices outside the chunk loops (forward and backward:
+  `prepare`), never inside one (each chunk's products, recomputed forward and dgrad, read
+  those blocks)."""
   params, x, _, _ = _inputs(11)
   config = dataclasses.replace(
-    CONFIG, compute_quant="fp8_deepseek", expert_backend="pallas", chunk_size=16
+    CONFIG, compute_quant="fp8_deepseek", expert_backend=backend, chunk_size=16
   )
   loss = lambda p, x: jnp.sum(moe_apply(p, x, config=config)[0])
-  with pytest.warns(UserWarning, match="Mosaic GPU interpreter"):
+  with pytest.warns(UserWarning, match="interpreter"):
     jaxpr = jax.make_jaxpr(jax.grad(loss, (0, 1)))(params, x).jaxpr
   blocks = lambda e, k, n: (e, k // 128, 128, n // 128, 128)  # `quantize_groups`' 128x128 view
   in_loop = weight_casts(jaxpr, {blocks(*params.w_gate_up.shape), blocks(*params.w_down.shape)})

@@ -13,6 +13,7 @@ from kernels_pallas.fused_moe import batch_invariant_blocks, counted_layout, fus
 from kernels_pallas.gmm_triton import TritonBlocks
 from moejax import MoEConfig
 from moejax.activations import GATED, GatedActivation
+from moejax.compute_quant import fake_quantized
 from moejax.plan import ExpertPlan, plan_experts
 from moejax.testing import random_params, rank_mask, relative_error
 from tests.helpers import assert_close, check_against_reference, mesh_of, slow
@@ -210,6 +211,82 @@ def test_adapters_in_the_kernels_match_and_train(quantized):
   names = ("x", "weights", "b_gate_up", "b_down", "lora", "w_gate_up", "w_down")
   for what, g, w in zip(names, grads, want_grads, strict=False):
     jax.tree.map(lambda g, w, what=what: assert_close(g, w, what=f"d/d {what}"), g, w)
+
+
+def fp8_recipe_written_out(
+  activation, x, ids, weights, w_gate_up, w_down, b_gate_up, b_down, probe
+):
+  """The fused path's compute_quant="fp8_deepseek", one local expert at a time (its
+  assignments in token order, as the kernels lay them out): (y, the gradients of x, the
+  routing weights, both matrices and both biases for the loss sum(y * probe)), every product
+  on operands quantized by `fake_quantized` and dequantized, float32 at full precision; the
+  weight gradients' operands along the expert's rows in groups of 128."""
+  top_k, (experts, hidden_width, _) = ids.shape[1], w_down.shape
+  product = lambda a, b: jnp.dot(a, b, precision="highest")
+  per_row = lambda a: fake_quantized(a, (1, 128))
+  per_block = lambda w: fake_quantized(w, (128, 128))
+  along_tokens = lambda a: fake_quantized(jnp.pad(a, ((0, -len(a) % 128), (0, 0))), (128, 1))
+  x_q, probe_q = per_row(x), per_row(probe)
+  y, d_x = jnp.zeros(x.shape), jnp.zeros(x.shape)
+  d_weights = jnp.zeros(ids.shape)
+  d_matrices = [jnp.zeros_like(w_gate_up), jnp.zeros_like(w_down)]
+  d_biases = [jnp.zeros_like(b_gate_up), jnp.zeros_like(b_down)]
+  for e in range(experts):
+    assignments = np.flatnonzero(np.asarray(ids).reshape(-1) == e)
+    if not len(assignments):
+      continue
+    source, choice = assignments // top_k, assignments % top_k
+    weight = weights[source, choice][:, None]
+    gate_up = product(x_q[source], per_block(w_gate_up[e])) + b_gate_up[e][None]
+    hidden, activation_vjp = jax.vjp(
+      activation, gate_up[:, :hidden_width], gate_up[:, hidden_width:]
+    )
+    out = product(per_row(hidden), per_block(w_down[e])) + b_down[e][None]
+    y = y.at[source].add(weight * out)
+    d_raw = product(probe_q[source], per_block(w_down[e]).T)
+    d_pre = jnp.concatenate(activation_vjp(weight * d_raw), axis=1)
+    d_x = d_x.at[source].add(product(per_row(d_pre), per_block(w_gate_up[e]).T))
+    d_weights = d_weights.at[source, choice].set(
+      jnp.sum(d_raw * hidden, axis=1) + probe[source] @ b_down[e]
+    )
+    weighted_probe = weight * probe[source]
+    d_matrices[0] = d_matrices[0].at[e].set(product(along_tokens(x[source]).T, along_tokens(d_pre)))
+    d_matrices[1] = (
+      d_matrices[1].at[e].set(product(along_tokens(hidden).T, along_tokens(weighted_probe)))
+    )
+    d_biases[0] = d_biases[0].at[e].set(jnp.sum(d_pre, axis=0))
+    d_biases[1] = d_biases[1].at[e].set(jnp.sum(weighted_probe, axis=0))
+  return y, (d_x, d_weights, *d_matrices, *d_biases)
+
+
+def test_fp8_compute_is_the_recipe_written_out_forward_and_backward():
+  """compute_quant="fp8_deepseek" (e4m3 products scaled per 128 of the contraction, float32
+  sums): the output and every gradient equal the recipe written out (1e-5, relative), and
+  differ from the unquantized MLP (> 1e-3: the quantization happens). Uneven loads: one
+  expert's rows span two of the weight gradients' token groups, one expert is empty, a
+  quarter of the assignments are held elsewhere; with biases."""
+  hidden_width, top_k = 128, 2
+  ids = _uneven_ids(160, top_k, seed=2)
+  keys = jax.random.split(jax.random.key(7), 7)
+  x = jax.random.normal(keys[0], (160, 128))
+  weights = jax.random.uniform(keys[1], ids.shape, minval=0.1)
+  w_gate_up = jax.random.normal(keys[2], (LOCAL_EXPERTS, 128, 2 * hidden_width)) / 8
+  w_down = jax.random.normal(keys[3], (LOCAL_EXPERTS, hidden_width, 128)) / 8
+  b_gate_up = jax.random.normal(keys[4], (LOCAL_EXPERTS, 2 * hidden_width)) / 2
+  b_down = jax.random.normal(keys[5], (LOCAL_EXPERTS, 128)) / 2
+  probe = jax.random.normal(keys[6], x.shape)
+  operands = (x, weights, w_gate_up, w_down, b_gate_up, b_down)
+  activation = GatedActivation("silu").in_kernel
+  fused = lambda x, *rest: fused_moe_mlp(
+    x, ids, *rest, activation=activation, interpret=True, compute_quant="fp8_deepseek"
+  )
+  y, fused_vjp = jax.vjp(fused, *operands)
+  want_y, want_grads = fp8_recipe_written_out(activation, x, ids, *operands[1:], probe)
+  names = ("y", "x", "weights", "w_gate_up", "w_down", "b_gate_up", "b_down")
+  for name, got, want in zip(names, (y, *fused_vjp(probe)), (want_y, *want_grads), strict=True):
+    assert relative_error(got, want) <= 1e-5, (name, relative_error(got, want))
+  unquantized = per_assignment(GatedActivation("silu"), x, ids, *operands[1:])
+  assert relative_error(y, unquantized) > 1e-3
 
 
 @pytest.mark.slow

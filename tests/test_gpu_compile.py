@@ -169,19 +169,29 @@ def test_the_fused_layer_compiles_forward_and_gradient(gpu):
   [
     ("h100", dict(expert_quant="mxfp4", activation="swiglu_oai", expert_bias=True, lora_rank=8)),
     ("h200", dict(expert_quant="fp8_block")),
+    ("h100", dict(compute_quant="fp8_deepseek", expert_bias=True, lora_rank=8)),
+    ("b200", dict(compute_quant="fp8_deepseek")),
   ],
-  ids=["h100-gpt-oss-mxfp4-lora", "h200-fp8_block"],
+  ids=["h100-gpt-oss-mxfp4-lora", "h200-fp8_block", "h100-fp8-compute-lora", "b200-fp8-compute"],
 )
 def test_the_fused_layer_compiles_quantized_experts(gpu, quantized):
   """expert_backend="fused" on quantized experts: the kernels decode each tile of the bits
   (paired nibbles by parity, stored by strided columns), forward and gradient; with LoRA
-  adapters (QLoRA), their rank-r products in the same kernels."""
+  adapters (QLoRA), their rank-r products in the same kernels. And with
+  compute_quant="fp8_deepseek": Triton's dots on e4m3 tiles (both operands, the weight
+  gradients' transposed), scaled every 128 of the contraction: the base products' kernels
+  take e4m3 operands (forward: up and down; the gradient's, whose forward output is unused:
+  up, down-backward, dx and the two weight gradients; the adapters' stay unquantized)."""
   mesh = targets.target_mesh(gpu, (1, 8))
   config = MoEConfig(**LAYER, **BF16, **quantized, expert_backend="fused")
   for gradient in (False, True):
     with expect_triton_deprecation():
-      calls = custom_calls(compile_layer(config, mesh, gradient))
+      compiled = compile_layer(config, mesh, gradient)
+    calls = custom_calls(compiled)
     assert "__gpu$xla.gpu.triton" in calls and not any("callback" in c for c in calls), calls
+    kernels = [line for line in compiled.as_text().splitlines() if "xla.gpu.triton" in line]
+    fp8_kernels = sum("f8E4M3FN" in line for line in kernels)
+    assert fp8_kernels == (0 if config.compute_quant is None else 5 if gradient else 2)
 
 
 @pytest.mark.parametrize("gpu", ["h100", "h200"])
