@@ -48,6 +48,10 @@ step of a kernel's contraction multiplies one 128-wide group of e4m3 tiles and a
 product times its scales to a float32 sum (`_fp8_products`). The weight gradients' operands
 are quantized along the tokens, 128 aligned rows of one expert a group, on gathered e4m3
 copies (`_token_quantized`); the blocks are `FP8_BLOCKS`.
+
+An output norm (`output_norm`, a function of whole rows) runs in XLA between the down kernel,
+whose rows it leaves unweighted, and the sum over choices; its backward hands the down
+kernel's backward the rows' own cotangent, aligned (`_OutputCotangent`).
 """
 
 from __future__ import annotations
@@ -147,7 +151,9 @@ class FusedSettings:
     precision: `jax.lax.Precision` of the block dots, or None.
     interpret: run the kernels in the Pallas interpreter (CPU testing).
     compute_quant: None, or "fp8_deepseek": the kernels' base products multiply e4m3
-      operands (`fp8_blocks`; the adapters' products are not quantized).
+      operands (`FP8_BLOCKS`; the adapters' products are not quantized).
+    output_norm: None, or a function of [rows, D] float32 expert outputs applied to each
+      row before its routing weight (in XLA: a row's norm needs every column).
   """
 
   activation: Activation
@@ -155,6 +161,7 @@ class FusedSettings:
   precision: object = None
   interpret: bool = False
   compute_quant: str | None = None
+  output_norm: Callable[[jax.Array], jax.Array] | None = None
 
 
 class WeightForm(NamedTuple):
@@ -419,19 +426,24 @@ def _fp8_products(lhs: _Lhs, w_refs, expert, columns, *, k_size, transpose_rhs, 
   return [(total,) for total in totals]
 
 
-def _gathered_products(
-  row_assignment_ref, tile_expert_ref, tile, lhs_refs, w_refs, columns, *, top_k, transpose_rhs,
-  form, settings,
+def _tile_products(
+  row_assignment_ref, tile_expert_ref, tile, lhs_refs, w_refs, columns, *, gather_top_k,
+  transpose_rhs, form, settings,
 ):  # fmt: skip
-  """`_products` of `tile`, its lhs rows read by index from `lhs_refs`: lhs [N, K] and its
-  scales [N, K/128] (read under compute_quant)."""
+  """`_products` of `tile` on its lhs rows from `lhs_refs`, lhs and its scales (read under
+  compute_quant): read by index from lhs [N, K] (scales [N, K/128]) for `gather_top_k`
+  choices a token, or with `gather_top_k` None the tile's own rows of an aligned lhs [Ma, K]
+  (scales [Ma, K/128])."""
   values_ref, scales_ref = lhs_refs
-  rows, valid = _tile_rows(
-    row_assignment_ref, tile, settings.blocks.block_m, top_k, values_ref.shape[0]
-  )
+  bm = settings.blocks.block_m
+  if gather_top_k is None:
+    lhs = _aligned_lhs(values_ref, scales_ref, tile, bm)
+  else:
+    rows, valid = _tile_rows(row_assignment_ref, tile, bm, gather_top_k, values_ref.shape[0])
+    lhs = _gathered_lhs(values_ref, scales_ref, rows, valid)
   return _products(
-    _gathered_lhs(values_ref, scales_ref, rows, valid), w_refs, tile_expert_ref[tile], columns,
-    k_size=values_ref.shape[1], transpose_rhs=transpose_rhs, form=form, settings=settings,
+    lhs, w_refs, tile_expert_ref[tile], columns, k_size=values_ref.shape[1],
+    transpose_rhs=transpose_rhs, form=form, settings=settings,
   )  # fmt: skip
 
 
@@ -486,9 +498,9 @@ def _up_kernel(
 
   @pl.when(tile < num_tiles_ref[0])
   def _():
-    gates, ups = _gathered_products(
+    gates, ups = _tile_products(
       row_assignment_ref, tile_expert_ref, tile, (x_ref, x_scales_ref), (w_ref, w_scales_ref),
-      (block * bn, hidden_width + block * bn), top_k=top_k, transpose_rhs=False, form=form,
+      (block * bn, hidden_width + block * bn), gather_top_k=top_k, transpose_rhs=False, form=form,
       settings=settings,
     )  # fmt: skip
     if low_rank:
@@ -527,19 +539,11 @@ def _aligned_kernel(
   @pl.when(tile < num_tiles_ref[0])
   def _():
     rows = pl.ds(tile * bm, bm)
-    if gather_top_k:
-      (outs,) = _gathered_products(
-        row_assignment_ref, tile_expert_ref, tile, (lhs_ref, lhs_scales_ref),
-        (w_ref, w_scales_ref), (block * bn,), top_k=gather_top_k, transpose_rhs=transpose_rhs,
-        form=form,
-        settings=settings,
-      )  # fmt: skip
-    else:
-      (outs,) = _products(
-        _aligned_lhs(lhs_ref, lhs_scales_ref, tile, bm), (w_ref, w_scales_ref),
-        tile_expert_ref[tile], (block * bn,),
-        k_size=lhs_ref.shape[1], transpose_rhs=transpose_rhs, form=form, settings=settings,
-      )  # fmt: skip
+    (outs,) = _tile_products(
+      row_assignment_ref, tile_expert_ref, tile, (lhs_ref, lhs_scales_ref), (w_ref, w_scales_ref),
+      (block * bn,), gather_top_k=gather_top_k, transpose_rhs=transpose_rhs, form=form,
+      settings=settings,
+    )  # fmt: skip
     if low_rank:
       (outs,) = _plus_low_rank(
         [outs], low_ref, low_w_ref, tile, tile_expert_ref[tile], (block * bn,),
@@ -559,22 +563,24 @@ def _aligned_kernel(
 def _down_backward_kernel(
   tile_expert_ref, num_tiles_ref, row_assignment_ref, row_weight_ref, dout_ref, dout_scales_ref,
   w_down_ref, w_down_scales_ref, low_ref, low_w_ref, pre_ref, d_pre_ref, hidden_ref,
-  d_weight_ref, *, top_k, low_rank, form, settings,
+  *d_weight_refs, gather_top_k, low_rank, form, settings,
 ):  # fmt: skip
   """One (tile, F block) of d_raw = dout[rows] @ W_down[e]^T (+ d_low[rows] @ A_down[e]^T
   with `low_rank`), with the activation's backward in the epilogue: hidden recomputed from
   gate|up, the routing weight's partial gradient <d_raw, hidden> over this block's columns,
-  and d(gate|up) of w * d_raw."""
+  and d(gate|up) of w * d_raw. With `gather_top_k` None, dout is the aligned rows' own
+  cotangent [Ma, D], their weights in it: d(gate|up) of d_raw, and no routing weight's
+  gradient (no `d_weight_refs`)."""
   bm, bn = settings.blocks.block_m, settings.blocks.block_n
   tile, block = pl.program_id(0), pl.program_id(1)
   hidden_width = hidden_ref.shape[1]
 
   @pl.when(tile < num_tiles_ref[0])
   def _():
-    d_raw_parts = _gathered_products(
+    d_raw_parts = _tile_products(
       row_assignment_ref, tile_expert_ref, tile, (dout_ref, dout_scales_ref),
-      (w_down_ref, w_down_scales_ref), (block * bn,), top_k=top_k, transpose_rhs=True, form=form,
-      settings=settings,
+      (w_down_ref, w_down_scales_ref), (block * bn,), gather_top_k=gather_top_k,
+      transpose_rhs=True, form=form, settings=settings,
     )  # fmt: skip
     if low_rank:
       d_raw_parts = _plus_low_rank(
@@ -587,12 +593,15 @@ def _down_backward_kernel(
     gate = plgpu.load(pre_ref.at[out_rows, gate_cols]).astype(jnp.float32)
     up = plgpu.load(pre_ref.at[out_rows, up_cols]).astype(jnp.float32)
     hidden, activation_vjp = jax.vjp(settings.activation, gate, up)
-    weight = plgpu.load(row_weight_ref.at[out_rows])
-    d_gate, d_up = activation_vjp(d_raw * weight[:, None])
+    d_hidden = d_raw
+    if gather_top_k is not None:
+      d_hidden = d_raw * plgpu.load(row_weight_ref.at[out_rows])[:, None]
+    d_gate, d_up = activation_vjp(d_hidden)
     plgpu.store(d_pre_ref.at[out_rows, gate_cols], d_gate.astype(d_pre_ref.dtype))
     plgpu.store(d_pre_ref.at[out_rows, up_cols], d_up.astype(d_pre_ref.dtype))
     plgpu.store(hidden_ref.at[out_rows, gate_cols], hidden.astype(hidden_ref.dtype))
-    plgpu.store(d_weight_ref.at[block, out_rows], jnp.sum(d_raw * hidden, axis=1))
+    for d_weight_ref in d_weight_refs:
+      plgpu.store(d_weight_ref.at[block, out_rows], jnp.sum(d_raw * hidden, axis=1))
 
 
 def _weight_grad_kernel(
@@ -864,8 +873,10 @@ def _fused(x, weights, experts: Experts, layout, settings):
 
 def _fused_forward(x, weights, experts: Experts, layout, settings, *, keep_pre):
   """(out [N, D], (gate|up [Ma, 2F] with `keep_pre`, else None; the rows' weights [Ma]; the
-  adapters' first factors x_low and hidden_low [Ma, r], or None without adapters)): what the
-  backward pass keeps."""
+  adapters' first factors x_low and hidden_low [Ma, r], or None without adapters; with an
+  output norm the rows' unweighted outputs [Ma, D] float32, else None)): what the backward
+  pass keeps. With an output norm the down kernel leaves its rows unweighted; XLA normalizes
+  and weighs them before the sum over choices."""
   row_weight = _row_weight(weights, layout)
   lora = experts.lora
   gate_up_low = down_low = None
@@ -877,12 +888,16 @@ def _fused_forward(x, weights, experts: Experts, layout, settings, *, keep_pre):
   )
   if lora is not None:
     down_low = LowRank(_hidden_low(hidden, lora, layout, settings), lora.down_b)
+  norm = settings.output_norm
   y = _aligned(
-    hidden, w_down, row_weight, layout, settings, transpose_rhs=False, out_dtype=x.dtype,
-    bias=experts.b_down, low_rank=down_low,
+    hidden, w_down, None if norm else row_weight, layout, settings, transpose_rhs=False,
+    out_dtype=jnp.float32 if norm else x.dtype, bias=experts.b_down, low_rank=down_low,
   )  # fmt: skip
+  unweighted = None
+  if norm is not None:
+    unweighted, y = y, norm(y) * row_weight[:, None]
   lows = None if lora is None else (gate_up_low.rows, down_low.rows)
-  return _sum_over_choices(y, layout), (pre[0] if pre else None, row_weight, lows)
+  return _sum_over_choices(y, layout), (pre[0] if pre else None, row_weight, lows, unweighted)
 
 
 def _x_low(x, lora: Adapters, layout, settings) -> jax.Array:
@@ -906,40 +921,84 @@ def _fused_fwd(x, weights, experts: Experts, layout, settings):
   return out, (x, weights, experts, layout, *kept)
 
 
-def _bias_grads(d_pre, d_out, row_weight, b_down, layout: FusedLayout, block_m: int):
-  """(d b_gate_up [El, 2F], d b_down [El, D], the routing weights' bias term [Ma]), float32,
-  in XLA: sums over each expert's aligned rows, read where they hold an assignment, as
-  products with one-hot matrices (no scatter-add of many rows into one: the same sums every
-  run)."""
-  (tokens, top_k), experts = layout.slot.shape, b_down.shape[0]
-  held = layout.row_assignment < tokens * top_k  # [Ma]
+class _OutputCotangent(NamedTuple):
+  """The cotangent of the down-projection's output rows y[r]: `values` [N, D] read by index
+  for `gather_top_k` choices a token, times each row's routing weight (dout: the kernel
+  weighed y), or with `gather_top_k` None [Ma, D], the aligned rows' own (the output norm's
+  backward: y was unweighted, the weights are in it)."""
+
+  values: jax.Array
+  gather_top_k: int | None
+
+  @property
+  def weight_grad_gather(self) -> str:
+    """How `_weight_grad` reads it as its rhs."""
+    return "neither" if self.gather_top_k is None else "rhs"
+
+
+def _held_and_source(layout: FusedLayout) -> tuple[jax.Array, jax.Array]:
+  """([Ma] whether each aligned row holds an assignment, [Ma] its token, clamped in range)."""
+  tokens, top_k = layout.slot.shape
+  held = layout.row_assignment < tokens * top_k
+  return held, jnp.minimum(layout.row_assignment // top_k, tokens - 1)
+
+
+def _normalized_cotangent(d_out, unweighted, row_weight, layout: FusedLayout, settings):
+  """Under an output norm: (the rows' own cotangent [Ma, D] float32, the routing weights'
+  gradient [Ma]), from dout read onto the aligned rows; 0 on rows holding no assignment
+  (whose outputs, never read, may be anything)."""
+  held, source = _held_and_source(layout)
+  d_rows = jnp.take(d_out.astype(jnp.float32), source, axis=0)
+  normalized, norm_vjp = jax.vjp(settings.output_norm, unweighted)
+  (d_unweighted,) = norm_vjp(d_rows * row_weight[:, None])
+  d_row_weight = jnp.sum(d_rows * normalized, axis=1)
+  return jnp.where(held[:, None], d_unweighted, 0.0), jnp.where(held, d_row_weight, 0.0)
+
+
+def _bias_grads(d_pre, cotangent: _OutputCotangent, row_weight, b_down, layout, block_m: int):
+  """(d b_gate_up [El, 2F], d b_down [El, D], the routing weights' bias term [Ma] or None:
+  with the aligned rows' own cotangent, the bias is in what the norm's gradient read),
+  float32, in XLA: sums over each expert's aligned rows, read where they hold an assignment,
+  as products with one-hot matrices (no scatter-add of many rows into one: the same sums
+  every run)."""
+  tokens, experts = layout.slot.shape[0], b_down.shape[0]
+  held, source = _held_and_source(layout)
   row_expert = jnp.repeat(layout.tile_expert, block_m)  # [Ma]
-  source = jnp.minimum(layout.row_assignment // top_k, tokens - 1)
+  per_row_expert = jax.nn.one_hot(row_expert, experts, dtype=jnp.float32).T  # [El, Ma]
   d_pre = jnp.where(held[:, None], d_pre.astype(jnp.float32), 0.0)
-  d_b_gate_up = jax.nn.one_hot(row_expert, experts, dtype=jnp.float32).T @ d_pre
-  d_out = d_out.astype(jnp.float32)
+  d_out = cotangent.values.astype(jnp.float32)
+  if cotangent.gather_top_k is None:
+    return per_row_expert @ d_pre, per_row_expert @ d_out, None
   # [El, N]: each token's routing weights toward each expert (one row per (expert, token) of
   # distinct choices: no two adds meet), then times its cotangent
   token_weights = jnp.zeros((experts, tokens), jnp.float32)
   token_weights = token_weights.at[row_expert, source].add(jnp.where(held, row_weight, 0.0))
-  d_b_down = token_weights @ d_out
   # dout[source(r)] . b_down[e(r)], from [N, El] products of every token with every bias
   per_expert = d_out @ b_down.astype(jnp.float32).T
-  return d_b_gate_up, d_b_down, jnp.where(held, per_expert[source, row_expert], 0.0)
+  bias_term = jnp.where(held, per_expert[source, row_expert], 0.0)
+  return per_row_expert @ d_pre, token_weights @ d_out, bias_term
 
 
 def _fused_bwd(settings, residuals, d_out):
-  x, weights, experts, layout, pre, row_weight, lows = residuals
+  x, weights, experts, layout, pre, row_weight, lows, unweighted = residuals
   w_gate_up, w_down, lora = experts.w_gate_up, experts.w_down, experts.lora
   num_experts, hidden_width = w_down.shape[:2]
-  d_out = d_out.astype(x.dtype)
   plain = _unquantized(settings)  # the adapters'
-  # the down adapter's share of d(hidden): (dout[source] @ B_down^T) @ A_down^T
+  d_row_weight = None
+  if unweighted is None:
+    cotangent = _OutputCotangent(d_out.astype(x.dtype), layout.slot.shape[1])
+  else:
+    d_unweighted, d_row_weight = _normalized_cotangent(
+      d_out, unweighted, row_weight, layout, settings
+    )
+    cotangent = _OutputCotangent(d_unweighted.astype(x.dtype), None)
+  weighted = cotangent.gather_top_k is not None
+  # the down adapter's share of d(hidden): (dy[rows] @ B_down^T) @ A_down^T
   d_down_low = d_low = None
   if lora is not None:
     d_down_low = _aligned(
-      d_out, lora.down_b, None, layout, plain, transpose_rhs=True, out_dtype=jnp.float32,
-      gather=True,
+      cotangent.values, lora.down_b, None, layout, plain, transpose_rhs=True,
+      out_dtype=jnp.float32, gather=weighted,
     )  # fmt: skip
     d_low = LowRank(d_down_low.astype(x.dtype), lora.down_a)
   gate_up_read, down_read = experts.multiplied
@@ -947,19 +1006,20 @@ def _fused_bwd(settings, residuals, d_out):
   d_blocks = hidden_width // down_settings.blocks.block_n
   aligned = layout.row_assignment.shape[0]
   kernel = functools.partial(
-    _down_backward_kernel, top_k=layout.slot.shape[1], low_rank=lora is not None, form=form,
-    settings=down_settings,
+    _down_backward_kernel, gather_top_k=cotangent.gather_top_k, low_rank=lora is not None,
+    form=form, settings=down_settings,
   )  # fmt: skip
-  d_pre, hidden, d_weight_parts = _call(
-    kernel,
-    [
-      out_struct((aligned, 2 * hidden_width), x.dtype, like=x),
-      out_struct((aligned, hidden_width), x.dtype, like=x),
-      out_struct((d_blocks, aligned), jnp.float32, like=x),
-    ],
-    (layout.tile_expert.shape[0], d_blocks), down_settings, "fused_moe_down_backward",
+  shapes = [
+    out_struct((aligned, 2 * hidden_width), x.dtype, like=x),  # d(gate|up)
+    out_struct((aligned, hidden_width), x.dtype, like=x),  # hidden
+  ]
+  if weighted:  # the routing weights' partial gradients, per F block
+    shapes.append(out_struct((d_blocks, aligned), jnp.float32, like=x))
+  d_pre, hidden, *d_weight_parts = _call(
+    kernel, shapes, (layout.tile_expert.shape[0], d_blocks), down_settings,
+    "fused_moe_down_backward",
     layout.tile_expert, layout.num_tiles, layout.row_assignment, row_weight,
-    *_lhs_operands(d_out, down_settings), *w_down_operands,
+    *_lhs_operands(cotangent.values, down_settings), *w_down_operands,
     *_low_rank_operands(d_low, form, down_settings, transpose_rhs=True), pre,
   )  # fmt: skip
   weight_grad = functools.partial(
@@ -967,7 +1027,9 @@ def _fused_bwd(settings, residuals, d_out):
   )
   d_matrices = (None, None)  # quantized matrices are constants
   if not is_block_scaled(w_down):
-    d_w_down = weight_grad(hidden, d_out, row_weight, gather="rhs")
+    d_w_down = weight_grad(
+      hidden, cotangent.values, row_weight, gather=cotangent.weight_grad_gather
+    )
     d_w_gate_up = weight_grad(x, d_pre, row_weight, gather="lhs")
     d_matrices = (d_w_gate_up.astype(w_gate_up.dtype), d_w_down.astype(w_down.dtype))
   # the gate|up adapter's share of dx: (d(gate|up) @ B_gate_up^T) @ A_gate_up^T
@@ -982,13 +1044,15 @@ def _fused_bwd(settings, residuals, d_out):
     low_rank=d_x_low,
   )  # fmt: skip
   d_x = _sum_over_choices(d_x_rows, layout).astype(x.dtype)
-  d_row_weight = jnp.sum(d_weight_parts, axis=0)  # [Ma]
+  if weighted:
+    d_row_weight = jnp.sum(d_weight_parts[0], axis=0)  # [Ma]
   d_biases = (None, None)
   if experts.b_down is not None:  # biases come in pairs (`fused_moe_mlp`)
     d_b_gate_up, d_b_down, bias_term = _bias_grads(
-      d_pre, d_out, row_weight, experts.b_down, layout, settings.blocks.block_m
+      d_pre, cotangent, row_weight, experts.b_down, layout, settings.blocks.block_m
     )
-    d_row_weight = d_row_weight + bias_term
+    if bias_term is not None:
+      d_row_weight = d_row_weight + bias_term
     d_biases = (d_b_gate_up.astype(experts.b_gate_up.dtype), d_b_down.astype(experts.b_down.dtype))
   d_lora = None
   if lora is not None:
@@ -997,9 +1061,14 @@ def _fused_bwd(settings, residuals, d_out):
       gate_up_a=adapter_grad(x, d_gate_up_low, row_weight, gather="lhs"),
       gate_up_b=adapter_grad(lows[0], d_pre, row_weight, gather="neither"),
       down_a=adapter_grad(
-        hidden, (d_down_low * row_weight[:, None]).astype(x.dtype), row_weight, gather="neither"
+        hidden,
+        (d_down_low * (row_weight[:, None] if weighted else 1.0)).astype(x.dtype),
+        row_weight,
+        gather="neither",
       ),
-      down_b=adapter_grad(lows[1], d_out, row_weight, gather="rhs"),
+      down_b=adapter_grad(
+        lows[1], cotangent.values, row_weight, gather=cotangent.weight_grad_gather
+      ),
     )
     d_lora = Adapters(*(d.astype(a.dtype) for d, a in zip(d_lora, lora, strict=True)))
   d_weights = jnp.take(d_row_weight, layout.slot, mode="fill", fill_value=0)  # [N, K]
@@ -1061,6 +1130,7 @@ def fused_moe_mlp(
   interpret: bool = False,
   compute_quant: str | None = None,
   fp8_matrices: tuple[Fp8Matrix, Fp8Matrix] | None = None,
+  output_norm: Callable[[jax.Array], jax.Array] | None = None,
 ) -> jax.Array:
   """y[n] = sum_k weights[n, k] * down_{e[n,k]}(act(gate_up_{e[n,k]}(x[n]))), differentiable
   in x, weights, both float weight arrays and the biases.
@@ -1098,6 +1168,13 @@ def fused_moe_mlp(
     fp8_matrices: under compute_quant, (`fp8_matrix(w_gate_up)`, `fp8_matrix(w_down)`)
       quantized once by a caller that multiplies by them many times, or None to quantize
       them here; the float matrices still get their gradients.
+    output_norm: None, or a row-wise function of the experts' outputs ([rows, D] float32,
+      biases added) applied before the routing weights, hashable (an RMS norm: Muse Spark's
+      `post_expert_norm`). A row's norm needs all D columns, which no tile of the down
+      kernel holds: that kernel then writes its rows unweighted in float32, and XLA
+      normalizes and weighs them as it sums each token's K rows; the backward reads dout
+      onto the aligned rows and differentiates the norm there (`jax.vjp`), and the
+      down-projection's backward reads that aligned cotangent.
 
   Returns:
     [N, D] float32.
@@ -1128,7 +1205,7 @@ def fused_moe_mlp(
   if reason is not None:
     raise NotImplementedError(reason)
   layout = counted_layout(expert_ids, w_down.shape[0], blocks.block_m)
-  settings = FusedSettings(activation, blocks, precision, interpret, compute_quant)
+  settings = FusedSettings(activation, blocks, precision, interpret, compute_quant, output_norm)
   adapters = None if lora is None else _padded_rank(lora, blocks, forms)
   experts = Experts(w_gate_up, w_down, b_gate_up, b_down, adapters, fp8_matrices)
   return _fused(x, weights.astype(jnp.float32), experts, layout, settings)

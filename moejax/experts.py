@@ -18,6 +18,7 @@ Every path sorts the assignments with `sort_by_expert`, and takes the experts' w
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -229,13 +230,14 @@ def fused_mlp(
   interpret: bool = False,
   blocks=None,
   recipe: str | None = None,
+  output_norm_eps: float | None = None,
 ) -> jax.Array:
   """`tile_loop_mlp`'s contract on `kernels_pallas.fused_moe_mlp`: rows read by index, the
   activation, the biases and the routing weight in the kernels' epilogues, the adapters'
-  products in the same kernels, each row's K results gathered and summed (experts without
-  output norms; `moejax.plan`).
+  products in the same kernels, each row's K results gathered and summed (with
+  `output_norm_eps`, normalized and weighed in XLA first).
 
-  Args and returns: as `tile_loop_mlp` (without `tile_rows`, seeds and the norm), plus
+  Args and returns: as `tile_loop_mlp` (without `tile_rows` and seeds), plus
   `interpret`, to run the kernels in their interpreter, and `blocks`, the kernels'
   `TritonBlocks` (None: their choice by the call's size); `recipe`, the `compute_quant` of
   the base products ("fp8_deepseek") or None, whose matrices `experts.fp8` may hold quantized
@@ -255,6 +257,7 @@ def fused_mlp(
     interpret=interpret,
     compute_quant=recipe,
     fp8_matrices=experts.fp8,
+    output_norm=None if output_norm_eps is None else RowNorm(output_norm_eps),
   )
 
 
@@ -380,6 +383,7 @@ def routed_mlp(
     return fused_mlp(
       x, expert_ids, weights, experts, activation=config.gated_activation,
       interpret=plan.interpret, blocks=plan.blocks, recipe=config.compute_quant,
+      output_norm_eps=config.expert_output_norm_eps,
     )  # fmt: skip
   return grouped_matmul_mlp(
     x,
@@ -404,6 +408,17 @@ def rms_normalized(rows: jax.Array, eps: float) -> jax.Array:
   """
   rows = rows.astype(jnp.float32)
   return rows * jax.lax.rsqrt(jnp.mean(jnp.square(rows), axis=-1, keepdims=True) + eps)
+
+
+@dataclasses.dataclass(frozen=True)
+class RowNorm:
+  """`rms_normalized` at `eps` as a function of the rows alone, equal by value (a fused
+  kernel setting: `kernels_pallas.fused_moe_mlp`'s `output_norm`)."""
+
+  eps: float
+
+  def __call__(self, rows: jax.Array) -> jax.Array:
+    return rms_normalized(rows, self.eps)
 
 
 def with_seeds(experts: ExpertWeights, grad_seeds: ExpertWeights) -> ExpertWeights:

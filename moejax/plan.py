@@ -20,11 +20,11 @@ on an H200 (docs/performance.md, "GPU"):
   registry picks the kernel (`kernels_pallas.backends.select_kernel`).
 - "fused" (`experts.fused_mlp`): `kernels_pallas.fused_moe`, the whole MLP on rows read by
   index (Pallas Triton), for float or quantized experts (`expert_quant`: each tile decoded in
-  the kernels), with or without biases and LoRA adapters (their rank-r products in the same
-  kernels), without output norms (`fused_unsupported_reason`); with `batch_invariant`, its
-  blocks fixed whatever the call's size; with `compute_quant="fp8_deepseek"`, its products
-  on e4m3 operands (`fused_moe.FP8_BLOCKS`); only when asked (`expert_backend="fused"`) or
-  where a tuning file measured it fastest.
+  the kernels), with or without biases, LoRA adapters (their rank-r products in the same
+  kernels) and output norms (in XLA, between the down kernel and the sum over choices); with
+  `batch_invariant`, its blocks fixed whatever the call's size; with
+  `compute_quant="fp8_deepseek"`, its products on e4m3 operands (`fused_moe.FP8_BLOCKS`);
+  only when asked (`expert_backend="fused"`) or where a tuning file measured it fastest.
 
 `expert_backend="xla"` takes the better XLA path; "pallas" the device's kernel (interpreted on
 a CPU, for testing); "fused" the fused path where it runs the case (else the tile loop, with a
@@ -182,11 +182,6 @@ def choose_plan(config: MoEConfig, num_rows: int, local_experts: int) -> ExpertC
 
 def fused_unsupported_reason(config: MoEConfig) -> str | None:
   """Why the fused path cannot run the config's experts, or None."""
-  for field, value, what in (
-    ("expert_output_norm_eps", config.expert_output_norm_eps, "unnormalized expert outputs"),
-  ):
-    if value:
-      return f"it takes {what}, not {field}={value!r}"
   width, hidden = config.expert_width, config.intermediate_size
   forms = ()
   if config.expert_quant is not None:

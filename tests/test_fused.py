@@ -349,16 +349,25 @@ AROUND = dict(
 )
 
 
+NORMED = dict(expert_output_norm_eps=1e-6)  # Muse Spark's post_expert_norm
+
+
 @pytest.mark.parametrize(
-  "mesh_shape, dispatch",
-  [(None, "all_gather"), slow((2, 4), "all_gather"), slow((2, 4), "all_to_all")],
-  ids=["one device", "2x4 all_gather", "2x4 all_to_all"],
+  "mesh_shape, dispatch, normed",
+  [
+    (None, "all_gather", {}),
+    (None, "all_gather", NORMED),
+    slow((2, 4), "all_gather", {}),
+    slow((2, 4), "all_to_all", NORMED),
+  ],
+  ids=["one device", "one device output norm", "2x4 all_gather", "2x4 all_to_all output norm"],
 )
-def test_the_layer_matches_the_reference(mesh_shape, dispatch):
+def test_the_layer_matches_the_reference(mesh_shape, dispatch, normed):
   """The layer on the fused path, with zero experts, a shared expert and the experts' biases,
-  padding poisoned with NaN (a rank with no tokens: chunks all padding): output and the
-  gradients of x and every parameter against `reference_moe`."""
-  config = dataclasses.replace(CONFIG, **AROUND, chunk_size=4, dispatch=dispatch)
+  and with each expert's output RMS-normalized before its weight (in XLA, between the
+  kernels and the sum over choices), padding poisoned with NaN (a rank with no tokens: chunks
+  all padding): output and the gradients of x and every parameter against `reference_moe`."""
+  config = dataclasses.replace(CONFIG, **AROUND, **normed, chunk_size=4, dispatch=dispatch)
   keys = jax.random.split(jax.random.key(3))
   params = random_params(config, keys[0])
   x = jax.random.normal(keys[1], (48, config.hidden_size))
@@ -369,10 +378,6 @@ def test_the_layer_matches_the_reference(mesh_shape, dispatch):
 @pytest.mark.parametrize(
   "overrides, message",
   [
-    (
-      dict(expert_output_norm_eps=1e-6),
-      "it takes unnormalized expert outputs, not expert_output_norm_eps=1e-06",
-    ),
     (
       dict(expert_quant="nvfp4"),  # paired columns: 32 a tile
       "the fused kernels need hidden_size=16 to be a multiple of 32",

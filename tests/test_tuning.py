@@ -204,20 +204,21 @@ def test_a_kernel_entry_with_block_sizes_runs_that_kernel_with_them(cache, monke
 
 def test_a_fused_entry_plans_the_fused_path_where_it_runs(cache):
   """`auto` follows a tuning entry whose winner is the fused path; for a config the fused
-  kernels cannot run (normalized expert outputs), the entry is an error naming why."""
+  kernels cannot run (an intermediate width off their blocks), the entry is an error naming
+  why."""
   candidate = tuning.Candidate(path="fused", backend="triton", status="passed", train_ms=1.0)
   write_entry(tuning.user_file("cpu"), candidates=(candidate,), winner="fused")
   call = moejax.plan_call(CONFIG, (TOKENS, 16))
   assert call.expert == ExpertPlan(path="fused", backend="triton", interpret=True)
   assert "measured fused fastest" in call.expert_reason
-  normed = dataclasses.replace(CONFIG, expert_output_norm_eps=1e-6)
+  odd = dataclasses.replace(CONFIG, intermediate_size=24)
   write_entry(
-    tuning.user_file("cpu"), case=tuning.case_of(normed, 8), candidates=(candidate,),
+    tuning.user_file("cpu"), case=tuning.case_of(odd, 8), candidates=(candidate,),
     winner="fused",
   )  # fmt: skip
-  cannot = r"names fused for a case it cannot run \(it takes unnormalized expert outputs"
+  cannot = r"names fused for a case it cannot run \(the fused kernels need intermediate_size=24"
   with pytest.raises(tuning.TuningFileError, match=cannot):
-    moejax.plan_call(normed, (TOKENS, 16))
+    moejax.plan_call(odd, (TOKENS, 16))
 
 
 def test_a_tokamax_entry_runs_tokamaxs_ragged_dot(cache, request):
