@@ -186,24 +186,32 @@ def test_the_fused_path_computes_the_tile_loops_emulated_products():
   )
   mask = rank_mask([8, 3, 0, 8, 5, 8, 1, 8], 8)
   probe = jax.random.normal(jax.random.key(5), x.shape)
-  valid = np.asarray(mask)[:, None]
-
-  def outputs_and_gradients(config):
-    def loss(params, x):
-      y, _ = moe_apply(params, poison(x, mask), config=config, token_mask=mask)
-      y = jnp.where(valid, y, 0.0)
-      return jnp.sum(y * probe), y
-
-    (_, y), (d_params, d_x) = jax.value_and_grad(loss, (0, 1), has_aux=True)(params, x)
-    return dict(
-      y=y, x=np.where(valid, d_x, 0.0), w_gate_up=d_params.w_gate_up, w_down=d_params.w_down,
-      router=d_params.router_kernel,
-    )  # fmt: skip
-
-  ours, emulated = outputs_and_gradients(fused), outputs_and_gradients(config)
+  on = lambda config: outputs_and_gradients(poisoned_layer(config, mask), params, x, mask, probe)
+  ours, emulated = on(fused), on(config)
   for name, want in emulated.items():
     error = np.linalg.norm(ours[name] - want) / np.linalg.norm(want)
     assert error <= 1e-5, (name, error)
+
+
+def poisoned_layer(config: MoEConfig, mask: jax.Array):
+  """(params, x) -> the layer's output, x's masked rows poisoned (NaN)."""
+  return lambda p, x: moe_apply(p, poison(x, mask), config=config, token_mask=mask)[0]
+
+
+def outputs_and_gradients(layer, params, x, mask, probe) -> dict:
+  """`layer(params, x)` on the rows `mask` keeps, and the gradients of x (on them), both
+  expert matrices and the router for the loss sum(y * probe)."""
+  valid = np.asarray(mask)[:, None]
+
+  def loss(params, x):
+    y = jnp.where(valid, layer(params, x), 0.0)
+    return jnp.sum(y * probe), y
+
+  (_, y), (d_params, d_x) = jax.value_and_grad(loss, (0, 1), has_aux=True)(params, x)
+  return dict(
+    y=y, x=np.where(valid, d_x, 0.0), w_gate_up=d_params.w_gate_up, w_down=d_params.w_down,
+    router=d_params.router_kernel,
+  )  # fmt: skip
 
 
 def assert_quantized_and_sane(checked: dict) -> None:
@@ -357,23 +365,10 @@ def test_the_fp8_kernels_compute_the_emulating_tile_loops_products():
     assert plan_experts(kernels, num_rows=64, local_experts=8) == ExpertPlan(
       path="pallas", backend="mosaic", interpret=True
     )
-  valid = np.asarray(mask)[:, None]
-
-  def gradients(layer):
-    def f(params, x):
-      y = jnp.where(valid, layer(params, x), 0.0)
-      return jnp.sum(y * probe), y
-
-    (_, y), (d_params, d_x) = jax.value_and_grad(f, (0, 1), has_aux=True)(params, x)
-    return dict(
-      y=y, x=np.where(valid, d_x, 0.0), w_gate_up=d_params.w_gate_up, w_down=d_params.w_down,
-      router=d_params.router_kernel,
-    )  # fmt: skip
-
-  on = lambda config: lambda p, x: moe_apply(p, poison(x, mask), config=config, token_mask=mask)[0]
+  gradients = lambda layer: outputs_and_gradients(layer, params, x, mask, probe)
   with pytest.warns(UserWarning, match="Mosaic GPU interpreter"):
-    ours = gradients(on(kernels))
-  emulated = gradients(on(config))
+    ours = gradients(poisoned_layer(kernels, mask))
+  emulated = gradients(poisoned_layer(config, mask))
   unquantized = gradients(lambda p, x: reference_moe(p, x, CONFIG, mask))
   error = lambda name: np.linalg.norm(ours[name] - emulated[name]) / np.linalg.norm(emulated[name])
   assert_equal_but_a_rounding_flip(ours["y"], emulated["y"])
