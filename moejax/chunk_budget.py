@@ -106,7 +106,8 @@ def fused_bytes(config: MoEConfig, received: int, axis_size: int, path: ExpertPa
   output [D] in the compute dtype, and for the gradient the kept gate|up [2F], their
   cotangent [2F], the recomputed hidden [F] and the rows' cotangent [D] in float32; under
   `compute_quant` the e4m3 copies of the products' operands (hidden, d(gate|up) twice, and
-  the weight gradients' x, hidden and dout rows, one byte a value); plus a tile of padding
+  the weight gradients' x, hidden and dout rows, one byte a value); with output norms the
+  unweighted rows kept [D] and dout read onto the rows [D] in float32; plus a tile of padding
   per local expert."""
   if path != "fused":
     return 0
@@ -116,7 +117,8 @@ def fused_bytes(config: MoEConfig, received: int, axis_size: int, path: ExpertPa
   block_m = fused_moe.FP8_BLOCKS.block_m if config.compute_quant else 64  # else block_m <= 64
   aligned = received * config.top_k + local_experts * block_m
   fp8_copies = 2 * d + 6 * f if config.compute_quant else 0
-  return aligned * ((6 * f + d) * itemsize + d * F32 + fp8_copies)
+  normed = 2 * d * F32 if config.expert_output_norm_eps is not None else 0
+  return aligned * ((6 * f + d) * itemsize + d * F32 + fp8_copies + normed)
 
 
 def chunk_bytes(

@@ -9,7 +9,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernels_pallas.fused_moe import batch_invariant_blocks, counted_layout, fused_moe_mlp
+from kernels_pallas.fused_moe import (
+  batch_invariant_blocks,
+  counted_layout,
+  fp8_matrix,
+  fused_moe_mlp,
+)
 from kernels_pallas.gmm_triton import TritonBlocks
 from moejax import MoEConfig
 from moejax.activations import GATED, GatedActivation
@@ -425,3 +430,15 @@ def test_a_shape_that_disagrees_is_named():
     call(b_gate_up=jnp.zeros((4, 64)), b_down=jnp.zeros((4, 16)))
   with pytest.raises(ValueError, match="b_gate_up and b_down are given together or not at all"):
     call(b_down=jnp.zeros((4, 32)))
+  lora = _adapters(1, rank=4)
+  with pytest.raises(
+    ValueError, match=r"^lora.down_b has shape \(4, 4, 16\); expected \(4, 4, 32\)$"
+  ):
+    call(lora=(*lora[:3], lora[3][..., :16]))
+  with pytest.raises(ValueError, match="fp8_matrices are read under compute_quant only"):
+    call(fp8_matrices=(fp8_matrix(w_gate_up), fp8_matrix(w_down)))
+  narrow = (fp8_matrix(w_gate_up), fp8_matrix(w_down[..., :16]))
+  with pytest.raises(
+    ValueError, match=r"^fp8_matrices' w_down has shape \(4, 32, 16\); expected \(4, 32, 32\)$"
+  ):
+    call(compute_quant="fp8_deepseek", fp8_matrices=narrow)

@@ -197,6 +197,32 @@ def test_the_fused_layer_compiles_quantized_experts(gpu, quantized):
     assert fp8_kernels == (0 if config.compute_quant is None else 5 if gradient else 2)
 
 
+def test_training_only_the_adapters_runs_no_base_weight_gradient_kernel():
+  """The fused backward computes every gradient it can (a `custom_vjp` cannot ask which are
+  wanted), but on the GPU XLA drops the kernels whose results are unused: the gradient of the
+  adapters alone keeps their four weight-gradient kernels ([El, ., r] or [El, r, .]) and
+  none of the base matrices' ([El, D, 2F], [El, F, D])."""
+  mesh = targets.target_mesh("h100", (1, 8))
+  config = MoEConfig(**LAYER, **BF16, lora_rank=8, expert_backend="fused")
+  params, x = abstract_params(config, mesh), abstract_tokens(config, mesh)
+
+  def loss(lora, params, x):
+    y = moe_apply(params._replace(lora=lora), x, config=config, mesh=mesh)[0]
+    return jnp.sum(y.astype(jnp.float32))
+
+  with platform.running_on(mesh.devices.flat[0]), jax.set_mesh(mesh), expect_triton_deprecation():
+    compiled = jax.jit(jax.grad(loss)).lower(params.lora, params, x).compile()
+  weight_grads = [
+    re.search(r"= f32\[(\d+),(\d+),(\d+)\]", line).groups()
+    for line in compiled.as_text().splitlines()
+    if "xla.gpu.triton" in line and "fused_moe_weight_grad" in line
+  ]
+  rank = 64  # the rank padded to the kernels' blocks
+  assert len(weight_grads) == 4 and all(str(rank) in shape[1:] for shape in weight_grads), (
+    weight_grads
+  )
+
+
 @pytest.mark.parametrize("gpu", ["h100", "h200"])
 def test_the_fp8_kernels_compile_for_hopper(gpu):
   """kernels_pallas/gmm_fp8.py's forward, and its VJP's dgrad and wgrad (wgmma on e4m3 tiles
