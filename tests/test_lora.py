@@ -94,7 +94,7 @@ def expect_path(config: MoEConfig, path: str, monkeypatch) -> None:
     (dict(dispatch="all_to_all", expert_fsdp=True, lora_rslora=True), (2, 4), "tile_loop"),
     (dict(expert_backend="xla", activation="gelu"), None, "ragged_dot"),
     (dict(expert_backend="pallas", dispatch="all_to_all"), (2, 4), "pallas"),
-    (dict(expert_backend="fused", expert_bias=True), None, "fused"),
+    (dict(expert_backend="fused", expert_bias=True, expert_output_norm_eps=1e-6), None, "fused"),
     slow(dict(expert_backend="fused", dispatch="all_to_all"), (2, 4), "fused"),
   ],
   ids=[
@@ -102,13 +102,14 @@ def expect_path(config: MoEConfig, path: str, monkeypatch) -> None:
     "2x4-all_to_all-fsdp-rslora",
     "ragged_dot-gelu",
     "pallas-2x4",
-    "fused-biases",
+    "fused-biases-output-norm",
     "fused-2x4",
   ],
 )
 def test_adapters_match_the_reference(options, mesh_shape, path, request, monkeypatch):
   """Output and every gradient (base, adapters, router, x) as the reference computes them
-  with W + s·A·B per expert, on NaN-poisoned padding, on each expert path."""
+  with W + s·A·B per expert, on NaN-poisoned padding, on each expert path (the fused one
+  with output norms too: its backward's aligned cotangent reaches the adapters)."""
   seed = seed_of(request.node.name)
   config = dataclasses.replace(BASE, **options)
   expect_path(config, path, monkeypatch)
