@@ -264,16 +264,27 @@ def fp8_recipe_written_out(
   return y, (d_x, d_weights, *d_matrices, *d_biases)
 
 
-def test_fp8_compute_is_the_recipe_written_out_forward_and_backward():
+def assert_equal_but_rounding_flips(got, want, what: str, flips: int = 3) -> None:
+  """got [units, n] equals want to 1e-5 (each unit's error over want's Frobenius norm) but
+  for at most `flips` units, off by at most 1e-3 (measured at 1100 tokens x 4: one row of
+  dx, one column of dW_gate_up, 1e-4 each)."""
+  errors = np.sort(np.linalg.norm(got - want, axis=1)) / np.linalg.norm(want)
+  assert errors[-flips - 1] <= 1e-5 and errors[-1] <= 1e-3, (what, errors[-flips - 1 :])
+
+
+@pytest.mark.parametrize("tokens, top_k", [(160, 2), slow(1100, 4)], ids=["160x2", "1100x4"])
+def test_fp8_compute_is_the_recipe_written_out_forward_and_backward(tokens, top_k):
   """compute_quant="fp8_deepseek" (e4m3 products scaled per 128 of the contraction, float32
-  sums): the output and every gradient equal the recipe written out (1e-5, relative), and
-  differ from the unquantized MLP (> 1e-3: the quantization happens). Uneven loads: one
-  expert's rows span two of the weight gradients' token groups, one expert is empty, a
+  sums): the output and every gradient equal the recipe written out (1e-5, relative; but
+  for a few rounding flips where a value is quantized that the kernels and the recipe
+  compute an ulp apart), and differ from the unquantized MLP (> 1e-3: the quantization
+  happens). Uneven loads: one expert's rows span two of the weight gradients' token groups
+  (147 rows; at 1100 tokens x 4 choices 2184 rows, 18 groups), one expert is empty, a
   quarter of the assignments are held elsewhere; with biases."""
-  hidden_width, top_k = 128, 2
-  ids = _uneven_ids(160, top_k, seed=2)
+  hidden_width = 128
+  ids = _uneven_ids(tokens, top_k, seed=2)
   keys = jax.random.split(jax.random.key(7), 7)
-  x = jax.random.normal(keys[0], (160, 128))
+  x = jax.random.normal(keys[0], (tokens, 128))
   weights = jax.random.uniform(keys[1], ids.shape, minval=0.1)
   w_gate_up = jax.random.normal(keys[2], (LOCAL_EXPERTS, 128, 2 * hidden_width)) / 8
   w_down = jax.random.normal(keys[3], (LOCAL_EXPERTS, hidden_width, 128)) / 8
@@ -287,9 +298,24 @@ def test_fp8_compute_is_the_recipe_written_out_forward_and_backward():
   )
   y, fused_vjp = jax.vjp(fused, *operands)
   want_y, want_grads = fp8_recipe_written_out(activation, x, ids, *operands[1:], probe)
+  # What one rounding flip moves (a value the kernels and the recipe compute an ulp apart, on
+  # an e4m3 boundary), as the rows of [units, n]: hidden's per row, a row of y; d(gate|up)'s
+  # per token, a row of dx; d(gate|up)'s along the tokens, a column of an expert's
+  # dW_gate_up; hidden's along them, a row of its dW_down. The other arrays' quantized
+  # operands are the inputs': no flip.
+  flip_units = {
+    "y": lambda a: a,
+    "x": lambda a: a,
+    "w_gate_up": lambda a: jnp.swapaxes(a, 1, 2).reshape(-1, a.shape[1]),
+    "w_down": lambda a: a.reshape(-1, a.shape[2]),
+  }
   names = ("y", "x", "weights", "w_gate_up", "w_down", "b_gate_up", "b_down")
   for name, got, want in zip(names, (y, *fused_vjp(probe)), (want_y, *want_grads), strict=True):
-    assert relative_error(got, want) <= 1e-5, (name, relative_error(got, want))
+    if name in flip_units:
+      units = flip_units[name]
+      assert_equal_but_rounding_flips(np.asarray(units(got)), np.asarray(units(want)), name)
+    else:
+      assert relative_error(got, want) <= 1e-5, (name, relative_error(got, want))
   unquantized = per_assignment(GatedActivation("silu"), x, ids, *operands[1:])
   assert relative_error(y, unquantized) > 1e-3
 
