@@ -235,7 +235,8 @@ class MoEConfig:
       product's contraction; D and F multiples of 32). The scales, product by product:
       `moejax.compute_quant`. Runs on the tile loop (emulated), "fp8_deepseek" with
       `expert_backend="pallas"` on Hopper's fp8 kernels (`moejax.plan.fp8_kernel_reason`)
-      and with "fused" on the fused kernels' e4m3 products; not with `expert_quant`.
+      and with "fused" on the fused kernels' e4m3 products, with "auto" where a tuning file
+      measured one of them fastest for the recipe; not with `expert_quant`.
     dispatch_quant: None, or "fp8": the rows the expert axis exchanges travel as
       float8_e4m3fn values with a float32 scale per 1x128 group (half bf16's bytes),
       dequantized on arrival; their cotangents return unquantized (`moejax.fp8_exchange`).

@@ -35,7 +35,8 @@ one), else the XLA path. With `batch_invariant=True` every backend but "pallas" 
 tile loop emulates every recipe; "pallas" takes the Hopper fp8 kernels
 (`kernels_pallas.gmm_fp8`) for "fp8_deepseek" where they run the config (`fp8_kernel_reason`),
 "fused" the fused kernels on e4m3 operands where they run it (`fused_unsupported_reason`: not
-with `batch_invariant`).
+with `batch_invariant`), "auto" the path a tuning file measured fastest for the recipe (its
+entries name it), else the tile loop.
 LoRA adapters change no choice: every path adds their products (the sorted paths in unfused
 grouped matmuls, `experts.adapted_mlp`; the fused path in its own kernels).
 """
@@ -139,7 +140,7 @@ def choose_plan(config: MoEConfig, num_rows: int, local_experts: int) -> ExpertC
   case = expert_case(config)
   kernel = select_kernel(case)
   if config.compute_quant is not None:
-    return _quantized_compute_choice(config)
+    return _quantized_compute_choice(config, num_rows, local_experts)
   if config.expert_backend == "fused":
     return _fused_choice(config)
   if config.expert_backend == "pallas":
@@ -214,11 +215,16 @@ def fp8_kernel_reason(config: MoEConfig) -> str | None:
   return None
 
 
-def _quantized_compute_choice(config: MoEConfig) -> ExpertChoice:
+def _quantized_compute_choice(config: MoEConfig, num_rows: int, local_experts: int) -> ExpertChoice:
   """For `compute_quant`: the Hopper fp8 kernels where `expert_backend="pallas"` asks and
   they run the config, the fused kernels where "fused" asks and they run it (interpreted on a
-  CPU), else the tile loop, the path that emulates every recipe; a warning where kernels were
-  asked for and not taken."""
+  CPU), with "auto" the path a tuning file measured fastest for the recipe, else the tile
+  loop, the path that emulates every recipe; a warning where kernels were asked for and not
+  taken."""
+  if config.expert_backend == "auto":
+    found = tuning.measured(config, num_rows, local_experts)
+    if found is not None:
+      return ExpertChoice(_tuned_plan(found, config), None, found.reason(num_rows), found)
   why = f"compute_quant={config.compute_quant!r} runs on the tile loop"
   if config.expert_backend == "fused":
     reason = fused_unsupported_reason(config)
@@ -272,6 +278,8 @@ def _tuned_plan(found: tuning.Measured, config: MoEConfig) -> ExpertPlan:
     return ExpertPlan(path="tile_loop")
   if chosen.path == "fused":
     why = fused_unsupported_reason(config)
+  elif config.compute_quant is not None:  # the Hopper fp8 kernels
+    why = fp8_kernel_reason(config) if chosen.backend == "mosaic" else "no fp8 kernel"
   elif chosen.backend == tokamax_experts.TOKAMAX:
     why = tokamax_experts.unsupported_reason(case)
   else:
@@ -281,6 +289,8 @@ def _tuned_plan(found: tuning.Measured, config: MoEConfig) -> ExpertPlan:
       f"tuning file {found.source} names {chosen.name} for a case it cannot run ({why})"
     )
   blocks = chosen.blocks and BACKENDS[chosen.backend].blocks_type(**chosen.blocks)
+  if config.compute_quant is not None:  # the fp8 kernels' own blocks
+    blocks = fused_moe.FP8_BLOCKS if chosen.path == "fused" else None
   return ExpertPlan(
     path=chosen.path, backend=chosen.backend, interpret=platform.on_cpu(), blocks=blocks
   )

@@ -1,19 +1,20 @@
-"""Measuring a layer's expert paths on the device it runs on: `moejax.tune` and
-`python -m moejax tune`.
+"""Measuring a layer's expert paths on the device it runs on: `moejax.tune` and `python -m moejax
+tune`.
 
-For each call size the layer makes (a decode-size call, one token per device; and the
-chunk of `tokens_per_device` tokens the chunk budget picks), every candidate path the device
-can run (the tile loop and ragged_dot everywhere; on a GPU each `kernels_pallas` kernel made
-for it) runs the whole layer, forced onto that path: first its output and gradients (x and
-every float parameter) are checked against `reference_moe` in float32 on fresh random inputs
-whose padding is NaN (within `moejax.testing.RELATIVE_BOUNDS`); a candidate that fails, raises or
-runs past `timeout_s` is recorded so and never chosen. Then the passing ones are timed
-(device-synchronised, the median of `repeats` calls after a warm-up) and the fastest is the
-case's winner (forward+backward, or forward with `forward_only`). The entries go to the
+For each call size the layer makes (a decode-size call, one token per device; and the chunk of
+`tokens_per_device` tokens the chunk budget picks), every candidate path the device can run
+(the tile loop and ragged_dot everywhere; on a GPU each `kernels_pallas` kernel made for it)
+runs the whole layer, forced onto that path: first its output and gradients (x and every float
+parameter) are checked against `reference_moe` in float32 on fresh random inputs whose padding
+is NaN (within `moejax.testing.RELATIVE_BOUNDS`; with `compute_quant`, against the tile loop's
+emulation of the recipe, each other candidate an fp8 kernel that runs it); a candidate that
+fails, raises or runs past `timeout_s` is recorded so and never chosen. Then the passing ones
+are timed (device-synchronised, the median of `repeats` calls after a warm-up) and the fastest
+is the case's winner (forward+backward, or forward with `forward_only`). The entries go to the
 device kind's tuning file (`moejax.tuning`), which `expert_backend="auto"` then follows.
 
-A call cannot be interrupted: `timeout_s` bounds a candidate's first (compiling) call after
-the fact, and a candidate past it is not timed further.
+A call cannot be interrupted: `timeout_s` bounds a candidate's first (compiling) call after the
+fact, and a candidate past it is not timed further.
 """
 
 from __future__ import annotations
@@ -33,14 +34,14 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from kernels_pallas import platform
+from kernels_pallas import fused_moe, platform
 from kernels_pallas.backends import BACKENDS, REFERENCE, unsupported_reason
 from moejax import files, tokamax_experts, tuning
 from moejax.call_plan import plan_call
 from moejax.config import MoEConfig
 from moejax.forward import moe_apply
 from moejax.layer import MoELayer
-from moejax.plan import expert_case, fused_unsupported_reason
+from moejax.plan import expert_case, fp8_kernel_reason, fused_unsupported_reason
 from moejax.reference import reference_moe
 from moejax.testing import RELATIVE_BOUNDS, poison, rank_mask, relative_error
 from moejax.tokamax_experts import TOKAMAX
@@ -154,9 +155,12 @@ def call_sizes(config: MoEConfig, mesh: Mesh | None, tokens_per_device: int) -> 
 def candidates(config: MoEConfig, mesh: Mesh | None) -> list[tuning.Candidate]:
   """The paths the target device can run the config's experts on (not yet measured): the
   tile loop, ragged_dot where XLA runs the case, and on a GPU each kernel made for it and the
-  fused path where it runs the case."""
+  fused path where it runs the case. With `compute_quant`: the tile loop (the recipe
+  emulated) and on a GPU the fp8 kernels that run it (`fp8_candidates`)."""
   case = expert_case(config)
   found = [tuning.Candidate(path="tile_loop", status="passed")]
+  if config.compute_quant is not None:
+    return found + fp8_candidates(config, mesh)
   with _running_on(mesh):
     if unsupported_reason(REFERENCE, case) is None:
       found.append(tuning.Candidate(path="ragged_dot", backend=REFERENCE, status="passed"))
@@ -176,6 +180,22 @@ def candidates(config: MoEConfig, mesh: Mesh | None) -> list[tuning.Candidate]:
           ]
       if fused_unsupported_reason(config) is None:
         found.append(tuning.Candidate(path="fused", backend="triton", status="passed"))
+  return found
+
+
+def fp8_candidates(config: MoEConfig, mesh: Mesh | None) -> list[tuning.Candidate]:
+  """On a GPU, the kernels that run the config's `compute_quant`: the Hopper fp8 kernels
+  (`moejax.plan.fp8_kernel_reason`) and the fused path's (`fused_unsupported_reason`)."""
+  found = []
+  with _running_on(mesh):
+    if not platform.on_cpu():
+      if fp8_kernel_reason(config) is None:
+        found.append(tuning.Candidate(path="pallas", backend="mosaic", status="passed"))
+      if fused_unsupported_reason(config) is None:
+        blocks = dataclasses.asdict(fused_moe.FP8_BLOCKS)  # what its plan takes
+        found.append(
+          tuning.Candidate(path="fused", backend="triton", blocks=blocks, status="passed")
+        )
   return found
 
 
@@ -216,8 +236,14 @@ def _measure(
   shape = (devices * per_device, config.hidden_size)
   with _ambient(mesh):
     inputs = _inputs(config, mesh, shape, seed)
-  # The float32 reference, on one device (host copies of the inputs).
-  reference = _outputs(reference_moe, config, None, jax.tree.map(np.asarray, inputs))
+  # The float32 reference, on one device (host copies of the inputs); with compute_quant the
+  # recipe as the tile loop emulates it (the kernels' numerics, up to rounding flips).
+  host_inputs = jax.tree.map(np.asarray, inputs)
+  if config.compute_quant is None:
+    reference = _outputs(reference_moe, config, None, host_inputs)
+  else:
+    emulated = dataclasses.replace(config, expert_backend="xla")
+    reference = _outputs(moe_apply, emulated, None, host_inputs)
   results = []
   for candidate in candidates(config, mesh):
     with _ambient(mesh), tuning.forcing(case, rows, candidate):

@@ -220,8 +220,10 @@ def _installed(package: str) -> str | None:
 
 
 def case_of(config: MoEConfig, local_experts: int) -> dict[str, Any]:
-  """The fields of a call an entry must match: what the expert computation is."""
-  return {
+  """The fields of a call an entry must match: what the expert computation is. fp8 compute
+  ("compute_quant") and output norms ("expert_output_norm": true) are named only where a
+  config has them, so that entries written before they were keys keep their cases."""
+  case = {
     "dtype": jax.numpy.dtype(config.dtype).name,
     "param_dtype": jax.numpy.dtype(config.param_dtype).name,
     "activation": config.activation,
@@ -233,6 +235,11 @@ def case_of(config: MoEConfig, local_experts: int) -> dict[str, Any]:
     "local_experts": local_experts,
     "top_k": config.top_k,
   }
+  if config.compute_quant is not None:
+    case["compute_quant"] = config.compute_quant
+  if config.expert_output_norm_eps is not None:
+    case["expert_output_norm"] = True
+  return case
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -597,6 +597,16 @@ def test_tuning_times_the_block_configurations_the_registry_names():
   assert len(BACKENDS["mosaic"].candidate_blocks) > 1 and names[0] == "tile_loop"
 
 
+def test_tuning_fp8_compute_times_the_kernels_that_run_the_recipe():
+  """With compute_quant="fp8_deepseek", `moejax.tune`'s candidates are the emulating tile
+  loop and the fp8 kernels: on an H100 the Hopper ones and the fused path's, on a B200 (no
+  wgmma) the fused path's alone."""
+  config = MoEConfig(**LAYER, **BF16, compute_quant="fp8_deepseek")
+  names = lambda gpu: [c.name for c in tuner.candidates(config, targets.target_mesh(gpu, (1, 8)))]
+  assert names("h100") == ["tile_loop", "pallas:mosaic", "fused"]
+  assert names("b200") == ["tile_loop", "fused"]
+
+
 def test_auto_follows_a_tuning_entry_for_the_h200(tmp_path, monkeypatch):
   """With an entry naming the Mosaic kernel for the call, the H200 program runs it; without
   one, XLA; with an entry of another JAX version, XLA and a notice."""

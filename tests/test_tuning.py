@@ -12,6 +12,7 @@ from flax import nnx
 
 import kernels_pallas
 import moejax
+from kernels_pallas.fused_moe import FP8_BLOCKS
 from kernels_pallas.gmm_triton import TritonBlocks
 from moejax import experts, tokamax_experts, tuning
 from moejax.apps.cli import main
@@ -219,6 +220,45 @@ def test_a_fused_entry_plans_the_fused_path_where_it_runs(cache):
   cannot = r"names fused for a case it cannot run \(the fused kernels need intermediate_size=24"
   with pytest.raises(tuning.TuningFileError, match=cannot):
     moejax.plan_call(odd, (TOKENS, 16))
+
+
+@pytest.mark.filterwarnings("ignore:expert_backend='fused' on a CPU")
+def test_fp8_compute_follows_the_entries_measured_for_its_recipe(cache):
+  """With compute_quant, `auto` reads the entries whose case names the recipe: none, the
+  tile loop (the recipe emulated; a bf16 entry of the same widths does not apply); a fused
+  winner, the fused path at its fp8 blocks; a winner that has no fp8 kernel, an error. On a
+  CPU `tune` measures the tile loop alone, against the recipe's emulation."""
+  fp8 = dataclasses.replace(
+    CONFIG, hidden_size=128, intermediate_size=128, compute_quant="fp8_deepseek"
+  )
+  # Tuning it on a CPU: the tile loop alone, checked against the recipe's emulation (itself).
+  table = moejax.tune(fp8, tokens_per_device=TOKENS, repeats=1, write=False)
+  assert sorted(entry.rows for entry in table.entries) == [2, 2 * TOKENS]
+  for entry in table.entries:
+    assert entry.case == tuning.case_of(fp8, 8) and entry.winner == "tile_loop"
+    (candidate,) = entry.candidates
+    assert candidate.status == "passed" and max(candidate.error, candidate.grad_error) < 1e-6
+  bf16_case = tuning.case_of(dataclasses.replace(fp8, compute_quant=None), 8)
+  fused = tuning.Candidate(
+    path="fused", backend="triton", blocks=dataclasses.asdict(FP8_BLOCKS), status="passed"
+  )
+  write_entry(tuning.user_file("cpu"), case=bf16_case, candidates=(fused,), winner="fused")
+  assert moejax.plan_call(fp8, (TOKENS, 128)).expert == ExpertPlan(path="tile_loop")
+  write_entry(
+    tuning.user_file("cpu"), case=tuning.case_of(fp8, 8), candidates=(fused,), winner="fused"
+  )
+  call = moejax.plan_call(fp8, (TOKENS, 128))
+  assert call.expert == ExpertPlan(
+    path="fused", backend="triton", interpret=True, blocks=FP8_BLOCKS
+  )
+  assert "measured fused fastest" in call.expert_reason
+  triton = tuning.Candidate(path="pallas", backend="triton", status="passed")
+  write_entry(
+    tuning.user_file("cpu"), case=tuning.case_of(fp8, 8), candidates=(triton,),
+    winner="pallas:triton",
+  )  # fmt: skip
+  with pytest.raises(tuning.TuningFileError, match=r"pallas:triton .* \(no fp8 kernel\)"):
+    moejax.plan_call(fp8, (TOKENS, 128))
 
 
 def test_a_tokamax_entry_runs_tokamaxs_ragged_dot(cache, request):
