@@ -34,9 +34,9 @@ one), else the XLA path. With `batch_invariant=True` every backend but "pallas" 
 (at fixed blocks) takes the tile loop, whatever the call's size. With `compute_quant` the
 tile loop emulates every recipe; "pallas" takes the Hopper fp8 kernels
 (`kernels_pallas.gmm_fp8`) for "fp8_deepseek" where they run the config (`fp8_kernel_reason`),
-"fused" the fused kernels on e4m3 operands where they run it (`fused_unsupported_reason`: not
-with `batch_invariant`), "auto" the path a tuning file measured fastest for the recipe (its
-entries name it), else the tile loop.
+"fused" the fused kernels on e4m3 operands where they run it (`fused_unsupported_reason`;
+at fixed blocks, so batch-invariant too), "auto" the path a tuning file measured fastest for
+the recipe (its entries name it), else the tile loop.
 LoRA adapters change no choice: every path adds their products (the sorted paths in unfused
 grouped matmuls, `experts.adapted_mlp`; the fused path in its own kernels).
 """
@@ -189,8 +189,6 @@ def fused_unsupported_reason(config: MoEConfig) -> str | None:
     block = kernel_block(config.expert_quant, config.quant_block)
     forms = (fused_moe.WeightForm(config.expert_quant, block),)
   if config.compute_quant is not None:
-    if config.batch_invariant:
-      return "they take calls without batch invariance, not batch_invariant=True"
     blocks = fused_moe.FP8_BLOCKS
   else:
     blocks = fused_moe.default_blocks(0, width, hidden)
@@ -255,7 +253,7 @@ def _fused_choice(config: MoEConfig) -> ExpertChoice:
     return ExpertChoice(ExpertPlan(path="tile_loop"), warning, f"expert_backend='fused', but {why}")
   reason = "expert_backend='fused': the whole expert MLP on rows read by index (Pallas Triton)"
   blocks = None  # the kernels' choice, by the call's size
-  if config.compute_quant is not None:
+  if config.compute_quant is not None:  # fixed blocks: batch-invariant too
     blocks = fused_moe.FP8_BLOCKS
     reason += f", its products in fp8 (compute_quant={config.compute_quant!r})"
   elif config.batch_invariant:

@@ -59,8 +59,19 @@ CASES = {
     SIZES[:4],
     (4,),
   ),
+  "fused-fp8-one_device": (  # fp8_deepseek's 128-wide groups; interpreted, slow tier
+    dict(
+      expert_backend="fused",
+      compute_quant="fp8_deepseek",
+      hidden_size=128,
+      intermediate_size=128,
+    ),
+    None,
+    SIZES[:4],
+    (4,),
+  ),
 }
-SLOW_CASES = ("fused-f32-one_device",)
+SLOW_CASES = ("fused-f32-one_device", "fused-fp8-one_device")
 FORMATS = ("fp8_block", "mxfp4", "nvfp4", "int4_group")
 
 
