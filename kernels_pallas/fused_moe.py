@@ -227,6 +227,8 @@ def unsupported_reason(
 def _fp8_reason(
   blocks: TritonBlocks, forms: tuple[WeightForm, ...], compute_quant: str
 ) -> str | None:
+  """Why the kernels cannot run `compute_quant` with `blocks` on matrices in `forms`, or
+  None."""
   if compute_quant != "fp8_deepseek":
     return f"they run compute_quant='fp8_deepseek', not {compute_quant!r}"
   if any(form.format is not None for form in forms):
@@ -487,8 +489,7 @@ def _plus_low_rank(products, low_ref, low_w_ref, tile, expert, columns, *, trans
 
 def _up_kernel(
   tile_expert_ref, num_tiles_ref, row_assignment_ref, x_ref, x_scales_ref, w_ref, w_scales_ref,
-  low_ref,
-  low_w_ref, bias_ref, hidden_ref, *pre_refs, top_k, biased, low_rank, form, settings,
+  low_ref, low_w_ref, bias_ref, hidden_ref, *pre_refs, top_k, biased, low_rank, form, settings,
 ):  # fmt: skip
   """One (tile, F block): hidden = act(x[rows] @ W_gate_up[e] (+ x_low[rows] @ B[e] with
   `low_rank`, + b_gate_up[e] if `biased`)); gate|up kept with `pre_refs`."""
@@ -793,15 +794,13 @@ def _token_quantized(lhs, rhs, row_weight, layout: FusedLayout, *, gather):
   aligned rows, gathered and weighted here (in XLA: e4m3 copies, one byte a value), rows that
   hold no assignment zero, quantized along the tokens in groups of 128 (a tile's rows):
   (L [Ma, K] e4m3, its scales [K, Ma/128], R [Ma, N] e4m3, its scales [Ma/128, N])."""
-  tokens, top_k = layout.slot.shape
-  held = (layout.row_assignment < tokens * top_k)[:, None]
-  source = jnp.minimum(layout.row_assignment // top_k, tokens - 1)
+  held, source = _held_and_source(layout)
   if gather == "lhs":
     lhs = jnp.take(lhs, source, axis=0)
   if gather == "rhs":
     rhs = jnp.take(rhs, source, axis=0).astype(jnp.float32) * row_weight[:, None]
-  lhs_values, lhs_scales = quantize_groups(jnp.where(held, lhs, 0), (GROUP, 1))
-  rhs_values, rhs_scales = quantize_groups(jnp.where(held, rhs, 0), (GROUP, 1))
+  lhs_values, lhs_scales = quantize_groups(jnp.where(held[:, None], lhs, 0), (GROUP, 1))
+  rhs_values, rhs_scales = quantize_groups(jnp.where(held[:, None], rhs, 0), (GROUP, 1))
   return lhs_values, lhs_scales.T, rhs_values, rhs_scales
 
 
