@@ -26,12 +26,18 @@ stop the others), each writing `DIR/<part>.json` as it goes:
   chunks     the layer's forward on DeepSeek-V3's expert shard (one device, bf16) with
              chunk_size="auto" (the default, by the GPU's memory) against 256, at 2048 and
              16384 tokens: the GPU default, measured
+  fp8_train  `python -m moejax train`'s small model (one device, D = F = 128, 200 steps) without
+             and with compute_quant="fp8_deepseek" on each expert path that runs it (the tile
+             loop's emulation, the Hopper fp8 kernels, the fused path), the same seed and
+             data: each run's mean loss over its last 20 steps, and fp8's relative difference
+             from the unquantized run's
   tune       (its own run: `--parts tune`) `moejax.tune` on a layer of DeepSeek-V3's shape
              class: every expert path checked and timed, DIR/tuning/tuning-<device>.json
              written (the shipped table's format; about 12 s a candidate on an H200, 5 min)
 
 A run's default is `DEFAULT_PARTS` (whole_layer, test_base, layer, bench: 480 s); xla_paths,
-decode, quant and chunks, measured in the runs docs/performance.md records, run when named.
+decode, quant and chunks, measured in the runs docs/performance.md records, and fp8_train
+run when named.
 
 Each part's JSON header records what moejax plans with on the device
 (`kernels_pallas.platform.Target`) beside what the device reports and the known GPUs' table
@@ -81,6 +87,7 @@ LIMITS = {
   "decode": 35,
   "quant": 60,
   "chunks": 35,
+  "fp8_train": 240,
   "tune": 360,
 }
 
@@ -405,6 +412,50 @@ def part_chunks(out: Path, smoke: bool, record: Recorder) -> None:
     record.case(f"chunk_size={chunk} T={tokens}", measure)
 
 
+# `python -m moejax train`'s flags shared by fp8_train's runs: the small model at fp8_deepseek's
+# group width, on the first device.
+FP8_TRAIN_FLAGS = ("--hidden", "128", "--intermediate", "128", "--batch-size", "8", "--mesh", "1x1")
+FP8_TRAIN_TAIL = 20  # steps whose losses each run's mean takes
+
+
+def part_fp8_train(out: Path, smoke: bool, record: Recorder) -> None:
+  """Training with compute_quant="fp8_deepseek" against the same run unquantized: one row per
+  run, with its mean loss and task loss over its last `FP8_TRAIN_TAIL` steps and, for the fp8
+  runs, their relative difference from the unquantized run's; the warnings a run gave (a
+  backend it could not run says so there). The smoke run trains 3 steps on the tile loop only."""
+  import tempfile
+
+  from moejax.apps import train
+  from moejax.apps.cli import parser
+
+  steps = 3 if smoke else 200
+  fp8 = ("--compute-quant", "fp8_deepseek")
+  runs = {"unquantized": ("--backend", "auto"), "fp8_deepseek xla": ("--backend", "xla", *fp8)}
+  if not smoke:
+    runs |= {f"fp8_deepseek {b}": ("--backend", b, *fp8) for b in ("pallas", "fused")}
+  baseline = {}
+
+  for name, flags in runs.items():
+
+    def measure(flags=flags):
+      with tempfile.TemporaryDirectory() as folder, warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        checkpoint = f"{folder}/checkpoint"
+        args = parser().parse_args(
+          ["train", *FP8_TRAIN_FLAGS, "--steps", str(steps), "--checkpoint", checkpoint, *flags]
+        )
+        tail = train.run(args, mesh_shape=(1, 1))[-FP8_TRAIN_TAIL:]
+      row = {key: sum(r[key] for r in tail) / len(tail) for key in ("loss", "task_loss")}
+      if baseline:
+        row |= {f"{key}_vs_unquantized": row[key] / baseline[key] - 1 for key in baseline}
+      else:
+        baseline.update(row)
+      notices = sorted({str(w.message)[:200] for w in said})
+      return dict(steps=steps, **row, **({"warnings": notices} if notices else {}))
+
+    record.case(name, measure)
+
+
 def part_tune(out: Path, smoke: bool, record: Recorder) -> None:
   """`moejax.tune` on a layer of DeepSeek-V3's shape class (one device, bf16): every path
   checked and timed, the tuning file written to DIR/tuning/ (the format of the shipped table,
@@ -451,6 +502,7 @@ PARTS = {
   "decode": part_decode,
   "quant": part_quant,
   "chunks": part_chunks,
+  "fp8_train": part_fp8_train,
   "tune": part_tune,
 }
 DEFAULT_PARTS = ("whole_layer", "test_base", "layer", "bench")

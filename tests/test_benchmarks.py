@@ -48,10 +48,12 @@ BACKENDS = ("xla", "triton", "mosaic")
   "longest test) runs on JAX 0.11 and later",
 )
 def test_gpu_check_smoke_runs_every_part(tmp_path):
-  """benchmarks/gpu_check.py on tiny shapes: every part runs, the layer's cases pass, and its
-  bench and quant parts (benchmarks/gpu_kernels.py's cases) time every backend and op."""
+  """benchmarks/gpu_check.py on tiny shapes: every part runs, the layer's cases pass, its
+  bench and quant parts (benchmarks/gpu_kernels.py's cases) time every backend and op, and
+  its fp8 training run tracks the unquantized one."""
   parts = (
-    "whole_layer", "test_base", "layer", "bench", "xla_paths", "decode", "quant", "chunks", "tune"
+    "whole_layer", "test_base", "layer", "bench", "xla_paths", "decode", "quant", "chunks",
+    "fp8_train", "tune",
   )  # fmt: skip
   run_script("benchmarks/gpu_check.py", "--smoke", "--parts", ",".join(parts), out=tmp_path)
   summary = json.loads((tmp_path / "gpu_check.json").read_text())
@@ -87,6 +89,11 @@ def test_gpu_check_smoke_runs_every_part(tmp_path):
   assert {(r["op"], r["backend"], r["weights"]) for r in quant if r["status"] == "ok"} >= set(
     itertools.product(("gmm", "moe_mlp"), ("triton", "mosaic"), ("bf16", "fp8_block", "mxfp4"))
   ) | {("moe_mlp", "fused", weights) for weights in ("bf16", *FORMATS)}
+  runs = {r["case"]: r for r in json.loads((tmp_path / "fp8_train.json").read_text())["rows"]}
+  assert set(runs) == {"unquantized", "fp8_deepseek xla"}, runs
+  assert all(r["status"] == "ok" and r["steps"] == 3 for r in runs.values())
+  assert abs(runs["fp8_deepseek xla"]["loss_vs_unquantized"]) < 1e-2  # trained alike, not equal
+  assert runs["fp8_deepseek xla"]["loss"] != runs["unquantized"]["loss"]
   (tune,) = json.loads((tmp_path / "tune.json").read_text())["rows"]
   assert tune["status"] == "ok" and Path(tune["file"]).parent == tmp_path / "tuning"
   for entry in tune["entries"]:
