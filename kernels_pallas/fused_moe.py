@@ -607,13 +607,15 @@ def _down_backward_kernel(
 
 def _weight_grad_kernel(
   tile_ends_ref, row_assignment_ref, row_weight_ref, lhs_ref, lhs_scales_ref, rhs_ref,
-  rhs_scales_ref, out_ref, *, gather, top_k, num_tokens, settings,
+  rhs_scales_ref, *refs, gather, top_k, num_tokens, seeded, settings,
 ):  # fmt: skip
   """One (expert, K block, N block) of out[e] = L[rows of e]^T @ R[rows of e], over the
   expert's tiles: `gather` "lhs": L = lhs[source] and R = rhs; "rhs": L = lhs and R = w *
   rhs[source]; "neither": L = lhs and R = rhs (both on aligned rows). Under compute_quant
   both are e4m3 on aligned rows ("neither"), each tile one group of 128 tokens, its scales
-  L's [K, tiles] and R's [tiles, N]: each tile's product is scaled, then summed."""
+  L's [K, tiles] and R's [tiles, N]: each tile's product is scaled, then summed. `seeded`:
+  `refs` is (seed, out), out aliasing the seed, and the seed's own block is added to the
+  block's sum before it is stored (rounded once, to out's dtype); else `refs` is (out,)."""
   bm, bn, bk = settings.blocks.block_m, settings.blocks.block_n, settings.blocks.block_k
   expert, k_block, n_block = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   first_tile = jnp.where(expert > 0, tile_ends_ref[jnp.maximum(expert - 1, 0)], 0)
@@ -638,14 +640,19 @@ def _weight_grad_kernel(
     return acc + plgpu.dot(lhs, rhs, trans_a=True) * (lhs_scales * rhs_scales)
 
   acc = jax.lax.fori_loop(first_tile, tile_ends_ref[expert], step, jnp.zeros((bk, bn), jnp.float32))
-  out_block = out_ref.at[expert, pl.ds(k_block * bk, bk), pl.ds(n_block * bn, bn)]
-  plgpu.store(out_block, acc.astype(out_ref.dtype))
+  *seed_ref, out_ref = refs
+  block = (expert, pl.ds(k_block * bk, bk), pl.ds(n_block * bn, bn))
+  if seeded:
+    acc = acc + plgpu.load(seed_ref[0].at[block]).astype(jnp.float32)
+  plgpu.store(out_ref.at[block], acc.astype(out_ref.dtype))
 
 
 # --- the calls -----------------------------------------------------------------------------
 
 
-def _call(kernel, out_shapes, grid, settings: FusedSettings, name: str, *operands):
+def _call(kernel, out_shapes, grid, settings: FusedSettings, name: str, *operands, aliases=None):
+  """The kernel's `pallas_call` over `grid`; `aliases`, {operand index: output index} of
+  outputs written in place of an operand."""
   blocks = settings.blocks
   return pl.pallas_call(
     kernel,
@@ -654,6 +661,7 @@ def _call(kernel, out_shapes, grid, settings: FusedSettings, name: str, *operand
     compiler_params=plgpu.CompilerParams(num_warps=blocks.num_warps, num_stages=blocks.num_stages),
     interpret=settings.interpret,
     name=name,
+    input_output_aliases=aliases or {},
   )(*operands)
 
 
@@ -804,8 +812,12 @@ def _token_quantized(lhs, rhs, row_weight, layout: FusedLayout, *, gather):
   return lhs_values, lhs_scales.T, rhs_values, rhs_scales
 
 
-def _weight_grad(lhs, rhs, row_weight, layout: FusedLayout, settings, *, gather, num_experts):
-  """[El, K, N] per-expert L^T @ R (see `_weight_grad_kernel`), float32."""
+def _weight_grad(
+  lhs, rhs, row_weight, layout: FusedLayout, settings, *, gather, num_experts, like, seed=None
+):
+  """[El, K, N] per-expert L^T @ R (see `_weight_grad_kernel`) in `like`'s dtype (the
+  weight's), rounded once from float32; plus `seed` (like-shaped, written over in place)
+  unless None."""
   blocks = settings.blocks
   k, n = lhs.shape[1], rhs.shape[1]
   operands = (lhs, _stand_in(), rhs, _stand_in())
@@ -813,13 +825,15 @@ def _weight_grad(lhs, rhs, row_weight, layout: FusedLayout, settings, *, gather,
     operands, gather = _token_quantized(lhs, rhs, row_weight, layout, gather=gather), "neither"
   kernel = functools.partial(
     _weight_grad_kernel, gather=gather, top_k=layout.slot.shape[1],
-    num_tokens=layout.slot.shape[0], settings=settings,
+    num_tokens=layout.slot.shape[0], seeded=seed is not None, settings=settings,
   )  # fmt: skip
-  shape = out_struct((num_experts, k, n), jnp.float32, like=lhs)
+  shape = out_struct((num_experts, k, n), like.dtype, like=lhs)
   grid = (num_experts, k // blocks.block_k, n // blocks.block_n)
+  seeds = () if seed is None else (seed.astype(like.dtype),)
   return _call(
     kernel, shape, grid, settings, "fused_moe_weight_grad",
-    layout.tile_ends, layout.row_assignment, row_weight, *operands,
+    layout.tile_ends, layout.row_assignment, row_weight, *operands, *seeds,
+    aliases={3 + len(operands): 0} if seeds else None,
   )  # fmt: skip
 
 
@@ -848,7 +862,9 @@ class Adapters(NamedTuple):
 class Experts(NamedTuple):
   """The local experts' weights: w_gate_up [El, D, 2F], w_down [El, F, D] (float, or both
   `BlockScaled`: constants), biases b_gate_up [El, 2F] and b_down [El, D], or None,
-  `Adapters` or None, and under compute_quant both matrices' `Fp8Matrix` (constants)."""
+  `Adapters` or None, under compute_quant both matrices' `Fp8Matrix` (constants), and the
+  float matrices' gradient seeds (`fused_moe_mlp`'s `grad_seeds`: added to their gradients
+  in the weight-gradient kernels; no gradient of their own) or None."""
 
   w_gate_up: jax.Array | BlockScaled
   w_down: jax.Array | BlockScaled
@@ -856,6 +872,7 @@ class Experts(NamedTuple):
   b_down: jax.Array | None
   lora: Adapters | None = None
   fp8: tuple[Fp8Matrix, Fp8Matrix] | None = None
+  seeds: tuple[jax.Array, jax.Array] | None = None
 
   @property
   def multiplied(self) -> tuple:
@@ -1026,11 +1043,13 @@ def _fused_bwd(settings, residuals, d_out):
   )
   d_matrices = (None, None)  # quantized matrices are constants
   if not is_block_scaled(w_down):
+    seed_gate_up, seed_down = experts.seeds or (None, None)
     d_w_down = weight_grad(
-      hidden, cotangent.values, row_weight, gather=cotangent.weight_grad_gather
-    )
-    d_w_gate_up = weight_grad(x, d_pre, row_weight, gather="lhs")
-    d_matrices = (d_w_gate_up.astype(w_gate_up.dtype), d_w_down.astype(w_down.dtype))
+      hidden, cotangent.values, row_weight, gather=cotangent.weight_grad_gather, like=w_down,
+      seed=seed_down,
+    )  # fmt: skip
+    d_w_gate_up = weight_grad(x, d_pre, row_weight, gather="lhs", like=w_gate_up, seed=seed_gate_up)
+    d_matrices = (d_w_gate_up, d_w_down)
   # the gate|up adapter's share of dx: (d(gate|up) @ B_gate_up^T) @ A_gate_up^T
   d_gate_up_low = d_x_low = None
   if lora is not None:
@@ -1057,25 +1076,33 @@ def _fused_bwd(settings, residuals, d_out):
   if lora is not None:
     adapter_grad = functools.partial(weight_grad, settings=plain)
     d_lora = Adapters(
-      gate_up_a=adapter_grad(x, d_gate_up_low, row_weight, gather="lhs"),
-      gate_up_b=adapter_grad(lows[0], d_pre, row_weight, gather="neither"),
+      gate_up_a=adapter_grad(x, d_gate_up_low, row_weight, gather="lhs", like=lora.gate_up_a),
+      gate_up_b=adapter_grad(lows[0], d_pre, row_weight, gather="neither", like=lora.gate_up_b),
       down_a=adapter_grad(
         hidden,
         (d_down_low * (row_weight[:, None] if weighted else 1.0)).astype(x.dtype),
         row_weight,
         gather="neither",
+        like=lora.down_a,
       ),
       down_b=adapter_grad(
-        lows[1], cotangent.values, row_weight, gather=cotangent.weight_grad_gather
+        lows[1], cotangent.values, row_weight, gather=cotangent.weight_grad_gather,
+        like=lora.down_b,
       ),
-    )
-    d_lora = Adapters(*(d.astype(a.dtype) for d, a in zip(d_lora, lora, strict=True)))
+    )  # fmt: skip
   d_weights = jnp.take(d_row_weight, layout.slot, mode="fill", fill_value=0)  # [N, K]
   d_experts = Experts(*d_matrices, *d_biases, d_lora)
   return (d_x, d_weights.astype(weights.dtype), d_experts, None)
 
 
 _fused.defvjp(_fused_fwd, _fused_bwd)
+
+
+def _check_like_matrices(argument: str, pair, w_gate_up, w_down) -> None:
+  """Raises ValueError naming the array of `argument`'s pair not shaped like its matrix."""
+  for name, array, w in zip(("w_gate_up", "w_down"), pair, (w_gate_up, w_down), strict=True):
+    if array.shape != w.shape:
+      raise ValueError(f"{argument}' {name} has shape {array.shape}; expected {w.shape}")
 
 
 def _check_shapes(x, expert_ids, weights, w_gate_up, w_down, b_gate_up, b_down, lora) -> None:
@@ -1130,6 +1157,7 @@ def fused_moe_mlp(
   compute_quant: str | None = None,
   fp8_matrices: tuple[Fp8Matrix, Fp8Matrix] | None = None,
   output_norm: Callable[[jax.Array], jax.Array] | None = None,
+  grad_seeds: tuple[jax.Array, jax.Array] | None = None,
 ) -> jax.Array:
   """y[n] = sum_k weights[n, k] * down_{e[n,k]}(act(gate_up_{e[n,k]}(x[n]))), differentiable
   in x, weights, both float weight arrays and the biases.
@@ -1174,6 +1202,12 @@ def fused_moe_mlp(
       normalizes and weighs them as it sums each token's K rows; the backward reads dout
       onto the aligned rows and differentiates the norm there (`jax.vjp`), and the
       down-projection's backward reads that aligned cotangent.
+    grad_seeds: None, or arrays (seed_gate_up, seed_down) shaped like the float matrices:
+      the gradient this call returns for each matrix is its seed plus the call's own, in
+      the seed's dtype, summed in float32 in the weight-gradient kernel and written over
+      the seed in place (the seeds get no gradient). For a caller that sums a matrix's
+      gradient over many calls (a chunk loop): a weight-sized add per call, and the
+      kernel's float32 copy, saved.
 
   Returns:
     [N, D] float32.
@@ -1183,14 +1217,14 @@ def fused_moe_mlp(
     NotImplementedError: the widths or this JAX cannot run the kernels (`unsupported_reason`).
   """
   _check_shapes(x, expert_ids, weights, w_gate_up, w_down, b_gate_up, b_down, lora)
+  if grad_seeds is not None:
+    if is_block_scaled(w_gate_up):
+      raise ValueError("grad_seeds seed the float matrices' gradients; BlockScaled ones have none")
+    _check_like_matrices("grad_seeds", grad_seeds, w_gate_up, w_down)
   if fp8_matrices is not None:
     if compute_quant is None:
       raise ValueError("fp8_matrices are read under compute_quant only; compute_quant is None")
-    for name, matrix, w in zip(
-      ("w_gate_up", "w_down"), fp8_matrices, (w_gate_up, w_down), strict=True
-    ):
-      if matrix.shape != w.shape:
-        raise ValueError(f"fp8_matrices' {name} has shape {matrix.shape}; expected {w.shape}")
+    _check_like_matrices("fp8_matrices", fp8_matrices, w_gate_up, w_down)
   elif compute_quant is not None:
     fp8_matrices = (fp8_matrix(w_gate_up), fp8_matrix(w_down))
   dim = x.shape[1]
@@ -1206,5 +1240,5 @@ def fused_moe_mlp(
   layout = counted_layout(expert_ids, w_down.shape[0], blocks.block_m)
   settings = FusedSettings(activation, blocks, precision, interpret, compute_quant, output_norm)
   adapters = None if lora is None else _padded_rank(lora, blocks, forms)
-  experts = Experts(w_gate_up, w_down, b_gate_up, b_down, adapters, fp8_matrices)
+  experts = Experts(w_gate_up, w_down, b_gate_up, b_down, adapters, fp8_matrices, grad_seeds)
   return _fused(x, weights.astype(jnp.float32), experts, layout, settings)

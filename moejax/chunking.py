@@ -326,7 +326,8 @@ def _chunk_scan_bwd(stages, chunk_size, lockstep_axis, pipelined, saved, residua
   accumulate in place across chunks. `prepare` runs once, and its transpose (the psum of a
   per-device mark, a cast back) once after the loop. With the in-flight values kept
   (`saved_in_flight`), a chunk's `finish` is differentiated at its kept value and `send` is
-  only transposed: the outbound exchange does not run again.
+  only transposed: the outbound exchange does not run again. A loop of one chunk has no sum
+  to keep: its gradients are the chunk's own (no weight-sized zeros to start from).
   """
   del pipelined, saved
   given, inputs, token_mask, in_flights = residuals
@@ -337,42 +338,56 @@ def _chunk_scan_bwd(stages, chunk_size, lockstep_axis, pipelined, saved, residua
   order = chunk_order(token_mask, chunk_size)
   live = _live_chunks(token_mask, order, lockstep_axis)
 
-  def step(carry, i):
+  def chunk_grads(i, d_seeded):
+    """Chunk i's ((seeded, rest) weight gradients, its float inputs' [C, ...] gradients), the
+    seeded ones on top of `d_seeded` (None: the chunk's own)."""
     rows = order[i]
+    chunk = _rows_of(inputs, rows)
+    if in_flights is None:
+      whole = lambda weights, chunk: stages.whole(weights, chunk, d_seeded)
+      _, vjp = jax.vjp(whole, weights, chunk)
+      d_weights, chunk_d_inputs = vjp(d_out[rows])
+    else:
+      in_flight = jax.tree.map(lambda a: a[i], in_flights)
+      finish = lambda weights, chunk, sent: stages.finish(weights, chunk, sent, d_seeded)
+      _, vjp = jax.vjp(finish, weights, chunk, in_flight)
+      d_weights, d_direct, d_sent = vjp(d_out[rows])
+      (d_via_send,) = jax.vjp(lambda chunk: stages.send(weights, chunk), chunk)[1](d_sent)
+      chunk_d_inputs = jax.tree.map(_add_tangents, d_direct, d_via_send)
+    # An integer weight (int4 values, fp8 bits) has no gradient: the carry holds None for it.
+    d_weights = jax.tree.map(_carried, weights, d_weights)
+    chunk_d_inputs = [
+      c
+      for c, a in zip(jax.tree.leaves(chunk_d_inputs), jax.tree.leaves(inputs), strict=True)
+      if is_float(a)
+    ]
+    return d_weights, chunk_d_inputs
 
+  def put(d_inputs, i, chunk_d_inputs):
+    return [_put_rows(d, order[i], c) for d, c in zip(d_inputs, chunk_d_inputs, strict=True)]
+
+  def step(carry, i):
     def accumulate(carry):
       (d_seeded, d_rest), d_inputs = carry
-      chunk = _rows_of(inputs, rows)
-      if in_flights is None:
-        whole = lambda weights, chunk: stages.whole(weights, chunk, d_seeded)
-        _, vjp = jax.vjp(whole, weights, chunk)
-        (chunk_d_seeded, chunk_d_rest), chunk_d_inputs = vjp(d_out[rows])
-      else:
-        in_flight = jax.tree.map(lambda a: a[i], in_flights)
-        finish = lambda weights, chunk, sent: stages.finish(weights, chunk, sent, d_seeded)
-        _, vjp = jax.vjp(finish, weights, chunk, in_flight)
-        (chunk_d_seeded, chunk_d_rest), d_direct, d_sent = vjp(d_out[rows])
-        (d_via_send,) = jax.vjp(lambda chunk: stages.send(weights, chunk), chunk)[1](d_sent)
-        chunk_d_inputs = jax.tree.map(_add_tangents, d_direct, d_via_send)
-      # An integer weight (int4 values, fp8 bits) has no gradient: the carry holds None for it.
-      chunk_d_seeded, chunk_d_rest = jax.tree.map(_carried, weights, (chunk_d_seeded, chunk_d_rest))
-      chunk_d_inputs = [
-        c
-        for c, a in zip(jax.tree.leaves(chunk_d_inputs), jax.tree.leaves(inputs), strict=True)
-        if is_float(a)
-      ]
-      return (
-        (chunk_d_seeded, jax.tree.map(jnp.add, d_rest, chunk_d_rest)),  # seeded: the total
-        [_put_rows(d, rows, c) for d, c in zip(d_inputs, chunk_d_inputs, strict=True)],
-      )
+      (chunk_d_seeded, chunk_d_rest), chunk_d_inputs = chunk_grads(i, d_seeded)
+      d_rest = jax.tree.map(jnp.add, d_rest, chunk_d_rest)
+      return (chunk_d_seeded, d_rest), put(d_inputs, i, chunk_d_inputs)  # seeded: the total
 
     return jax.lax.cond(live[i], accumulate, lambda carry: carry, carry), None
 
-  init = (
-    jax.tree.map(lambda w: jnp.zeros_like(w) if is_float(w) else None, weights),
-    [jnp.zeros_like(a) for a in float_inputs],
-  )
-  (d_weights, d_float_inputs), _ = jax.lax.scan(step, init, jnp.arange(order.shape[0]))
+  def no_grads():
+    zeros = lambda w: jnp.zeros_like(w) if is_float(w) else None
+    return jax.tree.map(zeros, weights), [jnp.zeros_like(a) for a in float_inputs]
+
+  if order.shape[0] == 1:  # one chunk: its gradients are the sums (no zeros to add them to)
+
+    def only_chunk():
+      d_weights, chunk_d_inputs = chunk_grads(0, None)
+      return d_weights, put(no_grads()[1], 0, chunk_d_inputs)
+
+    d_weights, d_float_inputs = jax.lax.cond(live[0], only_chunk, no_grads)
+  else:
+    (d_weights, d_float_inputs), _ = jax.lax.scan(step, no_grads(), jnp.arange(order.shape[0]))
   (d_given,) = unprepare(jax.tree.map(_tangent_of, d_weights, weights, is_leaf=_is_none))
   d_float_inputs = iter(d_float_inputs)
   d_inputs = jax.tree.map(

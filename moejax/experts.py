@@ -231,18 +231,26 @@ def fused_mlp(
   blocks=None,
   recipe: str | None = None,
   output_norm_eps: float | None = None,
+  grad_seeds: ExpertWeights | None = None,
 ) -> jax.Array:
   """`tile_loop_mlp`'s contract on `kernels_pallas.fused_moe_mlp`: rows read by index, the
   activation, the biases and the routing weight in the kernels' epilogues, the adapters'
   products in the same kernels, each row's K results gathered and summed (with
   `output_norm_eps`, normalized and weighed in XLA first).
 
-  Args and returns: as `tile_loop_mlp` (without `tile_rows` and seeds), plus
-  `interpret`, to run the kernels in their interpreter, and `blocks`, the kernels'
-  `TritonBlocks` (None: their choice by the call's size); `recipe`, the `compute_quant` of
-  the base products ("fp8_deepseek") or None, whose matrices `experts.fp8` may hold quantized
-  once per pass (`with_fp8_blocks`).
+  Args and returns: as `tile_loop_mlp` (without `tile_rows`), plus `interpret`, to run the
+  kernels in their interpreter, and `blocks`, the kernels' `TritonBlocks` (None: their
+  choice by the call's size); `recipe`, the `compute_quant` of the base products
+  ("fp8_deepseek") or None, whose matrices `experts.fp8` may hold quantized once per pass
+  (`with_fp8_blocks`). The float matrices' gradients accumulate onto their seeds in the
+  weight-gradient kernels, in place; the biases' and adapters' get theirs added
+  (`with_seeds`).
   """
+  matrix_seeds = None
+  if grad_seeds is not None:
+    experts = with_seeds(experts, grad_seeds._replace(w_gate_up=None, w_down=None))
+    if not is_block_scaled(experts.w_gate_up):
+      matrix_seeds = (grad_seeds.w_gate_up, grad_seeds.w_down)
   return fused_moe.fused_moe_mlp(
     x,
     expert_ids,
@@ -258,6 +266,7 @@ def fused_mlp(
     compute_quant=recipe,
     fp8_matrices=experts.fp8,
     output_norm=None if output_norm_eps is None else RowNorm(output_norm_eps),
+    grad_seeds=matrix_seeds,
   )
 
 
@@ -358,7 +367,8 @@ def routed_mlp(
 
   Args and returns: as `tile_loop_mlp` (without `tile_rows` and `activation`), plus the call's
   `plan` (`moejax.plan.plan_experts`). The tile loop accumulates onto `grad_seeds` in place;
-  the other paths add them (`moejax.chunking.seed_gradient`).
+  the fused path's kernels sum the matrices' gradients onto theirs in place; the grouped
+  matmul paths add them (`moejax.chunking.seed_gradient`).
   """
   if config.apply_router_weight_on_input:
     local_experts = experts.w_gate_up.shape[0]
@@ -377,14 +387,14 @@ def routed_mlp(
       output_norm_eps=config.expert_output_norm_eps,
       recipe=config.compute_quant,
     )
-  if grad_seeds is not None:
-    experts = with_seeds(experts, grad_seeds)
   if plan.path == "fused":
     return fused_mlp(
       x, expert_ids, weights, experts, activation=config.gated_activation,
       interpret=plan.interpret, blocks=plan.blocks, recipe=config.compute_quant,
-      output_norm_eps=config.expert_output_norm_eps,
+      output_norm_eps=config.expert_output_norm_eps, grad_seeds=grad_seeds,
     )  # fmt: skip
+  if grad_seeds is not None:
+    experts = with_seeds(experts, grad_seeds)
   return grouped_matmul_mlp(
     x,
     expert_ids,

@@ -130,6 +130,31 @@ def test_the_kernels_match_the_per_assignment_mlp_and_its_gradients(case):
     assert not np.any(fused(*operands)) and not np.any(grads[0])
 
 
+def test_gradient_seeds_are_summed_in_the_weight_gradient_kernels():
+  """With `grad_seeds` (a chunk loop's running sums) each matrix's gradient is its seed plus
+  the call's own, bit for bit in float32 (summed once in the kernel, written over the seed),
+  and the seeds get none; the other gradients are untouched."""
+  operands, ids, probe = _operands(5, 24, 2, _uneven_ids(24, 2, seed=5))
+  _, _, w_gate_up, w_down = operands
+  keys = jax.random.split(jax.random.key(9))
+  seeds = (jax.random.normal(keys[0], w_gate_up.shape), jax.random.normal(keys[1], w_down.shape))
+
+  def loss(x, weights, w_gate_up, w_down, seeds):
+    y = fused_moe_mlp(
+      x, ids, weights, w_gate_up, w_down, activation=GatedActivation("silu").in_kernel,
+      blocks=BLOCKS, interpret=True, grad_seeds=seeds,
+    )  # fmt: skip
+    return jnp.sum(y * probe)
+
+  seeded = jax.grad(loss, argnums=(0, 1, 2, 3, 4))(*operands, seeds)
+  plain = jax.grad(loss, argnums=(0, 1, 2, 3))(*operands, None)
+  np.testing.assert_array_equal(seeded[2], plain[2] + seeds[0])
+  np.testing.assert_array_equal(seeded[3], plain[3] + seeds[1])
+  for got, want in zip(seeded[:2], plain[:2], strict=True):
+    np.testing.assert_array_equal(got, want)
+  assert not any(np.any(g) for g in seeded[4])
+
+
 @pytest.mark.parametrize(
   "rhs_format, block",
   [q if q[0] == "nvfp4" else slow(*q) for q in QUANTIZED],
@@ -468,3 +493,7 @@ def test_a_shape_that_disagrees_is_named():
     ValueError, match=r"^fp8_matrices' w_down has shape \(4, 32, 16\); expected \(4, 32, 32\)$"
   ):
     call(compute_quant="fp8_deepseek", fp8_matrices=narrow)
+  with pytest.raises(
+    ValueError, match=r"^grad_seeds' w_gate_up has shape \(4, 32, 32\); expected \(4, 32, 64\)$"
+  ):
+    call(grad_seeds=(w_gate_up[..., :32], w_down))
