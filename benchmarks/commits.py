@@ -16,6 +16,8 @@ import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from moejax import files
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -76,17 +78,22 @@ def compare_main(
   """A comparing benchmark's command line: `--json` prints `measure()`'s rows as one JSON
   line (what `_measured_in` reads); else each checkout (this one, and `--against REV`'s) runs
   `script --json`, `--rounds` times where `rounds` gives a default (each row's smallest kept,
-  the checkouts alternating), and the table is printed and written to OUT/<script>.json."""
+  the checkouts alternating), and the table is printed and written to OUT/<script>.json,
+  which an earlier run's file blocks (before anything is measured) unless `--overwrite`."""
   parser = argparse.ArgumentParser(description=description)
   parser.add_argument("--against", metavar="REV", help="also measure this commit")
   if rounds is not None:
     parser.add_argument("--rounds", type=int, default=rounds, help="alternating rounds")
   parser.add_argument("--out", type=Path, default=Path("results"))
+  parser.add_argument("--overwrite", action="store_true", help="replace OUT/<script>.json")
   parser.add_argument("--json", action="store_true", help="print one JSON line of the rows")
   args = parser.parse_args()
   if args.json:
     print(json.dumps(measure()))
     return
+  written = args.out / f"{Path(script).stem}.json"
+  if not args.overwrite:  # before the measuring, which takes minutes
+    files.refuse_existing([written], how="pass --overwrite")
   with _checkouts(args.against) as measured:
     best: dict[str, dict[str, float]] = {name: {} for name in measured}
     for _ in range(getattr(args, "rounds", 1)):
@@ -95,4 +102,4 @@ def compare_main(
           best[name][row] = min(best[name].get(row, math.inf), value)
   print(_table(best, cell))
   args.out.mkdir(parents=True, exist_ok=True)
-  (args.out / f"{Path(script).stem}.json").write_text(json.dumps(best, indent=1))
+  files.write_atomically(written, json.dumps(best, indent=1), overwrite=args.overwrite)

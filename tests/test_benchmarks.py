@@ -279,12 +279,17 @@ def test_call_overhead_compares_a_commit_with_this_checkout_in_one_run(tmp_path)
 def test_saved_activations_are_one_copy_of_the_tokens(tmp_path):
   """benchmarks/saved_activations.py: every row (bf16 and fp8_deepseek, the tile loop and the
   kernels, one device and the 2x4 mesh) keeps about one copy of its tokens for the backward
-  pass (the chunk loop recomputes the experts): at most 1.1 times 2 D bytes per token."""
+  pass (the chunk loop recomputes the experts): at most 1.1 times 2 D bytes per token. A
+  second run into the same --out refuses (naming --overwrite) and leaves the first's rows."""
   out = run_script("benchmarks/saved_activations.py", out=tmp_path)
   (column,) = json.loads((tmp_path / "saved_activations.json").read_text()).values()
   copies = {row: value for row, value in column.items() if row.endswith("/ tokens")}
   assert len(copies) == 5 and all(1.0 <= value <= 1.1 for value in copies.values()), copies
   assert all(row in out for row in column)
+  written = (tmp_path / "saved_activations.json").read_text()
+  again = run_python("benchmarks/saved_activations.py", "--out", str(tmp_path))
+  assert again.returncode != 0 and "saved_activations.json exists: pass --overwrite" in again.stderr
+  assert (tmp_path / "saved_activations.json").read_text() == written
 
 
 @pytest.mark.extras
