@@ -1204,7 +1204,7 @@ def fused_moe_mlp(
       down-projection's backward reads that aligned cotangent.
     grad_seeds: None, or arrays (seed_gate_up, seed_down) shaped like the float matrices:
       the gradient this call returns for each matrix is its seed plus the call's own, in
-      the seed's dtype, summed in float32 in the weight-gradient kernel and written over
+      the matrix's dtype, summed in float32 in the weight-gradient kernel and written over
       the seed in place (the seeds get no gradient). For a caller that sums a matrix's
       gradient over many calls (a chunk loop): a weight-sized add per call, and the
       kernel's float32 copy, saved.

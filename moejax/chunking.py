@@ -375,15 +375,17 @@ def _chunk_scan_bwd(stages, chunk_size, lockstep_axis, pipelined, saved, residua
 
     return jax.lax.cond(live[i], accumulate, lambda carry: carry, carry), None
 
+  no_input_grads = lambda: [jnp.zeros_like(a) for a in float_inputs]
+
   def no_grads():
     zeros = lambda w: jnp.zeros_like(w) if is_float(w) else None
-    return jax.tree.map(zeros, weights), [jnp.zeros_like(a) for a in float_inputs]
+    return jax.tree.map(zeros, weights), no_input_grads()
 
   if order.shape[0] == 1:  # one chunk: its gradients are the sums (no zeros to add them to)
 
     def only_chunk():
       d_weights, chunk_d_inputs = chunk_grads(0, None)
-      return d_weights, put(no_grads()[1], 0, chunk_d_inputs)
+      return d_weights, put(no_input_grads(), 0, chunk_d_inputs)
 
     d_weights, d_float_inputs = jax.lax.cond(live[0], only_chunk, no_grads)
   else:
