@@ -64,10 +64,10 @@ def array_bytes(shape: str) -> float:
   return sum(ITEM_BYTES[t] * math.prod(int(d) for d in dims.split(",") if d) for t, dims in arrays)
 
 
-def written_bytes(hlo: str) -> dict[str, int]:
+def written_bytes(hlo: str) -> dict[str, float]:
   """{"kernels": bytes, "glue": bytes} the top-level ops of `hlo` (compiled HLO text) write."""
   skipped = set(re.findall(r"false_computation=(%[\w.-]+)", hlo))
-  totals = {"kernels": 0, "glue": 0}
+  totals = {"kernels": 0.0, "glue": 0.0}
   counted = False
   for line in hlo.splitlines():
     if line and not line[0].isspace():  # a computation's header

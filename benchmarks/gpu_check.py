@@ -437,7 +437,7 @@ def part_fp8_train(out: Path, smoke: bool, record: Recorder) -> None:
 
   for name, flags in runs.items():
 
-    def measure(flags=flags):
+    def measure(name=name, flags=flags):
       with tempfile.TemporaryDirectory() as folder, warnings.catch_warnings(record=True) as said:
         warnings.simplefilter("always")
         checkpoint = f"{folder}/checkpoint"
@@ -446,10 +446,10 @@ def part_fp8_train(out: Path, smoke: bool, record: Recorder) -> None:
         )
         tail = train.run(args, mesh_shape=(1, 1))[-FP8_TRAIN_TAIL:]
       row = {key: sum(r[key] for r in tail) / len(tail) for key in ("loss", "task_loss")}
-      if baseline:
-        row |= {f"{key}_vs_unquantized": row[key] / baseline[key] - 1 for key in baseline}
-      else:
+      if name == "unquantized":
         baseline.update(row)
+      elif baseline:  # (none where the unquantized run failed)
+        row |= {f"{key}_vs_unquantized": row[key] / baseline[key] - 1 for key in baseline}
       notices = sorted({str(w.message)[:200] for w in said})
       return dict(steps=steps, **row, **({"warnings": notices} if notices else {}))
 
