@@ -128,9 +128,17 @@ def grouped_matmul(
 
 
 def transposed_grouped_matmul(
-  lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, settings: KernelSettings
+  lhs: jax.Array,
+  rhs: jax.Array,
+  group_sizes: jax.Array,
+  settings: KernelSettings,
+  out_dtype=jnp.float32,
 ) -> jax.Array:
-  """`tgmm` on any shape: out[g] = lhs[rows of g]^T @ rhs[rows of g], [G, K, N] float32."""
+  """`tgmm` on any shape: out[g] = lhs[rows of g]^T @ rhs[rows of g], [G, K, N] `out_dtype`.
+
+  Every backend sums a group's rows in float32 and rounds once as it stores, so a weight's
+  gradient asked for in the weight's dtype is the float32 one rounded, without a float32 copy
+  written and converted."""
   _check_supported(settings, lhs.dtype)
   backend = BACKENDS[settings.implementation]
   blocks = settings.tgmm_blocks
@@ -141,7 +149,7 @@ def transposed_grouped_matmul(
     _pad(_pad(rhs.astype(lhs.dtype), 0, row_multiple), 1, n_multiple),
     group_sizes.astype(jnp.int32),
     blocks=blocks,
-    out_dtype=jnp.float32,
+    out_dtype=out_dtype,
     precision=settings.precision,
     interpret=settings.interpret,
   )
@@ -183,14 +191,20 @@ def split_in_parts(x: jax.Array, dtype) -> list[jax.Array]:
 
 def _gmm_bwd(settings, residuals, dout):
   lhs, rhs, group_sizes = residuals
-  f32 = dataclasses.replace(settings, out_dtype=jnp.float32)
   parts = split_in_parts(dout, lhs.dtype)
-  d_lhs = sum(grouped_matmul(p, rhs, group_sizes, f32, transpose_rhs=True) for p in parts)
+  # One part: each gradient in its operand's dtype straight from the kernel (which sums in
+  # float32 and rounds once as it stores); several: float32 sums over the parts, then rounded.
+  out_dtype = lambda like: like.dtype if len(parts) == 1 else jnp.float32
+  to_lhs = dataclasses.replace(settings, out_dtype=out_dtype(lhs))
+  d_lhs = functools.reduce(
+    jnp.add, [grouped_matmul(p, rhs, group_sizes, to_lhs, transpose_rhs=True) for p in parts]
+  )
   if is_block_scaled(rhs):  # quantized weights are constants
     return d_lhs.astype(lhs.dtype), None, None
   # d(rhs) of every part in one call: the parts side by side as columns, summed after.
-  d_rhs = transposed_grouped_matmul(lhs, jnp.concatenate(parts, axis=1), group_sizes, settings)
-  d_rhs = sum(jnp.split(d_rhs, len(parts), axis=2))
+  columns = jnp.concatenate(parts, axis=1)
+  d_rhs = transposed_grouped_matmul(lhs, columns, group_sizes, settings, out_dtype(rhs))
+  d_rhs = functools.reduce(jnp.add, jnp.split(d_rhs, len(parts), axis=2))
   return d_lhs.astype(lhs.dtype), d_rhs.astype(rhs.dtype), None
 
 
@@ -223,14 +237,17 @@ def _moe_mlp_bwd(activation, settings, residuals, d_out):
   # 3. Through the gated activation and the gate/up projection.
   d_gate_up = jnp.concatenate([act_vjp(d_hidden * up)[0], d_hidden * act], axis=-1)  # [M, 2F]
   d_gate_up = d_gate_up.astype(x.dtype)
-  d_x = grouped_matmul(d_gate_up, w_gate_up, group_sizes, f32, transpose_rhs=True)
+  to_x = dataclasses.replace(settings, out_dtype=x.dtype)  # rounded once, in the kernel
+  d_x = grouped_matmul(d_gate_up, w_gate_up, group_sizes, to_x, transpose_rhs=True)
   d_weights = (None, None)  # quantized weights are constants
   if not is_block_scaled(w_gate_up):
     d_scaled = (d_out * row_weights[:, None]).astype(x.dtype)
-    d_w_down = transposed_grouped_matmul(hidden.astype(x.dtype), d_scaled, group_sizes, settings)
-    d_w_gate_up = transposed_grouped_matmul(x, d_gate_up, group_sizes, settings)
-    d_weights = (d_w_gate_up.astype(w_gate_up.dtype), d_w_down.astype(w_down.dtype))
-  return (d_x.astype(x.dtype), *d_weights, None, d_row_weights.astype(row_weights.dtype))
+    tgmm = functools.partial(transposed_grouped_matmul, group_sizes=group_sizes, settings=settings)
+    d_weights = (
+      tgmm(x, d_gate_up, out_dtype=w_gate_up.dtype),
+      tgmm(hidden.astype(x.dtype), d_scaled, out_dtype=w_down.dtype),
+    )
+  return (d_x, *d_weights, None, d_row_weights.astype(row_weights.dtype))
 
 
 moe_mlp_vjp.defvjp(_moe_mlp_fwd, _moe_mlp_bwd)

@@ -12,8 +12,9 @@
   the Hopper fp8 kernels' products (`kernels_pallas.gmm_fp8_vjp`, `_fp8_mlp`), on matrices
   quantized once per pass (`with_fp8_blocks`, from the chunk loop's `prepare`).
 
-Every path sorts the assignments with `sort_by_expert`, and takes the experts' weights as one
-`moejax.params.ExpertWeights`.
+The tile loop and the grouped matmul paths sort the assignments with
+`moejax.sorted_rows.sort_by_expert` (the fused path lays them out by counting); every path
+takes the experts' weights as one `moejax.params.ExpertWeights`.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from moejax.chunking import seed_gradient
 from moejax.config import MoEConfig
 from moejax.params import ExpertWeights, SharedWeights
 from moejax.plan import ExpertPlan
+from moejax.sorted_rows import rows_in_expert_order, sort_by_expert, summed_choices
 from moejax.tiles import Tiles, gated_mlp, tile_mlp
 from moejax.tokamax_experts import TOKAMAX
 
@@ -73,27 +75,6 @@ def tile_rows_for(config: MoEConfig, num_rows: int) -> int:
   return rows
 
 
-def sort_by_expert(expert_ids: jax.Array, local_experts: int) -> tuple[jax.Array, jax.Array]:
-  """The N*K (row, choice) assignments sorted by local expert, those held elsewhere last.
-
-  Args:
-    expert_ids: [N, K] int32 local expert ids; ids outside [0, El) belong to no local expert.
-    local_experts: El.
-
-  Returns:
-    (order [N*K] assignment indices in sorted order, group_sizes [El] int32).
-
-  >>> order, sizes = sort_by_expert(jnp.array([[1, 0], [1, 7]]), local_experts=2)
-  >>> order.tolist(), sizes.tolist()
-  ([1, 0, 2, 3], [1, 2])
-  """
-  flat = expert_ids.reshape(-1)
-  key = jnp.where(id_spaces.is_local(flat, local_experts), flat, local_experts)
-  order = jnp.argsort(key, stable=True)
-  group_sizes = jnp.zeros(local_experts + 1, jnp.int32).at[key].add(1)[:local_experts]
-  return order, group_sizes
-
-
 def tile_loop_mlp(
   x: jax.Array,
   expert_ids: jax.Array,
@@ -130,7 +111,7 @@ def tile_loop_mlp(
   """
   rows, top_k = expert_ids.shape
   dim, local_experts = x.shape[-1], experts.w_gate_up.shape[0]
-  order, group_sizes = sort_by_expert(expert_ids, local_experts)
+  order, position, group_sizes = sort_by_expert(expert_ids, local_experts)
   layout = aligned_rows(group_sizes, expert_ids.size, tile_rows)
   # Aligned row r holds assignment order[row_source[r]]; its row of x is that // K (row N, the
   # zero row, for empty slots).
@@ -150,7 +131,7 @@ def tile_loop_mlp(
   x_padded = jnp.concatenate([x, jnp.zeros((1, dim), x.dtype)])  # row N is the empty row
   tiled_out = tile_mlp(x_padded, experts, tiles, grad_seeds, activation, recipe)  # [tiles, B, D]
   tiled_out = jnp.concatenate([tiled_out.reshape(-1, dim), jnp.zeros((1, dim), jnp.float32)])
-  assignment_row = jnp.zeros_like(order).at[order].set(layout.source_row)  # [N*K]
+  assignment_row = layout.source_row[position]  # [N*K]
   outputs = tiled_out[assignment_row].reshape(rows, top_k, dim)
   if output_norm_eps is not None:  # unweighted so far (0 for experts held elsewhere)
     outputs = rms_normalized(outputs, output_norm_eps) * weights[..., None]
@@ -175,7 +156,8 @@ def grouped_matmul_mlp(
   Sorts the N*K assignments by local expert (the others last, past the groups' sum, where
   `moe_mlp` writes 0), runs the MLP with the routing weights in its epilogue (`adapted_mlp`
   with adapters; with `output_norm_eps`, weights of 1 there, the outputs normalized and
-  weighted after it), and sums each row's K results.
+  weighted after it), and sums each row's K results. The rows go into expert order and back
+  by gathers, forward and backward (`moejax.sorted_rows`).
 
   Args and returns: as `tile_loop_mlp` (without biases, `tile_rows` and seeds; `activation`
   silu or gelu), plus `backend`, a `kernels_pallas` backend name, `interpret`, to run a
@@ -183,9 +165,11 @@ def grouped_matmul_mlp(
   backend's choice), and `recipe`, "fp8_deepseek" to run every product on the Hopper fp8
   kernels (`kernels_pallas.gmm_fp8_vjp`; the activation between them in XLA).
   """
-  rows, top_k = expert_ids.shape
-  order, group_sizes = sort_by_expert(expert_ids, experts.w_gate_up.shape[0])  # [N*K], [El]
-  x_sorted, row_weights = x[order // top_k], weights.reshape(-1)[order]
+  top_k = expert_ids.shape[1]
+  sorted_ = sort_by_expert(expert_ids, experts.w_gate_up.shape[0])
+  group_sizes = sorted_.group_sizes
+  x_sorted = rows_in_expert_order(x, sorted_, top_k)  # [N*K, D]
+  row_weights = weights.reshape(-1)[sorted_.order]
   if output_norm_eps is not None:  # weighed after the norm, below
     row_weights, weights_after = jnp.ones_like(row_weights), row_weights
   if backend == TOKAMAX:
@@ -216,8 +200,7 @@ def grouped_matmul_mlp(
     out_sorted = adapted_mlp(x_sorted, experts, row_weights, activation, gmm)
   if output_norm_eps is not None:  # rows past the groups' sum are 0, and stay 0
     out_sorted = rms_normalized(out_sorted, output_norm_eps) * weights_after[:, None]
-  out = jnp.zeros_like(out_sorted).at[order].set(out_sorted)  # back to assignment order
-  return jnp.sum(out.reshape(rows, top_k, -1).astype(jnp.float32), axis=1)
+  return summed_choices(out_sorted, sorted_, top_k)
 
 
 def fused_mlp(

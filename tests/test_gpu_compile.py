@@ -141,15 +141,41 @@ def test_decisions_follow_the_call_devices(gpu, pallas_kernel):
 def test_the_pallas_layer_compiles_its_gradient(gpu, kernel_call):
   """expert_backend="pallas" compiles the target's kernel (never the interpreter), forward and
   gradient. The gradient used to fail on a GPU: the Mosaic kernel's weight cotangents came
-  back typed as invariant over the mesh axes (`kernels_pallas.compat.vary_like`)."""
+  back typed as invariant over the mesh axes (`kernels_pallas.compat.vary_like`).
+
+  What the program writes besides: the weight-gradient kernels write the weights' bf16 (they
+  used to write float32, which XLA then converted), and no scatter writes rows of D: the rows
+  go into expert order and back by gathers both ways (`moejax.sorted_rows`; they used to be
+  scattered back over [T·K, D] zeros, and x's gradient scatter-added), so only the chunk
+  loop's puts of a chunk's rows into the device's 512 remain."""
   mesh = targets.target_mesh(gpu, (1, 8))
   config = MoEConfig(**LAYER, **BF16, expert_backend="pallas")
   triton = kernel_call.endswith("triton")
   for gradient in (False, True):
     with expect_triton_deprecation() if triton else contextlib.nullcontext():
-      calls = custom_calls(compile_layer(config, mesh, gradient))
+      compiled = compile_layer(config, mesh, gradient)
+    calls = custom_calls(compiled)
     assert kernel_call in calls, calls
     assert not any("callback" in call for call in calls), calls
+    hlo = compiled.as_text()
+    scattered = [(t, s) for t, s in written_arrays(hlo, "scatter") if t in ("bf16", "f32", "u32")]
+    rows_of_d = [(t, s) for t, s in scattered if s[-1:] == (LAYER["hidden_size"],)]
+    assert rows_of_d and all(s[0] <= TOKENS_PER_DEVICE for _, s in rows_of_d), scattered
+  local_experts = LAYER["num_experts"] // 8
+  weight_grads = [
+    (t, s) for t, s in written_arrays(hlo, "custom-call") if s[:1] == (local_experts,)
+  ]
+  assert sorted(weight_grads) == [
+    ("bf16", (local_experts, LAYER["intermediate_size"], LAYER["hidden_size"])),
+    ("bf16", (local_experts, LAYER["hidden_size"], 2 * LAYER["intermediate_size"])),
+  ], weight_grads
+
+
+def written_arrays(hlo: str, op: str) -> list[tuple[str, tuple[int, ...]]]:
+  """(element type, shape) of the array each `op` instruction of `hlo` writes (in fused
+  computations too; tuple-shaped ones are left out)."""
+  found = re.findall(rf"= (\w+)\[([\d,]*)\]\S* {op}\(", hlo)
+  return [(dtype, tuple(int(d) for d in dims.split(",") if d)) for dtype, dims in found]
 
 
 @pytest.mark.parametrize(
