@@ -36,7 +36,7 @@ from moejax.chunking import seed_gradient
 from moejax.config import MoEConfig
 from moejax.params import ExpertWeights, SharedWeights
 from moejax.plan import ExpertPlan
-from moejax.sorted_rows import rows_in_expert_order, sort_by_expert, summed_choices
+from moejax.sorted_rows import moved_rows, rows_in_expert_order, sort_by_expert, summed_choices
 from moejax.tiles import Tiles, gated_mlp, tile_mlp
 from moejax.tokamax_experts import TOKAMAX
 
@@ -130,9 +130,9 @@ def tile_loop_mlp(
   )
   x_padded = jnp.concatenate([x, jnp.zeros((1, dim), x.dtype)])  # row N is the empty row
   tiled_out = tile_mlp(x_padded, experts, tiles, grad_seeds, activation, recipe)  # [tiles, B, D]
-  tiled_out = jnp.concatenate([tiled_out.reshape(-1, dim), jnp.zeros((1, dim), jnp.float32)])
-  assignment_row = layout.source_row[position]  # [N*K]
-  outputs = tiled_out[assignment_row].reshape(rows, top_k, dim)
+  slot_assignment = jnp.where(filled, assignment, expert_ids.size)  # [tiles * B]; N*K: empty
+  outputs = moved_rows(tiled_out.reshape(-1, dim), layout.source_row[position], slot_assignment)
+  outputs = outputs.reshape(rows, top_k, dim)  # 0 for the experts held elsewhere
   if output_norm_eps is not None:  # unweighted so far (0 for experts held elsewhere)
     outputs = rms_normalized(outputs, output_norm_eps) * weights[..., None]
   return jnp.sum(outputs, axis=1)

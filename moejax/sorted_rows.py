@@ -1,16 +1,15 @@
 """The (row, choice) assignments in local-expert order, and rows moved between the two orders.
 
-The grouped matmul paths compute on rows sorted by expert: each token's row once per choice,
+The expert paths compute on rows in expert order: each token's row once per choice,
 `x[order // K]`, and back, each token's K results summed. Both moves are gathers, forward and
-backward: each one's transpose is the other (the sort is a permutation), where autodiff of a
-gather would scatter-add, a [N*K, D] accumulation in the rows' dtype whose order a GPU's
-atomics leave to chance, and the way back, written as a scatter, would fill [N*K, D] zeros
-first.
+backward (`moved_rows`: a gather that reads each row at most once has a gather by the inverse
+index for its transpose), where autodiff of a gather would scatter-add, a [N*K, D]
+accumulation in the rows' dtype whose order a GPU's atomics leave to chance, and the way
+back, written as a scatter, would fill [N*K, D] zeros first.
 """
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import jax
@@ -50,52 +49,47 @@ def sort_by_expert(expert_ids: jax.Array, local_experts: int) -> SortedAssignmen
   return SortedAssignments(order, position, group_sizes)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def rows_in_expert_order(x: jax.Array, sorted_: SortedAssignments, top_k: int) -> jax.Array:
-  """[N*K, ...] each sorted assignment's row of `x` [N, ...]: `x[order // K]`.
+@jax.custom_vjp
+def moved_rows(table: jax.Array, index: jax.Array, inverse: jax.Array) -> jax.Array:
+  """[A, ...] `table[index]`, 0 where the index is out of range, for an `index` [A] that reads
+  each of table's R rows at most once; `inverse` [R] names the entry that reads each row (out
+  of range: none). Its gradient is a gather by `inverse` (0 for a row no entry reads), where
+  autodiff's would scatter-add.
 
-  Its gradient is `summed_choices` of the rows' gradient (a gather and a float32 sum over
-  each token's K rows), rounded to x's dtype once.
+  >>> moved_rows(jnp.array([10.0, 20.0]), jnp.array([1, 2, 0]), jnp.array([2, 0])).tolist()
+  [20.0, 0.0, 10.0]
   """
-  return x[sorted_.order // top_k]
+  del inverse
+  return jnp.take(table, index, axis=0, mode="fill", fill_value=0)
 
 
-def _rows_in_expert_order_fwd(x, sorted_, top_k):
-  return rows_in_expert_order(x, sorted_, top_k), sorted_
+def _moved_rows_fwd(table, index, inverse):
+  return moved_rows(table, index, inverse), (index, inverse)
 
 
-def _rows_in_expert_order_bwd(top_k, sorted_, d_rows):
-  return summed_choices(d_rows, sorted_, top_k).astype(d_rows.dtype), None
+def _moved_rows_bwd(indices, d_rows):
+  index, inverse = indices
+  return moved_rows(d_rows, inverse, index), None, None
 
 
-rows_in_expert_order.defvjp(_rows_in_expert_order_fwd, _rows_in_expert_order_bwd)
+moved_rows.defvjp(_moved_rows_fwd, _moved_rows_bwd)
+
+
+def rows_in_expert_order(x: jax.Array, sorted_: SortedAssignments, top_k: int) -> jax.Array:
+  """[N*K, ...] each sorted assignment's row of `x` [N, ...]: `x[order // K]`. Its gradient
+  gathers each token's K rows' gradients and sums them in float32, rounded to x's dtype once.
+  """
+  repeated = jnp.repeat(x.astype(jnp.float32), top_k, axis=0)  # [N*K, ...] in assignment order
+  return moved_rows(repeated, sorted_.order, sorted_.position).astype(x.dtype)
 
 
 def summed_choices(rows: jax.Array, sorted_: SortedAssignments, top_k: int) -> jax.Array:
   """[N, ...] float32: each token's K rows of `rows` [N*K, ...] (sorted order) gathered and
-  summed in choice order, `sum_k rows[position[n*K + k]]`. Its gradient is
-  `rows_in_expert_order` of the sums' gradient, in the rows' dtype.
+  summed in choice order, `sum_k rows[position[n*K + k]]`.
 
   >>> sorted_ = sort_by_expert(jnp.array([[1, 0], [1, 7]]), local_experts=2)
   >>> summed_choices(jnp.array([10.0, 1.0, 2.0, 0.0]), sorted_, top_k=2).tolist()
   [11.0, 2.0]
   """
-  return _summed_choices(rows, sorted_, top_k, rows.dtype)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _summed_choices(rows, sorted_, top_k, dtype):
-  del dtype
-  picked = rows[sorted_.position].reshape(-1, top_k, *rows.shape[1:])  # [N, K, ...]
-  return jnp.sum(picked.astype(jnp.float32), axis=1)
-
-
-def _summed_choices_fwd(rows, sorted_, top_k, dtype):
-  return _summed_choices(rows, sorted_, top_k, dtype), sorted_
-
-
-def _summed_choices_bwd(top_k, dtype, sorted_, d_sums):
-  return rows_in_expert_order(d_sums, sorted_, top_k).astype(dtype), None
-
-
-_summed_choices.defvjp(_summed_choices_fwd, _summed_choices_bwd)
+  picked = moved_rows(rows, sorted_.position, sorted_.order)  # [N*K, ...] in assignment order
+  return jnp.sum(picked.reshape(-1, top_k, *rows.shape[1:]).astype(jnp.float32), axis=1)
