@@ -51,10 +51,10 @@ def sort_by_expert(expert_ids: jax.Array, local_experts: int) -> SortedAssignmen
 
 @jax.custom_vjp
 def moved_rows(table: jax.Array, index: jax.Array, inverse: jax.Array) -> jax.Array:
-  """[A, ...] `table[index]`, 0 where the index is out of range, for an `index` [A] that reads
-  each of table's R rows at most once; `inverse` [R] names the entry that reads each row (out
-  of range: none). Its gradient is a gather by `inverse` (0 for a row no entry reads), where
-  autodiff's would scatter-add.
+  """[A, ...] `table[index]`, 0 where the index is R or more, for an `index` [A] (non-negative)
+  that reads each of table's R rows at most once; `inverse` [R] names the entry that reads
+  each row (A or more: none). Its gradient is a gather by `inverse` (0 for a row no entry
+  reads), where autodiff's would scatter-add.
 
   >>> moved_rows(jnp.array([10.0, 20.0]), jnp.array([1, 2, 0]), jnp.array([2, 0])).tolist()
   [20.0, 0.0, 10.0]

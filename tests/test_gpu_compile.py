@@ -162,7 +162,7 @@ def test_the_pallas_layer_compiles_its_gradient(gpu, kernel_call):
     rows_of_d = [(t, s) for t, s in scattered if s[-1:] == (LAYER["hidden_size"],)]
     assert rows_of_d and all(s[0] <= TOKENS_PER_DEVICE for _, s in rows_of_d), scattered
   local_experts = LAYER["num_experts"] // 8
-  weight_grads = [
+  weight_grads = [  # in the gradient's program, the loop's last
     (t, s) for t, s in written_arrays(hlo, "custom-call") if s[:1] == (local_experts,)
   ]
   assert sorted(weight_grads) == [
