@@ -101,6 +101,20 @@ def _divide(a: jax.Array, b: jax.Array) -> jax.Array:
   return a / jax.lax.optimization_barrier(jnp.broadcast_to(b, a.shape))
 
 
+def _on_e2m1_grid(values: jax.Array) -> jax.Array:
+  """`values` (within ±6) rounded to nearest, ties to even, onto e2m1's values (steps of 0.5
+  below 2, 1 below 4, 2 up to 6), so that the cast that stores them is exact: a backend's
+  own float32 -> float4_e2m1fn conversion need not round correctly (XLA:CPU's loop emitters
+  round 3.4994 to 4).
+
+  >>> _on_e2m1_grid(jnp.array([0.25, 0.75, 2.5, 3.4994, 5.0, -5.01])).tolist()
+  [0.0, 1.0, 2.0, 3.0, 4.0, -6.0]
+  """
+  magnitude = jnp.abs(values)
+  step = jnp.where(magnitude < 2, 0.5, jnp.where(magnitude < 4, 1.0, 2.0))  # powers of two
+  return jnp.round(values / step) * step
+
+
 def _fp8_block(blocks: jax.Array, amax: jax.Array):
   scale = jnp.where(amax > 0, _divide(amax, jnp.float32(_E4M3_MAX)), 1.0)
   return scale, _divide(blocks, scale), None
@@ -109,7 +123,8 @@ def _fp8_block(blocks: jax.Array, amax: jax.Array):
 def _mxfp4(blocks: jax.Array, amax: jax.Array):
   exponent = jnp.floor(jnp.log2(jnp.where(amax > 0, amax, 1.0))) - _E2M1_MAX_EXPONENT
   scale = jnp.where(amax > 0, jnp.exp2(exponent), 1.0)
-  return scale, jnp.clip(blocks / scale, -_E2M1_MAX, _E2M1_MAX), None  # a power of two: exact
+  values = jnp.clip(blocks / scale, -_E2M1_MAX, _E2M1_MAX)  # a power of two: exact
+  return scale, _on_e2m1_grid(values), None
 
 
 def _int4_group(blocks: jax.Array, amax: jax.Array):
@@ -128,7 +143,7 @@ def _nvfp4(blocks: jax.Array, amax: jax.Array):
   scale = jnp.clip(scale, -_E4M3_MAX, _E4M3_MAX).astype(jnp.float8_e4m3fn).astype(jnp.float32)
   scale = jnp.where(scale > 0, scale, 1.0)
   values = _divide(blocks, _divide(scale, inverse))
-  return scale, jnp.clip(values, -_E2M1_MAX, _E2M1_MAX), 1 / inverse
+  return scale, _on_e2m1_grid(jnp.clip(values, -_E2M1_MAX, _E2M1_MAX)), 1 / inverse
 
 
 _FOUR_BIT = dict(whole_input_blocks=True, paired=True)

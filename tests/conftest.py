@@ -13,17 +13,31 @@ import gc
 import os
 import shutil
 import tempfile
+from importlib.metadata import version
+
+from packaging.version import Version
 
 # The suite compiles thousands of small programs and runs each a few times: XLA:CPU's LLVM
 # optimizations cost more compile time than they save (a third of the suite's time), and
-# change no number (no fast-math at any level). Subprocesses that run as a user would
-# (`tests.helpers.user_env`) keep XLA's defaults; the notebooks add theirs to these.
+# change no number (no fast-math at any level). On JAX 0.10 its loop emitters compile in about
+# half the time of its fusion emitters (a layer's gradient on a 2x4 mesh: 8-10 s against 17-19
+# s; the fast tier on 2 cores: 21 min against 30); the one number found to differ is their
+# float32 -> float4_e2m1fn conversion, which quantizing does not rely on
+# (`kernels_pallas.formats`). Later JAX has no such flag (0.12's XLA, 0.11's CUDA plugin,
+# which reads the same XLA_FLAGS, abort on it) and compiles with the fusion emitters.
+# Subprocesses that run as a user would (`tests.helpers.user_env`) keep XLA's defaults; the
+# notebooks add theirs to these.
 os.environ["XLA_FLAGS"] = " ".join(
   [
     os.environ.get("XLA_FLAGS", ""),
     "--xla_force_host_platform_device_count=8",
     "--xla_backend_optimization_level=0",
     "--xla_llvm_disable_expensive_passes=true",
+    *(
+      ["--xla_cpu_use_fusion_emitters=false"]
+      if Version(version("jaxlib")) < Version("0.11")
+      else []
+    ),
   ]
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
