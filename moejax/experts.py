@@ -169,7 +169,7 @@ def grouped_matmul_mlp(
   sorted_ = sort_by_expert(expert_ids, experts.w_gate_up.shape[0])
   group_sizes = sorted_.group_sizes
   x_sorted = rows_in_expert_order(x, sorted_, top_k)  # [N*K, D]
-  row_weights = weights.reshape(-1)[sorted_.order]
+  row_weights = moved_rows(weights.reshape(-1), sorted_.order, sorted_.position)  # [N*K]
   if output_norm_eps is not None:  # weighed after the norm, below
     row_weights, weights_after = jnp.ones_like(row_weights), row_weights
   if backend == TOKAMAX:
