@@ -52,8 +52,9 @@ class Backend:
       its ragged_dot would need every expert's weights dequantized at once.
     gmm: `gmm(lhs, rhs, group_sizes, row_weights, *, blocks, activation, transpose_rhs,
       out_dtype, precision, interpret)` -> [M, N]; operands padded to whole blocks.
-    tgmm: `tgmm(lhs, dout, group_sizes, *, blocks, out_dtype, precision, interpret)` ->
-      [G, K, N]; operands padded to `tgmm_multiples`.
+    tgmm: `tgmm(lhs, dout, group_sizes, *, blocks, row_tile, out_dtype, precision,
+      interpret)` -> [G, K, N]; operands padded to `tgmm_multiples` and to `row_tile`, the
+      forward kernel's rows per tile (what a kernel that regroups rows aligns them to).
     fit_blocks: (blocks, BlockScaled rhs, transpose_rhs) -> the blocks its kernels run that
       rhs with, read that way.
     candidate_blocks: forward-kernel blocks worth timing beside `default_blocks` (what

@@ -396,8 +396,8 @@ def launch(interpret: bool) -> dict:
 
 
 def _tgmm_aligned_kernel(
-  tile_starts_gmem,
-  tile_counts_gmem,
+  first_steps_gmem,
+  step_counts_gmem,
   lhs_gmem,
   dout_gmem,
   out_gmem,
@@ -406,11 +406,11 @@ def _tgmm_aligned_kernel(
   num_groups: int,
   lhs_transposed: bool,
 ):
-  """out[g] tile (i, j) = sum over g's aligned row tiles t of lhs[t, i-block]^T @ dout[t, j-block].
+  """out[g] tile (i, j) = sum over g's steps t of lhs[t, i-block]^T @ dout[t, j-block].
 
-  Refs: tile_starts, tile_counts [G] (each group's aligned tiles), lhs [Ma, K] (or lhs^T
-  [K, Ma] when `lhs_transposed`) and dout [Ma, N] (tile-aligned, bk rows per tile: the
-  contraction step), out [G, K, N]. Output tiles are [bm, bn]; an empty group's are stored 0.
+  Refs: first_steps, step_counts [G] (each group's steps of bk aligned rows: the
+  contraction), lhs [Ma, K] (or lhs^T [K, Ma] when `lhs_transposed`) and dout [Ma, N]
+  (tile-aligned), out [G, K, N]. Output tiles are [bm, bn]; an empty group's are stored 0.
   """
   bm, bn, bk = blocks.block_m, blocks.block_n, blocks.block_k
   k = lhs_gmem.shape[0] if lhs_transposed else lhs_gmem.shape[1]
@@ -420,19 +420,19 @@ def _tgmm_aligned_kernel(
   def _tile_loop(loop_info: plgpu.NDLoopInfo):
     group, index = loop_info.index
     k_block, n_block = index // n_blocks, index % n_blocks
-    first_tile, group_tiles = tile_starts_gmem[group], tile_counts_gmem[group]
+    first_step, group_steps = first_steps_gmem[group], step_counts_gmem[group]
 
     if lhs_transposed:  # lhs^T tiles [bm, bk] are wgmma's A operand as they are
       lhs_spec = plgpu.BlockSpec(
         (bm, bk),
-        lambda t: (k_block, first_tile + t),
+        lambda t: (k_block, first_step + t),
         transforms=swizzled(lhs_gmem.dtype, bk),
         delay_release=1,
       )
     else:  # lhs tiles [bk, bm], read transposed in shared memory
       lhs_spec = plgpu.BlockSpec(
         (bk, bm),
-        lambda t: (first_tile + t, k_block),
+        lambda t: (first_step + t, k_block),
         transforms=swizzled(lhs_gmem.dtype, bm),
         delay_release=1,
       )
@@ -443,16 +443,16 @@ def _tgmm_aligned_kernel(
         plgpu.wgmma(acc_ref, lhs_tile, dout_smem)
         plgpu.wgmma_wait(1)
 
-      @pl.when(group_tiles > 0)
+      @pl.when(group_steps > 0)
       def _():
         plgpu.emit_pipeline(
           step,
-          grid=(group_tiles,),
+          grid=(group_steps,),
           in_specs=[
             lhs_spec,
             plgpu.BlockSpec(
               (bk, bn),
-              lambda t: (first_tile + t, n_block),
+              lambda t: (first_step + t, n_block),
               transforms=swizzled(lhs_gmem.dtype, bn),
               delay_release=1,
             ),
@@ -466,27 +466,34 @@ def _tgmm_aligned_kernel(
     store_tile(acc, out_gmem.at[group, pl.ds(k_block * bm, bm), pl.ds(n_block * bn, bn)])
 
 
-@functools.partial(jax.jit, static_argnames=("blocks", "out_dtype", "precision", "interpret"))
+@functools.partial(
+  jax.jit, static_argnames=("blocks", "row_tile", "out_dtype", "precision", "interpret")
+)
 def tgmm_mosaic(
   lhs: jax.Array,
   dout: jax.Array,
   group_sizes: jax.Array,
   *,
   blocks: MosaicBlocks,
+  row_tile: int | None = None,
   out_dtype=jnp.float32,
   precision=None,
   interpret: bool = False,
 ) -> jax.Array:
   """Transposed grouped matmul on Hopper: out[g] = lhs[rows of g]^T @ dout[rows of g].
 
-  The weight gradient of `gmm_mosaic`. Rows are regrouped into tiles of `block_k` rows (each
-  tile one group's, the tail zero), which form the contraction axis of each group's product.
+  The weight gradient of `gmm_mosaic`. Rows are regrouped into tiles of `row_tile` rows (each
+  tile one group's, the tail zero), and each group's product contracts over its rows in steps
+  of `block_k`, up to its last row (no step over a tile's empty tail). With `row_tile` the
+  forward kernel's `block_m`, the regrouped lhs and dout are the very arrays `gmm_mosaic`
+  gathers from them, which XLA then computes once.
 
   Args:
     lhs: [M, K] bf16/f16; K a multiple of block_m.
     dout: [M, N] in lhs's dtype; N a multiple of block_n.
     group_sizes: [G] int32, sum <= M; rows past the sum are ignored.
     blocks: `MosaicBlocks`: output tiles [block_m, block_n], block_k rows per step.
+    row_tile: rows per aligned tile, a multiple of block_k (default block_k).
     out_dtype: output dtype.
     precision: as for `gmm_mosaic` (unused).
     interpret: run in the Mosaic GPU interpreter (CPU testing).
@@ -500,8 +507,14 @@ def tgmm_mosaic(
   groups = group_sizes.shape[0]
   if k % blocks.block_m or n % blocks.block_n:
     raise ValueError(f"K={k} and N={n} must be multiples of {blocks.block_m=}, {blocks.block_n=}")
-  rows = aligned_rows(group_sizes, num_rows, blocks.block_k)
-  tile_counts = -(-group_sizes.astype(jnp.int32) // blocks.block_k)  # [G]
+  row_tile = row_tile or blocks.block_k
+  if row_tile % blocks.block_k:
+    raise ValueError(f"row_tile={row_tile} must be a multiple of {blocks.block_k=}")
+  rows = aligned_rows(group_sizes, num_rows, row_tile)
+  sizes = group_sizes.astype(jnp.int32)
+  # Each group's first step and step count, in steps of block_k rows.
+  first_steps = (rows.tile_ends - -(-sizes // row_tile)) * (row_tile // blocks.block_k)  # [G]
+  step_counts = -(-sizes // blocks.block_k)  # [G]
   lhs_aligned = gather_rows(lhs, rows.row_source)  # [Ma, K]
   lhs_transposed = not mosaic_operands_transposed_in_smem(interpret)
   if lhs_transposed:
@@ -514,5 +527,5 @@ def tgmm_mosaic(
     **launch(interpret),
   )
   dout_aligned = gather_rows(dout, rows.row_source)  # [Ma, N]
-  out = kernel(rows.tile_ends - tile_counts, tile_counts, lhs_aligned, dout_aligned)
+  out = kernel(first_steps, step_counts, lhs_aligned, dout_aligned)
   return vary_like(out, lhs_aligned)

@@ -384,13 +384,16 @@ def _tgmm_kernel(
   plgpu.store(out_block, acc.astype(out_ref.dtype))
 
 
-@functools.partial(jax.jit, static_argnames=("blocks", "out_dtype", "precision", "interpret"))
+@functools.partial(
+  jax.jit, static_argnames=("blocks", "row_tile", "out_dtype", "precision", "interpret")
+)
 def tgmm_triton(
   lhs: jax.Array,
   rhs: jax.Array,
   group_sizes: jax.Array,
   *,
   blocks: TritonBlocks,
+  row_tile: int | None = None,
   out_dtype=None,
   precision=None,
   interpret: bool = False,
@@ -402,6 +405,7 @@ def tgmm_triton(
     rhs: [M, N], N a multiple of block_n.
     group_sizes: [G] int32, sum <= M.
     blocks: `TritonBlocks`.
+    row_tile: unused (the kernel masks each group's rows in place; the backends' signature).
     out_dtype: output dtype (default lhs.dtype).
     precision: `jax.lax.Precision` of the block dots.
     interpret: run with the Pallas interpreter.
@@ -409,6 +413,7 @@ def tgmm_triton(
   Returns:
     [G, K, N]; zero for empty groups.
   """
+  del row_tile
   _require_triton()
   num_rows, k = lhs.shape
   n = rhs.shape[1]

@@ -53,10 +53,18 @@ def gmm_xla(
 
 
 def tgmm_xla(
-  lhs, dout, group_sizes, *, blocks=None, out_dtype=None, precision=None, interpret=False
+  lhs,
+  dout,
+  group_sizes,
+  *,
+  blocks=None,
+  row_tile=None,
+  out_dtype=None,
+  precision=None,
+  interpret=False,
 ):
   """out[g] = lhs[rows of g]^T @ dout[rows of g], as a ragged contraction over rows."""
-  del blocks, interpret
+  del blocks, row_tile, interpret
   numbers = jax.lax.RaggedDotDimensionNumbers(
     dot_dimension_numbers=(((0,), (0,)), ((), ())),
     lhs_ragged_dimensions=[0],

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -143,12 +144,18 @@ def transposed_grouped_matmul(
   backend = BACKENDS[settings.implementation]
   blocks = settings.tgmm_blocks
   row_multiple, k_multiple, n_multiple = backend.tgmm_multiples(blocks)
+  # Rows padded and tiled as the forward kernels take them: the operands' padded (and, in a
+  # kernel that regroups rows into tiles, regrouped) copies are those of the products that
+  # read the same arrays, and XLA makes each once.
+  row_tile = None if settings.blocks is None else settings.blocks.block_m
+  row_multiple = math.lcm(row_multiple, row_tile or 1)
   k, n = lhs.shape[1], rhs.shape[1]
   out = backend.tgmm(
     _pad(_pad(lhs, 0, row_multiple), 1, k_multiple),
     _pad(_pad(rhs.astype(lhs.dtype), 0, row_multiple), 1, n_multiple),
     group_sizes.astype(jnp.int32),
     blocks=blocks,
+    row_tile=row_tile,
     out_dtype=out_dtype,
     precision=settings.precision,
     interpret=settings.interpret,
@@ -241,11 +248,13 @@ def _moe_mlp_bwd(activation, settings, residuals, d_out):
   d_x = grouped_matmul(d_gate_up, w_gate_up, group_sizes, to_x, transpose_rhs=True)
   d_weights = (None, None)  # quantized weights are constants
   if not is_block_scaled(w_gate_up):
-    d_scaled = (d_out * row_weights[:, None]).astype(x.dtype)
+    # The row weights scale the narrower operand, hidden [M, F] (f32, rounded once), and the
+    # products read x and d_out as they are: the copies the products above made of them.
+    weighted_hidden = (hidden * row_weights[:, None].astype(jnp.float32)).astype(x.dtype)
     tgmm = functools.partial(transposed_grouped_matmul, group_sizes=group_sizes, settings=settings)
     d_weights = (
       tgmm(x, d_gate_up, out_dtype=w_gate_up.dtype),
-      tgmm(hidden.astype(x.dtype), d_scaled, out_dtype=w_down.dtype),
+      tgmm(weighted_hidden, d_out.astype(x.dtype), out_dtype=w_down.dtype),
     )
   return (d_x, *d_weights, None, d_row_weights.astype(row_weights.dtype))
 

@@ -329,7 +329,10 @@ class GroupedMatmulTestBase:
     backend = BACKENDS[self.implementation]
     blocks = (self.tgmm_blocks if INTERPRET else None) or backend.tgmm_blocks(m, k, n)
     precision = jax.lax.Precision.HIGHEST if dtype == F32 else None
-    settings = KernelSettings(self.implementation, None, blocks, precision, None, INTERPRET)
+    # The forward kernel's blocks set the rows' tiles (Mosaic's: 2 steps of tgmm's per tile).
+    settings = KernelSettings(
+      self.implementation, self.blocks if INTERPRET else None, blocks, precision, None, INTERPRET
+    )
     call = lambda: jax.jit(lambda a, d: transposed_grouped_matmul(a, d, sizes, settings))(
       past_sum_poisoned(lhs, sizes), past_sum_poisoned(dout, sizes)
     )
