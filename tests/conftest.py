@@ -25,8 +25,9 @@ from packaging.version import Version
 # float32 -> float4_e2m1fn conversion, which quantizing does not rely on
 # (`kernels_pallas.formats`). Later JAX has no such flag (0.12's XLA, 0.11's CUDA plugin,
 # which reads the same XLA_FLAGS, abort on it) and compiles with the fusion emitters.
-# Subprocesses that run as a user would (`tests.helpers.user_env`) keep XLA's defaults; the
-# notebooks add theirs to these.
+# Subprocesses that run as a user would (`tests.helpers.user_env`) keep XLA's defaults (or,
+# where they mostly compile, take these but the device count); the notebooks add theirs to
+# these.
 os.environ["XLA_FLAGS"] = " ".join(
   [
     os.environ.get("XLA_FLAGS", ""),

@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import functools
 import os
+import re
 import zlib
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -350,11 +351,16 @@ def _reference_layer(config: MoEConfig) -> Layer:
   return lambda p, x, mask: reference_moe(p, x, config, mask)
 
 
-def user_env(*drop: str) -> dict[str, str]:
+def user_env(*drop: str, quick_compile: bool = False) -> dict[str, str]:
   """The environment for a subprocess that runs as a user would: without the test run's
   XLA_FLAGS (and the `drop`ped variables), but with its compilation cache, so that a program
-  one subprocess compiled the next reads back."""
+  one subprocess compiled the next reads back. With `quick_compile`, the run's compile-time
+  flags but its device count: for a subprocess that mostly compiles (they change no number,
+  tests/conftest.py, but make compute-bound programs slower)."""
   env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", *drop)}
+  if quick_compile:
+    flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ["XLA_FLAGS"])
+    env["XLA_FLAGS"] = " ".join(flags.split())
   return env | {
     "JAX_COMPILATION_CACHE_DIR": jax.config.jax_compilation_cache_dir,
     "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
