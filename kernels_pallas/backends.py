@@ -59,6 +59,10 @@ class Backend:
       rhs with, read that way.
     candidate_blocks: forward-kernel blocks worth timing beside `default_blocks` (what
       `moejax.tune` measures, each a candidate of its own); () for none.
+    gmm_tiles, tgmm_tiles: for a backend whose kernels regroup rows into whole tiles of one
+      group each, its kernels on rows so regrouped (`gmm_mosaic_tiles`, `tgmm_mosaic_tiles`):
+      the expert MLP then keeps its rows in tiles from one product to the next (`ops`); None
+      for the others.
   """
 
   name: str
@@ -73,6 +77,8 @@ class Backend:
   quant_formats: tuple[str, ...] = ()
   fit_blocks: Callable = lambda blocks, rhs, transpose_rhs=False: blocks
   candidate_blocks: tuple = ()
+  gmm_tiles: Callable | None = None
+  tgmm_tiles: Callable | None = None
 
 
 def _mosaic_tgmm_blocks(num_rows: int, k: int, n: int) -> MosaicBlocks:
@@ -99,6 +105,8 @@ BACKENDS: dict[BackendName, Backend] = {
     quant_formats=tuple(FORMATS),  # one decode path takes every format
     fit_blocks=mosaic_quant.fit_blocks,
     candidate_blocks=gmm_mosaic.CANDIDATE_BLOCKS,
+    gmm_tiles=gmm_mosaic.gmm_mosaic_tiles,
+    tgmm_tiles=gmm_mosaic.tgmm_mosaic_tiles,
   ),
   "triton": Backend(
     name="triton",

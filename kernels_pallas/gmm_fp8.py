@@ -50,8 +50,8 @@ from kernels_pallas.compat import (
   vary_like,
 )
 from kernels_pallas.fp8_groups import GROUP, quantize_groups
-from kernels_pallas.gmm_mosaic import each_used_tile, gather_rows, launch, store_tile
-from kernels_pallas.metadata import aligned_rows, max_visits
+from kernels_pallas.gmm_mosaic import each_used_tile, launch, store_tile
+from kernels_pallas.metadata import aligned_rows, gather_rows, max_visits
 from kernels_pallas.mosaic_quant import swizzled
 
 

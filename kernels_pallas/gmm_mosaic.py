@@ -37,7 +37,7 @@ from kernels_pallas.compat import (
   vary_like,
 )
 from kernels_pallas.dequant import by_parity, from_parity, kernel_rhs
-from kernels_pallas.metadata import aligned_rows, max_visits
+from kernels_pallas.metadata import aligned_rows, gather_rows
 from kernels_pallas.mosaic_quant import QuantTiles, fit_blocks, swizzled
 from kernels_pallas.quantized import BlockScaled, is_block_scaled
 
@@ -324,23 +324,65 @@ def gmm_mosaic(
     [M, N] (or [M, N/2] gated); rows outside every group are 0.
   """
   del precision
+  out_dtype = jnp.dtype(out_dtype or lhs.dtype)
+  rows = aligned_rows(group_sizes, lhs.shape[0], blocks.block_m)
+  out = gmm_mosaic_tiles(
+    gather_rows(lhs, rows.row_source),
+    rhs,
+    rows.tile_ends,
+    blocks=blocks,
+    activation=activation,
+    transpose_rhs=transpose_rhs,
+    out_dtype=out_dtype,
+    interpret=interpret,
+  )
+  out = gather_rows(out, rows.source_row)
+  if row_weights is not None:
+    out = (out.astype(jnp.float32) * row_weights[:, None].astype(jnp.float32)).astype(out_dtype)
+  return out
+
+
+@functools.partial(
+  jax.jit, static_argnames=("blocks", "activation", "transpose_rhs", "out_dtype", "interpret")
+)
+def gmm_mosaic_tiles(
+  lhs_tiles: jax.Array,
+  rhs: jax.Array | BlockScaled,
+  tile_ends: jax.Array,
+  *,
+  blocks: MosaicBlocks,
+  activation: str | None = None,
+  transpose_rhs: bool = False,
+  out_dtype=None,
+  interpret: bool = False,
+) -> jax.Array:
+  """`gmm_mosaic`'s kernel on rows already regrouped into whole tiles of `block_m` rows.
+
+  Args:
+    lhs_tiles: [Ma, K], Ma = `metadata.max_visits(M, G, block_m) * block_m`: the rows as
+      `metadata.aligned_rows` places them (`gather_rows(lhs, row_source)`).
+    rhs: as for `gmm_mosaic`.
+    tile_ends: [G] int32, `aligned_rows(...).tile_ends`.
+    blocks, activation, transpose_rhs, out_dtype, interpret: as for `gmm_mosaic`.
+
+  Returns:
+    [Ma, N] (or [Ma, N/2] gated), in tiles as lhs_tiles; the rows of the tiles past the
+    groups' last are not written (their contents are undefined).
+  """
   quantized = kernel_rhs(rhs) if is_block_scaled(rhs) else None
   if quantized is not None and fit_blocks(blocks, rhs, transpose_rhs) != blocks:
     raise ValueError(f"{blocks} do not fit the {rhs.block} scale blocks (see fit_blocks)")
   if transpose_rhs and not mosaic_operands_transposed_in_smem(interpret) and quantized is None:
     rhs, transpose_rhs = jnp.swapaxes(rhs, 1, 2), False
-  num_rows, k = lhs.shape
-  groups = rhs.shape[0]
+  num_rows, k = lhs_tiles.shape
   n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
   out_cols = n // 2 if activation else n
-  if k % blocks.block_k or out_cols % blocks.block_n:
+  if k % blocks.block_k or out_cols % blocks.block_n or num_rows % blocks.block_m:
     raise ValueError(
-      f"K={k} and N={out_cols} must be multiples of {blocks.block_k=}, {blocks.block_n=}"
+      f"K={k}, N={out_cols} and the tiles' {num_rows} rows must be multiples of "
+      f"{blocks.block_k=}, {blocks.block_n=} and {blocks.block_m=}"
     )
-  out_dtype = jnp.dtype(out_dtype or lhs.dtype)
-  rows = aligned_rows(group_sizes, num_rows, blocks.block_m)
-  num_tiles = max_visits(num_rows, groups, blocks.block_m)
-  lhs_aligned = gather_rows(lhs, rows.row_source)
+  lhs_aligned = lhs_tiles
   quant = None
   if quantized is not None:
     quant = QuantTiles(
@@ -353,27 +395,22 @@ def gmm_mosaic(
     )
     if quant.split_contraction:  # the contraction's pairs: lhs's columns by parity
       lhs_aligned = by_parity(lhs_aligned, k)
+  num_tiles = num_rows // blocks.block_m
   kernel = plgpu.kernel(
     functools.partial(
       _gmm_aligned_kernel,
       call=_AlignedCall(blocks, num_tiles, activation is not None, transpose_rhs, quant),
     ),
-    out_type=out_struct((num_tiles * blocks.block_m, out_cols), out_dtype, like=lhs_aligned),
+    out_type=out_struct(
+      (num_rows, out_cols), jnp.dtype(out_dtype or lhs_tiles.dtype), like=lhs_aligned
+    ),
     **launch(interpret),
   )
   rhs_operands = (rhs,) if quantized is None else (quantized.bits, quantized.scales)
-  out = vary_like(kernel(rows.tile_ends, lhs_aligned, *rhs_operands), lhs_aligned)
+  out = vary_like(kernel(tile_ends, lhs_aligned, *rhs_operands), lhs_aligned)
   if quant and quant.paired and not transpose_rhs:  # output columns came by parity
     out = from_parity(out, blocks.block_n)
-  out = gather_rows(out, rows.source_row)
-  if row_weights is not None:
-    out = (out.astype(jnp.float32) * row_weights[:, None].astype(jnp.float32)).astype(out_dtype)
   return out
-
-
-def gather_rows(x: jax.Array, rows: jax.Array) -> jax.Array:
-  """x[rows], where row index len(x) reads a zero row (empty aligned rows, rows in no group)."""
-  return jnp.concatenate([x, jnp.zeros((1, x.shape[1]), x.dtype)])[rows]
 
 
 def _num_sms(interpret: bool) -> int:
@@ -482,11 +519,9 @@ def tgmm_mosaic(
 ) -> jax.Array:
   """Transposed grouped matmul on Hopper: out[g] = lhs[rows of g]^T @ dout[rows of g].
 
-  The weight gradient of `gmm_mosaic`. Rows are regrouped into tiles of `row_tile` rows (each
-  tile one group's, the tail zero), and each group's product contracts over its rows in steps
-  of `block_k`, up to its last row (no step over a tile's empty tail). With `row_tile` the
-  forward kernel's `block_m`, the regrouped lhs and dout are the very arrays `gmm_mosaic`
-  gathers from them, which XLA then computes once.
+  The weight gradient of `gmm_mosaic`: `tgmm_mosaic_tiles` on the rows regrouped into tiles
+  of `row_tile` rows. With `row_tile` the forward kernel's `block_m`, the regrouped lhs and
+  dout are the very arrays `gmm_mosaic` gathers from them, which XLA then computes once.
 
   Args:
     lhs: [M, K] bf16/f16; K a multiple of block_m.
@@ -502,30 +537,65 @@ def tgmm_mosaic(
     [G, K, N]; groups of size 0 give 0.
   """
   del precision
-  num_rows, k = lhs.shape
-  n = dout.shape[1]
+  row_tile = row_tile or blocks.block_k
+  row_source = aligned_rows(group_sizes, lhs.shape[0], row_tile).row_source
+  return tgmm_mosaic_tiles(
+    gather_rows(lhs, row_source),
+    gather_rows(dout, row_source),
+    group_sizes,
+    blocks=blocks,
+    row_tile=row_tile,
+    out_dtype=out_dtype,
+    interpret=interpret,
+  )
+
+
+@functools.partial(jax.jit, static_argnames=("blocks", "row_tile", "out_dtype", "interpret"))
+def tgmm_mosaic_tiles(
+  lhs_tiles: jax.Array,
+  dout_tiles: jax.Array,
+  group_sizes: jax.Array,
+  *,
+  blocks: MosaicBlocks,
+  row_tile: int,
+  out_dtype=jnp.float32,
+  interpret: bool = False,
+) -> jax.Array:
+  """`tgmm_mosaic`'s kernel on rows already regrouped into whole tiles of `row_tile` rows.
+
+  Each group's product contracts over its rows in steps of `block_k`, up to its last row (no
+  step over a tile's empty tail), so no other row of the tiles is read.
+
+  Args:
+    lhs_tiles: [Ma, K], dout_tiles: [Ma, N]: the rows as `metadata.aligned_rows(group_sizes,
+      M, row_tile)` places them; K a multiple of block_m, N of block_n.
+    group_sizes: [G] int32.
+    blocks, out_dtype, interpret: as for `tgmm_mosaic`.
+    row_tile: rows per tile, a multiple of block_k.
+
+  Returns:
+    [G, K, N]; groups of size 0 give 0.
+  """
+  k, n = lhs_tiles.shape[1], dout_tiles.shape[1]
   groups = group_sizes.shape[0]
   if k % blocks.block_m or n % blocks.block_n:
     raise ValueError(f"K={k} and N={n} must be multiples of {blocks.block_m=}, {blocks.block_n=}")
-  row_tile = row_tile or blocks.block_k
   if row_tile % blocks.block_k:
     raise ValueError(f"row_tile={row_tile} must be a multiple of {blocks.block_k=}")
-  rows = aligned_rows(group_sizes, num_rows, row_tile)
   sizes = group_sizes.astype(jnp.int32)
+  tiles = -(-sizes // row_tile)  # [G]
   # Each group's first step and step count, in steps of block_k rows.
-  first_steps = (rows.tile_ends - -(-sizes // row_tile)) * (row_tile // blocks.block_k)  # [G]
+  first_steps = (jnp.cumsum(tiles) - tiles) * (row_tile // blocks.block_k)  # [G]
   step_counts = -(-sizes // blocks.block_k)  # [G]
-  lhs_aligned = gather_rows(lhs, rows.row_source)  # [Ma, K]
   lhs_transposed = not mosaic_operands_transposed_in_smem(interpret)
   if lhs_transposed:
-    lhs_aligned = lhs_aligned.T  # [K, Ma]
+    lhs_tiles = lhs_tiles.T  # [K, Ma]
   kernel = plgpu.kernel(
     functools.partial(
       _tgmm_aligned_kernel, blocks=blocks, num_groups=groups, lhs_transposed=lhs_transposed
     ),
-    out_type=out_struct((groups, k, n), jnp.dtype(out_dtype), like=lhs_aligned),
+    out_type=out_struct((groups, k, n), jnp.dtype(out_dtype), like=lhs_tiles),
     **launch(interpret),
   )
-  dout_aligned = gather_rows(dout, rows.row_source)  # [Ma, N]
-  out = kernel(first_steps, step_counts, lhs_aligned, dout_aligned)
-  return vary_like(out, lhs_aligned)
+  out = kernel(first_steps.astype(jnp.int32), step_counts, lhs_tiles, dout_tiles)
+  return vary_like(out, lhs_tiles)

@@ -130,3 +130,9 @@ def aligned_rows(group_sizes: jax.Array, num_rows: int, block_m: int) -> Aligned
   source_row = first_row[source_group] + source - starts[source_group]
   source_row = jnp.where(in_group, source_row, aligned).astype(jnp.int32)
   return AlignedRows(row_source, tile_ends.astype(jnp.int32), source_row)
+
+
+def gather_rows(x: jax.Array, rows: jax.Array) -> jax.Array:
+  """x[rows] along the first axis, where row index len(x) reads zeros: moves rows into their
+  aligned places (`AlignedRows.row_source`) and back (`source_row`)."""
+  return jnp.concatenate([x, jnp.zeros((1, *x.shape[1:]), x.dtype)])[rows]

@@ -12,6 +12,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +21,7 @@ import jax.numpy as jnp
 from kernels_pallas.activations import activate
 from kernels_pallas.backends import BACKENDS, Case, unsupported_reason
 from kernels_pallas.dequant import kernel_form
+from kernels_pallas.metadata import aligned_rows, gather_rows
 from kernels_pallas.quantized import BlockScaled, format_of, is_block_scaled
 
 
@@ -218,6 +221,88 @@ def _gmm_bwd(settings, residuals, dout):
 gmm_vjp.defvjp(_gmm_fwd, _gmm_bwd)
 
 
+class RowLayout(NamedTuple):
+  """Where the expert MLP keeps its rows from one product to the next.
+
+  As they are ([M, W]: each product pads, and regroups if its kernel does, for itself), or,
+  for a backend with kernels on regrouped rows (`Backend.gmm_tiles`), regrouped once into
+  whole tiles of one group each ([Ma, W], `metadata.aligned_rows`), every product reading
+  and writing tiles. Rows of tiles past the groups' last hold no defined value, and no
+  product or move back reads them.
+
+  Attributes:
+    into: [M, ...] rows -> the layout's rows (a tile's empty rows 0).
+    back: the layout's rows -> [M, ...] (rows past every group 0).
+    gmm: (lhs, rhs, settings, *, transpose_rhs, activation, row_weights) -> the product,
+      its rows (and row_weights') in the layout, as `grouped_matmul`.
+    tgmm: (lhs, dout, out_dtype) -> [G, K, N], rows in the layout.
+  """
+
+  into: Callable
+  back: Callable
+  gmm: Callable
+  tgmm: Callable
+
+
+def row_layout(
+  x: jax.Array, w_gate_up, group_sizes: jax.Array, settings: KernelSettings
+) -> RowLayout:
+  """The MLP's rows in tiles where the backend has kernels on tiles, its weights are float
+  and no product needs padding (a model's sizes are multiples of the blocks); else as they
+  are."""
+  backend = BACKENDS[settings.implementation]
+  blocks, tgmm_blocks = settings.blocks, settings.tgmm_blocks
+  d, f = x.shape[1], w_gate_up.shape[-1] // 2
+  if backend.gmm_tiles is None or is_block_scaled(w_gate_up):
+    tiled = False
+  else:
+    multiple = math.lcm(blocks.block_k, blocks.block_n, tgmm_blocks.block_m, tgmm_blocks.block_n)
+    tiled = d % multiple == f % multiple == blocks.block_m % tgmm_blocks.block_k == 0
+  if not tiled:
+    return RowLayout(
+      into=lambda rows: rows,
+      back=lambda rows: rows,
+      gmm=lambda lhs, rhs, settings, **options: grouped_matmul(
+        lhs, rhs, group_sizes, settings, **options
+      ),
+      tgmm=lambda lhs, dout, out_dtype: transposed_grouped_matmul(
+        lhs, dout, group_sizes, settings, out_dtype
+      ),
+    )
+  rows = aligned_rows(group_sizes, x.shape[0], blocks.block_m)
+
+  def gmm(lhs, rhs, settings, *, transpose_rhs=False, activation=None, row_weights=None):
+    _check_supported(settings, lhs.dtype, activation, rhs)
+    out = backend.gmm_tiles(
+      lhs,
+      rhs,
+      rows.tile_ends,
+      blocks=settings.blocks,
+      activation=activation,
+      transpose_rhs=transpose_rhs,
+      out_dtype=settings.out_dtype,
+      interpret=settings.interpret,
+    )
+    if row_weights is None:
+      return out
+    return (out.astype(jnp.float32) * row_weights[:, None].astype(jnp.float32)).astype(out.dtype)
+
+  return RowLayout(
+    into=lambda x: gather_rows(x, rows.row_source),
+    back=lambda x: gather_rows(x, rows.source_row),
+    gmm=gmm,
+    tgmm=lambda lhs, dout, out_dtype: backend.tgmm_tiles(
+      lhs,
+      dout,
+      group_sizes,
+      blocks=tgmm_blocks,
+      row_tile=blocks.block_m,
+      out_dtype=out_dtype,
+      interpret=settings.interpret,
+    ),
+  )
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
 def moe_mlp_vjp(x, w_gate_up, w_down, group_sizes, row_weights, activation: str, settings):
   """Differentiable fused expert MLP: row_weights * (act(x @ Wg) * (x @ Wu)) @ Wd, per group."""
@@ -225,36 +310,38 @@ def moe_mlp_vjp(x, w_gate_up, w_down, group_sizes, row_weights, activation: str,
 
 
 def _moe_mlp_fwd(x, w_gate_up, w_down, group_sizes, row_weights, activation, settings):
-  hidden = grouped_matmul(x, w_gate_up, group_sizes, settings, activation=activation)  # [M, F]
-  out = grouped_matmul(hidden, w_down, group_sizes, settings, row_weights=row_weights)  # [M, D]
-  return out, (x, w_gate_up, w_down, group_sizes, row_weights)
+  rows = row_layout(x, w_gate_up, group_sizes, settings)
+  hidden = rows.gmm(rows.into(x), w_gate_up, settings, activation=activation)  # [M, F]
+  out = rows.gmm(hidden, w_down, settings, row_weights=rows.into(row_weights))  # [M, D]
+  return rows.back(out), (x, w_gate_up, w_down, group_sizes, row_weights)
 
 
 def _moe_mlp_bwd(activation, settings, residuals, d_out):
   x, w_gate_up, w_down, group_sizes, row_weights = residuals
+  rows = row_layout(x, w_gate_up, group_sizes, settings)
+  x_rows, d_out_rows, weights = rows.into(x), rows.into(d_out), rows.into(row_weights)
   f32 = dataclasses.replace(settings, out_dtype=jnp.float32)
   # 1. Recompute the pre-activation (the forward pass never stored it).
-  gate, up = jnp.split(grouped_matmul(x, w_gate_up, group_sizes, f32), 2, axis=-1)  # [M, F] x2
+  gate, up = jnp.split(rows.gmm(x_rows, w_gate_up, f32), 2, axis=-1)  # [M, F] x2
   act, act_vjp = jax.vjp(lambda g: activate(g, activation), gate)
   hidden = act * up  # [M, F]
   # 2. Through the down projection and the row weights: q = d_out @ Wd^T.
-  q = grouped_matmul(d_out, w_down, group_sizes, f32, transpose_rhs=True)  # [M, F]
-  d_row_weights = jnp.sum(hidden * q, axis=-1)  # [M]
-  d_hidden = q * row_weights[:, None].astype(jnp.float32)
+  q = rows.gmm(d_out_rows, w_down, f32, transpose_rhs=True)  # [M, F]
+  d_row_weights = rows.back(jnp.sum(hidden * q, axis=-1))  # [M]
+  d_hidden = q * weights[:, None].astype(jnp.float32)
   # 3. Through the gated activation and the gate/up projection.
   d_gate_up = jnp.concatenate([act_vjp(d_hidden * up)[0], d_hidden * act], axis=-1)  # [M, 2F]
   d_gate_up = d_gate_up.astype(x.dtype)
   to_x = dataclasses.replace(settings, out_dtype=x.dtype)  # rounded once, in the kernel
-  d_x = grouped_matmul(d_gate_up, w_gate_up, group_sizes, to_x, transpose_rhs=True)
+  d_x = rows.back(rows.gmm(d_gate_up, w_gate_up, to_x, transpose_rhs=True))
   d_weights = (None, None)  # quantized weights are constants
   if not is_block_scaled(w_gate_up):
     # The row weights scale the narrower operand, hidden [M, F] (f32, rounded once), and the
     # products read x and d_out as they are: the copies the products above made of them.
-    weighted_hidden = (hidden * row_weights[:, None].astype(jnp.float32)).astype(x.dtype)
-    tgmm = functools.partial(transposed_grouped_matmul, group_sizes=group_sizes, settings=settings)
+    weighted_hidden = (hidden * weights[:, None].astype(jnp.float32)).astype(x.dtype)
     d_weights = (
-      tgmm(x, d_gate_up, out_dtype=w_gate_up.dtype),
-      tgmm(weighted_hidden, d_out.astype(x.dtype), out_dtype=w_down.dtype),
+      rows.tgmm(x_rows, d_gate_up, w_gate_up.dtype),
+      rows.tgmm(weighted_hidden, d_out_rows.astype(x.dtype), w_down.dtype),
     )
   return (d_x, *d_weights, None, d_row_weights.astype(row_weights.dtype))
 

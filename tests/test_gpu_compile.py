@@ -147,9 +147,10 @@ def test_the_pallas_layer_compiles_its_gradient(gpu, kernel_call):
   used to write float32, which XLA then converted), and no scatter writes rows of D: the rows
   go into expert order and back by gathers both ways (`moejax.sorted_rows`; they used to be
   scattered back over [T·K, D] zeros, and x's gradient scatter-added), so only the chunk
-  loop's puts of a chunk's rows into the device's 512 remain. Mosaic regroups each operand's
-  rows into whole tiles once for all its products: every product tiles rows alike (the
-  weight-gradient kernel's 64-row steps used to have tiles of their own, and copies)."""
+  loop's puts of a chunk's rows into the device's 512 remain. Mosaic's products keep the rows
+  in whole tiles from one to the next (`kernels_pallas.ops.row_layout`): only x and the output
+  gradient are regrouped into tiles (the hidden rows and d(gate|up) used to be taken back and
+  regrouped for the next product, and the weight-gradient kernel had tiles of its own)."""
   mesh = targets.target_mesh(gpu, (1, 8))
   config = MoEConfig(**LAYER, **BF16, expert_backend="pallas")
   triton = kernel_call.endswith("triton")
@@ -163,10 +164,11 @@ def test_the_pallas_layer_compiles_its_gradient(gpu, kernel_call):
     scattered = [(t, s) for t, s in written_arrays(hlo, "scatter") if t in ("bf16", "f32", "u32")]
     rows_of_d = [(t, s) for t, s in scattered if s[-1:] == (LAYER["hidden_size"],)]
     assert rows_of_d and all(s[0] <= TOKENS_PER_DEVICE for _, s in rows_of_d), scattered
-  if not triton:  # x, the output gradient, d(gate | up) and the weighted hidden: once each
+  if not triton:  # rows regrouped into tiles (more rows than sorted), wider than a weight
     sorted_rows = mesh.size * TOKENS_PER_DEVICE * LAYER["top_k"]
-    regrouped = [s for t, s in written_arrays(hlo, "gather") if t == "bf16" and s[0] > sorted_rows]
-    assert len(regrouped) == 4 and len({s[0] for s in regrouped}) == 1, regrouped
+    gathered = written_arrays(hlo, "gather")
+    regrouped = [s for t, s in gathered if t == "bf16" and s[0] > sorted_rows and s[-1] > 1]
+    assert len(regrouped) == 2 and all(s[-1] == LAYER["hidden_size"] for s in regrouped), regrouped
   local_experts = LAYER["num_experts"] // 8
   weight_grads = [  # in the gradient's program, the loop's last
     (t, s) for t, s in written_arrays(hlo, "custom-call") if s[:1] == (local_experts,)
